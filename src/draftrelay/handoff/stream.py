@@ -1,0 +1,192 @@
+"""Engine-side stream operations, behind one interface.
+
+A round on the engine side is five ordered operations on the engine's stream:
+
+    copy_in(slot, src)        rows + descriptor -> staging[slot]        (D2H on a GPU)
+    write32(GATHERED, t)      tell the proxy the round is staged
+    wait_geq32(RELEASED, t)   park until the proxy (or the watchdog) releases
+    copy_out(slot, dst)       reply[slot] (claim word included) -> dst   (H2D on a GPU)
+    write32(CONSUMED, t)      the acknowledgment: reply[slot] may be reused
+
+The engine thread only enqueues them and returns. Backends:
+  - EmulatedStream (here): a CPU thread that executes the queued ops in order, waiting with the same
+    native wait the proxy uses, so the whole protocol runs and is tested without a GPU.
+  - the CUDA backend (cuda_stream.py): the same ops as cuStreamWriteValue32 / cuStreamWaitValue32
+    and async copies on the engine's torch stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import native
+from .region import Region
+
+
+class StreamStuck(RuntimeError):
+    """A stream did not drain within its bound. Never free memory it may still use."""
+
+
+class Event(ABC):
+    @abstractmethod
+    def query(self) -> bool: ...
+
+    @abstractmethod
+    def wait(self, timeout_s: float | None = None) -> bool: ...
+
+
+class StreamOps(ABC):
+    """The engine-side ops of the hand-off (see module docstring). All methods only enqueue."""
+
+    name: str = "abstract"
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+
+    @abstractmethod
+    def copy_in(self, slot: int, src: Any) -> None: ...
+
+    @abstractmethod
+    def write32(self, off: int, value: int) -> None: ...
+
+    @abstractmethod
+    def wait_geq32(self, off: int, value: int) -> None: ...
+
+    @abstractmethod
+    def copy_out(self, slot: int, dst: Any) -> None: ...
+
+    @abstractmethod
+    def record(self) -> Event: ...
+
+    def new_reply_buffer(self) -> Any:
+        """A destination for copy_out (the engine's device-side reply buffer)."""
+        return np.zeros(self.region.layout.reply_size, np.uint8)
+
+    def host_bytes(self, buf: Any) -> np.ndarray:
+        """The bytes of a reply buffer on the host, once its round's event completed."""
+        return buf
+
+    def host_fn(self, fn: Callable[[], None]) -> None:
+        """Run fn on the host once the stream reaches this point (tests and benchmarks only)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def drain(self, timeout_s: float) -> bool:
+        """True once everything enqueued has executed; False if it did not within timeout_s."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class _ThreadEvent(Event):
+    __slots__ = ("_flag",)
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._flag.wait(timeout_s)
+
+
+_COPY_IN, _WRITE, _WAIT, _COPY_OUT, _RECORD, _HOST, _STOP = range(7)
+
+
+class EmulatedStream(StreamOps):
+    """A CPU thread standing in for a GPU stream: executes queued ops strictly in order.
+
+    Like a real stream it never gives up on a wait by itself (the watchdog is what guarantees
+    release); it only checks every `poll_ms` whether it is being closed, so close() cannot hang.
+    """
+
+    name = "emulated"
+
+    def __init__(self, region: Region, spin_us: int = 50, nap_us: int = 20, poll_ms: int = 50) -> None:
+        super().__init__(region)
+        self.spin_us, self.nap_us, self.poll_us = spin_us, nap_us, poll_ms * 1000
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = np.zeros(1, np.uint32)  # abort word for the native wait
+        self._closing_addr = int(self._closing.ctypes.data)
+        self._staging = [region.staging_view(s) for s in (0, 1)]
+        self._reply = [region.reply_view(s) for s in (0, 1)]
+        self.error: BaseException | None = None
+        self.waiting_since_ns = 0  # nonzero while parked on a wait (diagnostics, drills)
+        self._thread = threading.Thread(target=self._run, name="draftrelay-emulated-stream", daemon=True)
+        self._thread.start()
+
+    # -- enqueue side (engine thread) ----------------------------------------------------------
+    def copy_in(self, slot: int, src: np.ndarray) -> None:
+        self._q.put((_COPY_IN, slot, src))
+
+    def write32(self, off: int, value: int) -> None:
+        self._q.put((_WRITE, off, value))
+
+    def wait_geq32(self, off: int, value: int) -> None:
+        self._q.put((_WAIT, off, value))
+
+    def copy_out(self, slot: int, dst: np.ndarray) -> None:
+        self._q.put((_COPY_OUT, slot, dst))
+
+    def record(self) -> Event:
+        ev = _ThreadEvent()
+        self._q.put((_RECORD, ev, None))
+        return ev
+
+    def host_fn(self, fn: Callable[[], None]) -> None:
+        self._q.put((_HOST, fn, None))
+
+    def drain(self, timeout_s: float) -> bool:
+        if not self._thread.is_alive():
+            return True
+        return self.record().wait(timeout_s)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._closing[0] = 1
+            self._q.put((_STOP, None, None))
+            self._thread.join(5.0)
+            if self._thread.is_alive():
+                raise StreamStuck("emulated stream thread did not stop within 5 s")
+        self._staging = self._reply = []
+
+    # -- the "device" ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        native.set_timer_slack_ns(1000)  # a 20 µs nap must not become the default 50 µs slack + 20
+        base = self.region.base
+        get = self._q.get
+        while True:
+            op, a, b = get()
+            if op == _STOP:
+                return
+            try:
+                if op == _COPY_IN:
+                    n = min(len(b), len(self._staging[a]))
+                    self._staging[a][:n] = b[:n]
+                elif op == _WRITE:
+                    native.store32(base + a, b)
+                elif op == _WAIT:
+                    self.waiting_since_ns = native.now_ns()
+                    while True:
+                        rc = native.wait_geq32(base + a, b, self.spin_us, self.nap_us, self.poll_us,
+                                               self._closing_addr)
+                        if rc == native.WAIT_OK or self._closing[0]:
+                            break
+                    self.waiting_since_ns = 0
+                    if self._closing[0]:
+                        return
+                elif op == _COPY_OUT:
+                    b[:] = self._reply[a][:len(b)]
+                elif op == _RECORD:
+                    a._flag.set()
+                elif op == _HOST:
+                    a()
+            except BaseException as exc:  # a broken op must not kill the "device" silently
+                self.error = exc
