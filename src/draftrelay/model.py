@@ -1,0 +1,557 @@
+"""The one Llama-family decoder used by both sides: the engine's target and the worker's drafter.
+
+RMSNorm, RoPE (plain, 'linear' or 'llama3' scaling), grouped-query attention, SwiGLU MLP, tied or
+untied head, optional q/k/v bias (Qwen2-style checkpoints). Weights load from a local Hugging Face
+directory (config.json + *.safetensors, sharded or not); nothing is fetched from a hub.
+
+One call, `Transformer.forward(tokens[B,T], start_pos[B], cache, rows[B])`, serves prefill chunks,
+1-token decode and verification of k+1 tokens: it writes K/V of the T new tokens at positions
+start_pos[b] .. start_pos[b]+T-1 of cache row rows[b] and lets each of them attend to everything
+before it in that row. Rows of one batch may sit at different lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TINY_SEED = 0  # the built-in tiny pair's default seed: engine and worker must use the same one
+TINY_TOKENIZER_ID = "bytes-256"  # the tiny models' vocabulary is the 256 byte values
+
+
+class ModelError(ValueError):
+    """A model directory, config or weight file is unusable; the message says what and where."""
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False  # Qwen2 checkpoints carry biases on q/k/v (not on o)
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for f in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                  "intermediate_size", "max_position_embeddings"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ModelError(f"config field '{f}' must be a positive integer, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+            raise ModelError(f"config field 'rope_theta' must be a positive number, got {self.rope_theta!r}")
+        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
+            raise ModelError(f"config field 'rms_norm_eps' must be a positive number, got {self.rms_norm_eps!r}")
+        _check_rope_scaling(self.rope_scaling)
+
+    @property
+    def n_rep(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def n_params(self) -> int:
+        d, h, kv, hd, i, v = (self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
+                              self.intermediate_size, self.vocab_size)
+        per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * i + 2 * d
+        if self.qkv_bias:
+            per_layer += h * hd + 2 * kv * hd
+        return v * d * (1 if self.tie_word_embeddings else 2) + self.n_layers * per_layer + d
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, where: str = "config.json") -> ModelConfig:
+        def need(key: str, typ: type = int):
+            if key not in cfg:
+                raise ModelError(f"{where}: missing field '{key}'")
+            val = cfg[key]
+            ok = isinstance(val, (int, float)) and not isinstance(val, bool) if typ is float else (
+                isinstance(val, typ) and not isinstance(val, bool))
+            if not ok:
+                raise ModelError(f"{where}: field '{key}' must be {typ.__name__}, got {val!r}")
+            return typ(val)
+
+        hidden = need("hidden_size")
+        n_heads = need("num_attention_heads")
+        n_kv = cfg.get("num_key_value_heads") or n_heads
+        head_dim = cfg.get("head_dim") or (hidden // n_heads if n_heads else 0)
+        mtype = cfg.get("model_type", "")
+        if cfg.get("mlp_bias"):
+            raise ModelError(f"{where}: 'mlp_bias: true' is not supported")
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ModelError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU/silu only)")
+        if cfg.get("attention_bias") and mtype != "qwen2":
+            raise ModelError(f"{where}: 'attention_bias: true' (bias on o_proj) is not supported")
+        scaling = cfg.get("rope_scaling")
+        if isinstance(scaling, dict):
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind in (None, "default"):
+                scaling = None
+            else:
+                scaling["rope_type"] = kind
+        try:
+            return cls(
+                vocab_size=need("vocab_size"),
+                hidden_size=hidden,
+                n_layers=need("num_hidden_layers"),
+                n_heads=n_heads,
+                n_kv_heads=n_kv,
+                head_dim=head_dim,
+                intermediate_size=need("intermediate_size"),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_scaling=scaling,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                qkv_bias=mtype == "qwen2" or bool(cfg.get("attention_bias", False)),
+                name=str(cfg.get("_name_or_path", "") or mtype),
+            )
+        except ModelError as exc:
+            raise ModelError(f"{where}: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ModelError(f"{where}: invalid value: {exc}") from None
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> ModelConfig:
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise ModelError(f"model directory not found: {path}")
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ModelError(f"{path}: no config.json")
+        try:
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelError(f"{cfg_path}: cannot parse: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise ModelError(f"{cfg_path}: expected a JSON object")
+        out = cls.from_hf_dict(cfg, where=cfg_path)
+        out.name = out.name or os.path.basename(os.path.abspath(path))
+        return out
+
+    def to_hf_dict(self) -> dict:
+        d = {
+            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+        }
+        return d
+
+    def replace(self, **kw) -> ModelConfig:
+        vals = {f.name: getattr(self, f.name) for f in fields(self)}
+        vals.update(kw)
+        return ModelConfig(**vals)
+
+
+def _check_rope_scaling(s: dict | None) -> None:
+    if s is None:
+        return
+    if not isinstance(s, dict):
+        raise ModelError(f"rope_scaling must be an object or null, got {s!r}")
+    kind = s.get("rope_type", s.get("type"))
+    if kind not in ("linear", "llama3"):
+        raise ModelError(f"rope_scaling type {kind!r} is not supported (supported: 'linear', 'llama3')")
+    keys = ["factor"] + (["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+                         if kind == "llama3" else [])
+    for k in keys:
+        v = s.get(k)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise ModelError(f"rope_scaling ({kind}) field '{k}' must be a positive number, got {v!r}")
+    if kind == "llama3" and s["high_freq_factor"] <= s["low_freq_factor"]:
+        raise ModelError("rope_scaling (llama3): high_freq_factor must exceed low_freq_factor")
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in float32, with the config's scaling applied (as HF does)."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    kind = s.get("rope_type", s.get("type"))
+    factor = float(s["factor"])
+    if kind == "linear":  # positions divided by factor == frequencies divided by factor
+        return inv / factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wl, high_wl = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+    return torch.where(medium, smoothed, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """K/V for up to `max_batch` sequences (rows) of up to `max_len` tokens each.
+
+    `lengths[row]` (host int64) is how many positions of the row hold valid K/V. `forward` appends
+    and advances it; `truncate(row, n)` rolls a row back to n tokens (the accepted length) — the
+    stale entries behind it are simply overwritten later, causality masks them meanwhile.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_len: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        if max_batch <= 0 or max_len <= 0:
+            raise ValueError(f"KVCache needs max_batch > 0 and max_len > 0, got {max_batch}, {max_len}")
+        shape = (cfg.n_layers, max_batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(max_batch, dtype=torch.int64)
+        self.max_batch, self.max_len = max_batch, max_len
+
+    def truncate(self, row: int, length: int) -> None:
+        cur = int(self.lengths[row])
+        if not 0 <= length <= cur:
+            raise ValueError(f"truncate row {row} to {length}: must be within [0, {cur}]")
+        self.lengths[row] = length
+
+    def reset(self, row: int) -> None:
+        self.lengths[row] = 0
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+# ----------------------------------------------------------------------------------------------
+# layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in fp32, then back to the activation dtype, as HF Llama does (same bits on loaded checkpoints)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,T,H,D]; cos/sin [B,T,1,D]. HF's rotate-half layout (the checkpoints' q/k are permuted for it)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, rows, pos, kv_len: int):
+        B, T, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)
+        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # write the new K/V into each sequence's row at its own positions, then read the row back
+        ck, cv = cache.k[layer], cache.v[layer]
+        ck[rows[:, None], pos] = k.to(ck.dtype)
+        cv[rows[:, None], pos] = v.to(cv.dtype)
+        keys = ck[rows, :kv_len].transpose(1, 2)  # [B, n_kv, L, D]
+        vals = cv[rows, :kv_len].transpose(1, 2)
+        if c.n_rep > 1:  # GQA: each kv head serves n_rep query heads
+            L = keys.shape[2]
+            keys = keys[:, :, None].expand(B, c.n_kv_heads, c.n_rep, L, c.head_dim).reshape(B, c.n_heads, L, -1)
+            vals = vals[:, :, None].expand(B, c.n_kv_heads, c.n_rep, L, c.head_dim).reshape(B, c.n_heads, L, -1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer, rows, pos, kv_len):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, rows, pos, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Parameter names are the HF names without the leading 'model.' (lm_head keeps its name)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # fp32 RoPE frequencies kept outside the module's buffers so .to(bf16) never rounds them
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, max_batch: int, max_len: int) -> KVCache:
+        return KVCache(self.cfg, max_batch, max_len, self.device, self.dtype)
+
+    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor,
+                kv_len: int | None = None, last_only: bool = False) -> torch.Tensor:
+        """tokens [B,T] at positions start_pos[b].. of cache rows rows[b] -> float32 logits [B,T,V].
+
+        Eager use (kv_len=None): checks the positions on the host and advances cache.lengths.
+        Graph capture: pass a static kv_len (>= every start_pos+T); nothing syncs and the caller
+        keeps cache.lengths itself. last_only: logits of the last position only ([B,1,V]).
+        """
+        dev = self.device
+        tokens = torch.as_tensor(tokens, device=dev)
+        start_pos = torch.as_tensor(start_pos, device=dev).long()
+        rows = torch.as_tensor(rows, device=dev).long()
+        B, T = tokens.shape
+        eager = kv_len is None
+        if eager:
+            sp, rw = start_pos.tolist(), rows.tolist()
+            if len(sp) != B or len(rw) != B:
+                raise ValueError(f"start_pos and rows need {B} entries, got {len(sp)} and {len(rw)}")
+            if len(set(rw)) != B:
+                raise ValueError(f"rows must be distinct within one forward, got {rw}")
+            for s, r in zip(sp, rw, strict=True):
+                if not 0 <= r < cache.max_batch:
+                    raise ValueError(f"cache row {r} out of range [0, {cache.max_batch})")
+                if not 0 <= s <= int(cache.lengths[r]):
+                    raise ValueError(f"row {r}: start position {s} leaves a gap (row holds {int(cache.lengths[r])})")
+                if s + T > cache.max_len:
+                    raise ValueError(f"row {r}: positions up to {s + T} exceed the cache's max_len {cache.max_len}")
+            kv_len = max(sp) + T
+        pos = start_pos[:, None] + torch.arange(T, device=dev)[None, :]  # [B,T]
+        inv = self._inv_freq.get(dev)
+        if inv is None:
+            inv = self._inv_freq[dev] = rope_inv_freq(self.cfg).to(dev)
+        ang = pos.float()[..., None] * inv  # fp32 angles, like HF
+        ang = torch.cat((ang, ang), dim=-1)[:, :, None, :]
+        act = self.dtype
+        cos, sin = ang.cos().to(act), ang.sin().to(act)
+        # causal over each row's own positions: key j is visible to the query at position p iff j <= p
+        mask = (torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i, rows, pos, kv_len)
+        if last_only:
+            x = x[:, -1:]
+        x = self.norm(x)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x, w).float()
+        if eager:
+            for s, r in zip(sp, rw, strict=True):
+                cache.lengths[r] = s + T
+        return logits
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Our weights under their HF names (for writing a checkpoint)."""
+        out = {}
+        for name, t in self.state_dict().items():
+            out[name if name.startswith("lm_head.") else "model." + name] = t
+        return out
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32, std: float = 0.02, embed_std: float | None = None) -> Transformer:
+        """Seeded random weights, drawn on the CPU in fp32 so every device gets the same values."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    s = embed_std if (embed_std is not None and name == "embed_tokens.weight") else std
+                    p.copy_(torch.randn(p.shape, generator=g) * s)
+        return model.eval()
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None) -> Transformer:
+        """Load config.json + safetensors (single file or sharded with model.safetensors.index.json)."""
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        cfg = ModelConfig.from_hf_dir(path)
+        files = _weight_files(path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        if dtype is None:
+            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        model = model.to_empty(device=device).to(dtype)
+        wanted = {("model." + n if not n.startswith("lm_head.") else n): p for n, p in model.named_parameters()}
+        loaded = set()
+        for fname in files:
+            try:
+                with safe_open(fname, framework="pt", device="cpu") as f:
+                    for key in f.keys():
+                        if key not in wanted:
+                            continue  # e.g. rotary_emb.inv_freq, or lm_head.weight of a tied model
+                        t = f.get_tensor(key)
+                        p = wanted[key]
+                        if tuple(t.shape) != tuple(p.shape):
+                            raise ModelError(f"{fname}: tensor '{key}' has shape {tuple(t.shape)}, "
+                                             f"expected {tuple(p.shape)} from config.json")
+                        with torch.no_grad():
+                            p.copy_(t.to(dtype))
+                        loaded.add(key)
+            except ModelError:
+                raise
+            except Exception as exc:  # safetensors raises its own error types for corrupt files
+                raise ModelError(f"{fname}: cannot read safetensors: {exc}") from None
+        missing = sorted(set(wanted) - loaded)
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise ModelError(f"{path}: missing tensor(s) {', '.join(missing[:3])}{more}")
+        return model.eval()
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelError(f"{index}: cannot parse the shard index: {exc}") from None
+        files = sorted({os.path.join(path, v) for v in weight_map.values()})
+        for fn in files:
+            if not os.path.isfile(fn):
+                raise ModelError(f"{index}: shard {os.path.basename(fn)} is missing")
+        return files
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelError(f"{path}: no *.safetensors weight files")
+    return files
+
+
+def save_hf_dir(model: Transformer, path: str | os.PathLike, shards: int = 1) -> None:
+    """Write config.json + safetensors in HF layout (tests, and random-weight checkpoints for benches)."""
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.cfg.to_hf_dict(), f, indent=1)
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in model.hf_state_dict().items()}
+    names = sorted(sd)
+    if shards <= 1:
+        save_file(sd, os.path.join(path, "model.safetensors"))
+        return
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fn = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: sd[k] for k in part}, os.path.join(path, fn))
+        weight_map.update({k: fn for k in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the built-in tiny pair
+
+
+def tiny_config(n_layers: int = 4) -> ModelConfig:
+    return ModelConfig(vocab_size=256, hidden_size=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16,
+                       intermediate_size=176, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       max_position_embeddings=4096, name="tiny")
+
+
+TINY_DRAFTER_LAYERS = 1
+TINY_DEEP_SCALE = 0.1
+
+
+def tiny_pair(seed: int = TINY_SEED, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> tuple[Transformer, Transformer]:
+    """(target, drafter): a 4-layer target and a 1-layer drafter that agree often, not always.
+
+    The drafter is the target's first layer with the same embedding, final norm and head. The
+    target's three deeper layers write into the residual stream with their output projections
+    (o_proj, down_proj) scaled by TINY_DEEP_SCALE, so they nudge rather than replace what layer 0
+    computed: the argmaxes agree on ~75-85 % of positions (tests/test_model.py checks > 50 %), so
+    the demo shows a real, partial acceptance rate instead of 0 % (two unrelated random models)
+    or 100 % (identical ones). The untied head with std 1 makes the logits peaked (top-1 prob
+    ~0.75), and the embedding std (0.3) is small enough that the output is not just a function
+    of the current token (a tied head would echo the input token forever).
+    """
+    cfg = tiny_config()
+    target = Transformer.random(cfg, seed=seed, device="cpu", std=0.08, embed_std=0.3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(1.0 / 0.08)
+        for layer in target.layers[TINY_DRAFTER_LAYERS:]:
+            layer.self_attn.o_proj.weight.mul_(TINY_DEEP_SCALE)
+            layer.mlp.down_proj.weight.mul_(TINY_DEEP_SCALE)
+    drafter = Transformer.random(cfg.replace(n_layers=TINY_DRAFTER_LAYERS, name="tiny-drafter"), seed=seed)
+    drafter.load_state_dict({k: v.clone() for k, v in target.state_dict().items() if k in drafter.state_dict()})
+    target.cfg.name = "tiny-target"
+    return target.to(device=device, dtype=dtype).eval(), drafter.to(device=device, dtype=dtype).eval()
+
+
+def tiny_model_id(seed: int = TINY_SEED, role: str = "drafter") -> str:
+    return f"tiny-{role}-s{seed}"
