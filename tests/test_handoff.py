@@ -1,0 +1,324 @@
+"""The hand-off end to end on the emulated stream, with the proxy as a real separate process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from draftrelay.handoff import rounds as rounds_mod
+from draftrelay.handoff.proxy import STALL_POINTS, deterministic_draft
+from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status, pack_staging
+from draftrelay.handoff.rounds import AsyncRefused, AsyncRounds, HandoffConfig, SyncRounds, open_rounds
+
+VOCAB = 5000
+
+
+def make_requests(rng: np.random.Generator, t: int, max_req: int = 4) -> list[RoundRequest]:
+    n = int(rng.integers(1, max_req + 1))
+    return [RoundRequest(int(rng.integers(0, 1000)), int(rng.integers(1, 5)), t * 3 + i,
+                         rng.integers(0, VOCAB, int(rng.integers(0, 9))).astype(np.int32),
+                         int(rng.integers(0, 7))) for i in range(n)]
+
+
+def check_round(reqs: list[RoundRequest], res) -> tuple[int, int]:
+    """(exact drafts, wrong drafts) in one result; failed rounds must carry zero drafts."""
+    exact = wrong = 0
+    if res.status != Status.OK:
+        assert res.counts.sum() == 0, f"failed round {res.round} ({res.status.name}) carries drafts"
+        return 0, 0
+    for i, r in enumerate(reqs):
+        want, conf = deterministic_draft(r, VOCAB)
+        k = int(res.counts[i])
+        got = res.drafts[i, :k]
+        if k == r.n_out and np.array_equal(got, want) and np.array_equal(res.conf[i, :k], conf):
+            exact += k
+        else:
+            wrong += max(k, 1)
+    return exact, wrong
+
+
+def cfg(**kw) -> HandoffConfig:
+    base = dict(vocab_size=VOCAB, max_requests=4, max_tokens=256, max_drafts=8, deadline_ms=20.0,
+                selftest_rounds=4)
+    base.update(kw)
+    return HandoffConfig(**base)
+
+
+def memfd_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:draftrelay" in line for line in f)
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def children() -> set[int]:
+    me = os.getpid()
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        out.add(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_clean_rounds_are_exact_and_counted():
+    r = open_rounds(cfg())
+    assert r.mode == "async", r.refusal
+    rng = np.random.default_rng(0)
+    try:
+        exact = 0
+        for t in range(1, 201):
+            reqs = make_requests(rng, t)
+            res = r.result(r.submit(reqs))
+            assert res.status == Status.OK
+            e, w = check_round(reqs, res)
+            assert w == 0
+            exact += e
+        st = r.stats()
+        assert st["rounds"] == 200 and st["ok"] == 200 and st["failed"] == 0 and exact > 0
+    finally:
+        r.close()
+
+
+def test_faulted_soak_10000_rounds_zero_wrong_drafts():
+    faults = dict(seed=7, p_delay=0.004, delay_ms=35, p_exception=0.02, p_disconnect=0.02, p_timeout=0.01,
+                  p_bad_reply=0.01, p_corrupt=0.01, p_stall=0.006, stall_ms=35)
+    r = open_rounds(cfg(round_spec={"kind": "builtin", "faults": faults}))
+    assert r.mode == "async", r.refusal
+    rng = np.random.default_rng(1)
+    exact = wrong = 0
+    t0 = time.monotonic()
+    try:
+        pending = []
+        for t in range(1, 10_001):
+            reqs = make_requests(rng, t)
+            pending.append((r.submit(reqs), reqs))
+            if len(pending) == 2:  # two rounds in flight, as the engine runs them
+                tt, rq = pending.pop(0)
+                e, w = check_round(rq, r.result(tt, timeout_s=10))
+                exact, wrong = exact + e, wrong + w
+        for tt, rq in pending:
+            e, w = check_round(rq, r.result(tt, timeout_s=10))
+            exact, wrong = exact + e, wrong + w
+        st = r.stats()
+    finally:
+        r.close()
+    elapsed = time.monotonic() - t0
+    print(f"soak: {st} exact drafts {exact} in {elapsed:.1f} s")
+    assert wrong == 0
+    assert st["rounds"] == 10_000
+    assert st["ok"] + st["failed"] + st["watchdog"] == st["rounds"]
+    # every injected failure kind happened and was reported as itself
+    fb = st["failed_by_reason"]
+    for reason in ("exception", "disconnect", "timeout", "bad_reply"):
+        assert fb.get(reason, 0) > 0, (reason, fb)
+    assert st["watchdog"] > 0 and st["late_discarded"] > 0
+    assert exact > 10_000
+    assert elapsed < 60
+
+
+@pytest.mark.parametrize("point", STALL_POINTS)
+def test_late_proxy_cannot_change_what_the_engine_reads(point):
+    """The proxy stalls past the deadline at one point of rounds 3, 6, 9, 12, then tries to publish."""
+    results = []
+    assists = 0
+    for stall_ms in (30, 45, 70):
+        faults = dict(seed=0, p_stall=1.0, stall_ms=stall_ms, stall_points=[point], every=3)
+        r = open_rounds(cfg(round_spec={"kind": "builtin", "faults": faults}, selftest_rounds=0))
+        assert r.mode == "async", r.refusal
+        rng = np.random.default_rng(stall_ms)
+        try:
+            for t in range(1, 14):
+                reqs = make_requests(rng, t)
+                results.append((reqs, r.result(r.submit(reqs), timeout_s=10)))
+            st = r.stats()
+        finally:
+            r.close()
+        assists += st["watchdog_assists"]
+        if point != "release":  # a proxy that stalls after claiming has already won its round
+            assert st["late_discarded"] + st["torn_skipped"] + st["proxy_skipped"] > 0, st
+    wrong = sum(check_round(q, res)[1] for q, res in results)
+    stalled = [res for q, res in results if res.round % 3 == 0]
+    assert wrong == 0
+    assert len(stalled) == 12
+    if point == "release":
+        # claimed before stalling: the reply is final and the watchdog only releases it (an OK round),
+        # unless the proxy was still late from the previous stall and lost the claim outright
+        assert assists > 0
+        assert all(res.status in (Status.OK, Status.WATCHDOG) for res in stalled)
+        assert sum(res.status == Status.OK for res in stalled) >= 6
+    else:
+        assert all(res.status == Status.WATCHDOG for res in stalled)
+
+
+def test_proxy_process_imports_no_torch_or_cuda(tmp_path):
+    import torch  # noqa: F401  the engine side has torch loaded; the child must not inherit any of it
+
+    audit = tmp_path / "audit.json"
+    r = open_rounds(cfg(proxy_audit=str(audit)))
+    assert r.mode == "async", r.refusal
+    pid = r.proxy.pid
+    with open(f"/proc/{pid}/maps") as f:
+        live_maps = f.read()
+    r.close()
+    info = json.loads(audit.read_text())
+    assert info["pid"] == pid
+    forbidden = ("torch", "cuda", "cupy", "pycuda", "triton", "jax", "numba")
+    assert not [m for m in info["modules"] if m.split(".")[0] in forbidden]
+    assert "numpy" in info["modules"]
+    for lib in ("libtorch", "libcuda", "libcudart", "libnvrtc", "libc10"):
+        assert lib not in live_maps
+        assert not any(lib in x for x in info["libraries"])
+
+
+def test_proxy_refuses_to_serve_with_torch_loaded():
+    """If anything ever drags torch into the proxy, it refuses instead of serving."""
+    code = ("import sys, torch, os\n"
+            "from draftrelay.handoff.region import Region, RegionConfig\n"
+            "from draftrelay.handoff import proxy\n"
+            "reg = Region.create(RegionConfig(vocab_size=100))\n"
+            "sys.exit(proxy.main(['--fd', str(reg.fd), '--spec', '{\"vocab_size\": 100}']))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 4
+    assert "must not load" in p.stderr and "torch" in p.stderr
+
+
+def _refusal_case(case: str, monkeypatch, tmp_path) -> HandoffConfig:
+    if case == "region":
+        def no_memfd(*a, **k):
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(os, "memfd_create", no_memfd)
+        return cfg()
+    if case == "proxy_exits":
+        monkeypatch.setattr(rounds_mod.sys, "executable", "/bin/false")
+        return cfg()
+    if case == "proxy_never_ready":
+        script = tmp_path / "hang.sh"
+        script.write_text("#!/bin/sh\nexec sleep 30\n")
+        script.chmod(0o755)
+        monkeypatch.setattr(rounds_mod.sys, "executable", str(script))
+        return cfg(proxy_start_timeout_s=1.0)
+    if case == "proxy_slow":
+        return cfg(proxy_start_timeout_s=0.001)
+    if case == "selftest":
+        return cfg(round_spec={"kind": "builtin", "faults": {"p_corrupt": 1.0, "in_selftest": True}})
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["region", "proxy_exits", "proxy_never_ready", "proxy_slow", "selftest"])
+def test_refusal_paths_leave_nothing_behind(case, monkeypatch, tmp_path):
+    fds, maps, kids = fd_count(), memfd_maps(), children()
+    c = _refusal_case(case, monkeypatch, tmp_path)
+    r = open_rounds(c)
+    assert isinstance(r, SyncRounds) and r.mode == "sync"
+    assert r.refusal, "a refusal must say why"
+    print(case, "->", r.refusal)
+    assert fd_count() == fds and memfd_maps() == maps and children() <= kids
+    # the sync fallback still serves rounds (builtin drafter), or fails them cleanly
+    res = r.result(r.submit([RoundRequest(1, 1, 0, np.array([3], np.int32), 2)]))
+    assert res.status in (Status.OK, Status.EXCEPTION)
+    c.strict = True
+    with pytest.raises(AsyncRefused):
+        open_rounds(c)
+    assert fd_count() == fds and memfd_maps() == maps and children() <= kids
+
+
+def test_refusal_reasons_name_the_cause(monkeypatch):
+    monkeypatch.setattr(rounds_mod.sys, "executable", "/bin/false")
+    r = open_rounds(cfg())
+    assert "proxy exited during start (code 1)" in r.refusal
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="nonsense"):  # a bad round spec is a config error, not a refusal
+        open_rounds(cfg(round_spec={"kind": "nonsense"}))
+    r = open_rounds(cfg(round_spec={"kind": "builtin", "faults": {"p_corrupt": 1.0, "in_selftest": True}}))
+    assert "self-test" in r.refusal
+
+
+def test_bad_descriptor_from_the_engine_is_a_failed_round_not_a_crash():
+    r = open_rounds(cfg())
+    assert r.mode == "async"
+    try:
+        L = r.region.layout
+        good = [RoundRequest(1, 1, 0, np.array([5, 6], np.int32), 3)]
+        src = pack_staging(L, 1, good)
+        src[4:8].view("<u4")[0] = 999  # n_req out of range (round number is fixed by submit below)
+        t = r._t + 1
+        src[0:4].view("<u4")[0] = t
+        res = r.result(r.submit(src=src, n_out=[3]), timeout_s=5)
+        assert res.status == Status.BAD_DESC and res.counts.sum() == 0
+        # and the next round is served normally
+        res = r.result(r.submit(good), timeout_s=5)
+        assert res.status == Status.OK and check_round(good, res) == (3, 0)
+    finally:
+        r.close()
+
+
+def test_corrupt_or_oversized_replies_never_become_drafts():
+    for fault in ("p_corrupt", "p_bad_reply"):
+        r = open_rounds(cfg(round_spec={"kind": "builtin", "faults": {fault: 1.0}}, selftest_rounds=0))
+        assert r.mode == "async"
+        try:
+            reqs = [RoundRequest(1, 1, 0, np.array([5], np.int32), 4)]
+            res = r.result(r.submit(reqs), timeout_s=5)
+            assert res.status == Status.BAD_REPLY and res.counts.sum() == 0
+        finally:
+            r.close()
+
+
+def test_proxy_given_a_foreign_region_exits_with_a_clear_error():
+    fd = os.memfd_create("foreign")
+    os.ftruncate(fd, 4096)
+    try:
+        p = subprocess.run([sys.executable, "-m", "draftrelay.handoff.proxy", "--fd", str(fd), "--spec", "{}"],
+                           pass_fds=(fd,), capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(fd)
+    assert p.returncode == 3 and "magic" in p.stderr
+
+
+def test_enqueue_returns_before_the_round_completes():
+    """The engine thread only enqueues: submit returns while the proxy is still in the round."""
+    faults = dict(p_delay=1.0, delay_ms=50)
+    r = open_rounds(cfg(round_spec={"kind": "builtin", "faults": faults}, deadline_ms=500, selftest_rounds=0))
+    try:
+        t0 = time.perf_counter()
+        t = r.submit([RoundRequest(1, 1, 0, np.array([5], np.int32), 2)])
+        submit_s = time.perf_counter() - t0
+        res = r.result(t, timeout_s=5)
+        total_s = time.perf_counter() - t0
+        assert res.status == Status.OK
+        assert submit_s < 0.01 < 0.05 <= total_s
+    finally:
+        r.close()
+
+
+def test_close_with_a_parked_round_drains_through_the_watchdog():
+    faults = dict(p_stall=1.0, stall_ms=10_000, stall_points=["read"])
+    r = open_rounds(cfg(round_spec={"kind": "builtin", "faults": faults}, selftest_rounds=0))
+    assert isinstance(r, AsyncRounds)
+    r.submit([RoundRequest(1, 1, 0, np.array([5], np.int32), 2)])
+    t0 = time.monotonic()
+    r.close()  # the proxy is stopped (killed), the watchdog releases the parked stream
+    assert time.monotonic() - t0 < 3.0
+    assert r.region is None
+
+
+def test_region_config_errors_are_clear():
+    with pytest.raises(ValueError, match="max_drafts"):
+        Region.create(RegionConfig(max_drafts=0))
