@@ -53,8 +53,10 @@ class HandoffConfig:
     vocab_size: int = 32000
     deadline_ms: float = 200.0  # watchdog: a round older than this decodes target-only
     watchdog_poll_us: int = 1000
-    spin_us: int = 50  # waits spin this long, then nap
+    spin_us: int = 50  # the proxy's waits spin this long, then nap
     nap_us: int = 20
+    stream_spin_us: int = 50  # the emulated stream's wait (a GPU polls; the emulation spins, then naps)
+    stream_nap_us: int = 20
     heartbeat_ms: float = 20.0
     round_budget_ms: float = 150.0  # what the proxy allows the network round
     selftest_rounds: int = 8
@@ -63,6 +65,8 @@ class HandoffConfig:
     strict: bool = False
     round_spec: dict = field(default_factory=lambda: {"kind": "builtin"})
     proxy_audit: str = ""  # file the proxy writes its loaded modules to (tests)
+    preload: tuple = ()  # callables launching every kernel used while a stream is parked (run before round 1)
+    cuda_stream: object = None  # backend "cuda": the torch.cuda.Stream to park (default: the current one)
 
     @property
     def region_config(self) -> RegionConfig:
@@ -221,6 +225,7 @@ class AsyncRounds:
         self._dst: list = []
         self.enqueue_ns: list[int] = []  # engine-side submit cost, when enabled (benchmarks)
         self.record_enqueue = False
+        self.on_resume = None  # host callback run on the stream right after the wait (benchmarks)
 
     # -- start-up ---------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -231,6 +236,8 @@ class AsyncRounds:
                                         (L.claim(0), L.claim(1)), L.word(W.WD_FIRES),
                                         int(cfg.deadline_ms * 1000), cfg.watchdog_poll_us)
         self.stream = make_stream(cfg, self.region)
+        self.stream.preload(cfg.preload)  # before any round is armed, the self-test's included
+        self._off = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
         self._dst = [self.stream.new_reply_buffer() for _ in (0, 1)]
         self.proxy = ProxyProcess(self.region, cfg.proxy_spec(), cfg.proxy_audit)
         self.proxy.wait_ready(cfg.proxy_start_timeout_s)
@@ -267,13 +274,15 @@ class AsyncRounds:
         if src is None:
             src = pack_staging(self.region.layout, t, requests, flags)
             n_out = np.array([r.n_out for r in requests], np.int32)
-        L = self.region.layout
+        gathered, released, consumed = self._off
         st = self.stream
         st.copy_in(s, src)
-        st.write32(L.word(W.GATHERED), t)
-        st.wait_geq32(L.word(W.RELEASED), t)
+        st.write32(gathered, t)
+        st.wait_geq32(released, t)
+        if self.on_resume is not None:
+            st.host_fn(self.on_resume)
         st.copy_out(s, self._dst[s])
-        st.write32(L.word(W.CONSUMED), t)
+        st.write32(consumed, t)
         self._pending[s] = (t, np.asarray(n_out, np.int32), st.record())
         if t0:
             self.enqueue_ns.append(native.now_ns() - t0)
@@ -335,11 +344,11 @@ class AsyncRounds:
 
 def make_stream(cfg: HandoffConfig, region: Region) -> StreamOps:
     if cfg.backend == "emulated":
-        return EmulatedStream(region, cfg.spin_us, cfg.nap_us)
+        return EmulatedStream(region, cfg.stream_spin_us, cfg.stream_nap_us)
     if cfg.backend == "cuda":
         from .cuda_stream import CudaStream  # needs cuda-bindings and a GPU
 
-        return CudaStream(region)
+        return CudaStream(region, cfg.cuda_stream)
     raise ValueError(f"unknown stream backend {cfg.backend!r} (expected 'emulated' or 'cuda')")
 
 
@@ -351,6 +360,10 @@ def open_rounds(cfg: HandoffConfig) -> AsyncRounds | SyncRounds:
         rounds._start()
         return rounds
     except BaseException as exc:
+        if isinstance(exc, StreamStuck):  # the GPU may still use the region: free nothing, keep the watchdog
+            if rounds.proxy is not None:
+                rounds.proxy.stop()
+            raise
         reason = f"{type(exc).__name__}: {exc}"
         try:
             rounds.close()

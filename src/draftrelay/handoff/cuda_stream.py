@@ -1,0 +1,421 @@
+"""The CUDA backend of the engine-side stream ops: a real GPU stream parks on the host flag.
+
+The shared memfd region (region.py) is registered with the driver (cuMemHostRegister, DEVICEMAP |
+PORTABLE), so the GPU reads and writes the hand-off words, staging and replies in place. A round is
+enqueued on the engine's torch stream as plain driver calls (stream.py has the op list):
+
+    copy_in    cuMemcpyDtoHAsync  gathered rows (a device tensor) -> staging[s]
+    write32    cuStreamWriteValue32(gathered, t)       the write is preceded by a memory barrier
+    wait_geq32 cuStreamWaitValue32(released >= t, GEQ) the stream parks here, polling host memory
+    copy_out   cuMemcpyHtoDAsync  reply[s] (claim word included) -> the device reply buffer,
+               then cuMemcpyDtoHAsync of that buffer -> a pinned host mirror (what decode_reply reads:
+               exactly the bytes the device got, never the live slot a late proxy might still touch)
+    write32    cuStreamWriteValue32(consumed, t)
+    record     cuEventRecord on a ring of reusable events
+
+The engine thread only enqueues; nothing here waits on the stream except `drain` (bounded, by event
+queries) and `preload` (before any round is armed). The driver bindings (`cuda-bindings`, the `gpu`
+extra) are imported only in this module, only when this backend is chosen.
+
+Refusal. The constructor raises CudaStreamRefused, leaving nothing registered, when: the bindings or
+a CUDA device are missing; the device cannot use host pointers for registered memory
+(CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM == 0); the device is not on unified
+addressing; registering the region fails; or a functional probe of stream memory operations on a
+registered scratch page fails (e.g. CUDA_ERROR_NOT_SUPPORTED). open_rounds turns that into sync rounds
+with the reason, or AsyncRefused under strict.
+
+Never free what a parked stream may still use: `close` drains first (event queries, bounded) and, if the
+stream will not drain, raises StreamStuck and keeps the region registered (the caller must then keep it
+mapped too; rounds.AsyncRounds.close does).
+
+Use a non-default stream for the engine: a parked *legacy default* stream also holds up every blocking
+stream of the context.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from .region import Region
+from .stream import Event, StreamOps, StreamStuck
+
+
+class CudaStreamRefused(RuntimeError):
+    """The CUDA backend cannot run here; the message says why. Nothing is left registered."""
+
+
+class CudaError(RuntimeError):
+    """A driver call failed after start-up (an enqueue error: the engine should stop using async)."""
+
+
+_PAGE = mmap.PAGESIZE
+_EVENT_RING = 64  # reusable events; a ring slot is re-recorded only 64 records later (see _CudaEvent)
+
+
+def _import_driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise CudaStreamRefused(
+            f"cuda-bindings is not installed ({exc}); install the gpu extra: pip install 'draftrelay[gpu]'"
+        ) from None
+    return driver
+
+
+def _err_name(drv, err) -> str:
+    try:
+        r = drv.cuGetErrorName(err)
+        return r[1].decode() if not r[0] and r[1] else str(err)
+    except Exception:
+        return str(err)
+
+
+class _CudaEvent(Event):
+    """One recorded point of the stream. Events come from a ring and are re-recorded later; since a
+    re-record is always later on the same stream, a stale wrapper can only answer "not yet" for
+    longer, never "done" too early."""
+
+    __slots__ = ("_ev", "_owner")
+
+    def __init__(self, ev, owner: CudaStream) -> None:
+        self._ev = ev
+        self._owner = owner
+
+    def query(self) -> bool:
+        return self._owner._query(self._ev)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        # Poll, never cuEventSynchronize: a parked stream must not be able to hang the caller for ever.
+        if self.query():
+            return True
+        start = time.perf_counter()
+        end = None if timeout_s is None else start + timeout_s
+        spin_end = start + 200e-6
+        while True:
+            if self.query():
+                return True
+            now = time.perf_counter()
+            if end is not None and now >= end:
+                return False
+            if now >= spin_end:
+                time.sleep(50e-6)
+
+
+class CudaReplyBuffer:
+    """The engine's reply buffer: `dev` (uint8 on the GPU; what the engine's kernels read) and its
+    pinned host mirror `host` (filled on the stream right after `dev`; what decode_reply reads)."""
+
+    def __init__(self, torch, nbytes: int, device) -> None:
+        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.nbytes = nbytes
+
+
+class CudaStream(StreamOps):
+    """Stream ops on a torch CUDA stream through the driver API (see module docstring).
+
+    `stream`: a torch.cuda.Stream (default: torch.cuda.current_stream() at construction).
+    `drain_timeout_s`: the bound `close` waits for the stream before declaring it stuck.
+    """
+
+    name = "cuda"
+
+    def __init__(self, region: Region, stream: Any = None, *, drain_timeout_s: float = 5.0) -> None:
+        super().__init__(region)
+        self.drain_timeout_s = drain_timeout_s
+        self._registered: list[int] = []  # host addresses currently registered by us
+        self._scratch: mmap.mmap | None = None
+        self._events: list = []
+        self._closed = False
+        self.stuck = False
+        self.info: dict = {}
+        try:
+            self._start(stream)
+        except BaseException as exc:
+            try:
+                self._teardown()
+            except StreamStuck:
+                raise
+            except Exception as cleanup_exc:  # keep the first reason, say the cleanup failed too
+                raise CudaStreamRefused(f"{exc} (cleanup failed: {cleanup_exc})") from exc
+            if isinstance(exc, (CudaStreamRefused, StreamStuck)) or not isinstance(exc, Exception):
+                raise
+            raise CudaStreamRefused(f"{type(exc).__name__}: {exc}") from exc
+
+    # -- start-up -----------------------------------------------------------------------------------
+    def _call(self, what: str, res):
+        """Unpack a driver result tuple; raise CudaError naming the call on failure."""
+        err = res[0]
+        if err:
+            raise CudaError(f"{what} failed: {_err_name(self._drv, err)}")
+        return res[1] if len(res) == 2 else res[1:]
+
+    def _start(self, stream: Any) -> None:
+        drv = self._drv = _import_driver()
+        try:
+            import torch
+        except ImportError as exc:
+            raise CudaStreamRefused(f"torch is not importable: {exc}") from None
+        if not torch.cuda.is_available():
+            raise CudaStreamRefused("torch sees no CUDA device (torch.cuda.is_available() is False)")
+        self._torch = torch
+        ts = stream if stream is not None else torch.cuda.current_stream()
+        self.torch_stream = ts
+        self.device = ts.device
+        torch.zeros(1, device=self.device)  # make torch create the primary context, current on this thread
+        try:
+            err = drv.cuInit(0)[0]
+        except Exception as exc:  # the bindings could not load libcuda
+            raise CudaStreamRefused(f"the CUDA driver library could not be loaded: {exc}") from None
+        if err:
+            raise CudaStreamRefused(f"cuInit failed: {_err_name(drv, err)}")
+        self._ctx = self._call("cuCtxGetCurrent", drv.cuCtxGetCurrent())
+        if not int(self._ctx):
+            raise CudaStreamRefused("no CUDA context is current on the engine thread")
+        dev = self._call("cuCtxGetDevice", drv.cuCtxGetDevice())
+        A = drv.CUdevice_attribute
+
+        def attr(name: str) -> int | None:
+            a = getattr(A, name, None)
+            if a is None:
+                return None
+            r = drv.cuDeviceGetAttribute(a, dev)
+            return None if r[0] else int(r[1])
+
+        host_ptr = attr("CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM")
+        uva = attr("CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING")
+        self.info = {
+            "device": torch.cuda.get_device_name(self.device),
+            "driver_version": self._call("cuDriverGetVersion", drv.cuDriverGetVersion()),
+            "can_use_host_pointer_for_registered_mem": host_ptr,
+            "unified_addressing": uva,
+            "can_use_stream_mem_ops_v1": attr("CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1"),
+            "can_use_64_bit_stream_mem_ops": attr("CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS"),
+            "stream": int(ts.cuda_stream),
+        }
+        if host_ptr != 1:
+            raise CudaStreamRefused(
+                f"device cannot use host pointers for registered memory "
+                f"(CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM={host_ptr}); stream memops on the region are unsafe")
+        if uva != 1:
+            raise CudaStreamRefused(f"device is not on unified addressing (UNIFIED_ADDRESSING={uva})")
+
+        self.cu_stream = drv.CUstream(int(ts.cuda_stream))
+        self._SUCCESS = drv.CUresult.CUDA_SUCCESS
+        self._NOT_READY = drv.CUresult.CUDA_ERROR_NOT_READY
+        self._GEQ = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        self._WDEFAULT = int(drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+        flags = int(drv.CU_MEMHOSTREGISTER_DEVICEMAP) | int(drv.CU_MEMHOSTREGISTER_PORTABLE)
+        self._reg_flags = flags
+
+        for _ in range(_EVENT_RING):
+            ev = self._call("cuEventCreate", drv.cuEventCreate(int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+            self._events.append(ev)
+        self._ev_i = 0
+
+        self._probe_memops()
+
+        # Register the region. The mapping is page-aligned and whole pages are mapped, so round up.
+        size = (self.region.size + _PAGE - 1) // _PAGE * _PAGE
+        err = drv.cuMemHostRegister(self.region.base, size, flags)[0]
+        if err:
+            raise CudaStreamRefused(f"cuMemHostRegister of the region ({size} bytes) failed: {_err_name(drv, err)}")
+        self._registered.append(self.region.base)
+        dbase = int(self._call("cuMemHostGetDevicePointer", drv.cuMemHostGetDevicePointer(self.region.base, 0)))
+        if dbase != self.region.base:
+            raise CudaStreamRefused(f"registered region's device pointer {dbase:#x} differs from its host "
+                                    f"address {self.region.base:#x} although host pointers are usable")
+        self._dbase = dbase
+        L = self.region.layout
+        self._dptr: dict[int, Any] = {}
+        self._staging_h = [self.region.base + L.staging(s) for s in (0, 1)]
+        self._reply_h = [self.region.base + L.reply(s) for s in (0, 1)]
+        self._staging_size = L.staging_size
+        self._reply_size = L.reply_size
+        # Host-side sources (self-test, tests) go pinned bounce -> device -> staging: a host-to-host
+        # async copy would be synchronous with the host, i.e. block the engine until the release.
+        self._bounce = [torch.empty(L.staging_size, dtype=torch.uint8, pin_memory=True) for _ in (0, 1)]
+        self._bounce_np = [b.numpy() for b in self._bounce]
+        self._bounce_dev = [torch.empty(L.staging_size, dtype=torch.uint8, device=self.device) for _ in (0, 1)]
+        self._bounce_ev: list[_CudaEvent | None] = [None, None]
+
+    def _probe_memops(self) -> None:
+        """Write then wait on a registered scratch page: proves host-memory stream memops work here."""
+        drv = self._drv
+        self._scratch = mmap.mmap(-1, _PAGE)
+        words = np.frombuffer(self._scratch, dtype=np.uint32)
+        addr = int(words.ctypes.data)
+        del words
+        err = drv.cuMemHostRegister(addr, _PAGE, self._reg_flags)[0]
+        if err:
+            raise CudaStreamRefused(f"cuMemHostRegister of a scratch page failed: {_err_name(drv, err)}")
+        self._registered.append(addr)
+        dptr = self._call("cuMemHostGetDevicePointer", drv.cuMemHostGetDevicePointer(addr, 0))
+        err = drv.cuStreamWriteValue32(self.cu_stream, dptr, 7, self._WDEFAULT)[0]
+        if err:
+            raise CudaStreamRefused(f"stream memory operations unsupported: cuStreamWriteValue32 -> "
+                                    f"{_err_name(drv, err)}")
+        err = drv.cuStreamWaitValue32(self.cu_stream, dptr, 7, self._GEQ)[0]
+        if err:
+            raise CudaStreamRefused(f"stream memory operations unsupported: cuStreamWaitValue32(GEQ) -> "
+                                    f"{_err_name(drv, err)}")
+        if not self.record().wait(2.0):
+            raise StreamStuck("the memop probe (write 7, wait >= 7 on a scratch page) did not complete in 2 s")
+        seen = int(np.frombuffer(self._scratch, dtype=np.uint32, count=1)[0])
+        if seen != 7:
+            raise CudaStreamRefused(f"stream write to registered host memory not visible (read {seen}, wrote 7)")
+        self._unregister(addr)
+        self._scratch.close()
+        self._scratch = None
+
+    # -- the ops (engine thread; enqueue only) --------------------------------------------------------
+    def _d(self, off: int):
+        p = self._dptr.get(off)
+        if p is None:
+            p = self._dptr[off] = self._drv.CUdeviceptr(self._dbase + off)
+        return p
+
+    def copy_in(self, slot: int, src: Any) -> None:
+        """Stage slot `slot` from `src`: a CUDA tensor (the engine's gather: one D2H copy) or host bytes
+        (numpy / CPU tensor: via a pinned bounce buffer and the device, so the host never blocks)."""
+        drv = self._drv
+        torch = self._torch
+        if isinstance(src, torch.Tensor) and src.is_cuda:
+            n = min(src.numel() * src.element_size(), self._staging_size)
+            err = drv.cuMemcpyDtoHAsync(self._staging_h[slot], src.data_ptr(), n, self.cu_stream)[0]
+        else:
+            arr = src.numpy() if isinstance(src, torch.Tensor) else np.asarray(src)
+            arr = arr.reshape(-1).view(np.uint8)
+            n = min(arr.nbytes, self._staging_size)
+            prev = self._bounce_ev[slot]
+            if prev is not None and not prev.wait(self.drain_timeout_s):
+                raise StreamStuck(f"bounce buffer {slot} still in use by the stream after {self.drain_timeout_s} s")
+            self._bounce_np[slot][:n] = arr[:n]
+            dev = self._bounce_dev[slot].data_ptr()
+            err = drv.cuMemcpyHtoDAsync(dev, self._bounce[slot].data_ptr(), n, self.cu_stream)[0]
+            if not err:
+                self._bounce_ev[slot] = self.record()
+                err = drv.cuMemcpyDtoHAsync(self._staging_h[slot], dev, n, self.cu_stream)[0]
+        if err:
+            raise CudaError(f"copy_in(slot {slot}) failed: {_err_name(drv, err)}")
+
+    def write32(self, off: int, value: int) -> None:
+        err = self._drv.cuStreamWriteValue32(self.cu_stream, self._d(off), value & 0xFFFFFFFF, self._WDEFAULT)[0]
+        if err:
+            raise CudaError(f"cuStreamWriteValue32(+{off}, {value}) failed: {_err_name(self._drv, err)}")
+
+    def wait_geq32(self, off: int, value: int) -> None:
+        err = self._drv.cuStreamWaitValue32(self.cu_stream, self._d(off), value & 0xFFFFFFFF, self._GEQ)[0]
+        if err:
+            raise CudaError(f"cuStreamWaitValue32(+{off} >= {value}) failed: {_err_name(self._drv, err)}")
+
+    def copy_out(self, slot: int, dst: CudaReplyBuffer) -> None:
+        drv = self._drv
+        dev = dst.dev.data_ptr()
+        n = min(dst.nbytes, self._reply_size)
+        err = drv.cuMemcpyHtoDAsync(dev, self._reply_h[slot], n, self.cu_stream)[0]
+        if not err:
+            err = drv.cuMemcpyDtoHAsync(dst.host.data_ptr(), dev, n, self.cu_stream)[0]
+        if err:
+            raise CudaError(f"copy_out(slot {slot}) failed: {_err_name(drv, err)}")
+
+    def record(self) -> Event:
+        ev = self._events[self._ev_i]
+        self._ev_i = (self._ev_i + 1) % _EVENT_RING
+        err = self._drv.cuEventRecord(ev, self.cu_stream)[0]
+        if err:
+            raise CudaError(f"cuEventRecord failed: {_err_name(self._drv, err)}")
+        return _CudaEvent(ev, self)
+
+    def _query(self, ev) -> bool:
+        err = self._drv.cuEventQuery(ev)[0]
+        if err == self._NOT_READY:
+            return False
+        if err == self._SUCCESS:
+            return True
+        if err == self._drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:  # queried from a thread with no context
+            self._drv.cuCtxSetCurrent(self._ctx)
+            return self._query(ev)
+        raise CudaError(f"cuEventQuery failed: {_err_name(self._drv, err)}")
+
+    def new_reply_buffer(self) -> CudaReplyBuffer:
+        return CudaReplyBuffer(self._torch, self._reply_size, self.device)
+
+    def host_bytes(self, buf: CudaReplyBuffer) -> np.ndarray:
+        return buf.host_np
+
+    # -- kernel preload --------------------------------------------------------------------------------
+    def preload(self, fns: Iterable[Callable[[], Any]]) -> None:
+        """Launch every kernel the engine will launch while a stream is parked, once, before the first
+        round is armed; then wait (bounded) until they ran.
+
+        Why: under CUDA's default lazy module loading, the first launch of a kernel loads its module,
+        and a module load can wait for the device to go idle. While the stream is parked on `released`
+        the device is not idle, so that first launch blocks the engine thread until the round is
+        released. With the CUDA-free proxy and the native watchdog that costs only the overlap; if
+        anything the release depends on makes a CUDA call meanwhile (a proxy thread copying the reply
+        with cuMemcpyHtoDAsync, a helper thread in the engine), it is a deadlock. The classic trap is a
+        first-use Triton or other JIT kernel (Triton's loader calls cuModuleLoadData explicitly, so
+        CUDA_MODULE_LOADING=EAGER does not cover it), and a torch op used for the first time in the
+        decode loop. Pass callables that launch each such kernel with representative shapes (each
+        Triton specialisation is its own module).
+        """
+        if not self.drain(self.drain_timeout_s):
+            raise StreamStuck("preload: the stream did not drain; kernels must be preloaded before rounds are armed")
+        with self._torch.cuda.stream(self.torch_stream):
+            for fn in fns:
+                fn()
+        if not self.drain(self.drain_timeout_s):
+            raise StreamStuck(f"preload: the preloaded kernels did not finish within {self.drain_timeout_s} s")
+
+    # -- drain and close --------------------------------------------------------------------------------
+    def drain(self, timeout_s: float) -> bool:
+        if self._closed or not self._events:
+            return True
+        return self.record().wait(timeout_s)
+
+    def _unregister(self, addr: int) -> None:
+        err = self._drv.cuMemHostUnregister(addr)[0]
+        self._registered.remove(addr)
+        if err:
+            raise CudaError(f"cuMemHostUnregister({addr:#x}) failed: {_err_name(self._drv, err)}")
+
+    def _teardown(self) -> None:
+        """Unregister and free everything, but only once the stream is drained (bounded)."""
+        if self._registered or self._events:
+            if self._events and not self.drain(self.drain_timeout_s):
+                self.stuck = True
+                raise StreamStuck(f"the CUDA stream did not drain within {self.drain_timeout_s} s: "
+                                  "host memory stays registered (the GPU may still use it)")
+        errors = []
+        for addr in list(self._registered):
+            try:
+                self._unregister(addr)
+            except CudaError as exc:
+                errors.append(str(exc))
+        if self._scratch is not None:
+            self._scratch.close()
+            self._scratch = None
+        for ev in self._events:
+            self._drv.cuEventDestroy(ev)
+        self._events = []
+        self._bounce = self._bounce_np = self._bounce_dev = []
+        self._bounce_ev = [None, None]
+        if errors:
+            raise CudaError("; ".join(errors))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._teardown()
+        self._closed = True
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._registered)
