@@ -360,13 +360,14 @@ class Transformer(nn.Module):
         keeps cache.lengths itself. last_only: logits of the last position only ([B,1,V]).
         """
         dev = self.device
+        eager = kv_len is None
+        if eager:  # host copies for the checks, taken before the device copy (no sync for host inputs)
+            sp, rw = torch.as_tensor(start_pos).tolist(), torch.as_tensor(rows).tolist()
         tokens = torch.as_tensor(tokens, device=dev)
         start_pos = torch.as_tensor(start_pos, device=dev).long()
         rows = torch.as_tensor(rows, device=dev).long()
         B, T = tokens.shape
-        eager = kv_len is None
         if eager:
-            sp, rw = start_pos.tolist(), rows.tolist()
             if len(sp) != B or len(rw) != B:
                 raise ValueError(f"start_pos and rows need {B} entries, got {len(sp)} and {len(rw)}")
             if len(set(rw)) != B:

@@ -1,0 +1,227 @@
+"""Sessions and STEP semantics (docs/CONTRACT.md §2-4), independent of the network.
+
+`WorkerCore.step(session, blocks)` is exactly what the server runs for a STEP frame; tests call it
+in-process as the reference the network path must equal bit for bit. One lock serializes the
+drafter (one model, one KV cache) and the row pool across all sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from draftrelay.wire import protocol as P
+from draftrelay.worker.drafters import Drafter, Job
+
+log = logging.getLogger("draftrelay.worker")
+
+
+class Refusal(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class RequestState:
+    generation: int
+    row: int
+    ctx_len: int = 0  # tokens the worker was sent (last block's position + n_tokens)
+    drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # returned last round
+    last_used: int = 0
+
+
+@dataclass
+class Session:
+    id: int
+    max_requests: int
+    n_out_max: int
+    client_name: str
+    free_rows: list[int]
+    requests: dict[int, RequestState] = field(default_factory=dict)
+    tick: int = 0
+    steps: int = 0
+
+
+@dataclass
+class StepResult:
+    request_ids: np.ndarray
+    generations: np.ndarray
+    status: np.ndarray
+    counts: np.ndarray
+    drafts: np.ndarray
+    confidences: np.ndarray
+    worker_us: int
+
+
+class WorkerCore:
+    def __init__(self, drafter: Drafter, max_requests: int = 16, idle_timeout: float = 60.0, max_frame: int = 4 << 20):
+        self.drafter = drafter
+        self.max_requests = max_requests
+        self.idle_timeout, self.max_frame = idle_timeout, max_frame
+        self.lock = threading.Lock()
+        self.free_rows = list(range(drafter.n_rows))
+        self.sessions: dict[int, Session] = {}
+        self.stats = {"sessions_opened": 0, "sessions_closed": 0, "steps": 0, "blocks": 0, "refused_blocks": 0,
+                      "drafter_errors": 0, "evictions": 0}
+
+    # ---- sessions -------------------------------------------------------------------------------
+
+    def open_session(self, h: P.Hello) -> tuple[Session, P.HelloOk]:
+        d = self.drafter
+        if h.proto_version != P.VERSION:
+            raise Refusal(P.BAD_VERSION,
+                          f"protocol version {h.proto_version} not supported (worker speaks {P.VERSION})")
+        if h.model_id and h.model_id != d.model_id:
+            raise Refusal(P.IDENTITY_MISMATCH, f"model_id: client expects {h.model_id!r}, worker serves {d.model_id!r}")
+        if h.vocab_size and h.vocab_size != d.vocab_size:
+            raise Refusal(P.IDENTITY_MISMATCH, f"vocab_size: client has {h.vocab_size}, drafter has {d.vocab_size}")
+        if h.tokenizer_hash and d.tokenizer_hash and h.tokenizer_hash != d.tokenizer_hash:
+            raise Refusal(P.IDENTITY_MISMATCH,
+                          f"tokenizer_hash: client has {h.tokenizer_hash!r}, worker has {d.tokenizer_hash!r}")
+        if h.flags != 0:
+            raise Refusal(P.OVER_LIMITS, f"HELLO flags 0x{h.flags:x}: no flags are defined")
+        if not 1 <= h.n_out_max <= d.n_out_max:
+            raise Refusal(P.OVER_LIMITS, f"n_out_max {h.n_out_max}: worker allows 1..{d.n_out_max}")
+        if not 1 <= h.max_requests <= self.max_requests:
+            raise Refusal(P.OVER_LIMITS, f"max_requests {h.max_requests}: worker allows 1..{self.max_requests}")
+        with self.lock:
+            if len(self.free_rows) < h.max_requests:
+                raise Refusal(P.OVER_CAPACITY, f"max_requests {h.max_requests}: only {len(self.free_rows)} of "
+                                               f"{d.n_rows} draft-KV rows free")
+            rows = [self.free_rows.pop() for _ in range(h.max_requests)]
+            sid = 0
+            while sid == 0 or sid in self.sessions:
+                sid = secrets.randbits(64)
+            s = Session(sid, h.max_requests, h.n_out_max, h.client_name, rows)
+            self.sessions[sid] = s
+            self.stats["sessions_opened"] += 1
+        ok = P.HelloOk(sid, P.VERSION, h.max_requests, d.n_out_max, d.vocab_size, d.max_ctx, self.max_frame,
+                       int(self.idle_timeout * 1000), d.model_id, d.tokenizer_hash, d.info[:P.MAX_STR])
+        return s, ok
+
+    def close_session(self, s: Session) -> None:
+        with self.lock:
+            if self.sessions.pop(s.id, None) is None:
+                return
+            self.free_rows.extend(s.free_rows)
+            self.free_rows.extend(r.row for r in s.requests.values())
+            s.free_rows, s.requests = [], {}
+            self.stats["sessions_closed"] += 1
+
+    # ---- STEP ----------------------------------------------------------------------------------
+
+    def _drop(self, s: Session, rid: int) -> None:
+        st = s.requests.pop(rid, None)
+        if st is not None:
+            s.free_rows.append(st.row)
+
+    def _take_row(self, s: Session, in_frame: set[int]) -> int | None:
+        if not s.free_rows:
+            idle = [(st.last_used, rid) for rid, st in s.requests.items() if rid not in in_frame]
+            if not idle:
+                return None
+            self._drop(s, min(idle)[1])  # least recently used request outside this frame
+            self.stats["evictions"] += 1
+        return s.free_rows.pop()
+
+    def step(self, s: Session, blocks: list[P.Block]) -> StepResult:
+        with self.lock:
+            return self._step(s, blocks)
+
+    def _step(self, s: Session, blocks: list[P.Block]) -> StepResult:
+        t0 = time.perf_counter()
+        d = self.drafter
+        B = len(blocks)
+        s.tick += 1
+        s.steps += 1
+        status = np.zeros(B, np.uint16)
+        counts = np.zeros(B, np.uint16)
+        width = max(1, max(b.n_out for b in blocks))
+        drafts = np.zeros((B, width), np.int32)
+        confs = np.zeros((B, width), np.float32)
+        in_frame = {b.request_id for b in blocks}
+        seen: set[int] = set()
+        jobs: list[Job] = []
+        planned: list[tuple[int, int, RequestState, int, int]] = []  # block, job, state, window, new ctx_len
+        for i, b in enumerate(blocks):
+            code, plan = self._plan(s, b, seen, in_frame)
+            seen.add(b.request_id)
+            status[i] = code
+            if plan is not None:
+                st, job, window = plan
+                planned.append((i, len(jobs), st, window, b.position + len(b.tokens)))
+                jobs.append(job)
+        n_steps = max((p[3] for p in planned), default=0)
+        if jobs:
+            try:
+                out_d, out_c = d.run(jobs, n_steps)
+            except Exception as exc:  # the drafter's failure is this frame's, not the server's
+                log.exception("drafter failed on a STEP of session %016x", s.id)
+                self.stats["drafter_errors"] += 1
+                for i, _, _, _, _ in planned:
+                    status[i] = P.DRAFTER_ERROR
+                    self._drop(s, blocks[i].request_id)
+                planned = []
+                del exc
+            for i, j, st, window, new_len in planned:
+                b = blocks[i]
+                drafts[i, :window] = out_d[j, :window]
+                confs[i, :window] = out_c[j, :window]
+                counts[i] = window
+                status[i] = P.OK if window == b.n_out else P.PARTIAL
+                st.ctx_len, st.drafts, st.last_used = new_len, out_d[j, :window].copy(), s.tick
+                if b.flags & P.FLAG_END:
+                    self._drop(s, b.request_id)
+        self.stats["steps"] += 1
+        self.stats["blocks"] += B
+        self.stats["refused_blocks"] += int((status >= 16).sum())
+        rids = np.array([b.request_id for b in blocks], np.uint64)
+        gens = np.array([b.generation for b in blocks], np.uint32)
+        return StepResult(rids, gens, status, counts, drafts, confs, int((time.perf_counter() - t0) * 1e6))
+
+    def _plan(self, s: Session, b: P.Block, seen: set[int], in_frame: set[int]):
+        """(status, None) for a refused or release-only block, (OK, (state, job, window)) otherwise."""
+        d = self.drafter
+        toks = b.tokens
+        if b.flags & ~P.KNOWN_BLOCK_FLAGS or b.request_id in seen:
+            return P.BAD_ENTRY, None
+        st = s.requests.get(b.request_id)
+        if st is not None and b.generation < st.generation:
+            return P.STALE_GENERATION, None
+        if b.flags & P.FLAG_END and len(toks) == 0 and b.n_out == 0:  # release only
+            self._drop(s, b.request_id)
+            return P.OK, None
+        if len(toks) == 0 or int(toks.min()) < 0 or int(toks.max()) >= d.vocab_size:
+            return P.BAD_ENTRY, None
+        new_len = b.position + len(toks)
+        if b.n_out > s.n_out_max or new_len > d.max_ctx:
+            return P.OVER_LIMITS, None
+        if st is None or b.generation > st.generation:
+            if st is not None:
+                self._drop(s, b.request_id)  # a new incarnation: the old state is gone either way
+            if b.position != 0:
+                return P.UNKNOWN_REQUEST, None
+            row = self._take_row(s, in_frame)
+            if row is None:
+                return P.OVER_LIMITS, None
+            st = s.requests[b.request_id] = RequestState(b.generation, row)
+            keep, new = 0, toks
+        else:
+            if b.position > st.ctx_len:
+                return P.POSITION_GAP, None
+            c = 0
+            if b.position == st.ctx_len and len(st.drafts) > 1:
+                # accepted drafts whose KV the row still holds need no recompute
+                m = min(len(st.drafts) - 1, len(toks) - 1)
+                eq = toks[:m] == st.drafts[:m]
+                c = m if eq.all() else int(np.argmin(eq))
+            keep, new = b.position + c, toks[c:]
+        st.last_used = s.tick
+        window = min(b.n_out, d.max_ctx - new_len)
+        return P.OK, (st, Job(st.row, keep, np.array(new, np.int32)), window)

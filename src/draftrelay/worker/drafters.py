@@ -1,0 +1,195 @@
+"""Drafter backends of the worker: the Llama-family model (HF dir, built-in tiny, random shapes) and a
+deterministic test drafter. All expose the same small interface the sessions use:
+
+    run(jobs, n_steps) -> (drafts int32 [B, n_steps], confidences float32 [B, n_steps])
+
+where each job is (cache row, keep, new tokens): roll the row back to `keep` tokens, append the new
+tokens, then draft n_steps greedy tokens, feeding each draft back in (so the row's KV holds the
+first n_steps - 1 drafts afterwards; the next round keeps those the client accepted).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from draftrelay.wire.protocol import tokenizer_hash_of_dir
+
+PAD_LIMIT = 16  # extensions up to this many tokens are batched in one padded forward
+PREFILL_CHUNK = 512  # longer extensions (first-round prompts) run alone, in chunks of this size
+
+
+@dataclass
+class Job:
+    row: int
+    keep: int
+    tokens: np.ndarray  # int32 [n >= 1]
+
+
+class Drafter:
+    model_id: str = ""
+    vocab_size: int = 0
+    tokenizer_hash: str = ""
+    max_ctx: int = 0
+    n_rows: int = 0
+    n_out_max: int = 8
+    info: str = ""
+
+    def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+
+class TestDrafter(Drafter):
+    """Deterministic drafter for tests: each draft is a function of the whole context so far.
+
+    next(ctx) = (31 * ctx[-1] + 17 * len(ctx) + sum(ctx)) % vocab; confidence a fixed hash of it.
+    A worker that keeps a rejected token or drops an accepted one drafts something else, so
+    rollback mistakes show up. `slow_token` makes a step sleep `delay_ms` (timeouts), and
+    `fail_token` makes it raise (DRAFTER_ERROR), both only when that token is sent.
+    """
+
+    def __init__(self, vocab_size: int = 1000, n_rows: int = 16, max_ctx: int = 4096, n_out_max: int = 8,
+                 slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1):
+        self.vocab_size, self.n_rows, self.max_ctx, self.n_out_max = vocab_size, n_rows, max_ctx, n_out_max
+        self.model_id, self.tokenizer_hash, self.info = f"test-drafter-v{vocab_size}", "test-tokenizer", "test cpu"
+        self.slow_token, self.delay_ms, self.fail_token = slow_token, delay_ms, fail_token
+        self.hist = np.zeros((n_rows, max_ctx + n_out_max + PAD_LIMIT), np.int64)
+        self.lengths = np.zeros(n_rows, np.int64)
+
+    @staticmethod
+    def next_token(ctx: np.ndarray, vocab: int) -> tuple[int, float]:
+        t = int((31 * int(ctx[-1]) + 17 * len(ctx) + int(ctx.sum())) % vocab)
+        return t, ((t * 2654435761 + len(ctx)) % 1000 + 1) / 1001.0
+
+    def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        drafts = np.zeros((len(jobs), n_steps), np.int32)
+        confs = np.zeros((len(jobs), n_steps), np.float32)
+        for j in jobs:
+            if self.fail_token >= 0 and (j.tokens == self.fail_token).any():
+                raise RuntimeError(f"test drafter: fail token {self.fail_token} seen")
+            if self.slow_token >= 0 and (j.tokens == self.slow_token).any():
+                time.sleep(self.delay_ms / 1000.0)
+        for b, j in enumerate(jobs):
+            if not 0 <= j.keep <= self.lengths[j.row]:
+                raise ValueError(f"row {j.row}: keep {j.keep} beyond its length {self.lengths[j.row]}")
+            n = j.keep + len(j.tokens)
+            self.hist[j.row, j.keep:n] = j.tokens
+            for s in range(n_steps):
+                t, c = self.next_token(self.hist[j.row, :n], self.vocab_size)
+                drafts[b, s], confs[b, s] = t, c
+                if s < n_steps - 1:
+                    self.hist[j.row, n] = t
+                    n += 1
+            self.lengths[j.row] = n
+        return drafts, confs
+
+
+# ~0.5B / ~1.5B drafter shapes for benchmarks at random weights (timing does not depend on values)
+SHAPES = {
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
+                         intermediate_size=4864, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         max_position_embeddings=32768, qkv_bias=True),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128,
+                         intermediate_size=8960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         max_position_embeddings=32768, qkv_bias=True),
+}
+
+
+class LlamaDrafter(Drafter):
+    """Greedy drafting with draftrelay.model.Transformer; eager (no CUDA graphs yet)."""
+
+    def __init__(self, model, n_rows: int, max_ctx: int, n_out_max: int, model_id: str, tokenizer_hash: str):
+        import torch
+
+        self.torch = torch
+        self.model = model
+        cfg = model.cfg
+        self.max_ctx = min(max_ctx, cfg.max_position_embeddings)
+        self.n_rows, self.n_out_max, self.vocab_size = n_rows, n_out_max, cfg.vocab_size
+        self.model_id, self.tokenizer_hash = model_id, tokenizer_hash
+        # slack behind max_ctx: padded extensions and drafts past a partial window land there
+        self.cache = model.new_cache(n_rows, self.max_ctx + max(PAD_LIMIT, n_out_max) + 1)
+        self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
+                     f"{model.device} {str(model.dtype).replace('torch.', '')}, eager")
+
+    def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        torch, model, cache = self.torch, self.model, self.cache
+        dev = model.device
+        with torch.inference_mode():
+            for j in jobs:
+                cache.truncate(j.row, j.keep)
+            last = [None] * len(jobs)  # logits [V] at each job's last new token
+            short = [i for i, j in enumerate(jobs) if len(j.tokens) <= PAD_LIMIT]
+            if short:
+                T = max(len(jobs[i].tokens) for i in short)
+                toks = np.zeros((len(short), T), np.int64)  # right padding: causal, so it never leaks back
+                for b, i in enumerate(short):
+                    toks[b, :len(jobs[i].tokens)] = jobs[i].tokens
+                rows = [jobs[i].row for i in short]
+                logits = model(torch.from_numpy(toks).to(dev), torch.tensor([jobs[i].keep for i in short]),
+                               cache, torch.tensor(rows))
+                idx = torch.tensor([len(jobs[i].tokens) - 1 for i in short], device=dev)
+                picked = logits[torch.arange(len(short), device=dev), idx]
+                for b, i in enumerate(short):
+                    last[i] = picked[b]
+                    cache.truncate(jobs[i].row, jobs[i].keep + len(jobs[i].tokens))  # forget the padding
+            for i, j in enumerate(jobs):
+                if len(j.tokens) <= PAD_LIMIT:
+                    continue
+                toks = torch.from_numpy(j.tokens.astype(np.int64)).to(dev)
+                for s in range(0, len(toks), PREFILL_CHUNK):
+                    chunk = toks[s:s + PREFILL_CHUNK][None]
+                    out = model(chunk, torch.tensor([j.keep + s]), cache, torch.tensor([j.row]), last_only=True)
+                last[i] = out[0, -1]
+            if n_steps == 0 or not jobs:
+                return np.zeros((len(jobs), 0), np.int32), np.zeros((len(jobs), 0), np.float32)
+            logits = torch.stack(last)  # [B, V] float32
+            rows = torch.tensor([j.row for j in jobs])
+            pos = [j.keep + len(j.tokens) for j in jobs]
+            out_t, out_c = [], []
+            for s in range(n_steps):
+                tok = logits.argmax(-1)  # ties go to the lower id
+                out_t.append(tok)
+                out_c.append(torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+                if s < n_steps - 1:
+                    logits = model(tok[:, None], torch.tensor([p + s for p in pos]), cache, rows)[:, 0]
+            drafts = torch.stack(out_t, 1).to(torch.int32).cpu().numpy()
+            confs = torch.stack(out_c, 1).float().cpu().numpy()
+        return drafts, confs
+
+
+def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows: int = 16, max_ctx: int = 4096,
+                 n_out_max: int = 8, seed: int | None = None, model_id: str = "", test_vocab: int = 1000,
+                 slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1) -> Drafter:
+    """`tiny` (the drafter half of model.tiny_pair), `test` (TestDrafter), `random:SHAPE`
+    (SHAPES at seeded random weights), or a local HF model directory."""
+    if spec == "test":
+        return TestDrafter(test_vocab, n_rows, max_ctx, n_out_max, slow_token, delay_ms, fail_token)
+    import torch
+
+    from draftrelay import model as M
+
+    dev = torch.device(device)
+    if dtype == "auto":
+        tdtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if spec == "tiny":
+        s = M.TINY_SEED if seed is None else seed
+        _, net = M.tiny_pair(s, device=dev, dtype=tdtype)
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or M.tiny_model_id(s), M.TINY_TOKENIZER_ID)
+    if spec.startswith("random:"):
+        name = spec.split(":", 1)[1]
+        if name not in SHAPES:
+            raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        cfg = M.ModelConfig(**SHAPES[name], name=name)
+        net = M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype)
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "")
+    if not os.path.isdir(spec):
+        raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', nor an existing directory")
+    net = M.Transformer.from_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype)
+    mid = model_id or os.path.basename(os.path.abspath(spec))
+    return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec))

@@ -1,0 +1,92 @@
+"""Start a worker as a child process on a free loopback port (tests, benchmarks, the demo).
+
+    with start_worker_process(["--model", "tiny"]) as w:
+        client = DrafterClient(w.host, w.port)
+
+The child is `python -m draftrelay.worker --port 0 ...`; its first stdout line names the port.
+`stop()` terminates it (SIGTERM, then SIGKILL after a grace period) and always reaps it.
+Torch-free: the proxy side may use it too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import subprocess
+import sys
+import tempfile
+import time
+
+_LISTEN = re.compile(r"listening on (\S+):(\d+)")
+
+
+class WorkerProcess:
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, banner: str, log_path: str):
+        self.proc, self.host, self.port, self.banner, self.log_path = proc, host, port, banner, log_path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 3.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5.0)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+        return self.proc.returncode
+
+    def __enter__(self) -> WorkerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: float = 60.0,
+                         env: dict | None = None) -> WorkerProcess:
+    fd, log_path = tempfile.mkstemp(prefix="draftrelay-worker-", suffix=".log")
+    cmd = [sys.executable, "-m", "draftrelay.worker", "--host", host, "--port", "0", *args]
+    with os.fdopen(fd, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                env={**os.environ, **(env or {})})
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or proc.poll() is not None:
+                break
+            if sel.select(min(left, 0.2)):
+                line = proc.stdout.readline()
+                m = _LISTEN.search(line)
+                if m:
+                    return WorkerProcess(proc, m.group(1), int(m.group(2)), line.strip(), log_path)
+                if not line:
+                    break
+    finally:
+        sel.close()
+    w = WorkerProcess(proc, host, 0, "", log_path)
+    err = w.log()
+    w.stop()
+    raise RuntimeError(f"worker did not start ({' '.join(cmd)}): exit {proc.returncode}\n{err[-2000:]}")
