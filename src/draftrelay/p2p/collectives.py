@@ -319,7 +319,7 @@ class P2PGroup:
         self._ctx: list[int] = []
         self._side: list[int] = []
         self._cancel_host = ctypes.c_void_p()
-        self._hdr = (ctypes.c_uint32 * 4)()
+        self._hdr_host = ctypes.c_void_p()
         lib = self._lib
         idx = [d.index for d in self.devices]
         # peer access, verified by a real peer write and read in both directions
@@ -341,6 +341,10 @@ class P2PGroup:
         cancel_dev = ctypes.c_void_p()
         self._check(lib, lib.p2p_host_word(ctypes.byref(self._cancel_host), ctypes.byref(cancel_dev)), "cancel word")
         self._cancel_word = ctypes.cast(self._cancel_host, ctypes.POINTER(ctypes.c_uint32))
+        # pinned landing words for header reads (a pageable copy could serialize behind a parked kernel)
+        hdr_dev = ctypes.c_void_p()
+        self._check(lib, lib.p2p_host_word(ctypes.byref(self._hdr_host), ctypes.byref(hdr_dev)), "header words")
+        self._hdr = ctypes.cast(self._hdr_host, ctypes.POINTER(ctypes.c_uint32))
         bases = (ctypes.c_void_p * self.world_size)(*self._bases)
         for r, d in enumerate(idx):
             ctx = lib.p2p_ctx_new(d, r, self.world_size, blocks, threads, self.region,
@@ -435,6 +439,7 @@ class P2PGroup:
                 self._lib.p2p_free(d.index, self._bases[r])
                 self._lib.p2p_ctx_free(self._ctx[r])
             self._lib.p2p_free_host(self._cancel_host)
+            self._lib.p2p_free_host(self._hdr_host)
             self._ctx, self._bases, self._side = [], [], []
 
     # --- collectives ---
