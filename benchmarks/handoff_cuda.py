@@ -1,0 +1,200 @@
+"""Hand-off micro-benchmark on a real CUDA stream (needs a GPU, torch and cuda-bindings).
+
+For a spinning and a napping proxy process, over --rounds rounds each (after a warm-up), serially:
+  - enqueue: the engine thread's cost of one round. `round`: AsyncRounds.submit with the gathered rows
+    already on the device (D2H into staging, write gathered, wait released, H2D reply + D2H mirror, write
+    consumed, event record). `bare`: the same without the reply copies, and the three memops alone
+    (write, wait, write: the figure the issue compares with 9.6 µs).
+  - release -> resume: the proxy's CLOCK_MONOTONIC just before it stores `released` to the engine
+    thread seeing the word the GPU writes after the wait (`consumed`), spinning natively on it. In
+    `round` mode the GPU copies the reply in (H2D) and out to the pinned mirror (D2H) before writing
+    `consumed`; in `bare` mode nothing sits between the wait and that write.
+  - pickup: engine thread sees `gathered` -> proxy's release (the proxy's wait + the built-in round)
+  - the proxy process's CPU use over the run
+The emulated stream runs the same `round` loop in the same run, for the ratio.
+
+    python benchmarks/handoff_cuda.py [--rounds 20000] [--out benchmarks/results/handoff_cuda.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from draftrelay.handoff import native
+from draftrelay.handoff.region import RoundRequest, W, pack_staging
+from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig, open_rounds
+
+PROXY = {"spin": (10_000_000, 0), "nap": (50, 20)}
+
+
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(a, q: float) -> float | None:
+    return round(float(np.percentile(np.asarray(a, dtype=np.float64), q)), 2) if len(a) else None
+
+
+def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int) -> dict:
+    import torch
+
+    spin_us, nap_us = PROXY[proxy]
+    kw = {}
+    if backend == "cuda":
+        eng = torch.cuda.Stream()
+        kw["cuda_stream"] = eng
+    else:  # the emulated stream spins like a GPU would poll (it has a core of its own on this machine)
+        kw.update(stream_spin_us=10_000_000, stream_nap_us=0)
+    cfg = HandoffConfig(vocab_size=32000, max_requests=4, max_tokens=512, max_drafts=8, spin_us=spin_us,
+                        nap_us=nap_us, deadline_ms=200, backend=backend, strict=True, **kw)
+    r = open_rounds(cfg)
+    assert isinstance(r, AsyncRounds)
+    L = r.region.layout
+    a_g, a_c = r.region.word_addr(W.GATHERED), r.region.word_addr(W.CONSUMED)
+    a_last = r.region.word_addr(W.LAST_RELEASE_NS)
+    off_g, off_r, off_c = L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED)
+    rng = np.random.default_rng(0)
+    reqs = [RoundRequest(i, 1, 0, rng.integers(0, 32000, 4).astype(np.int32), 4) for i in range(2)]
+    n_out = np.array([4, 4], np.int32)
+    if backend == "cuda":
+        pinned = [torch.zeros(L.staging_size, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
+        dev = [torch.zeros(L.staging_size, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    else:
+        pinned = [torch.zeros(L.staging_size, dtype=torch.uint8) for _ in range(4)]
+    enq, memops, resume, pickup = [], [], [], []
+    st = r.stream
+    cpu0 = wall0 = 0.0
+    bad = 0
+    try:
+        for i in range(warmup + n_rounds):
+            if i == warmup:
+                cpu0, wall0 = proc_cpu_s(r.proxy.pid), time.monotonic()
+            t = r._t + 1
+            k = t % 4
+            pack_staging(L, t, reqs, out=pinned[k].numpy())
+            if backend == "cuda":
+                with torch.cuda.stream(eng):
+                    dev[k].copy_(pinned[k], non_blocking=True)
+                src = dev[k]
+            else:
+                src = pinned[k].numpy()
+            if mode == "round":
+                p0 = time.perf_counter_ns()
+                r.submit(src=src, n_out=n_out)
+                p1 = time.perf_counter_ns()
+                m = 0
+            else:  # bare: drive the stream ops directly (the proxy still answers every round)
+                r._t = t
+                p0 = time.perf_counter_ns()
+                st.copy_in(t & 1, src)
+                m0 = time.perf_counter_ns()
+                st.write32(off_g, t)
+                st.wait_geq32(off_r, t)
+                st.write32(off_c, t)
+                m1 = time.perf_counter_ns()
+                ev = st.record()
+                p1 = time.perf_counter_ns()
+                m = m1 - m0
+            native.wait_geq32(a_g, t, 10_000_000, 0, 2_000_000)
+            g_ns = native.now_ns()
+            native.wait_geq32(a_c, t, 10_000_000, 0, 2_000_000)
+            c_ns = native.now_ns()
+            rel = native.load64(a_last)
+            if mode == "round":
+                bad += int(not r.result(t, timeout_s=5).ok)
+            elif not ev.wait(5):
+                raise RuntimeError(f"round {t} did not finish")
+            if i >= warmup:
+                enq.append(p1 - p0)
+                memops.append(m)
+                resume.append(c_ns - rel)
+                pickup.append(rel - g_ns)
+        cpu = proc_cpu_s(r.proxy.pid) - cpu0
+        wall = time.monotonic() - wall0
+        stats = r.stats()
+    finally:
+        r.close()
+    us = 1e-3
+    row = {"backend": backend, "mode": mode, "proxy": proxy, "spin_us": spin_us, "nap_us": nap_us,
+           "rounds": n_rounds, "not_ok": bad, "watchdog": stats["watchdog"],
+           "enqueue_us_p50": pct(np.array(enq) * us, 50), "enqueue_us_p99": pct(np.array(enq) * us, 99),
+           "release_to_resume_us_p50": pct(np.array(resume) * us, 50),
+           "release_to_resume_us_p99": pct(np.array(resume) * us, 99),
+           "release_to_resume_us_max": round(float(np.max(resume)) * us, 1),
+           "pickup_us_p50": pct(np.array(pickup) * us, 50), "pickup_us_p99": pct(np.array(pickup) * us, 99),
+           "round_us_mean": round(wall / n_rounds * 1e6, 1), "proxy_cpu_percent": round(100 * cpu / wall, 1)}
+    if mode == "bare":
+        row["three_memops_us_p50"] = pct(np.array(memops) * us, 50)
+        row["three_memops_us_p99"] = pct(np.array(memops) * us, 99)
+    return row
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "kernel": platform.release(), "cores": os.cpu_count(),
+           "torch": torch.__version__, "numpy": np.__version__}
+    try:
+        import cuda.bindings
+
+        env["cuda_bindings"] = cuda.bindings.__version__
+    except ImportError:
+        env["cuda_bindings"] = None
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["torch_cuda"] = torch.version.cuda
+        try:
+            env["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20).stdout.strip()
+        except Exception as exc:  # noqa: BLE001
+            env["nvidia_smi"] = f"failed: {exc}"
+    return env
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=20_000)
+    ap.add_argument("--warmup", type=int, default=500)
+    ap.add_argument("--out", default="benchmarks/results/handoff_cuda.json")
+    ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-stream rows")
+    args = ap.parse_args()
+    plan = [("cuda", "round", "spin"), ("cuda", "round", "nap"), ("cuda", "bare", "spin"), ("cuda", "bare", "nap")]
+    if not args.no_emulated:
+        plan += [("emulated", "round", "spin"), ("emulated", "round", "nap")]
+    rows = []
+    for backend, mode, proxy in plan:
+        print(f"[{backend} {mode} {proxy}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
+        rows.append(run(backend, mode, proxy, args.rounds, args.warmup))
+    print(f"{'backend':9}{'mode':6}{'proxy':6}{'enqueue p50/p99 µs':>20}{'3 memops p50':>13}"
+          f"{'release->resume p50/p99 µs':>29}{'pickup p50':>11}{'round µs':>9}{'proxy CPU':>10}")
+    for x in rows:
+        print(f"{x['backend']:9}{x['mode']:6}{x['proxy']:6}{x['enqueue_us_p50']:10.1f} / {x['enqueue_us_p99']:<7.1f}"
+              f"{x.get('three_memops_us_p50') or float('nan'):13.1f}"
+              f"{x['release_to_resume_us_p50']:15.1f} / {x['release_to_resume_us_p99']:<11.1f}"
+              f"{x['pickup_us_p50']:11.1f}{x['round_us_mean']:9.0f}{x['proxy_cpu_percent']:9.0f}%")
+    out = {"benchmark": "handoff_cuda", "command": "python benchmarks/handoff_cuda.py " + " ".join(sys.argv[1:]),
+           "environment": environment(),
+           "targets": {"enqueue_us_p50": 15, "release_to_resume_us_p50": 5, "release_to_resume_us_p99": 10},
+           "references": {"seed_engine_submit_us": [140, 362], "raw_three_memop_enqueue_us_p50_h200": 9.6,
+                          "numpy_spin_release_to_resume_us_h200": [6.2, 12.7]},
+           "results": rows, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
