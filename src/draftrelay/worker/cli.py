@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-out-max", type=int, default=8, help="most drafts per block (1-64)")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle session expires")
     p.add_argument("--max-conns", type=int, default=64)
+    p.add_argument("--handshake-timeout", type=float, default=5.0, help="seconds for a new connection's HELLO")
+    p.add_argument("--frame-timeout", type=float, default=5.0, help="seconds for a started frame to complete")
     p.add_argument("--max-frame", type=int, default=4 << 20, help="largest accepted frame, bytes")
     p.add_argument("--seed", type=int, default=None, help="seed of 'tiny' / 'random:' weights")
     p.add_argument("--model-id", default="", help="identity announced in the handshake (default: derived)")
@@ -42,8 +44,9 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--n-out-max {args.n_out_max}: must be 1-64"
     if args.max_frame < 4096:
         return f"--max-frame {args.max_frame}: must be at least 4096"
-    if args.idle_timeout <= 0:
-        return f"--idle-timeout {args.idle_timeout}: must be positive"
+    for name in ("idle_timeout", "handshake_timeout", "frame_timeout"):
+        if getattr(args, name) <= 0:
+            return f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive"
     if args.test_vocab <= 1:
         return f"--test-vocab {args.test_vocab}: must be at least 2"
     return None
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     core = WorkerCore(drafter, max_requests=min(args.max_requests, args.rows), idle_timeout=args.idle_timeout,
                       max_frame=args.max_frame)
     try:
-        server = WorkerServer(core, args.host, args.port, max_conns=args.max_conns)
+        server = WorkerServer(core, args.host, args.port, max_conns=args.max_conns,
+                              handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout)
     except OSError as exc:
         print(f"draftrelay worker: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
