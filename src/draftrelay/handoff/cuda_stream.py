@@ -378,6 +378,7 @@ class CudaStream(StreamOps):
     def drain(self, timeout_s: float) -> bool:
         if self._closed or not self._events:
             return True
+        self._drv.cuCtxSetCurrent(self._ctx)  # drains may come from another thread (a supervisor)
         return self.record().wait(timeout_s)
 
     def _unregister(self, addr: int) -> None:
