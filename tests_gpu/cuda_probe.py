@@ -36,7 +36,7 @@ import traceback
 import numpy as np
 
 STEPS = ("env", "refusal", "lazy", "soak", "late", "graph")
-STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 100, "soak": 80, "late": 50, "graph": 30}
+STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 90, "soak": 70, "late": 50, "graph": 30}
 _CHECKPOINT = ""  # the step's JSON path: long steps write partial results there as they go
 
 
