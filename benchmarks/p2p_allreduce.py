@@ -112,17 +112,17 @@ def _bench_group(group, key: str, out: dict, with_extras: bool) -> None:
                 return lambda: group.argmax_exchange(r, v[r], i[r], v2[r], vocab=2000, out=o)
 
             us = time_pair(group, make_am)
-            out["argmax"][f"rows{rows}{'_top2' if top2 else ''}"] = round(us, 2)
+            out["argmax"][f"{key}_rows{rows}{'_top2' if top2 else ''}"] = round(us, 2)
             print(f"ours argmax rows={rows} top2={top2}: {us:.2f} us", flush=True)
 
 
-def bench_ours(blocks_list: list[int]) -> dict:
+def bench_ours(blocks_list: list[int], modes: list[int]) -> dict:
     from draftrelay.p2p import P2PGroup
 
     out: dict = {"all_reduce": {}, "argmax": {}, "floors": {}}
-    for n, blocks in enumerate(blocks_list):
-        group = P2PGroup([0, 1], blocks=blocks, timeout_ms=2000)
-        _bench_group(group, f"blocks{blocks}", out, with_extras=n == 0)
+    for n, (mode, blocks) in enumerate((m, b) for m in modes for b in blocks_list):
+        group = P2PGroup([0, 1], blocks=blocks, timeout_ms=2000, mode=mode)
+        _bench_group(group, f"m{mode}_b{blocks}", out, with_extras=n == 0)
         group.close()
     return out
 
@@ -181,6 +181,10 @@ def _baseline_worker(rank: int, world: int, port: int, path: str) -> None:
             if symm_mem is None:
                 continue
             try:
+                if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(
+                    group_name
+                ):
+                    symm_mem.enable_symm_mem_for_group(group_name)  # needed by older torch, a no-op later
                 t = symm_mem.empty(rows * HIDDEN, dtype=dtype, device=dev)
                 symm_mem.rendezvous(t, group_name)
                 t.copy_(x)
@@ -232,6 +236,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="benchmarks/results/p2p_allreduce.json")
     ap.add_argument("--blocks", default="16,32,64", help="grid sizes of ours to sweep (comma list)")
+    ap.add_argument("--modes", default="", help="protocol modes of ours to sweep (comma list; default: DEFAULT_MODE)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--baseline-timeout", type=float, default=240.0)
     ap.add_argument("--baseline-child", help=argparse.SUPPRESS)
@@ -253,25 +258,26 @@ def main() -> int:
         return 2
     t0 = time.monotonic()
     result = {"env": env_info(), "K": K, "R": R, "trials": TRIALS, "hidden": HIDDEN}
-    result["ours"] = bench_ours([int(b) for b in args.blocks.split(",")])
+    from draftrelay.p2p.collectives import DEFAULT_MODE
+
+    modes = [int(m) for m in args.modes.split(",")] if args.modes else [DEFAULT_MODE]
+    result["ours"] = bench_ours([int(b) for b in args.blocks.split(",")], modes)
     result["baselines"] = {} if args.no_baselines else bench_baselines(args.baseline_timeout)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     base = result["baselines"]
+    keys = [f"{d}_{r}" for d in DTYPES for r in ROWS]
     print(f"\nper-op us, graph-captured, K={K} per graph, median of {TRIALS}x{R} replays (rank 0 events)")
-    print(f"{'shape':>10} {'KB':>6} " + " ".join(f"{'ours/' + b:>10}" for b in result["ours"]["all_reduce"]["fp32_5"])
-          + f" {'NCCL':>7} {'symm1':>7} {'symm2':>7}")
-    for dname, dtype in DTYPES.items():
-        for rows in ROWS:
-            key = f"{dname}_{rows}"
-            kb = rows * HIDDEN * torch.tensor([], dtype=dtype).element_size() / 1000
-            ours = result["ours"]["all_reduce"][key]
-            cols = " ".join(f"{v:>10.2f}" for v in ours.values())
-            b = [base.get(n, {}).get(key) for n in ("nccl", "symm_one_shot", "symm_two_shot")]
-            bcols = " ".join(f"{v:>7.2f}" if v is not None else f"{'-':>7}" for v in b)
-            print(f"{key:>10} {kb:>6.0f} {cols} {bcols}")
+    print(f"{'':>14} " + " ".join(f"{k:>8}" for k in keys))
+    print(f"{'KB':>14} " + " ".join(
+        f"{r * HIDDEN * (4 if d == 'fp32' else 2) / 1000:>8.0f}" for d in DTYPES for r in ROWS))
+    for variant in result["ours"]["all_reduce"]["fp32_5"]:
+        print(f"{variant:>14} " + " ".join(f"{result['ours']['all_reduce'][k][variant]:>8.2f}" for k in keys))
+    for name in ("nccl", "symm_one_shot", "symm_two_shot"):
+        vals = [base.get(name, {}).get(k) for k in keys]
+        print(f"{name:>14} " + " ".join(f"{v:>8.2f}" if v is not None else f"{'-':>8}" for v in vals))
     print("argmax exchange:", result["ours"]["argmax"])
     print("floors:", result["ours"]["floors"])
     if base.get("error") or base.get("errors"):

@@ -19,6 +19,7 @@ other rank's best value.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 from collections.abc import Sequence
@@ -39,6 +40,13 @@ ERR_NAMES = {
     ERR_CANCELLED: "cancelled",
     ERR_EPOCH_EXHAUSTED: "epoch exhausted",
 }
+
+# protocol mode bits (kernels.cu): measurement knobs, DEFAULT_MODE is what the benchmark chose
+M_SPIN_RELAXED = 1
+M_ACK_RELAXED = 2
+M_SINGLE_FLAG = 4
+M_EAGER_CANCEL = 8
+DEFAULT_MODE = 0
 
 KIND_ALL_REDUCE = 1
 KIND_ARGMAX = 2
@@ -275,6 +283,10 @@ class EmulatedGroup:
 # the real pair
 
 
+def _on(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def _arch_for(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
@@ -291,7 +303,7 @@ class P2PGroup:
 
     def __init__(
         self, devices: Sequence[int | torch.device], *, max_bytes: int = 2 << 20, blocks: int = 32,
-        threads: int = 512, timeout_ms: float = 2000.0,
+        threads: int = 512, timeout_ms: float = 2000.0, mode: int | None = None,
     ) -> None:
         from . import native
 
@@ -310,6 +322,7 @@ class P2PGroup:
         self.region = ((max_bytes + blocks - 1) // blocks + 15) // 16 * 16  # bytes per (slot, source, block)
         self.max_bytes = self.region * blocks
         self.timeout_ms = float(timeout_ms)
+        self.mode = DEFAULT_MODE if mode is None else int(mode)
         self._lib = native.load(_arch_for(self.devices[0]))
         self._check = native.check
         self._poisoned = 0
@@ -348,7 +361,7 @@ class P2PGroup:
         bases = (ctypes.c_void_p * self.world_size)(*self._bases)
         for r, d in enumerate(idx):
             ctx = lib.p2p_ctx_new(d, r, self.world_size, blocks, threads, self.region,
-                                  int(self.timeout_ms * 1e6), bases, cancel_dev)
+                                  int(self.timeout_ms * 1e6), bases, cancel_dev, self.mode)
             if not ctx:
                 raise RuntimeError("p2p_ctx_new refused its arguments")
             self._ctx.append(ctx)
@@ -467,7 +480,9 @@ class P2PGroup:
         if x.numel() * x.element_size() > self.max_bytes:
             nbytes = x.numel() * x.element_size()
             raise ValueError(f"all_reduce: {nbytes} B exceeds the group's capacity {self.max_bytes} B")
-        out = torch.empty_like(x) if out is None else out
+        if out is None:
+            with _on(stream):  # allocate on the stream that uses it (the caching allocator is per stream)
+                out = torch.empty_like(x)
         if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
             raise ValueError("all_reduce: out must be contiguous and match x in shape and dtype")
         handle = self._launch_prep(rank, (x, out), stream)
@@ -486,7 +501,8 @@ class P2PGroup:
         if not 0 < vocab < 2**31:
             raise ValueError(f"argmax_exchange: vocab must be in 1..2**31-1, got {vocab}")
         if out is None:
-            out = (torch.empty_like(val), torch.empty_like(idx), None if val2 is None else torch.empty_like(val))
+            with _on(stream):
+                out = (torch.empty_like(val), torch.empty_like(idx), None if val2 is None else torch.empty_like(val))
         o1, oi, o2 = out
         if (o2 is None) != (val2 is None):
             raise ValueError("argmax_exchange: pass val2 and out[2] together (top2 wanted) or neither")
@@ -507,9 +523,10 @@ class P2PGroup:
         if logits.dim() != 2 or logits.shape[1] < 1 or logits.stride(1) != 1 or logits.dtype not in _DTYPES:
             raise ValueError("shard_argmax: logits must be [rows, V>=1], float32/bfloat16, unit stride in V")
         rows = logits.shape[0]
-        o1 = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        oi = torch.empty(rows, dtype=torch.int64, device=logits.device)
-        o2 = torch.empty_like(o1) if top2 else None
+        with _on(stream):
+            o1 = torch.empty(rows, dtype=torch.float32, device=logits.device)
+            oi = torch.empty(rows, dtype=torch.int64, device=logits.device)
+            o2 = torch.empty_like(o1) if top2 else None
         handle = self._launch_prep(rank, (logits,), stream)
         rc = self._lib.p2p_shard_argmax(
             self.devices[rank].index, _DTYPES[logits.dtype], logits.data_ptr(), rows, logits.shape[1],

@@ -46,9 +46,17 @@ typedef unsigned long long u64;
 #define H_EPOCH 0
 #define H_DONE 1
 #define H_ERR 2
+#define H_ARRIVE 3
+
+// protocol mode bits (runtime, for measuring the cost of each ordering choice; see docs/P2P.md)
+#define M_SPIN_RELAXED 1u   // spin with relaxed loads, one acquire load once the value is there
+#define M_ACK_RELAXED 2u    // consumption acks as relaxed stores (no release fence)
+#define M_SINGLE_FLAG 4u    // one flag per op: the last block to finish pushing releases it
+#define M_EAGER_CANCEL 8u   // poll the host cancel word from the first iterations (else after 20 us)
 
 struct Ctx {
   int rank, nranks, G, threads, dev;
+  unsigned mode;
   u64 region;       // bytes of one (parity, source, block) receive region
   u64 timeout_ns;
   unsigned* hdr[P2P_MAXR];   // per rank: [epoch, done, err, pad]
@@ -69,6 +77,19 @@ __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
 __device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ __forceinline__ u64 ld_relaxed_sys64(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 __device__ __forceinline__ unsigned ld_relaxed_sys(const unsigned* p) {
   unsigned v;
   asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -88,20 +109,26 @@ __device__ void raise_err(const Ctx& c, unsigned local_bits) {
   __threadfence_system();
 }
 
-// Bounded spin. ready() returns 1 (done), 0 (keep waiting) or -1 (invalid). Returns 0 on success,
-// else error bits (ERR_SEEN | bits when our error word was already set by a peer's mirror).
+// Bounded spin on a 64-bit word. ready(v) returns 1 (done), 0 (keep waiting) or -1 (invalid).
+// Returns 0 on success, else error bits (ERR_SEEN | bits when our error word was already set by a
+// peer's mirror). The host cancel word lives in host memory (a PCIe read), so it is polled only once
+// a wait is older than 20 us unless M_EAGER_CANCEL.
 template <class F>
-__device__ unsigned bounded_wait(const Ctx& c, F ready) {
+__device__ unsigned bounded_wait(const Ctx& c, const u64* p, F ready) {
+  const bool relaxed = c.mode & M_SPIN_RELAXED;
   u64 t0 = gtimer();
   for (unsigned it = 0;; ++it) {
-    int r = ready();
+    u64 v = relaxed ? ld_relaxed_sys64(p) : ld_acquire_sys(p);
+    int r = ready(v);
+    if (r != 0 && relaxed) r = ready(ld_acquire_sys(p));  // the acquire that orders what follows
     if (r > 0) return 0;
     if (r < 0) return ERR_INVALID_ID;
     if ((it & 15u) == 15u) {
       unsigned e = ld_relaxed_sys(c.hdr[c.rank] + H_ERR);
       if (e) return ERR_SEEN | e;
-      if (ld_relaxed_sys(c.cancel)) return ERR_CANCELLED;
-      if (gtimer() - t0 > c.timeout_ns) return ERR_LOCAL_TIMEOUT;
+      u64 dt = gtimer() - t0;
+      if (((c.mode & M_EAGER_CANCEL) || dt > 20000ull) && ld_relaxed_sys(c.cancel)) return ERR_CANCELLED;
+      if (dt > c.timeout_ns) return ERR_LOCAL_TIMEOUT;
     }
   }
 }
@@ -133,7 +160,7 @@ __device__ void wait_acks(const Ctx& c, unsigned e, unsigned* s_err) {
     int q = (c.rank + t) % c.nranks;
     const u64* a = c.acks[c.rank] + (u64)q * c.G + blockIdx.x;
     u64 need = e >= 2u ? (u64)(e - 2u) : 0ull;
-    unsigned r = bounded_wait(c, [&]() { return ld_acquire_sys(a) >= need ? 1 : 0; });
+    unsigned r = bounded_wait(c, a, [&](u64 v) { return v >= need ? 1 : 0; });
     note_err(c, r, s_err);
   }
 }
@@ -142,12 +169,34 @@ __device__ __forceinline__ u64 slot_off(const Ctx& c, unsigned parity, int src) 
   return (((u64)parity * c.nranks + src) * c.G + blockIdx.x);
 }
 
+__device__ __forceinline__ u64 flag_index(const Ctx& c, unsigned parity, int src) {
+  int blk = (c.mode & M_SINGLE_FLAG) ? 0 : blockIdx.x;
+  return (((u64)parity * c.nranks + src) * c.G + blk);
+}
+
 // Step 2b: publish our flags on every peer (after a barrier that ends every thread's pushes).
+// Per-block: each block releases its own flag. M_SINGLE_FLAG: each block arrives on a local counter
+// (acq_rel, gpu scope: orders its pushes before the arrival); the last one releases one flag per peer
+// at system scope, which covers every block's pushes by cumulativity.
 __device__ void publish_flags(const Ctx& c, unsigned e, unsigned tag) {
   int t = threadIdx.x;
+  const u64 val = ((u64)e << 32) | tag;
+  if (c.mode & M_SINGLE_FLAG) {
+    if (t == 0) {
+      unsigned old = atom_add_acq_rel_gpu(c.hdr[c.rank] + H_ARRIVE, 1u);
+      if (old == (unsigned)c.G - 1u) {
+        c.hdr[c.rank][H_ARRIVE] = 0u;  // the next launch (stream order) starts from zero
+        for (int k = 1; k < c.nranks; ++k) {
+          int q = (c.rank + k) % c.nranks;
+          st_release_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
+        }
+      }
+    }
+    return;
+  }
   if (t >= 1 && t < c.nranks) {
     int q = (c.rank + t) % c.nranks;
-    st_release_sys(c.flags[q] + slot_off(c, e & 1u, c.rank), ((u64)e << 32) | tag);
+    st_release_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
   }
 }
 
@@ -156,10 +205,9 @@ __device__ void wait_flags(const Ctx& c, unsigned e, unsigned tag, unsigned* s_e
   int t = threadIdx.x;
   if (t >= 1 && t < c.nranks) {
     int q = (c.rank + t) % c.nranks;
-    const u64* f = c.flags[c.rank] + slot_off(c, e & 1u, q);
+    const u64* f = c.flags[c.rank] + flag_index(c, e & 1u, q);
     unsigned older = e >= 2u ? e - 2u : 0u;
-    unsigned r = bounded_wait(c, [&]() {
-      u64 v = ld_acquire_sys(f);
+    unsigned r = bounded_wait(c, f, [&](u64 v) {
       unsigned ve = (unsigned)(v >> 32);
       if (ve == e) return ((unsigned)v == tag) ? 1 : -1;  // same epoch, other collective: desync
       if (ve == older || ve == 0u) return 0;                // the slot's previous use, or reset
@@ -174,18 +222,24 @@ __device__ void publish_acks(const Ctx& c, unsigned e) {
   int t = threadIdx.x;
   if (t >= 1 && t < c.nranks) {
     int q = (c.rank + t) % c.nranks;
-    st_release_sys(c.acks[q] + (u64)c.rank * c.G + blockIdx.x, (u64)e);
+    u64* a = c.acks[q] + (u64)c.rank * c.G + blockIdx.x;
+    // relaxed is enough in practice: every read of the slot returned before the barrier above
+    if (c.mode & M_ACK_RELAXED)
+      st_relaxed_sys(a, (u64)e);
+    else
+      st_release_sys(a, (u64)e);
   }
 }
 
 // Step 6: the last block publishes the epoch (the next launch in stream order reads it).
-__device__ void epilogue(const Ctx& c, unsigned e) {
+// A launch refused at its start (poisoned, exhausted) advances nothing.
+__device__ void epilogue(const Ctx& c, unsigned e, bool refused) {
   if (threadIdx.x == 0) {
     __threadfence();
     unsigned old = atomicAdd(c.hdr[c.rank] + H_DONE, 1u);
     if (old == (unsigned)c.G - 1u) {
       c.hdr[c.rank][H_DONE] = 0u;
-      if (e != 0u) c.hdr[c.rank][H_EPOCH] = e;
+      if (e != 0u && !refused) c.hdr[c.rank][H_EPOCH] = e;
       __threadfence();
     }
   }
@@ -209,6 +263,7 @@ __global__ void __launch_bounds__(1024) k_allreduce(Ctx c, const T* __restrict__
   if (threadIdx.x == 0) prologue(c, &s_e, &s_err);
   __syncthreads();
   const unsigned e = s_e;
+  const bool refused = s_err != 0;
   const int b = blockIdx.x, t = threadIdx.x, nt = blockDim.x, N = c.nranks;
   const long long start = (long long)b * per;
   const long long cnt = start < n ? min(per, n - start) : 0;
@@ -275,7 +330,7 @@ __global__ void __launch_bounds__(1024) k_allreduce(Ctx c, const T* __restrict__
   }
   __syncthreads();
   if (!s_err) publish_acks(c, e);
-  epilogue(c, e);
+  epilogue(c, e, refused);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -304,6 +359,7 @@ __global__ void __launch_bounds__(1024) k_argmax_xchg(Ctx c, const float* v1, co
   if (threadIdx.x == 0) prologue(c, &s_e, &s_err);
   __syncthreads();
   const unsigned e = s_e;
+  const bool refused = s_err != 0;
   const int b = blockIdx.x, t = threadIdx.x, N = c.nranks;
   const long long start = (long long)b * per;
   const long long cnt = start < rows ? min(per, rows - start) : 0;
@@ -365,7 +421,7 @@ __global__ void __launch_bounds__(1024) k_argmax_xchg(Ctx c, const float* v1, co
   }
   __syncthreads();
   if (!s_err) publish_acks(c, e);
-  epilogue(c, e);
+  epilogue(c, e, refused);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -637,10 +693,11 @@ static void layout(char* base, int nranks, int G, unsigned** hdr, u64** flags, u
 }
 
 void* p2p_ctx_new(int dev, int rank, int nranks, int G, int threads, u64 region, u64 timeout_ns, void** bases,
-                  void* cancel_dev) {
+                  void* cancel_dev, unsigned mode) {
   if (nranks < 1 || nranks > P2P_MAXR || rank < 0 || rank >= nranks || G < 1 || region % 16) return nullptr;
   Ctx* c = new Ctx();
   c->dev = dev;
+  c->mode = mode;
   c->rank = rank;
   c->nranks = nranks;
   c->G = G;

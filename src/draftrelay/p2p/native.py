@@ -34,7 +34,7 @@ _SIGS: dict[str, tuple] = {
     "p2p_stream_destroy": (_int, _int, _p),
     "p2p_stream_wait": (_int, _int, _p, _u64),
     "p2p_state_bytes": (_u64, _int, _int, _u64),
-    "p2p_ctx_new": (_p, _int, _int, _int, _int, _int, _u64, _u64, ctypes.POINTER(_p), _p),
+    "p2p_ctx_new": (_p, _int, _int, _int, _int, _int, _u64, _u64, ctypes.POINTER(_p), _p, _u32),
     "p2p_ctx_free": (None, _p),
     "p2p_ctx_set_timeout": (None, _p, _u64),
     "p2p_reset_state": (_int, _p, _u32, _p),
