@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-slow-token", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--test-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--test-fail-token", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: 1 for 'tiny', which runs fastest single-threaded; torch's default else)")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -47,6 +49,8 @@ def _check(args: argparse.Namespace) -> str | None:
     for name in ("idle_timeout", "handshake_timeout", "frame_timeout"):
         if getattr(args, name) <= 0:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive"
+    if args.threads < 0:
+        return f"--threads {args.threads}: must be 0 or more"
     if args.test_vocab <= 1:
         return f"--test-vocab {args.test_vocab}: must be at least 2"
     return None
@@ -63,12 +67,16 @@ def run(args: argparse.Namespace) -> int:
     from draftrelay.worker.server import WorkerServer
 
     device = args.device
-    if device == "auto":
-        device = "cpu"
-        if args.model != "test":
-            import torch
+    if args.model != "test":
+        import torch
 
+        if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        threads = args.threads or (1 if args.model == "tiny" else 0)
+        if threads:
+            torch.set_num_threads(threads)
+    elif device == "auto":
+        device = "cpu"
     try:
         drafter = load_drafter(args.model, device=device, dtype=args.dtype, n_rows=args.rows, max_ctx=args.max_ctx,
                                n_out_max=args.n_out_max, seed=args.seed, model_id=args.model_id,

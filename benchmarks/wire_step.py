@@ -1,0 +1,132 @@
+"""STEP round trip over loopback TCP: what one remote drafting round costs the engine.
+
+Starts a real worker process (`python -m draftrelay.worker`), connects the numpy-only client and
+runs steady-state rounds at 1 and 4 requests: each round every request sends the tokens it
+"accepted" (`--accept` drafts + a bonus token) and asks for `--n-out` drafts, as the engine does.
+Prints p50/p99 of the client-side round trip, the worker's own drafting time (worker_us, from the
+reply) and the empty-frame PING round trip (pure transport), then writes JSON.
+
+    python benchmarks/wire_step.py                                   # CPU, built-in tiny drafter
+    python benchmarks/wire_step.py --model random:qwen2.5-0.5b --device cuda   # ~0.5B at random weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from draftrelay.wire import Block, DrafterClient
+from draftrelay.worker.process import start_worker_process
+
+
+def pct(xs, q) -> float:
+    return float(np.percentile(np.asarray(xs) * 1e3, q))
+
+
+def env_info(device: str) -> dict:
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpu": platform.processor(),
+            "cores": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if device.startswith("cuda") and torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["cuda"] = torch.version.cuda
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.sm",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            info["nvidia_smi"] = smi.stdout.strip()
+    except Exception as exc:  # environment details are best-effort
+        info["env_error"] = str(exc)
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), info["cpu"])
+    except OSError:
+        pass
+    return info
+
+
+def run_point(client: DrafterClient, n_req: int, n_out: int, accept: int, rounds: int, warmup: int,
+              vocab: int, prompt_len: int, rng: np.random.Generator) -> dict:
+    base = 1000 * n_req  # fresh request ids per point
+    ctx = {base + i: 0 for i in range(n_req)}
+    pending = {rid: rng.integers(0, vocab, prompt_len).astype(np.int32) for rid in ctx}
+    # first round: the prompts (a prefill), not timed
+    r = client.step([Block(rid, 0, 0, pending[rid], n_out) for rid in ctx], timeout=60)
+    rtt, wus = [], []
+    for k in range(warmup + rounds):
+        for i, rid in enumerate(ctx):
+            ctx[rid] += len(pending[rid])
+            d = r[i].drafts
+            pending[rid] = np.concatenate([d[:accept], rng.integers(0, vocab, 1)]).astype(np.int32)
+        blocks = [Block(rid, 0, ctx[rid], pending[rid], n_out) for rid in ctx]
+        t0 = time.perf_counter()
+        r = client.step(blocks, timeout=10)
+        dt = time.perf_counter() - t0
+        assert all(b.status == 0 for b in r), [b.status for b in r]
+        if k >= warmup:
+            rtt.append(dt)
+            wus.append(r.worker_us * 1e-6)
+    return {"requests": n_req, "n_out": n_out, "accept": accept, "rounds": rounds,
+            "rtt_p50_ms": pct(rtt, 50), "rtt_p99_ms": pct(rtt, 99), "rtt_mean_ms": float(np.mean(rtt) * 1e3),
+            "worker_p50_ms": pct(wus, 50), "worker_p99_ms": pct(wus, 99),
+            "transport_p50_ms": pct(np.asarray(rtt) - np.asarray(wus), 50)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", default="1,4")
+    ap.add_argument("--n-out", default="4")
+    ap.add_argument("--accept", type=int, default=2, help="drafts accepted per round (+1 bonus token)")
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-ctx", type=int, default=4096)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    w = start_worker_process(["--model", args.model, "--device", args.device, "--rows", "8", "--max-requests", "8",
+                              "--max-ctx", str(args.max_ctx), "--n-out-max", "8"], timeout=600)
+    try:
+        client = DrafterClient(w.host, w.port, max_requests=8, n_out_max=8, timeout=10)
+        info = client.connect(timeout=30)
+        pings = [client.ping() for _ in range(args.warmup + args.rounds)][args.warmup:]
+        rng = np.random.default_rng(0)
+        points = []
+        for n_out in [int(x) for x in args.n_out.split(",")]:
+            for n_req in [int(x) for x in args.requests.split(",")]:
+                p = run_point(client, n_req, n_out, min(args.accept, n_out), args.rounds, args.warmup,
+                              info.vocab_size, args.prompt_len, rng)
+                points.append(p)
+                print(f"{n_req} request(s), n_out {n_out}: STEP round trip p50 {p['rtt_p50_ms']:.3f} ms "
+                      f"p99 {p['rtt_p99_ms']:.3f} ms | worker drafting p50 {p['worker_p50_ms']:.3f} ms | "
+                      f"transport+codec p50 {p['transport_p50_ms']:.3f} ms", flush=True)
+        print(f"PING round trip p50 {pct(pings, 50):.3f} ms p99 {pct(pings, 99):.3f} ms")
+        client.close()
+    finally:
+        w.stop()
+    result = {"benchmark": "wire_step", "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+              "worker": w.banner, "model": args.model, "device": args.device,
+              "ping_p50_ms": pct(pings, 50), "ping_p99_ms": pct(pings, 99), "points": points,
+              "env": env_info(args.device)}
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"wire_step_{'gpu' if args.device.startswith('cuda') else 'cpu'}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
