@@ -1,0 +1,433 @@
+"""The target-side engine: requests, KV rows, chunked prefill, batched speculative decode, metrics.
+
+One decode step for the running batch (every request keeps one *pending* token: sampled, not yet
+in the target's KV):
+
+  1. round t: each request sends the tokens the drafter has not seen yet (the prompt on the first
+     round, afterwards the tokens accepted since), at the position the drafter holds, with its
+     generation number and how many drafts it wants (n_out);
+       off   -> no round: a plain one-token decode step;
+       sync  -> the engine thread does the round itself (SyncRounds: it waits on the network);
+       async -> the round is only *enqueued* (AsyncRounds: the stream parks on a host flag, the
+                proxy process does the round); the engine prepares the verify meanwhile;
+  2. verify: one target forward over [pending, d1..dk] for every request (k+1 positions, rows
+     padded to the longest draft);
+  3. accept: greedy exact match, or lossless rejection sampling (sampling.py); the target KV is
+     rolled back to the accepted length; the next pending token is the correction or the bonus.
+
+A round that failed, timed out or was claimed by the watchdog carries zero drafts: that step is
+target-only (logits of position 0 depend on the pending token and the KV only, never on drafts, so
+a bad round can cost speed, never a token). After a failed round the next round resends from the
+last position the drafter confirmed (the worker rolls back and extends); a request the drafter no
+longer knows (new session after a reconnect: an OK round with zero drafts for it) is restarted
+with a higher generation number from position 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from draftrelay.handoff.region import RoundRequest, RoundResult, Status
+from draftrelay.handoff.rounds import HandoffConfig, SyncRounds, open_rounds
+from draftrelay.model import Transformer
+
+from .sampling import accept_greedy, accept_sampled, probs_from_logits, sample_from
+
+MODES = ("off", "sync", "async")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class EngineConfig:
+    mode: str = "off"  # off | sync | async
+    n_draft: int = 4  # k: drafts asked per request per round
+    max_batch: int = 4  # concurrent requests (target KV rows)
+    max_len: int = 2048  # tokens per KV row (prompt + output + k + 1)
+    prefill_chunk: int = 512
+    graphs: bool = False  # CUDA graphs for the verify forward (GPU only, see graphs.py)
+    slot_ring: bool = False  # two-slot decode-graph ring (only with graphs)
+    handoff: HandoffConfig | None = None  # rounds to open when none are passed in
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("max_batch", "max_len", "prefill_chunk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.n_draft <= 64:
+            raise ValueError(f"n_draft must be within [0, 64], got {self.n_draft}")
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    row: int = -1
+    done: bool = False
+    finish_reason: str = ""
+    # drafter bookkeeping: what the drafter holds (position of the next block) and its incarnation
+    generation: int = 1
+    synced: int = 0
+    restarts: int = 0
+    no_drafts: bool = False  # the drafter returned nothing even after a restart: stop asking
+    # metrics
+    t_arrive: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # drafts kept, per step that had drafts
+    pos_tries: list[int] = field(default_factory=list)
+    pos_hits: list[int] = field(default_factory=list)
+    rounds: Counter = field(default_factory=Counter)  # ok / failed / watchdog / target_only
+    gen: torch.Generator | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def metrics(self) -> dict:
+        steps = self.step_s
+        n_out = len(self.output)
+        return {
+            "id": self.id, "prompt_tokens": len(self.prompt), "output_tokens": n_out,
+            "finish_reason": self.finish_reason,
+            "ttft_s": self.t_first - self.t_arrive,
+            "step_p50_ms": 1e3 * statistics.median(steps) if steps else 0.0,
+            "steps": len(steps),
+            "tokens_per_step": (n_out - 1) / len(steps) if steps else 0.0,
+            "mean_accepted": float(np.mean(self.kept)) if self.kept else 0.0,
+            "accept_rate_by_pos": [h / t if t else 0.0 for h, t in zip(self.pos_hits, self.pos_tries, strict=True)],
+            "rounds": {k: self.rounds.get(k, 0) for k in ("ok", "failed", "watchdog", "target_only")},
+            "generation": self.generation,
+        }
+
+
+class LocalRounds:
+    """In-process rounds around a round function (same interface as SyncRounds): for tests and
+    for running a drafter inside the engine process. fn(t, requests, budget_s) -> [(drafts, conf)]."""
+
+    mode = "local"
+    refusal = ""
+
+    def __init__(self, fn: Callable, max_drafts: int = 16) -> None:
+        self.fn, self.max_drafts = fn, max_drafts
+        self._t = 0
+        self._results: dict[int, RoundResult] = {}
+        self._by_status: Counter = Counter()
+
+    def submit(self, requests: list[RoundRequest]) -> int:
+        self._t += 1
+        n, D = len(requests), self.max_drafts
+        counts, drafts, conf = np.zeros(n, np.int32), np.zeros((n, D), np.int32), np.zeros((n, D), np.float32)
+        for i, (d, c) in enumerate(self.fn(self._t, requests, 1.0)):
+            counts[i] = len(d)
+            drafts[i, :len(d)], conf[i, :len(d)] = d, c
+        self._results[self._t] = RoundResult(self._t, Status.OK, counts, drafts, conf)
+        return self._t
+
+    def result(self, t: int, timeout_s: float | None = None) -> RoundResult:
+        res = self._results.pop(t)
+        self._by_status[res.status.name.lower()] += 1
+        return res
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, "refusal": "", "rounds": sum(self._by_status.values()), **self._by_status}
+
+    def close(self) -> None:
+        pass
+
+
+class Engine:
+    def __init__(self, target: Transformer, cfg: EngineConfig, rounds=None) -> None:
+        cfg.validate()
+        self.model, self.cfg = target, cfg
+        self.device = target.device
+        self.vocab = target.cfg.vocab_size
+        # one spare row: the graph path pads batches with it (its contents are never read back)
+        self.cache = target.new_cache(cfg.max_batch + 1, cfg.max_len)
+        self.free_rows = list(range(cfg.max_batch))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self._ends: list[RoundRequest] = []  # finished requests the drafter may forget
+        self._next_id = 0
+        self._own_rounds = False
+        self.rounds = rounds
+        if cfg.mode != "off" and rounds is None:
+            h = dataclasses.replace(cfg.handoff or HandoffConfig())
+            h.vocab_size = self.vocab
+            h.max_drafts = max(h.max_drafts, cfg.n_draft)
+            h.max_requests = max(h.max_requests, cfg.max_batch)
+            self.rounds = SyncRounds(h) if cfg.mode == "sync" else open_rounds(h)
+            self._own_rounds = True
+        self.graphs = None
+        if cfg.graphs:
+            from .graphs import DecodeGraphs  # CUDA only
+
+            self.graphs = DecodeGraphs(target, self.cache, cfg.max_batch, cfg.n_draft + 1, ring=cfg.slot_ring)
+        self._round_mode = "off" if self.rounds is None else self.rounds.mode
+        self.wall_s = 0.0
+        self.submit_s: list[float] = []  # engine-side cost of submit (async: enqueue only)
+        self.wait_s: list[float] = []  # time blocked in result()
+
+    @property
+    def round_mode(self) -> str:
+        """What actually runs: 'off', 'sync', 'async', or 'sync' after an async refusal."""
+        return self._round_mode
+
+    # -- requests -------------------------------------------------------------------------------------
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> Request:
+        params = params or SamplingParams()
+        prompt = [int(x) for x in prompt]
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise ValueError(f"prompt token outside the vocabulary [0, {self.vocab})")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        need = len(prompt) + params.max_tokens + self.cfg.n_draft + 1
+        if need > self.cfg.max_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) + drafts "
+                             f"({self.cfg.n_draft + 1}) = {need} exceeds the engine's max_len {self.cfg.max_len}")
+        req = Request(self._next_id, prompt, params, t_arrive=time.perf_counter())
+        self._next_id += 1
+        if params.temperature > 0:
+            req.gen = torch.Generator(device=self.device).manual_seed(params.seed * 1_000_003 + req.id)
+        self.waiting.append(req)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 on_step: Callable[[Engine], None] | None = None) -> list[Request]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        t0 = time.perf_counter()
+        while self.has_work():
+            self.step()
+            if on_step is not None:
+                on_step(self)
+        self.wall_s += time.perf_counter() - t0
+        return reqs
+
+    # -- one engine step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        while self.waiting and self.free_rows:
+            self._prefill(self.waiting.popleft())
+        live = [r for r in self.running if not r.done]
+        if live:
+            self._decode(live)
+        for r in [r for r in self.running if r.done]:
+            self._finish(r)
+
+    def _prefill(self, req: Request) -> None:
+        req.row = self.free_rows.pop(0)
+        self.cache.reset(req.row)
+        toks = torch.tensor(req.prompt, dtype=torch.long)
+        rows = torch.tensor([req.row])
+        C = self.cfg.prefill_chunk
+        for c0 in range(0, len(req.prompt), C):  # chunked: bounded activation memory for long prompts
+            chunk = toks[c0:c0 + C][None]
+            logits = self.model(chunk, torch.tensor([c0]), self.cache, rows, last_only=True)
+        first = self._sample_one(req, logits[0, -1])
+        req.t_first = time.perf_counter()
+        self.running.append(req)
+        self._emit(req, [first])
+
+    def _sample_one(self, req: Request, logits: torch.Tensor) -> int:
+        p = req.params
+        if p.temperature <= 0:
+            return int(torch.argmax(logits))
+        return sample_from(probs_from_logits(logits, p.temperature, p.top_k), req.gen)
+
+    def _emit(self, req: Request, tokens: list[int]) -> None:
+        """Append tokens, stopping at a stop token or max_tokens (the rest is dropped)."""
+        p = req.params
+        for tok in tokens:
+            req.output.append(tok)
+            if tok in p.stop_token_ids:
+                req.done, req.finish_reason = True, "stop"
+                return
+            if len(req.output) >= p.max_tokens:
+                req.done, req.finish_reason = True, "length"
+                return
+
+    def _finish(self, req: Request) -> None:
+        req.t_done = time.perf_counter()
+        self.running.remove(req)
+        self.cache.reset(req.row)
+        self.free_rows.append(req.row)
+        self.free_rows.sort()
+        self.finished.append(req)
+        if self.rounds is not None and req.synced:  # let the drafter free the request's KV
+            self._ends.append(RoundRequest(req.id, req.generation, req.synced, np.zeros(0, np.int32), 0))
+
+    def _n_out(self, req: Request) -> int:
+        if req.no_drafts:
+            return 0
+        # never draft past max_tokens: the last token of a request is always the target's own
+        return max(0, min(self.cfg.n_draft, req.params.max_tokens - len(req.output) - 1))
+
+    def _decode(self, batch: list[Request]) -> None:
+        t_step = time.perf_counter()
+        B = len(batch)
+        seqs = [r.prompt + r.output for r in batch]
+        n_out = [self._n_out(r) for r in batch] if self.rounds is not None else [0] * B
+        res, t = None, 0
+        if any(n_out):
+            reqs = [RoundRequest(r.id, r.generation, r.synced, np.asarray(s[r.synced:], np.int32), n)
+                    for r, s, n in zip(batch, seqs, n_out, strict=True)]
+            room = max(0, self._round_capacity() - B)
+            ends, self._ends = self._ends[:room], self._ends[room:]
+            t0 = time.perf_counter()
+            t = self.rounds.submit(reqs + ends)
+            self.submit_s.append(time.perf_counter() - t0)
+        # host work that does not depend on the drafts (overlaps the round in async mode)
+        start = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.long)  # the pending token's position
+        rows = torch.tensor([r.row for r in batch], dtype=torch.long)
+        pending = [s[-1] for s in seqs]
+        drafts: list[list[int]] = [[] for _ in batch]
+        if t:
+            t0 = time.perf_counter()
+            res = self.rounds.result(t)
+            self.wait_s.append(time.perf_counter() - t0)
+            drafts = self._take_drafts(batch, seqs, n_out, res)
+        T = 1 + max(len(d) for d in drafts)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        for i, (p, d) in enumerate(zip(pending, drafts, strict=True)):
+            tokens[i, 0] = p
+            tokens[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+        logits = self._verify_forward(tokens, start, rows)  # [B, T, V]
+        greedy = [r.params.temperature <= 0 for r in batch]
+        argmax = logits.argmax(-1).tolist() if any(greedy) else None
+        for i, r in enumerate(batch):
+            d = drafts[i]
+            if greedy[i]:
+                kept, nxt = accept_greedy(argmax[i][:len(d) + 1], d)
+            else:
+                p = probs_from_logits(logits[i, :len(d) + 1], r.params.temperature, r.params.top_k)
+                kept, nxt = accept_sampled(p, d, r.gen)
+            # roll the KV back to the accepted length: pending + kept drafts are now in the cache
+            self._set_kv_len(r.row, int(start[i]) + 1 + kept)
+            self._record(r, res, n_out[i], len(d), kept)
+            self._emit(r, d[:kept] + [nxt])
+        dt = time.perf_counter() - t_step
+        for r in batch:
+            r.step_s.append(dt)
+
+    def _round_capacity(self) -> int:
+        h = getattr(self.rounds, "cfg", None)
+        return h.max_requests if h is not None else self.cfg.max_batch
+
+    def _take_drafts(self, batch, seqs, n_out, res: RoundResult) -> list[list[int]]:
+        """Drafts usable for each request, and the drafter bookkeeping the round implies."""
+        out = []
+        for i, r in enumerate(batch):
+            if not res.ok:  # failed / watchdog: target-only; resend from r.synced next round
+                out.append([])
+                continue
+            c = int(res.counts[i])
+            d = res.drafts[i, :min(c, n_out[i])]
+            if len(d) and (d.min() < 0 or d.max() >= self.vocab):  # never trust a draft id
+                d = d[:0]
+            if n_out[i] and c == 0:
+                # an OK round with nothing for this request: the drafter does not know it (new
+                # session) or refused the block. Restart it once from position 0, then give up.
+                if r.restarts >= 1 and r.synced == 0:
+                    r.no_drafts = True
+                r.generation += 1
+                r.synced = 0
+                r.restarts += 1
+            else:
+                r.synced = len(seqs[i])
+            out.append(d.tolist())
+        return out
+
+    def _record(self, r: Request, res: RoundResult | None, asked: int, offered: int, kept: int) -> None:
+        if res is not None and asked:
+            r.rounds["ok" if res.ok else ("watchdog" if res.status == Status.WATCHDOG else "failed")] += 1
+        if res is not None and asked and offered == 0:
+            r.rounds["target_only"] += 1
+        if offered:
+            r.kept.append(kept)
+            while len(r.pos_tries) < offered:
+                r.pos_tries.append(0)
+                r.pos_hits.append(0)
+            for j in range(offered):
+                r.pos_tries[j] += 1
+                r.pos_hits[j] += j < kept
+
+    def _verify_forward(self, tokens: torch.Tensor, start: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(tokens.shape[0], tokens.shape[1]):
+            return self.graphs.run(tokens, start, rows)
+        return self.model(tokens, start, self.cache, rows)
+
+    def _set_kv_len(self, row: int, n: int) -> None:
+        # eager forwards advanced the row to start+T; graph replays did not touch lengths at all
+        self.cache.lengths[row] = n
+
+    # -- metrics ---------------------------------------------------------------------------------------
+    def metrics(self, requests: list[Request] | None = None) -> dict:
+        reqs = self.finished if requests is None else requests
+        per = [r.metrics() for r in reqs]
+        out_tokens = sum(m["output_tokens"] for m in per)
+        kept = [k for r in reqs for k in r.kept]
+        tries = Counter()
+        hits = Counter()
+        for r in reqs:
+            for j, (h, t) in enumerate(zip(r.pos_hits, r.pos_tries, strict=True)):
+                tries[j] += t
+                hits[j] += h
+        rounds = Counter()
+        for r in reqs:
+            rounds.update(r.rounds)
+        total = {
+            "mode": self.cfg.mode, "round_mode": self.round_mode,
+            "refusal": getattr(self.rounds, "refusal", "") if self.rounds is not None else "",
+            "requests": len(per), "output_tokens": out_tokens, "wall_s": self.wall_s,
+            "tokens_per_s": out_tokens / self.wall_s if self.wall_s > 0 else 0.0,
+            "ttft_s_mean": float(np.mean([m["ttft_s"] for m in per])) if per else 0.0,
+            "step_p50_ms": statistics.median([m["step_p50_ms"] for m in per]) if per else 0.0,
+            "mean_accepted": float(np.mean(kept)) if kept else 0.0,
+            "tokens_per_step": (sum(m["output_tokens"] - 1 for m in per) / max(1, sum(m["steps"] for m in per))),
+            "accept_rate_by_pos": [hits[j] / tries[j] for j in sorted(tries)],
+            "rounds": {k: rounds.get(k, 0) for k in ("ok", "failed", "watchdog", "target_only")},
+            "submit_p50_us": 1e6 * statistics.median(self.submit_s) if self.submit_s else 0.0,
+            "wait_p50_ms": 1e3 * statistics.median(self.wait_s) if self.wait_s else 0.0,
+        }
+        if self.rounds is not None:
+            total["handoff"] = self.rounds.stats()
+        return {"total": total, "requests": per}
+
+    def close(self) -> None:
+        if self.rounds is not None and self._own_rounds:
+            self.rounds.close()
+        self.rounds = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

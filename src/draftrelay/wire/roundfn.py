@@ -1,0 +1,93 @@
+"""The round function the proxy runs against a remote drafter worker: numpy + the wire client only.
+
+`worker_round_fn(spec)` returns fn(t, requests, budget_s) -> [(drafts int32, conf float32)] per
+request, as handoff.proxy expects. One round is one STEP frame; every way it can fail becomes a
+RoundFailure with the matching status, so the proxy releases the stream with zero drafts:
+
+  WireTimeout -> TIMEOUT      WireDisconnected -> DISCONNECT     WireBreakerOpen -> BREAKER
+  WireBadReply / WireRemoteError -> BAD_REPLY                    encoding error -> ENQUEUE
+
+A block the worker refused (UNKNOWN_REQUEST after a reconnect, STALE_GENERATION, ...) comes back as
+zero drafts for that request only; the engine then restarts the request with a higher generation
+from position 0. A request with n_out == 0 and no tokens is the engine saying "finished": it is
+sent as an END block so the worker frees the request's draft KV.
+
+spec keys (JSON): host, port, and optionally model_id, vocab_size, tokenizer_hash, n_out_max,
+max_requests, connect_timeout_s, breaker_failures, breaker_cooldown_s, client_name.
+This module must not import torch: the proxy process refuses to serve if torch is loaded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from draftrelay.handoff.proxy import RoundFailure, RoundFn
+from draftrelay.handoff.region import RoundRequest, Status
+from draftrelay.wire import protocol as P
+from draftrelay.wire.client import (
+    DrafterClient,
+    WireBadReply,
+    WireBreakerOpen,
+    WireDisconnected,
+    WireError,
+    WireTimeout,
+)
+
+_EMPTY_I = np.zeros(0, np.int32)
+_EMPTY_F = np.zeros(0, np.float32)
+
+
+def client_from_spec(spec: dict) -> DrafterClient:
+    if "port" not in spec:
+        raise ValueError("worker round spec needs 'port' (and usually 'host')")
+    return DrafterClient(
+        str(spec.get("host", "127.0.0.1")), int(spec["port"]),
+        model_id=str(spec.get("model_id", "")), vocab_size=int(spec.get("vocab_size", 0)),
+        tokenizer_hash=str(spec.get("tokenizer_hash", "")), n_out_max=int(spec.get("n_out_max", 8)),
+        max_requests=int(spec.get("max_requests", 8)), client_name=str(spec.get("client_name", "draftrelay-proxy")),
+        connect_timeout=float(spec.get("connect_timeout_s", 1.0)),
+        breaker_failures=int(spec.get("breaker_failures", 3)),
+        breaker_cooldown=float(spec.get("breaker_cooldown_s", 1.0)))
+
+
+def to_blocks(requests: list[RoundRequest]) -> list[P.Block]:
+    out = []
+    for r in requests:
+        end = r.n_out == 0 and len(r.tokens) == 0
+        out.append(P.Block(int(r.req_id), int(r.generation), int(r.position), np.asarray(r.tokens, np.int32),
+                           int(r.n_out), P.FLAG_END if end else 0))
+    return out
+
+
+def worker_round_fn(spec: dict, client: DrafterClient | None = None) -> RoundFn:
+    client = client or client_from_spec(spec)
+
+    def fn(t: int, requests: list[RoundRequest], budget_s: float) -> list[tuple[np.ndarray, np.ndarray]]:
+        if not requests:
+            return []
+        try:
+            blocks = to_blocks(requests)
+            reply = client.step(blocks, timeout=budget_s)
+        except WireTimeout as exc:
+            raise RoundFailure(Status.TIMEOUT, str(exc)) from None
+        except WireBreakerOpen as exc:
+            raise RoundFailure(Status.BREAKER, str(exc)) from None
+        except WireDisconnected as exc:
+            raise RoundFailure(Status.DISCONNECT, str(exc)) from None
+        except WireBadReply as exc:
+            raise RoundFailure(Status.BAD_REPLY, str(exc)) from None
+        except WireError as exc:  # WireRemoteError: an ERROR frame instead of a reply
+            raise RoundFailure(Status.BAD_REPLY, str(exc)) from None
+        except (ValueError, OverflowError) as exc:  # a block that cannot be encoded
+            raise RoundFailure(Status.ENQUEUE, str(exc)) from None
+        out = []
+        for i in range(len(requests)):
+            st, n = int(reply.status[i]), int(reply.counts[i])
+            if st in (P.OK, P.PARTIAL) and n:
+                out.append((reply.drafts[i, :n].copy(), reply.confidences[i, :n].copy()))
+            else:
+                out.append((_EMPTY_I, _EMPTY_F))
+        return out
+
+    fn.client = client  # type: ignore[attr-defined]  # for stats and tests
+    return fn
