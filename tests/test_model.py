@@ -342,3 +342,51 @@ def test_tiny_pair_drafter_agrees_often():
         assert len(set(seq[0, 6:].tolist())) > 5  # the target does not just repeat one token
     rate = agree / total
     assert 0.5 < rate < 0.99, rate
+
+
+def test_transformers5_rope_parameters_are_read():
+    cfg = ModelConfig.from_hf_dict({
+        "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "intermediate_size": 100, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192}})
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    plain = ModelConfig.from_hf_dict({"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+                                      "num_attention_heads": 4, "intermediate_size": 100,
+                                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert plain.rope_theta == 1e6 and plain.rope_scaling is None
+
+
+@pytest.mark.parametrize("kind", ["llama3-gqa-untied", "qwen2-bias-tied"])
+def test_logits_equal_huggingface_transformers(tmp_path, kind):
+    """Our model on checkpoints written by transformers itself (not in CI: transformers is not a dependency;
+    this runs where transformers is installed, e.g. the GPU machine's image)."""
+    transformers = pytest.importorskip("transformers")
+    import inspect
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+    if kind.startswith("llama3"):
+        Config, Model = transformers.LlamaConfig, transformers.LlamaForCausalLM
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+        theta, tie = 500000.0, False
+    else:
+        Config, Model = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
+        rope, theta, tie = None, 1000000.0, True
+    if "rope_parameters" in inspect.signature(Config.__init__).parameters:
+        extra = {"rope_parameters": {"rope_type": "default", **(rope or {}), "rope_theta": theta}}
+    else:
+        extra = {"rope_theta": theta, "rope_scaling": rope}
+    hf = Model(Config(**common, tie_word_embeddings=tie, **extra)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # HF's init leaves biases zero and norms one: make them count
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours = Transformer.from_hf_dir(tmp_path)
+    assert ours.cfg.qkv_bias == kind.startswith("qwen2") and ours.cfg.tie_word_embeddings == tie
+    toks = rand_tokens(150, 120, seed=2)  # past original_max_position_embeddings: the llama3 scaling matters
+    with torch.no_grad():
+        ref = hf(toks).logits.float()
+    torch.testing.assert_close(full_logits(ours, toks), ref, atol=1e-4, rtol=1e-4)

@@ -105,6 +105,11 @@ class ModelConfig:
         if cfg.get("attention_bias") and mtype != "qwen2":
             raise ModelError(f"{where}: 'attention_bias: true' (bias on o_proj) is not supported")
         scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta", 10000.0)
+        params = cfg.get("rope_parameters")  # transformers >= 5 keeps theta and scaling together here
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            scaling = params
         if isinstance(scaling, dict):
             scaling = dict(scaling)
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -121,7 +126,7 @@ class ModelConfig:
                 n_kv_heads=n_kv,
                 head_dim=head_dim,
                 intermediate_size=need("intermediate_size"),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(rope_theta),
                 rope_scaling=scaling,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -352,12 +357,14 @@ class Transformer(nn.Module):
         return KVCache(self.cfg, max_batch, max_len, self.device, self.dtype)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor,
-                kv_len: int | None = None, last_only: bool = False) -> torch.Tensor:
+                kv_len: int | None = None, last_only: bool = False,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B,T] at positions start_pos[b].. of cache rows rows[b] -> float32 logits [B,T,V].
 
         Eager use (kv_len=None): checks the positions on the host and advances cache.lengths.
         Graph capture: pass a static kv_len (>= every start_pos+T); nothing syncs and the caller
-        keeps cache.lengths itself. last_only: logits of the last position only ([B,1,V]).
+        keeps cache.lengths itself. last_only: logits of the last position only ([B,1,V]);
+        logits_at [B]: logits of position logits_at[b] of each row only ([B,1,V]; right-padded rows).
         """
         dev = self.device
         eager = kv_len is None
@@ -395,6 +402,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, cache, i, rows, pos, kv_len)
         if last_only:
             x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[torch.arange(B, device=dev), torch.as_tensor(logits_at, device=dev)][:, None]
         x = self.norm(x)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, w).float()

@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-slow-token", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--test-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--test-fail-token", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="auto", choices=["auto", "eager", "static", "graph"],
+                   help="draft step execution: CUDA graphs (auto on a GPU), eager (auto on CPU), or static shapes")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: 1 for 'tiny', which runs fastest single-threaded; torch's default else)")
     p.add_argument("--log-level", default="WARNING")
@@ -81,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         drafter = load_drafter(args.model, device=device, dtype=args.dtype, n_rows=args.rows, max_ctx=args.max_ctx,
                                n_out_max=args.n_out_max, seed=args.seed, model_id=args.model_id,
                                test_vocab=args.test_vocab, slow_token=args.test_slow_token,
-                               delay_ms=args.test_delay_ms, fail_token=args.test_fail_token)
+                               delay_ms=args.test_delay_ms, fail_token=args.test_fail_token,
+                               mode=args.mode)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"draftrelay worker: cannot load drafter: {exc}", file=sys.stderr)
         return 2

@@ -98,24 +98,51 @@ SHAPES = {
 }
 
 
-class LlamaDrafter(Drafter):
-    """Greedy drafting with draftrelay.model.Transformer; eager (no CUDA graphs yet)."""
+T_BUCKETS = (1, 2, 4, 8, PAD_LIMIT)
 
-    def __init__(self, model, n_rows: int, max_ctx: int, n_out_max: int, model_id: str, tokenizer_hash: str):
+
+class LlamaDrafter(Drafter):
+    """Greedy drafting with draftrelay.model.Transformer.
+
+    mode "eager": plain forwards, shapes as they come (the CPU default, and the reference).
+    mode "static": the whole draft step (padded extension + n_steps-1 decodes + argmax/confidence)
+    with static shapes and no host sync: keys of (requests, padded T, n_steps), attention over the
+    cache's full length (masked). mode "graph" (CUDA): the static step captured once per key as one
+    CUDA graph, replayed with one H2D copy of the packed inputs and one D2H copy of the drafts.
+    Frames with a long extension (a first-round prompt) always run eagerly.
+    """
+
+    def __init__(self, model, n_rows: int, max_ctx: int, n_out_max: int, model_id: str, tokenizer_hash: str,
+                 mode: str = "eager"):
         import torch
 
         self.torch = torch
         self.model = model
         cfg = model.cfg
+        if mode not in ("eager", "static", "graph"):
+            raise ValueError(f"drafter mode {mode!r}: eager, static or graph")
+        if mode == "graph" and model.device.type != "cuda":
+            raise ValueError("CUDA graphs need the drafter on a CUDA device")
+        self.mode = mode
         self.max_ctx = min(max_ctx, cfg.max_position_embeddings)
         self.n_rows, self.n_out_max, self.vocab_size = n_rows, n_out_max, cfg.vocab_size
         self.model_id, self.tokenizer_hash = model_id, tokenizer_hash
-        # slack behind max_ctx: padded extensions and drafts past a partial window land there
-        self.cache = model.new_cache(n_rows, self.max_ctx + max(PAD_LIMIT, n_out_max) + 1)
+        # slack behind max_ctx: padded extensions and drafts past a partial window land there;
+        # one extra row (index n_rows) is scratch for graph warm-up
+        self.cache = model.new_cache(n_rows + 1, self.max_ctx + max(PAD_LIMIT, n_out_max) + 1)
+        self._static: dict[tuple[int, int, int], object] = {}
+        self._pool = None
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
-                     f"{model.device} {str(model.dtype).replace('torch.', '')}, eager")
+                     f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}")
 
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.mode != "eager" and jobs and n_steps >= 1 and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
+            return self._run_static(jobs, n_steps)
+        return self._run_eager(jobs, n_steps)
+
+    # ---- eager ---------------------------------------------------------------------------------------
+
+    def _run_eager(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         torch, model, cache = self.torch, self.model, self.cache
         dev = model.device
         with torch.inference_mode():
@@ -129,10 +156,9 @@ class LlamaDrafter(Drafter):
                 for b, i in enumerate(short):
                     toks[b, :len(jobs[i].tokens)] = jobs[i].tokens
                 rows = [jobs[i].row for i in short]
-                logits = model(torch.from_numpy(toks).to(dev), torch.tensor([jobs[i].keep for i in short]),
-                               cache, torch.tensor(rows))
-                idx = torch.tensor([len(jobs[i].tokens) - 1 for i in short], device=dev)
-                picked = logits[torch.arange(len(short), device=dev), idx]
+                at = torch.tensor([len(jobs[i].tokens) - 1 for i in short], device=dev)
+                picked = model(torch.from_numpy(toks).to(dev), torch.tensor([jobs[i].keep for i in short]),
+                               cache, torch.tensor(rows), logits_at=at)[:, 0]
                 for b, i in enumerate(short):
                     last[i] = picked[b]
                     cache.truncate(jobs[i].row, jobs[i].keep + len(jobs[i].tokens))  # forget the padding
@@ -160,10 +186,88 @@ class LlamaDrafter(Drafter):
             confs = torch.stack(out_c, 1).float().cpu().numpy()
         return drafts, confs
 
+    # ---- static shapes / CUDA graphs ------------------------------------------------------------------
+
+    def _static_step(self, g) -> None:
+        """Everything of one draft step from g's input buffers into g's output buffers, no host sync."""
+        torch, model, cache = self.torch, self.model, self.cache
+        B, T, n_steps = g.key
+        kv = cache.max_len
+        tokens, start, rows, last = g.tokens, g.start, g.rows, g.last
+        logits = model(tokens, start, cache, rows, kv_len=kv, logits_at=last)[:, 0]
+        pos = start + last + 1  # position of the first draft
+        out_t, out_c = [], []
+        for s in range(n_steps):
+            tok = logits.argmax(-1)
+            out_t.append(tok)
+            out_c.append(torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+            if s < n_steps - 1:
+                logits = model(tok[:, None], pos + s, cache, rows, kv_len=kv)[:, 0]
+        g.out_tok.copy_(torch.stack(out_t, 1))
+        g.out_conf.copy_(torch.stack(out_c, 1))
+
+    def _get_static(self, key: tuple[int, int, int]):
+        g = self._static.get(key)
+        if g is not None:
+            return g
+        torch, dev = self.torch, self.model.device
+        B, T, n_steps = key
+        g = type("StaticStep", (), {})()
+        g.key = key
+        n_in = B * T + 3 * B
+        g.inbuf = torch.zeros(n_in, dtype=torch.int64, device=dev)  # packed inputs: one H2D copy per step
+        g.host = torch.zeros(n_in, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        g.tokens = g.inbuf[:B * T].view(B, T)
+        g.start, g.rows, g.last = (g.inbuf[B * T + i * B:B * T + (i + 1) * B] for i in range(3))
+        g.out_tok = torch.zeros(B, n_steps, dtype=torch.int64, device=dev)
+        g.out_conf = torch.zeros(B, n_steps, dtype=torch.float32, device=dev)
+        g.graph = None
+        if self.mode == "graph":
+            g.rows.fill_(self.n_rows)  # warm-up and capture write only into the scratch row
+            with torch.inference_mode():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # lets cuBLAS & co. pick and allocate before capture
+                        self._static_step(g)
+                torch.cuda.current_stream().wait_stream(side)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                g.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g.graph, pool=self._pool):
+                    self._static_step(g)
+        self._static[key] = g
+        return g
+
+    def _run_static(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        torch, cache = self.torch, self.cache
+        B = len(jobs)
+        T = next(t for t in T_BUCKETS if t >= max(len(j.tokens) for j in jobs))
+        g = self._get_static((B, T, n_steps))
+        host = g.host.numpy()
+        host[:] = 0
+        for b, j in enumerate(jobs):
+            cache.truncate(j.row, j.keep)
+            host[b * T:b * T + len(j.tokens)] = j.tokens
+            host[B * T + b] = j.keep
+            host[B * T + B + b] = j.row
+            host[B * T + 2 * B + b] = len(j.tokens) - 1
+        with torch.inference_mode():
+            g.inbuf.copy_(g.host, non_blocking=True)
+            if g.graph is not None:
+                g.graph.replay()
+            else:
+                self._static_step(g)
+            drafts = g.out_tok.to(torch.int32).cpu().numpy()
+            confs = g.out_conf.cpu().numpy()
+        for j in jobs:  # the same row lengths the eager path leaves: context + first n_steps-1 drafts
+            cache.lengths[j.row] = j.keep + len(j.tokens) + n_steps - 1
+        return drafts, confs
+
 
 def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows: int = 16, max_ctx: int = 4096,
                  n_out_max: int = 8, seed: int | None = None, model_id: str = "", test_vocab: int = 1000,
-                 slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1) -> Drafter:
+                 slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1, mode: str = "auto") -> Drafter:
     """`tiny` (the drafter half of model.tiny_pair), `test` (TestDrafter), `random:SHAPE`
     (SHAPES at seeded random weights), or a local HF model directory."""
     if spec == "test":
@@ -173,6 +277,8 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     from draftrelay import model as M
 
     dev = torch.device(device)
+    if mode == "auto":
+        mode = "graph" if dev.type == "cuda" else "eager"
     if dtype == "auto":
         tdtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     else:
@@ -180,16 +286,17 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     if spec == "tiny":
         s = M.TINY_SEED if seed is None else seed
         _, net = M.tiny_pair(s, device=dev, dtype=tdtype)
-        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or M.tiny_model_id(s), M.TINY_TOKENIZER_ID)
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or M.tiny_model_id(s), M.TINY_TOKENIZER_ID,
+                            mode)
     if spec.startswith("random:"):
         name = spec.split(":", 1)[1]
         if name not in SHAPES:
             raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
         cfg = M.ModelConfig(**SHAPES[name], name=name)
         net = M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype)
-        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "")
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "", mode)
     if not os.path.isdir(spec):
         raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', nor an existing directory")
     net = M.Transformer.from_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype)
     mid = model_id or os.path.basename(os.path.abspath(spec))
-    return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec))
+    return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode)
