@@ -11,7 +11,11 @@ For a spinning and a napping proxy process, over --rounds rounds each (after a w
     `consumed`; in `bare` mode nothing sits between the wait and that write.
   - pickup: engine thread sees `gathered` -> proxy's release (the proxy's wait + the built-in round)
   - the proxy process's CPU use over the run
-The emulated stream runs the same `round` loop in the same run, for the ratio.
+Also, side by side: the same rows with the driver bindings' own entry points (`calls=bindings`) instead
+of the ctypes fast path, the GPU's own release -> resume with no proxy process at all (`gpu-self`: the
+engine thread stores `released` itself once the stream is parked, and as a floor, the same ops with
+`released` already set: `gpu-unparked`, the time between the two GPU writes as the host sees them), and
+the emulated stream running the same `round` loop.
 
     python benchmarks/handoff_cuda.py [--rounds 20000] [--out benchmarks/results/handoff_cuda.json]
 """
@@ -29,7 +33,8 @@ import time
 import numpy as np
 
 from draftrelay.handoff import native
-from draftrelay.handoff.region import RoundRequest, W, pack_staging
+from draftrelay.handoff import rounds as rounds_mod
+from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig, open_rounds
 
 PROXY = {"spin": (10_000_000, 0), "nap": (50, 20)}
@@ -45,7 +50,7 @@ def pct(a, q: float) -> float | None:
     return round(float(np.percentile(np.asarray(a, dtype=np.float64), q)), 2) if len(a) else None
 
 
-def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int) -> dict:
+def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: bool = True) -> dict:
     import torch
 
     spin_us, nap_us = PROXY[proxy]
@@ -57,8 +62,17 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int) -> dict
         kw.update(stream_spin_us=10_000_000, stream_nap_us=0)
     cfg = HandoffConfig(vocab_size=32000, max_requests=4, max_tokens=512, max_drafts=8, spin_us=spin_us,
                         nap_us=nap_us, deadline_ms=200, backend=backend, strict=True, **kw)
-    r = open_rounds(cfg)
+    real_make = rounds_mod.make_stream
+    if backend == "cuda" and not fast:
+        from draftrelay.handoff.cuda_stream import CudaStream
+
+        rounds_mod.make_stream = lambda c, region: CudaStream(region, c.cuda_stream, fast=False)
+    try:
+        r = open_rounds(cfg)
+    finally:
+        rounds_mod.make_stream = real_make
     assert isinstance(r, AsyncRounds)
+    calls = "ctypes" if getattr(r.stream, "info", {}).get("fast_calls") else ("bindings" if backend == "cuda" else "-")
     L = r.region.layout
     a_g, a_c = r.region.word_addr(W.GATHERED), r.region.word_addr(W.CONSUMED)
     a_last = r.region.word_addr(W.LAST_RELEASE_NS)
@@ -125,7 +139,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int) -> dict
     finally:
         r.close()
     us = 1e-3
-    row = {"backend": backend, "mode": mode, "proxy": proxy, "spin_us": spin_us, "nap_us": nap_us,
+    row = {"backend": backend, "mode": mode, "proxy": proxy, "calls": calls, "spin_us": spin_us, "nap_us": nap_us,
            "rounds": n_rounds, "not_ok": bad, "watchdog": stats["watchdog"],
            "enqueue_us_p50": pct(np.array(enq) * us, 50), "enqueue_us_p99": pct(np.array(enq) * us, 99),
            "release_to_resume_us_p50": pct(np.array(resume) * us, 50),
@@ -137,6 +151,51 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int) -> dict
         row["three_memops_us_p50"] = pct(np.array(memops) * us, 50)
         row["three_memops_us_p99"] = pct(np.array(memops) * us, 99)
     return row
+
+
+def run_gpu_self(n_rounds: int, warmup: int) -> list[dict]:
+    """No proxy: the engine thread itself stores `released` ~20 µs after it saw `gathered` (the stream is
+    parked by then) and times until it sees `consumed`; alternate rounds have `released` set beforehand."""
+    import torch
+
+    from draftrelay.handoff.cuda_stream import CudaStream
+
+    region = Region.create(RegionConfig(4, 512, 8, 32000))
+    st = CudaStream(region, torch.cuda.Stream())
+    L = region.layout
+    off = [L.word(w) for w in (W.GATHERED, W.RELEASED, W.CONSUMED)]
+    a_g, a_r, a_c = (region.addr(o) for o in off)
+    parked_ns, unparked_ns = [], []
+    try:
+        for t in range(1, 2 * (n_rounds + warmup) + 1):
+            parked = t % 2 == 0
+            if not parked:
+                native.store32(a_r, t)
+            st.write32(off[0], t)
+            st.wait_geq32(off[1], t)
+            st.write32(off[2], t)
+            native.wait_geq32(a_g, t, 10_000_000, 0, 2_000_000)
+            g = native.now_ns()
+            if parked:
+                while native.now_ns() - g < 20_000:
+                    pass
+                r0 = native.now_ns()
+                native.store32(a_r, t)
+            native.wait_geq32(a_c, t, 10_000_000, 0, 2_000_000)
+            c = native.now_ns()
+            if t > 2 * warmup:
+                (parked_ns if parked else unparked_ns).append(c - r0 if parked else c - g)
+        if not st.drain(5.0):
+            raise RuntimeError("stream did not drain")
+    finally:
+        st.close()
+        region.close()
+    us = 1e-3
+    return [{"backend": "cuda", "mode": name, "proxy": "none", "calls": "ctypes", "rounds": len(v),
+             "release_to_resume_us_p50": pct(np.array(v) * us, 50),
+             "release_to_resume_us_p99": pct(np.array(v) * us, 99),
+             "release_to_resume_us_max": round(float(np.max(v)) * us, 1)}
+            for name, v in (("gpu-self", parked_ns), ("gpu-unparked", unparked_ns))]
 
 
 def environment() -> dict:
@@ -169,20 +228,26 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/handoff_cuda.json")
     ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-stream rows")
     args = ap.parse_args()
-    plan = [("cuda", "round", "spin"), ("cuda", "round", "nap"), ("cuda", "bare", "spin"), ("cuda", "bare", "nap")]
+    plan = [("cuda", "round", "spin", True), ("cuda", "round", "nap", True), ("cuda", "bare", "spin", True),
+            ("cuda", "bare", "nap", True), ("cuda", "round", "nap", False), ("cuda", "bare", "nap", False)]
     if not args.no_emulated:
-        plan += [("emulated", "round", "spin"), ("emulated", "round", "nap")]
+        plan += [("emulated", "round", "spin", True), ("emulated", "round", "nap", True)]
     rows = []
-    for backend, mode, proxy in plan:
-        print(f"[{backend} {mode} {proxy}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
-        rows.append(run(backend, mode, proxy, args.rounds, args.warmup))
-    print(f"{'backend':9}{'mode':6}{'proxy':6}{'enqueue p50/p99 µs':>20}{'3 memops p50':>13}"
+    for backend, mode, proxy, fast in plan:
+        print(f"[{backend} {mode} {proxy} fast={fast}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
+        rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast))
+    print(f"[gpu-self] {args.rounds} rounds ...", file=sys.stderr, flush=True)
+    rows += run_gpu_self(args.rounds, args.warmup)
+    nan = float("nan")
+    print(f"{'backend':9}{'mode':13}{'proxy':6}{'calls':9}{'enqueue p50/p99 µs':>20}{'3 memops p50':>13}"
           f"{'release->resume p50/p99 µs':>29}{'pickup p50':>11}{'round µs':>9}{'proxy CPU':>10}")
     for x in rows:
-        print(f"{x['backend']:9}{x['mode']:6}{x['proxy']:6}{x['enqueue_us_p50']:10.1f} / {x['enqueue_us_p99']:<7.1f}"
-              f"{x.get('three_memops_us_p50') or float('nan'):13.1f}"
+        print(f"{x['backend']:9}{x['mode']:13}{x['proxy']:6}{x['calls']:9}"
+              f"{x.get('enqueue_us_p50') or nan:10.1f} / {x.get('enqueue_us_p99') or nan:<7.1f}"
+              f"{x.get('three_memops_us_p50') or nan:13.1f}"
               f"{x['release_to_resume_us_p50']:15.1f} / {x['release_to_resume_us_p99']:<11.1f}"
-              f"{x['pickup_us_p50']:11.1f}{x['round_us_mean']:9.0f}{x['proxy_cpu_percent']:9.0f}%")
+              f"{x.get('pickup_us_p50') or nan:11.1f}{x.get('round_us_mean') or nan:9.0f}"
+              f"{x.get('proxy_cpu_percent') or nan:9.0f}%")
     out = {"benchmark": "handoff_cuda", "command": "python benchmarks/handoff_cuda.py " + " ".join(sys.argv[1:]),
            "environment": environment(),
            "targets": {"enqueue_us_p50": 15, "release_to_resume_us_p50": 5, "release_to_resume_us_p99": 10},

@@ -141,9 +141,11 @@ def step_env() -> dict:
             capture_output=True, text=True, timeout=20).stdout.strip()
     except Exception as exc:  # noqa: BLE001
         out["nvidia_smi"] = f"failed: {exc}"
+    eng = torch.cuda.Stream()
+    torch.zeros(1, device="cuda")  # CUDA's own fds are opened here, before the baseline
     fds, maps = fd_count(), memfd_maps()
     region = Region.create(RegionConfig(4, 256, 8, VOCAB))
-    st = CudaStream(region, torch.cuda.Stream())
+    st = CudaStream(region, eng)
     out["backend_info"] = st.info
     st.close()
     out["unregistered_after_close"] = not st.registered
@@ -197,7 +199,10 @@ def step_refusal() -> dict:
                                "clean": clean(b)}
 
     # 2./3. forced capability refusals on the real driver (H200 has both capabilities)
-    real_attr, real_write = driver.cuDeviceGetAttribute, driver.cuStreamWriteValue32
+    real_attr, real_write, real_proc = driver.cuDeviceGetAttribute, driver.cuStreamWriteValue32, driver.cuGetProcAddress
+
+    def no_fast_write(name, *a):  # the backend's ctypes fast path looks the function up here
+        return (driver.CUresult.CUDA_SUCCESS, 0, None) if name == b"cuStreamWriteValue32" else real_proc(name, *a)
 
     def no_host_ptr(a, dev):
         if a == driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM:
@@ -212,6 +217,8 @@ def step_refusal() -> dict:
         b = baseline()
         seen_registered.clear()
         setattr(driver, attr, fn)
+        if name == "memops_unsupported":
+            driver.cuGetProcAddress = no_fast_write
         saved = cs.CudaStream
         cs.CudaStream = Recording
         try:
@@ -223,6 +230,7 @@ def step_refusal() -> dict:
                 strict_raised = True
         finally:
             setattr(driver, attr, real_attr if attr == "cuDeviceGetAttribute" else real_write)
+            driver.cuGetProcAddress = real_proc
             cs.CudaStream = saved
         cases[name] = {"mode": r.mode, "reason": r.refusal, "strict_raised": strict_raised,
                        "registered_left": [x for s in seen_registered for x in s], "clean": clean(b)}
@@ -522,7 +530,8 @@ def step_soak() -> dict:
     t0 = time.monotonic()
     try:
         pending = []
-        for t in range(1, 10_001):
+        for _ in range(10_000):
+            t = r._t + 1  # the stream round (after the self-test's)
             reqs = make_requests(rng, t)
             if t % 3:
                 k = t % 4
@@ -646,16 +655,17 @@ def step_graph() -> dict:
             log.append("never gathered")
             return
         s = t & 1
-        private = region.staging_view(s).copy()
-        _, reqs = unpack_staging(L, private, t)
-        drafts, conf = deterministic_draft(reqs[0], VOCAB)
-        drafts = (drafts + replay) % VOCAB
-        time.sleep(delay_s)
-        log.append(native.load32(region.word_addr(W.CONSUMED)))  # must still be < t: the stream is parked
-        write_reply(L, region.reply_view(s), t, Status.OK, np.array([4], np.int32), drafts[None, :],
-                    conf[None, :])
-        native.claim32(region.addr(L.claim(s)), 2 * t, 2 * t)
-        native.store_max32(region.word_addr(W.RELEASED), t)
+        try:
+            private = region.staging_view(s).copy()
+            _, reqs = unpack_staging(L, private, t)
+            d, c = deterministic_draft(reqs[0], VOCAB)
+            drafts, conf = pad((d + replay) % VOCAB, L), pad(c, L)
+            time.sleep(delay_s)
+            log.append(native.load32(region.word_addr(W.CONSUMED)))  # must still be < t: the stream is parked
+            write_reply(L, region.reply_view(s), t, Status.OK, np.array([4], np.int32), drafts, conf)
+            native.claim32(region.addr(L.claim(s)), 2 * t, 2 * t)
+        finally:
+            native.store_max32(region.word_addr(W.RELEASED), t)  # never leave the stream parked
 
     def expect(t: int, replay: int):
         d, _ = deterministic_draft(req, VOCAB)
@@ -740,6 +750,12 @@ def step_graph() -> dict:
     return out
 
 
+def pad(a: np.ndarray, L) -> np.ndarray:
+    out = np.zeros((1, L.cfg.max_drafts), a.dtype)
+    out[0, :len(a)] = a
+    return out
+
+
 def set_value(driver, params, t: int) -> None:
     try:
         params.value = t
@@ -755,14 +771,17 @@ def proxy_round_fixed_slot(region, L, t: int, replay: int, delay_s: float, log: 
 
     if native.wait_geq32(region.word_addr(W.GATHERED), t, 100, 20, 5_000_000) != 0:
         log.append("never gathered")
+        native.store_max32(region.word_addr(W.RELEASED), t)
         return
-    _, reqs = unpack_staging(L, region.staging_view(1).copy(), t)
-    drafts, conf = deterministic_draft(reqs[0], vocab)
-    time.sleep(delay_s)
-    drafts = (drafts + replay) % vocab
-    write_reply(L, region.reply_view(1), t, Status.OK, np.array([4], np.int32), drafts[None, :], conf[None, :])
-    native.store32(region.addr(L.claim(1)), 2 * t)  # sole publisher here; the claim word names round t
-    native.store_max32(region.word_addr(W.RELEASED), t)
+    try:
+        _, reqs = unpack_staging(L, region.staging_view(1).copy(), t)
+        d, c = deterministic_draft(reqs[0], vocab)
+        time.sleep(delay_s)
+        write_reply(L, region.reply_view(1), t, Status.OK, np.array([4], np.int32), pad((d + replay) % vocab, L),
+                    pad(c, L))
+        native.store32(region.addr(L.claim(1)), 2 * t)  # sole publisher here; the claim word names round t
+    finally:
+        native.store_max32(region.word_addr(W.RELEASED), t)
 
 
 def decode_reply_fixed_slot(L, buf: np.ndarray, t: int):
