@@ -235,7 +235,7 @@ def env_info() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="benchmarks/results/p2p_allreduce.json")
-    ap.add_argument("--blocks", default="16,32,64", help="grid sizes of ours to sweep (comma list)")
+    ap.add_argument("--blocks", default="64", help="grid sizes of ours to sweep (comma list; first = extras)")
     ap.add_argument("--modes", default="", help="protocol modes of ours to sweep (comma list; default: DEFAULT_MODE)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--baseline-timeout", type=float, default=240.0)

@@ -41,12 +41,14 @@ ERR_NAMES = {
     ERR_EPOCH_EXHAUSTED: "epoch exhausted",
 }
 
-# protocol mode bits (kernels.cu): measurement knobs, DEFAULT_MODE is what the benchmark chose
-M_SPIN_RELAXED = 1
-M_ACK_RELAXED = 2
-M_SINGLE_FLAG = 4
-M_EAGER_CANCEL = 8
-DEFAULT_MODE = 0
+# protocol mode bits (kernels.cu); docs/P2P.md has what each costs on the H200 pair
+M_SPIN_RELAXED = 1  # spin with relaxed loads, one acquire load once the flag is there
+M_ACK_RELAXED = 2  # consumption acks as relaxed stores (the reads they cover completed before a barrier)
+M_SINGLE_FLAG = 4  # one flag per op released by the last block (instead of one per block)
+M_EAGER_CANCEL = 8  # poll the host cancel word (a PCIe read) from the start of every wait: ~1 us per block
+M_BLOCK_EPOCH = 16  # one epoch word per block: no end-of-kernel atomic on the critical path
+M_FLAG_RELAXED = 32  # UNSAFE (no ordering of the payload before the flag): only to price the release fence
+DEFAULT_MODE = M_SPIN_RELAXED | M_ACK_RELAXED | M_BLOCK_EPOCH
 
 KIND_ALL_REDUCE = 1
 KIND_ARGMAX = 2
@@ -302,7 +304,7 @@ class P2PGroup:
     """
 
     def __init__(
-        self, devices: Sequence[int | torch.device], *, max_bytes: int = 2 << 20, blocks: int = 32,
+        self, devices: Sequence[int | torch.device], *, max_bytes: int = 2 << 20, blocks: int = 64,
         threads: int = 512, timeout_ms: float = 2000.0, mode: int | None = None,
     ) -> None:
         from . import native

@@ -53,6 +53,8 @@ typedef unsigned long long u64;
 #define M_ACK_RELAXED 2u    // consumption acks as relaxed stores (no release fence)
 #define M_SINGLE_FLAG 4u    // one flag per op: the last block to finish pushing releases it
 #define M_EAGER_CANCEL 8u   // poll the host cancel word from the first iterations (else after 20 us)
+#define M_BLOCK_EPOCH 16u   // one epoch word per block (no end-of-kernel atomic to find the last block)
+#define M_FLAG_RELAXED 32u  // UNSAFE, measurement only: flags as relaxed stores (prices the release fence)
 
 struct Ctx {
   int rank, nranks, G, threads, dev;
@@ -62,6 +64,7 @@ struct Ctx {
   unsigned* hdr[P2P_MAXR];   // per rank: [epoch, done, err, pad]
   u64* flags[P2P_MAXR];      // per rank: [2][N][G]  (epoch << 32 | tag)
   u64* acks[P2P_MAXR];       // per rank: [N][G]     (epoch consumed by receiver q, written by q)
+  unsigned* bep;             // this rank's per-block epochs [G] (M_BLOCK_EPOCH)
   char* recv[P2P_MAXR];      // per rank: [2][N][G][region]
   unsigned* cancel;          // host-mapped word: non-zero = cancel every wait
 };
@@ -142,7 +145,8 @@ __device__ __forceinline__ void note_err(const Ctx& c, unsigned r, unsigned* s_e
 // Prologue, thread 0 only: refuse when poisoned, fail closed at exhaustion. Sets *s_e, *s_err.
 __device__ void prologue(const Ctx& c, unsigned* s_e, unsigned* s_err) {
   unsigned err = ld_relaxed_sys(c.hdr[c.rank] + H_ERR);
-  unsigned cur = *(volatile unsigned*)(c.hdr[c.rank] + H_EPOCH);
+  unsigned cur = (c.mode & M_BLOCK_EPOCH) ? *(volatile unsigned*)(c.bep + blockIdx.x)
+                                          : *(volatile unsigned*)(c.hdr[c.rank] + H_EPOCH);
   *s_err = 0;
   if (err) {
     *s_err = ERR_SEEN | err;
@@ -154,13 +158,22 @@ __device__ void prologue(const Ctx& c, unsigned* s_e, unsigned* s_err) {
 }
 
 // Step 1: wait until every peer has consumed what we pushed into this slot two epochs ago.
-__device__ void wait_acks(const Ctx& c, unsigned e, unsigned* s_err) {
+// The ack word is read once at kernel start (in parallel with the prologue's loads); it is usually
+// already there, so the common case costs no extra memory round trip.
+__device__ __forceinline__ const u64* ack_word(const Ctx& c) {
+  int q = (c.rank + (int)threadIdx.x) % c.nranks;
+  return c.acks[c.rank] + (u64)q * c.G + blockIdx.x;
+}
+__device__ __forceinline__ u64 early_ack(const Ctx& c) {
+  int t = threadIdx.x;
+  return (t >= 1 && t < c.nranks) ? ld_acquire_sys(ack_word(c)) : 0ull;
+}
+__device__ void wait_acks(const Ctx& c, unsigned e, u64 early, unsigned* s_err) {
   int t = threadIdx.x;
   if (t >= 1 && t < c.nranks) {
-    int q = (c.rank + t) % c.nranks;
-    const u64* a = c.acks[c.rank] + (u64)q * c.G + blockIdx.x;
     u64 need = e >= 2u ? (u64)(e - 2u) : 0ull;
-    unsigned r = bounded_wait(c, a, [&](u64 v) { return v >= need ? 1 : 0; });
+    if (early >= need) return;
+    unsigned r = bounded_wait(c, ack_word(c), [&](u64 v) { return v >= need ? 1 : 0; });
     note_err(c, r, s_err);
   }
 }
@@ -188,7 +201,10 @@ __device__ void publish_flags(const Ctx& c, unsigned e, unsigned tag) {
         c.hdr[c.rank][H_ARRIVE] = 0u;  // the next launch (stream order) starts from zero
         for (int k = 1; k < c.nranks; ++k) {
           int q = (c.rank + k) % c.nranks;
-          st_release_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
+          if (c.mode & M_FLAG_RELAXED)
+            st_relaxed_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
+          else
+            st_release_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
         }
       }
     }
@@ -196,7 +212,10 @@ __device__ void publish_flags(const Ctx& c, unsigned e, unsigned tag) {
   }
   if (t >= 1 && t < c.nranks) {
     int q = (c.rank + t) % c.nranks;
-    st_release_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
+    if (c.mode & M_FLAG_RELAXED)
+      st_relaxed_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
+    else
+      st_release_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
   }
 }
 
@@ -234,6 +253,13 @@ __device__ void publish_acks(const Ctx& c, unsigned e) {
 // Step 6: the last block publishes the epoch (the next launch in stream order reads it).
 // A launch refused at its start (poisoned, exhausted) advances nothing.
 __device__ void epilogue(const Ctx& c, unsigned e, bool refused) {
+  if (threadIdx.x == 0 && (c.mode & M_BLOCK_EPOCH)) {
+    if (e != 0u && !refused) {
+      c.bep[blockIdx.x] = e;
+      if (blockIdx.x == 0) c.hdr[c.rank][H_EPOCH] = e;  // what the host reads
+    }
+    return;
+  }
   if (threadIdx.x == 0) {
     __threadfence();
     unsigned old = atomicAdd(c.hdr[c.rank] + H_DONE, 1u);
@@ -260,6 +286,7 @@ __global__ void __launch_bounds__(1024) k_allreduce(Ctx c, const T* __restrict__
                                                     long long per, unsigned tag, int vec, int preload) {
   if (preload) return;
   __shared__ unsigned s_e, s_err;
+  const u64 early = early_ack(c);  // overlaps the prologue's loads
   if (threadIdx.x == 0) prologue(c, &s_e, &s_err);
   __syncthreads();
   const unsigned e = s_e;
@@ -272,7 +299,7 @@ __global__ void __launch_bounds__(1024) k_allreduce(Ctx c, const T* __restrict__
   const long long nv = vec ? cnt / VE : 0;  // full 16-byte vectors
   const long long v_end = nv * VE;
 
-  if (!s_err) wait_acks(c, e, &s_err);
+  if (!s_err) wait_acks(c, e, early, &s_err);
   __syncthreads();
   if (!s_err) {
     // push our chunk into every peer's receive region (one load, N-1 NVLink stores)
@@ -356,6 +383,7 @@ __global__ void __launch_bounds__(1024) k_argmax_xchg(Ctx c, const float* v1, co
                                                       long long per, long long vocab, unsigned tag, int preload) {
   if (preload) return;
   __shared__ unsigned s_e, s_err;
+  const u64 early = early_ack(c);  // overlaps the prologue's loads
   if (threadIdx.x == 0) prologue(c, &s_e, &s_err);
   __syncthreads();
   const unsigned e = s_e;
@@ -365,7 +393,7 @@ __global__ void __launch_bounds__(1024) k_argmax_xchg(Ctx c, const float* v1, co
   const long long cnt = start < rows ? min(per, rows - start) : 0;
   const unsigned par = e & 1u;
 
-  if (!s_err) wait_acks(c, e, &s_err);
+  if (!s_err) wait_acks(c, e, early, &s_err);
   __syncthreads();
   Entry mine;
   if (!s_err) {
@@ -486,13 +514,14 @@ __global__ void __launch_bounds__(1024) k_shard_argmax(const T* logits, long lon
 // ------------------------------------------------------------------------------------------------
 // helpers: state reset, peer probe, a bounded delay (for tests), preload
 
-__global__ void k_reset(unsigned* hdr, u64* flags, u64* acks, long long nflags, long long nacks, unsigned base,
-                        int preload) {
+__global__ void k_reset(unsigned* hdr, u64* flags, u64* acks, unsigned* bep, long long nflags, long long nacks,
+                        int G, unsigned base, int preload) {
   if (preload) return;
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   long long stride = (long long)gridDim.x * blockDim.x;
   for (long long k = i; k < nflags; k += stride) flags[k] = 0ull;
   for (long long k = i; k < nacks; k += stride) acks[k] = (u64)base;
+  for (long long k = i; k < G; k += stride) bep[k] = base;
   if (i == 0) {
     hdr[H_EPOCH] = base;
     hdr[H_DONE] = 0u;
@@ -677,19 +706,22 @@ int p2p_stream_wait(int dev, void* s, u64 timeout_ns) {
   return 0;
 }
 
-// State layout of one rank: [hdr 256 B][flags 2*N*G u64][acks N*G u64][recv 2*N*G*region], 256-aligned.
+// State layout of one rank, 256-aligned pieces:
+//   [hdr 256 B][flags 2*N*G u64][acks N*G u64][block epochs G u32][recv 2*N*G*region]
 static u64 align256(u64 x) { return (x + 255ull) & ~255ull; }
 u64 p2p_state_bytes(int nranks, int G, u64 region) {
-  u64 f = align256(2ull * nranks * G * 8ull), a = align256((u64)nranks * G * 8ull);
-  return 256ull + f + a + 2ull * nranks * G * region;
+  u64 f = align256(2ull * nranks * G * 8ull), a = align256((u64)nranks * G * 8ull), b = align256((u64)G * 4ull);
+  return 256ull + f + a + b + 2ull * nranks * G * region;
 }
 
-static void layout(char* base, int nranks, int G, unsigned** hdr, u64** flags, u64** acks, char** recv) {
-  u64 f = align256(2ull * nranks * G * 8ull), a = align256((u64)nranks * G * 8ull);
+static void layout(char* base, int nranks, int G, unsigned** hdr, u64** flags, u64** acks, unsigned** bep,
+                   char** recv) {
+  u64 f = align256(2ull * nranks * G * 8ull), a = align256((u64)nranks * G * 8ull), b = align256((u64)G * 4ull);
   *hdr = (unsigned*)base;
   *flags = (u64*)(base + 256);
   *acks = (u64*)(base + 256 + f);
-  *recv = base + 256 + f + a;
+  *bep = (unsigned*)(base + 256 + f + a);
+  *recv = base + 256 + f + a + b;
 }
 
 void* p2p_ctx_new(int dev, int rank, int nranks, int G, int threads, u64 region, u64 timeout_ns, void** bases,
@@ -704,7 +736,11 @@ void* p2p_ctx_new(int dev, int rank, int nranks, int G, int threads, u64 region,
   c->threads = threads;
   c->region = region;
   c->timeout_ns = timeout_ns;
-  for (int q = 0; q < nranks; ++q) layout((char*)bases[q], nranks, G, &c->hdr[q], &c->flags[q], &c->acks[q], &c->recv[q]);
+  for (int q = 0; q < nranks; ++q) {
+    unsigned* bep = nullptr;
+    layout((char*)bases[q], nranks, G, &c->hdr[q], &c->flags[q], &c->acks[q], &bep, &c->recv[q]);
+    if (q == rank) c->bep = bep;
+  }
   c->cancel = (unsigned*)cancel_dev;
   return c;
 }
@@ -717,8 +753,8 @@ int p2p_reset_state(void* ctx, unsigned base, void* stream) {
   Ctx* c = (Ctx*)ctx;
   DevGuard g(c->dev);
   long long nflags = 2ll * c->nranks * c->G, nacks = (long long)c->nranks * c->G;
-  k_reset<<<8, 256, 0, (cudaStream_t)stream>>>(c->hdr[c->rank], c->flags[c->rank], c->acks[c->rank], nflags, nacks,
-                                               base, 0);
+  k_reset<<<8, 256, 0, (cudaStream_t)stream>>>(c->hdr[c->rank], c->flags[c->rank], c->acks[c->rank], c->bep, nflags,
+                                               nacks, c->G, base, 0);
   CK(cudaGetLastError());
   return 0;
 }
@@ -797,7 +833,7 @@ int p2p_preload(void* ctx) {
   k_argmax_xchg<<<1, 32>>>(*c, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 1);
   k_shard_argmax<float><<<1, 32>>>(nullptr, 0, 0, 0, nullptr, nullptr, nullptr, 1);
   k_shard_argmax<__nv_bfloat16><<<1, 32>>>(nullptr, 0, 0, 0, nullptr, nullptr, nullptr, 1);
-  k_reset<<<1, 32>>>(nullptr, nullptr, nullptr, 0, 0, 0, 1);
+  k_reset<<<1, 32>>>(nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 1);
   k_probe<<<1, 32>>>(nullptr, nullptr, nullptr, 0, 0, 1);
   k_fill<<<1, 32>>>(nullptr, 0, 0, 1);
   k_sleep<<<1, 1>>>(0, 1);
