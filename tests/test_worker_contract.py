@@ -409,3 +409,33 @@ def test_internal_error_keeps_the_session():
     finally:
         srv.stop()
     assert srv.active_connections() == 0 and core.sessions == {} and len(core.free_rows) == 2
+
+
+def test_concurrent_sessions_stay_isolated(worker):
+    """Four clients on four threads, same request ids, interleaved STEPs: each sees only its own contexts."""
+    import threading
+
+    errors = []
+
+    def play(k):
+        try:
+            with DrafterClient(worker.host, worker.port, max_requests=2, n_out_max=NOUT, timeout=5.0) as c:
+                ctx = {1: [k + 1, k + 2], 2: [k + 3]}
+                sent = {1: 0, 2: 0}
+                for rnd in range(25):
+                    blocks = [B(r, sent[r], ctx[r][sent[r]:], 3) for r in (1, 2)]
+                    rep = c.step(blocks)
+                    for i, r in enumerate((1, 2)):
+                        sent[r] = len(ctx[r])
+                        want = expect(ctx[r], 3)[0]
+                        assert rep[i].drafts.tolist() == want, (k, rnd, r)
+                        ctx[r] += want[:rnd % 3] + [(k * 7 + rnd) % V]
+        except Exception as exc:  # surfaced below, with the thread's id
+            errors.append((k, repr(exc)))
+
+    threads = [threading.Thread(target=play, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors

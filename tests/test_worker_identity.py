@@ -18,7 +18,16 @@ from draftrelay.worker.process import start_worker_process
 
 CTX, NOUT, ROWS, MAXREQ = 96, 6, 8, 4
 ARGS = ["--model", "tiny", "--device", "cpu", "--rows", str(ROWS), "--max-requests", str(MAXREQ),
-        "--max-ctx", str(CTX), "--n-out-max", str(NOUT)]
+        "--max-ctx", str(CTX), "--n-out-max", str(NOUT), "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The reference runs with the worker's thread count: CPU kernels may split sums by thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

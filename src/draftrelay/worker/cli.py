@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-fail-token", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="auto", choices=["auto", "eager", "static", "graph"],
                    help="draft step execution: CUDA graphs (auto on a GPU), eager (auto on CPU), or static shapes")
+    p.add_argument("--warm-graphs", default="",
+                   help="comma list of n_out values whose draft-step graphs are captured at start (for up to "
+                        "--warm-batch requests); others are captured on first use")
+    p.add_argument("--warm-batch", type=int, default=4)
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: 1 for 'tiny', which runs fastest single-threaded; torch's default else)")
     p.add_argument("--log-level", default="WARNING")
@@ -88,6 +92,14 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"draftrelay worker: cannot load drafter: {exc}", file=sys.stderr)
         return 2
+    if args.warm_graphs:
+        try:
+            steps = [int(x) for x in args.warm_graphs.split(",")]
+        except ValueError:
+            print(f"draftrelay worker: --warm-graphs {args.warm_graphs!r}: expected numbers like 4,5", file=sys.stderr)
+            return 2
+        if hasattr(drafter, "warm"):
+            drafter.warm([n for n in steps if 1 <= n <= args.n_out_max], args.warm_batch)
     core = WorkerCore(drafter, max_requests=min(args.max_requests, args.rows), idle_timeout=args.idle_timeout,
                       max_frame=args.max_frame)
     try:

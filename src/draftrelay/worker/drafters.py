@@ -106,9 +106,10 @@ class LlamaDrafter(Drafter):
 
     mode "eager": plain forwards, shapes as they come (the CPU default, and the reference).
     mode "static": the whole draft step (padded extension + n_steps-1 decodes + argmax/confidence)
-    with static shapes and no host sync: keys of (requests, padded T, n_steps), attention over the
-    cache's full length (masked). mode "graph" (CUDA): the static step captured once per key as one
-    CUDA graph, replayed with one H2D copy of the packed inputs and one D2H copy of the drafts.
+    with static shapes and no host sync: keys of (requests, padded T, n_steps, kv bucket), attention
+    over the first kv positions of each row (a power of two >= 256, masked). mode "graph" (CUDA):
+    the static step captured once per key as one CUDA graph, replayed with one H2D copy of the
+    packed inputs and one D2H copy of the drafts.
     Frames with a long extension (a first-round prompt) always run eagerly.
     """
 
@@ -191,8 +192,7 @@ class LlamaDrafter(Drafter):
     def _static_step(self, g) -> None:
         """Everything of one draft step from g's input buffers into g's output buffers, no host sync."""
         torch, model, cache = self.torch, self.model, self.cache
-        B, T, n_steps = g.key
-        kv = cache.max_len
+        B, T, n_steps, kv = g.key  # attention spans the first kv positions of the rows (masked)
         tokens, start, rows, last = g.tokens, g.start, g.rows, g.last
         logits = model(tokens, start, cache, rows, kv_len=kv, logits_at=last)[:, 0]
         pos = start + last + 1  # position of the first draft
@@ -206,12 +206,19 @@ class LlamaDrafter(Drafter):
         g.out_tok.copy_(torch.stack(out_t, 1))
         g.out_conf.copy_(torch.stack(out_c, 1))
 
-    def _get_static(self, key: tuple[int, int, int]):
+    def _kv_bucket(self, need: int) -> int:
+        """Smallest power of two >= need (at least 256), capped at the cache length."""
+        kv = 256
+        while kv < need:
+            kv *= 2
+        return min(kv, self.cache.max_len)
+
+    def _get_static(self, key: tuple[int, int, int, int]):
         g = self._static.get(key)
         if g is not None:
             return g
         torch, dev = self.torch, self.model.device
-        B, T, n_steps = key
+        B, T, n_steps, _ = key
         g = type("StaticStep", (), {})()
         g.key = key
         n_in = B * T + 3 * B
@@ -239,11 +246,26 @@ class LlamaDrafter(Drafter):
         self._static[key] = g
         return g
 
+    def warm(self, n_steps_list: list[int], max_batch: int) -> int:
+        """Build (capture) the static steps of every (requests <= max_batch, T bucket, n_steps) now,
+        so the first rounds of a session do not pay for captures. Returns how many were built."""
+        if self.mode == "eager":
+            return 0
+        before = len(self._static)
+        kvs = sorted({self._kv_bucket(n) for n in [256 * 2**i for i in range(20)] if n <= 2 * self.cache.max_len})
+        for n in n_steps_list:
+            for b in range(1, min(max_batch, self.n_rows) + 1):
+                for t in T_BUCKETS:
+                    for kv in kvs:
+                        self._get_static((b, t, n, kv))
+        return len(self._static) - before
+
     def _run_static(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         torch, cache = self.torch, self.cache
         B = len(jobs)
         T = next(t for t in T_BUCKETS if t >= max(len(j.tokens) for j in jobs))
-        g = self._get_static((B, T, n_steps))
+        kv = self._kv_bucket(max(j.keep for j in jobs) + T + n_steps)
+        g = self._get_static((B, T, n_steps, kv))
         host = g.host.numpy()
         host[:] = 0
         for b, j in enumerate(jobs):
