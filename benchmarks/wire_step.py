@@ -33,7 +33,7 @@ def pct(xs, q) -> float:
 
 def env_info(device: str) -> dict:
     info = {"python": platform.python_version(), "platform": platform.platform(), "cpu": platform.processor(),
-            "cores": os.cpu_count()}
+            "cores": os.cpu_count(), "loadavg_1_5_15": list(os.getloadavg())}  # other work on the host skews p99
     try:
         import torch
 
@@ -102,6 +102,7 @@ def run_mode(args, mode: str) -> dict:
     t0 = time.perf_counter()
     w = start_worker_process(wargs, timeout=600)
     start_s = time.perf_counter() - t0
+    log_tail = ""
     try:
         client = DrafterClient(w.host, w.port, max_requests=8, n_out_max=8, timeout=10)
         info = client.connect(timeout=30)
@@ -119,7 +120,10 @@ def run_mode(args, mode: str) -> dict:
         mem = gpu_memory_used() if args.device.startswith("cuda") else ""
         client.close()
     finally:
+        log_tail = w.log()[-3000:]
         w.stop()
+    if log_tail.strip():
+        print(f"[{mode}] worker log tail:\n{log_tail}", flush=True)
     return {"mode": mode, "worker": w.banner, "worker_start_s": start_s, "gpu_memory_used": mem,
             "ping_p50_ms": pct(pings, 50), "ping_p99_ms": pct(pings, 99), "points": points}
 
@@ -138,7 +142,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-ctx", type=int, default=4096)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    runs = [run_mode(args, m) for m in args.modes.split(",")]
+    runs, failed = [], []
+    for m in args.modes.split(","):
+        try:
+            runs.append(run_mode(args, m))
+        except Exception as exc:  # keep the other modes' figures; say what failed
+            print(f"[{m}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+            failed.append({"mode": m, "error": f"{type(exc).__name__}: {exc}"})
     # parity between modes: same drafts round by round (same inputs while they agree)
     parity = []
     for other in runs[1:]:
@@ -155,14 +165,14 @@ def main(argv=None) -> int:
     result = {"benchmark": "wire_step", "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join(["python", "benchmarks/wire_step.py"] + (argv if argv is not None else sys.argv[1:])),
               "model": args.model, "device": args.device, "accept": args.accept, "prompt_len": args.prompt_len,
-              "runs": runs, "parity": parity, "env": env_info(args.device)}
+              "runs": runs, "failed": failed, "parity": parity, "env": env_info(args.device)}
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"wire_step_{'gpu' if args.device.startswith('cuda') else 'cpu'}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ first n_steps - 1 drafts afterwards; the next round keeps those the client accep
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from draftrelay.wire.protocol import tokenizer_hash_of_dir
+
+log = logging.getLogger("draftrelay.worker")
 
 PAD_LIMIT = 16  # extensions up to this many tokens are batched in one padded forward
 PREFILL_CHUNK = 512  # longer extensions (first-round prompts) run alone, in chunks of this size
@@ -138,7 +141,16 @@ class LlamaDrafter(Drafter):
 
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         if self.mode != "eager" and jobs and n_steps >= 1 and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
-            return self._run_static(jobs, n_steps)
+            key_count = len(self._static)
+            try:
+                return self._run_static(jobs, n_steps)
+            except Exception:
+                if len(self._static) != key_count or self.mode != "graph":
+                    raise  # a failure of an already built step is the frame's DRAFTER_ERROR
+                # building (capturing) a new step failed: serve eagerly from now on rather than fail every round
+                log.exception("CUDA graph capture failed; the drafter falls back to eager mode")
+                self.mode, self._static = "eager", {}
+                self.info = self.info.replace(", graph", ", eager (graph capture failed)")
         return self._run_eager(jobs, n_steps)
 
     # ---- eager ---------------------------------------------------------------------------------------
