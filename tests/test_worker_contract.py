@@ -196,11 +196,13 @@ def test_idle_session_expires():
 def test_ok_rollback_rewind_and_confidences(worker):
     with client(worker) as c:
         prompt = [5, 6, 7, 8]
-        r = c.step([B(1, 0, prompt, 4), B(2, 0, [9], 2)])
+        r = c.step([B(1, 0, prompt, 4), B(2, 0, [9], 2, gen=7)])
         assert [x.status for x in r] == [P.OK, P.OK]
+        assert r.session_id == c.session_id and r.worker_us > 0 and r.generations.tolist() == [0, 7]
         want, conf = expect(prompt, 4)
         assert r[0].drafts.tolist() == want and r[0].confidences.tolist() == conf
         assert r[1].drafts.tolist() == expect([9], 2)[0]
+        assert r.drafts.shape == (2, 4) and r.drafts[1, 2:].tolist() == [0, 0]  # zero padded past n
         # the engine accepted 2 drafts and added a bonus token: the rejected drafts must be rolled back
         acc = want[:2] + [123]
         r2 = c.step([B(1, 4, acc, 5)])
@@ -439,3 +441,9 @@ def test_concurrent_sessions_stay_isolated(worker):
     for t in threads:
         t.join(60)
     assert not errors, errors
+
+
+def test_every_code_of_the_contract_is_exercised_here():
+    src = open(__file__).read()
+    for name in P.CODE_NAMES.values():
+        assert f"P.{name}" in src, name
