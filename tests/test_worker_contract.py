@@ -447,3 +447,32 @@ def test_every_code_of_the_contract_is_exercised_here():
     src = open(__file__).read()
     for name in P.CODE_NAMES.values():
         assert f"P.{name}" in src, name
+
+
+def _threads(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(ln.split()[1] for ln in f if ln.startswith("Threads:")))
+
+
+def test_many_sessions_leave_no_fds_threads_or_rows(worker):
+    with client(worker, max_requests=1) as c:
+        c.step([B(1, 0, [1], 1)])
+    time.sleep(0.3)
+    fds, threads = _fds(worker.pid), _threads(worker.pid)
+    for k in range(60):
+        c = client(worker, max_requests=MAXREQ)
+        c.step([B(i, 0, [k, i], 2) for i in range(MAXREQ)])  # every row of the session in use
+        if k % 2:
+            c.close()  # BYE
+        else:
+            c.sock.close()  # vanish without BYE
+            c.sock = None
+    deadline = time.time() + 5
+    while (_fds(worker.pid) > fds or _threads(worker.pid) > threads) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _fds(worker.pid) <= fds and _threads(worker.pid) <= threads
+    a, b = client(worker), client(worker)  # all 8 rows are free again
+    a.connect()
+    b.connect()
+    a.close()
+    b.close()
