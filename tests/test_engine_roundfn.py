@@ -124,3 +124,21 @@ def test_round_fn_module_does_not_load_torch():
     code = "import sys, draftrelay.wire.roundfn; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_failures_keep_their_status_through_the_proxy_process():
+    """The proxy runs as __main__: a wire failure must still arrive as DISCONNECT / BREAKER, not as
+    a generic EXCEPTION (the proxy module is loaded twice there, with two RoundFailure classes)."""
+    from draftrelay.handoff.rounds import HandoffConfig, open_rounds
+
+    spec = {"kind": "worker", "host": "127.0.0.1", "port": _free_port(), "breaker_failures": 2,
+            "breaker_cooldown_s": 30}
+    rounds = open_rounds(HandoffConfig(vocab_size=256, round_spec=spec, strict=True))
+    try:
+        got = []
+        for _ in range(4):
+            res = rounds.result(rounds.submit([req(1, 0, [1, 2])]))
+            got.append(res.status)
+        assert got == [Status.DISCONNECT, Status.DISCONNECT, Status.BREAKER, Status.BREAKER]
+    finally:
+        rounds.close()

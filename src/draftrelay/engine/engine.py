@@ -25,6 +25,7 @@ with a higher generation number from position 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -171,12 +172,15 @@ class Engine:
         self._next_id = 0
         self._own_rounds = False
         self.rounds = rounds
+        # on a GPU the engine works on its own stream: a parked *default* stream would hold up others
+        self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         if cfg.mode != "off" and rounds is None:
-            h = dataclasses.replace(cfg.handoff or HandoffConfig())
+            h = dataclasses.replace(cfg.handoff or HandoffConfig(backend="cuda" if self.stream else "emulated"))
             h.vocab_size = self.vocab
             h.max_drafts = max(h.max_drafts, cfg.n_draft)
             h.max_requests = max(h.max_requests, cfg.max_batch)
-            self.rounds = SyncRounds(h) if cfg.mode == "sync" else open_rounds(h)
+            with self._on_stream():  # the CUDA hand-off enqueues on the current stream
+                self.rounds = SyncRounds(h) if cfg.mode == "sync" else open_rounds(h)
             self._own_rounds = True
         self.graphs = None
         if cfg.graphs:
@@ -232,8 +236,15 @@ class Engine:
         return reqs
 
     # -- one engine step ------------------------------------------------------------------------------
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
     @torch.inference_mode()
     def step(self) -> None:
+        with self._on_stream():
+            self._step()
+
+    def _step(self) -> None:
         while self.waiting and self.free_rows:
             self._prefill(self.waiting.popleft())
         live = [r for r in self.running if not r.done]
@@ -420,6 +431,13 @@ class Engine:
         if self.rounds is not None:
             total["handoff"] = self.rounds.stats()
         return {"total": total, "requests": per}
+
+    def reset_metrics(self) -> None:
+        """Forget finished requests and timers (e.g. after a warm-up run)."""
+        self.finished.clear()
+        self.wall_s = 0.0
+        self.submit_s.clear()
+        self.wait_s.clear()
 
     def close(self) -> None:
         if self.rounds is not None and self._own_rounds:

@@ -19,6 +19,8 @@ This module must not import torch: the proxy process refuses to serve if torch i
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from draftrelay.handoff.proxy import RoundFailure, RoundFn
@@ -32,6 +34,19 @@ from draftrelay.wire.client import (
     WireError,
     WireTimeout,
 )
+
+
+def _failure_class() -> type[RoundFailure]:
+    """The RoundFailure the running proxy catches. The proxy runs as `python -m
+    draftrelay.handoff.proxy`, i.e. as module __main__, whose RoundFailure is a different class from
+    draftrelay.handoff.proxy.RoundFailure (the module is loaded twice); raising the latter there would
+    be reported as EXCEPTION instead of TIMEOUT / DISCONNECT / ... ."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name == "draftrelay.handoff.proxy":
+        return getattr(main, "RoundFailure", RoundFailure)
+    return RoundFailure
+
 
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
@@ -59,27 +74,36 @@ def to_blocks(requests: list[RoundRequest]) -> list[P.Block]:
     return out
 
 
-def worker_round_fn(spec: dict, client: DrafterClient | None = None) -> RoundFn:
-    client = client or client_from_spec(spec)
+class WorkerRoundFn:
+    """The round function (a callable): one STEP per round through one DrafterClient."""
 
-    def fn(t: int, requests: list[RoundRequest], budget_s: float) -> list[tuple[np.ndarray, np.ndarray]]:
+    def __init__(self, client: DrafterClient) -> None:
+        self.client = client
+        self.failure = _failure_class()
+
+    @property
+    def reconnects(self) -> int:
+        """Connections opened after the first one (each one is a new worker session)."""
+        return max(0, self.client.stats["connects"] - 1)
+
+    def __call__(self, t: int, requests: list[RoundRequest], budget_s: float) -> list[tuple[np.ndarray, np.ndarray]]:
         if not requests:
             return []
         try:
             blocks = to_blocks(requests)
-            reply = client.step(blocks, timeout=budget_s)
+            reply = self.client.step(blocks, timeout=budget_s)
         except WireTimeout as exc:
-            raise RoundFailure(Status.TIMEOUT, str(exc)) from None
+            raise self.failure(Status.TIMEOUT, str(exc)) from None
         except WireBreakerOpen as exc:
-            raise RoundFailure(Status.BREAKER, str(exc)) from None
+            raise self.failure(Status.BREAKER, str(exc)) from None
         except WireDisconnected as exc:
-            raise RoundFailure(Status.DISCONNECT, str(exc)) from None
+            raise self.failure(Status.DISCONNECT, str(exc)) from None
         except WireBadReply as exc:
-            raise RoundFailure(Status.BAD_REPLY, str(exc)) from None
+            raise self.failure(Status.BAD_REPLY, str(exc)) from None
         except WireError as exc:  # WireRemoteError: an ERROR frame instead of a reply
-            raise RoundFailure(Status.BAD_REPLY, str(exc)) from None
+            raise self.failure(Status.BAD_REPLY, str(exc)) from None
         except (ValueError, OverflowError) as exc:  # a block that cannot be encoded
-            raise RoundFailure(Status.ENQUEUE, str(exc)) from None
+            raise self.failure(Status.ENQUEUE, str(exc)) from None
         out = []
         for i in range(len(requests)):
             st, n = int(reply.status[i]), int(reply.counts[i])
@@ -89,5 +113,6 @@ def worker_round_fn(spec: dict, client: DrafterClient | None = None) -> RoundFn:
                 out.append((_EMPTY_I, _EMPTY_F))
         return out
 
-    fn.client = client  # type: ignore[attr-defined]  # for stats and tests
-    return fn
+
+def worker_round_fn(spec: dict, client: DrafterClient | None = None) -> RoundFn:
+    return WorkerRoundFn(client or client_from_spec(spec))
