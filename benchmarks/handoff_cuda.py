@@ -50,7 +50,8 @@ def pct(a, q: float) -> float | None:
     return round(float(np.percentile(np.asarray(a, dtype=np.float64), q)), 2) if len(a) else None
 
 
-def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: bool = True) -> dict:
+def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: bool = True,
+        wait: str = "memop") -> dict:
     import torch
 
     spin_us, nap_us = PROXY[proxy]
@@ -63,10 +64,10 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     cfg = HandoffConfig(vocab_size=32000, max_requests=4, max_tokens=512, max_drafts=8, spin_us=spin_us,
                         nap_us=nap_us, deadline_ms=200, backend=backend, strict=True, **kw)
     real_make = rounds_mod.make_stream
-    if backend == "cuda" and not fast:
+    if backend == "cuda":
         from draftrelay.handoff.cuda_stream import CudaStream
 
-        rounds_mod.make_stream = lambda c, region: CudaStream(region, c.cuda_stream, fast=False)
+        rounds_mod.make_stream = lambda c, region: CudaStream(region, c.cuda_stream, fast=fast, wait=wait)
     try:
         r = open_rounds(cfg)
     finally:
@@ -86,6 +87,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     else:
         pinned = [torch.zeros(L.staging_size, dtype=torch.uint8) for _ in range(4)]
     enq, memops, resume, pickup = [], [], [], []
+    ops_ns: list[list[int]] = []
     st = r.stream
     cpu0 = wall0 = 0.0
     bad = 0
@@ -107,6 +109,27 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
                 r.submit(src=src, n_out=n_out)
                 p1 = time.perf_counter_ns()
                 m = 0
+            elif mode == "ops":  # the round's ops one by one, each timed (reaches into the backend: bench only)
+                r._t = t
+                s, dst = t & 1, r._dst[t & 1]
+                c = [time.perf_counter_ns()]
+                st.copy_in(s, src)
+                c.append(time.perf_counter_ns())
+                st.write32(off_g, t)
+                c.append(time.perf_counter_ns())
+                st.wait_geq32(off_r, t)
+                c.append(time.perf_counter_ns())
+                st._h2d(dst.dev_ptr, st._reply_h[s], dst.nbytes, st._s)
+                c.append(time.perf_counter_ns())
+                st._d2h(dst.host_ptr, dst.dev_ptr, dst.nbytes, st._s)
+                c.append(time.perf_counter_ns())
+                st.write32(off_c, t)
+                c.append(time.perf_counter_ns())
+                ev = st.record()
+                c.append(time.perf_counter_ns())
+                p0, p1, m = c[0], c[-1], 0
+                if i >= warmup:
+                    ops_ns.append([b - a for a, b in zip(c, c[1:], strict=False)])
             else:  # bare: drive the stream ops directly (the proxy still answers every round)
                 r._t = t
                 p0 = time.perf_counter_ns()
@@ -139,7 +162,8 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     finally:
         r.close()
     us = 1e-3
-    row = {"backend": backend, "mode": mode, "proxy": proxy, "calls": calls, "spin_us": spin_us, "nap_us": nap_us,
+    row = {"backend": backend, "mode": mode, "proxy": proxy, "calls": calls, "wait": wait if backend == "cuda" else "-",
+           "spin_us": spin_us, "nap_us": nap_us,
            "rounds": n_rounds, "not_ok": bad, "watchdog": stats["watchdog"],
            "enqueue_us_p50": pct(np.array(enq) * us, 50), "enqueue_us_p99": pct(np.array(enq) * us, 99),
            "release_to_resume_us_p50": pct(np.array(resume) * us, 50),
@@ -150,10 +174,15 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     if mode == "bare":
         row["three_memops_us_p50"] = pct(np.array(memops) * us, 50)
         row["three_memops_us_p99"] = pct(np.array(memops) * us, 99)
+    if mode == "ops":
+        a = np.array(ops_ns) * us
+        names = ("copy_in_d2h", "write_gathered", "wait_released", "reply_h2d", "mirror_d2h", "write_consumed",
+                 "event_record")
+        row["op_us_p50"] = {n: pct(a[:, k], 50) for k, n in enumerate(names)}
     return row
 
 
-def run_gpu_self(n_rounds: int, warmup: int) -> list[dict]:
+def run_gpu_self(n_rounds: int, warmup: int, wait: str = "memop") -> list[dict]:
     """No proxy: the engine thread itself stores `released` ~20 µs after it saw `gathered` (the stream is
     parked by then) and times until it sees `consumed`; alternate rounds have `released` set beforehand."""
     import torch
@@ -161,7 +190,7 @@ def run_gpu_self(n_rounds: int, warmup: int) -> list[dict]:
     from draftrelay.handoff.cuda_stream import CudaStream
 
     region = Region.create(RegionConfig(4, 512, 8, 32000))
-    st = CudaStream(region, torch.cuda.Stream())
+    st = CudaStream(region, torch.cuda.Stream(), wait=wait)
     L = region.layout
     off = [L.word(w) for w in (W.GATHERED, W.RELEASED, W.CONSUMED)]
     a_g, a_r, a_c = (region.addr(o) for o in off)
@@ -191,7 +220,7 @@ def run_gpu_self(n_rounds: int, warmup: int) -> list[dict]:
         st.close()
         region.close()
     us = 1e-3
-    return [{"backend": "cuda", "mode": name, "proxy": "none", "calls": "ctypes", "rounds": len(v),
+    return [{"backend": "cuda", "mode": name, "proxy": "none", "calls": "ctypes", "wait": wait, "rounds": len(v),
              "release_to_resume_us_p50": pct(np.array(v) * us, 50),
              "release_to_resume_us_p99": pct(np.array(v) * us, 99),
              "release_to_resume_us_max": round(float(np.max(v)) * us, 1)}
@@ -228,21 +257,27 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/handoff_cuda.json")
     ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-stream rows")
     args = ap.parse_args()
-    plan = [("cuda", "round", "spin", True), ("cuda", "round", "nap", True), ("cuda", "bare", "spin", True),
-            ("cuda", "bare", "nap", True), ("cuda", "round", "nap", False), ("cuda", "bare", "nap", False)]
+    plan = [("cuda", "round", "spin", True, "memop"), ("cuda", "round", "nap", True, "memop"),
+            ("cuda", "bare", "spin", True, "memop"), ("cuda", "bare", "nap", True, "memop"),
+            ("cuda", "ops", "nap", True, "memop"),
+            ("cuda", "round", "nap", False, "memop"), ("cuda", "bare", "nap", False, "memop"),
+            ("cuda", "round", "spin", True, "kernel"), ("cuda", "round", "nap", True, "kernel"),
+            ("cuda", "bare", "nap", True, "kernel")]
     if not args.no_emulated:
-        plan += [("emulated", "round", "spin", True), ("emulated", "round", "nap", True)]
+        plan += [("emulated", "round", "spin", True, "-"), ("emulated", "round", "nap", True, "-")]
     rows = []
-    for backend, mode, proxy, fast in plan:
-        print(f"[{backend} {mode} {proxy} fast={fast}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
-        rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast))
-    print(f"[gpu-self] {args.rounds} rounds ...", file=sys.stderr, flush=True)
-    rows += run_gpu_self(args.rounds, args.warmup)
+    for backend, mode, proxy, fast, wait in plan:
+        print(f"[{backend} {mode} {proxy} fast={fast} wait={wait}] {args.rounds} rounds ...", file=sys.stderr,
+              flush=True)
+        rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast, wait))
+    for wait in ("memop", "kernel"):
+        print(f"[gpu-self wait={wait}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
+        rows += run_gpu_self(args.rounds, args.warmup, wait)
     nan = float("nan")
-    print(f"{'backend':9}{'mode':13}{'proxy':6}{'calls':9}{'enqueue p50/p99 µs':>20}{'3 memops p50':>13}"
+    print(f"{'backend':9}{'mode':13}{'proxy':6}{'calls':9}{'wait':7}{'enqueue p50/p99 µs':>20}{'3 memops p50':>13}"
           f"{'release->resume p50/p99 µs':>29}{'pickup p50':>11}{'round µs':>9}{'proxy CPU':>10}")
     for x in rows:
-        print(f"{x['backend']:9}{x['mode']:13}{x['proxy']:6}{x['calls']:9}"
+        print(f"{x['backend']:9}{x['mode']:13}{x['proxy']:6}{x['calls']:9}{x['wait']:7}"
               f"{x.get('enqueue_us_p50') or nan:10.1f} / {x.get('enqueue_us_p99') or nan:<7.1f}"
               f"{x.get('three_memops_us_p50') or nan:13.1f}"
               f"{x['release_to_resume_us_p50']:15.1f} / {x['release_to_resume_us_p99']:<11.1f}"
@@ -257,6 +292,9 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
+    for x in rows:
+        if "op_us_p50" in x:
+            print("per-op enqueue p50 µs:", json.dumps(x["op_us_p50"]))
     print(f"wrote {args.out}")
     return 0
 

@@ -35,8 +35,9 @@ import traceback
 
 import numpy as np
 
-STEPS = ("env", "refusal", "lazy", "soak", "late", "graph")
-STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 90, "soak": 70, "late": 50, "graph": 30}
+STEPS = ("env", "refusal", "lazy", "soak", "late", "graph", "soak_kwait", "late_kwait")
+STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 90, "soak": 70, "late": 50, "graph": 30, "soak_kwait": 70,
+                  "late_kwait": 50}
 _CHECKPOINT = ""  # the step's JSON path: long steps write partial results there as they go
 
 
@@ -555,7 +556,8 @@ def step_soak() -> dict:
         r.close()
     elapsed = time.monotonic() - t0
     ok = wrong == 0 and st["rounds"] == 10_000 and st["ok"] + st["failed"] + st["watchdog"] == st["rounds"]
-    return {"rounds": st["rounds"], "exact_drafts": exact, "wrong_drafts": wrong, "elapsed_s": round(elapsed, 2),
+    return {"wait": os.environ.get("DRAFTRELAY_CUDA_WAIT", "memop"),
+            "rounds": st["rounds"], "exact_drafts": exact, "wrong_drafts": wrong, "elapsed_s": round(elapsed, 2),
             "stats": st, "pass": bool(ok and exact > 10_000)}
 
 
@@ -597,6 +599,17 @@ def step_late() -> dict:
                       and all(res.status in (Status.OK, Status.WATCHDOG) for _, res in stalled)}
     out["pass"] = all(v["pass"] for v in out.values() if isinstance(v, dict))
     return out
+
+
+def step_soak_kwait() -> dict:
+    """The soak with the polling-kernel wait instead of cuStreamWaitValue32."""
+    os.environ["DRAFTRELAY_CUDA_WAIT"] = "kernel"
+    return step_soak()
+
+
+def step_late_kwait() -> dict:
+    os.environ["DRAFTRELAY_CUDA_WAIT"] = "kernel"
+    return step_late()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,6 +713,7 @@ def step_graph() -> dict:
                             "kernel_node_ran": int(counter.item()), "node_types": types}
 
     # (b) the same graph, memop node values updated in the executable graph: rounds t = 1, 2, 3, ...
+    diag: dict = {}
     try:
         memop_nodes = [nd for nd, ty in zip(nodes, types, strict=True) if "BATCH_MEM_OP" in ty]
         good_b = 0
@@ -710,18 +724,7 @@ def step_graph() -> dict:
                 torch.cuda.synchronize()
                 u0 = time.perf_counter()
                 for nd in memop_nodes:
-                    err, params = driver.cuGraphBatchMemOpNodeGetParams(nd)
-                    assert not err, err
-                    ops = list(params.paramArray)
-                    for op in ops:
-                        if op.operation == driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32:
-                            set_value(driver, op.writeValue, t)
-                        elif op.operation == driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32:
-                            set_value(driver, op.waitValue, t)
-                    params.paramArray = ops
-                    params.count = len(ops)
-                    err, = driver.cuGraphExecBatchMemOpNodeSetParams(gexec, nd, params)
-                    assert not err, f"cuGraphExecBatchMemOpNodeSetParams: {err}"
+                    update_memop_node(driver, gexec, nd, t, diag)
                 t_us.append((time.perf_counter() - u0) * 1e6)
             else:
                 dev_src.copy_(torch.from_numpy(pack_staging(L, 1, [req])).cuda())
@@ -738,9 +741,10 @@ def step_graph() -> dict:
             res = decode_reply_fixed_slot(L, st.host_bytes(buf), t)
             good_b += int(done and res is not None and np.array_equal(res, expect(1, t)))
         out["updated_replays"] = {"replays": 20, "exact": good_b, "memop_nodes": len(memop_nodes),
-                                  "update_us_p50": pct(t_us, 50)}
+                                  "update_us_p50": pct(t_us, 50), "diag": diag}
     except Exception as exc:  # noqa: BLE001
-        out["updated_replays"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
+        out["updated_replays"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:],
+                                  "diag": diag}
     finally:
         if not st.drain(5.0):
             out["stuck"] = True
@@ -748,6 +752,57 @@ def step_graph() -> dict:
     region.close()
     out["pass"] = out["reset_replays"]["exact"] == 20 and out["reset_replays"]["parked_until_release"] == 20
     return out
+
+
+def update_memop_node(driver, gexec, nd, t: int, diag: dict) -> None:
+    """Set every 32-bit write/wait value of a captured batch-memop node to t in the executable graph.
+    Tries the node's own parameters first, then freshly built ones; records what it saw in `diag`."""
+    err, old = driver.cuGraphBatchMemOpNodeGetParams(nd)
+    assert not err, f"cuGraphBatchMemOpNodeGetParams: {err}"
+    OP = driver.CUstreamBatchMemOpType
+    ops = list(old.paramArray)[:old.count]
+    diag.setdefault("ops", [[str(op.operation) for op in ops], int(old.count), int(old.flags)])
+    for op in ops:
+        if op.operation == OP.CU_STREAM_MEM_OP_WRITE_VALUE_32:
+            set_value(driver, op.writeValue, t)
+        elif op.operation == OP.CU_STREAM_MEM_OP_WAIT_VALUE_32:
+            set_value(driver, op.waitValue, t)
+    old.paramArray = ops
+    old.count = len(ops)
+    err, = driver.cuGraphExecBatchMemOpNodeSetParams(gexec, nd, old)
+    if not err:
+        diag["path"] = "own params"
+        return
+    diag["own_params_error"] = str(err)
+    fresh = []
+    for op in ops:
+        o = driver.CUstreamBatchMemOpParams()
+        o.operation = op.operation
+        if op.operation == OP.CU_STREAM_MEM_OP_WRITE_VALUE_32:
+            o.writeValue.operation = op.operation
+            o.writeValue.address = op.writeValue.address
+            o.writeValue.flags = op.writeValue.flags
+            set_value(driver, o.writeValue, t)
+        elif op.operation == OP.CU_STREAM_MEM_OP_WAIT_VALUE_32:
+            o.waitValue.operation = op.operation
+            o.waitValue.address = op.waitValue.address
+            o.waitValue.flags = op.waitValue.flags
+            set_value(driver, o.waitValue, t)
+        else:
+            o.memoryBarrier.operation = op.operation
+            o.memoryBarrier.flags = op.memoryBarrier.flags
+        fresh.append(o)
+    p = driver.CUDA_BATCH_MEM_OP_NODE_PARAMS()
+    p.ctx = old.ctx
+    p.count = len(fresh)
+    p.paramArray = fresh
+    p.flags = old.flags
+    err, = driver.cuGraphExecBatchMemOpNodeSetParams(gexec, nd, p)
+    if err:
+        diag["fresh_params_error"] = str(err)
+        raise RuntimeError(f"cuGraphExecBatchMemOpNodeSetParams: own params {diag['own_params_error']}, "
+                           f"fresh params {err}; ops {diag['ops']}")
+    diag["path"] = "fresh params"
 
 
 def pad(a: np.ndarray, L) -> np.ndarray:
@@ -829,9 +884,9 @@ def summary_line(step: str, r: dict) -> str:
                 f"free proxy process: {g('free_process_30', 'exact_rounds')}/30 exact; "
                 f"triton cudacall hung {g('cudacall_triton', 'hung_until_timer')}/2, "
                 f"free fires {g('free_thread_triton', 'timer_fires')}")
-    if step == "soak":
+    if step in ("soak", "soak_kwait"):
         return f"{r['rounds']} rounds, {r['exact_drafts']} drafts exact, {r['wrong_drafts']} wrong, {r['elapsed_s']} s"
-    if step == "late":
+    if step in ("late", "late_kwait"):
         return "; ".join(f"{k}: {v['stalled_exact']}/{v['stalled_rounds']} exact, {v['wrong_drafts']} wrong"
                          for k, v in r.items() if isinstance(v, dict))
     if step == "graph":
