@@ -265,14 +265,23 @@ def main() -> int:
             ("cuda", "bare", "nap", True, "kernel")]
     if not args.no_emulated:
         plan += [("emulated", "round", "spin", True, "-"), ("emulated", "round", "nap", True, "-")]
-    rows = []
+    rows: list[dict] = []
+    errors: list[dict] = []
     for backend, mode, proxy, fast, wait in plan:
         print(f"[{backend} {mode} {proxy} fast={fast} wait={wait}] {args.rounds} rounds ...", file=sys.stderr,
               flush=True)
-        rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast, wait))
+        try:
+            rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast, wait))
+        except Exception as exc:  # noqa: BLE001  one failed configuration must not lose the others
+            print(f"  failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            errors.append({"backend": backend, "mode": mode, "proxy": proxy, "wait": wait, "error": str(exc)})
     for wait in ("memop", "kernel"):
         print(f"[gpu-self wait={wait}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
-        rows += run_gpu_self(args.rounds, args.warmup, wait)
+        try:
+            rows += run_gpu_self(args.rounds, args.warmup, wait)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            errors.append({"mode": "gpu-self", "wait": wait, "error": str(exc)})
     nan = float("nan")
     print(f"{'backend':9}{'mode':13}{'proxy':6}{'calls':9}{'wait':7}{'enqueue p50/p99 µs':>20}{'3 memops p50':>13}"
           f"{'release->resume p50/p99 µs':>29}{'pickup p50':>11}{'round µs':>9}{'proxy CPU':>10}")
@@ -288,7 +297,7 @@ def main() -> int:
            "targets": {"enqueue_us_p50": 15, "release_to_resume_us_p50": 5, "release_to_resume_us_p99": 10},
            "references": {"seed_engine_submit_us": [140, 362], "raw_three_memop_enqueue_us_p50_h200": 9.6,
                           "numpy_spin_release_to_resume_us_h200": [6.2, 12.7]},
-           "results": rows, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "results": rows, "errors": errors, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)

@@ -345,7 +345,7 @@ class CudaStream(StreamOps):
         self._kp_addr, self._kp_val = ctypes.c_uint64(0), ctypes.c_uint32(0)
         self._kp = (ctypes.c_void_p * 2)(ctypes.addressof(self._kp_addr), ctypes.addressof(self._kp_val))
         self._kp_ptr = ctypes.addressof(self._kp)
-        if self.fast:
+        if self.info.get("fast_calls"):
             self._kp_arg = self._kp_ptr
         else:  # the bindings take kernelParams as ((values), (ctypes types))
             self._kp_arg = None
