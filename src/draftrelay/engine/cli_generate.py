@@ -1,0 +1,138 @@
+"""`draftrelay generate`: one prompt, chosen models, round mode and sampling settings.
+
+The text goes to stdout; progress (on runs longer than a second) and the metrics line go to stderr.
+Modes sync/async start a local drafter worker unless `--worker HOST:PORT` names a running one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    p.add_argument("--model", default="tiny", help="target: 'tiny' (built-in) or a local HF model directory")
+    p.add_argument("--drafter", default="tiny", help="drafter of the local worker: 'tiny' or a local HF directory")
+    p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
+    p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=4, help="drafts per round")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
+    p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
+    p.add_argument("--slot-ring", action="store_true", help="two-slot decode-graph ring (with --graphs)")
+    p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                   help="progress line on stderr (auto: after the first second of decoding)")
+    p.add_argument("--json", default="", metavar="PATH", help="write the metrics to this file")
+
+
+class Progress:
+    """A one-line progress display on stderr, refreshed at most 5 times a second."""
+
+    def __init__(self, total: int, mode: str) -> None:
+        self.total, self.mode = total, mode
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.shown = False
+
+    def __call__(self, eng) -> None:
+        now = time.perf_counter()
+        if self.mode == "off" or now - self.last < 0.2 or (self.mode == "auto" and now - self.t0 < 1.0):
+            return
+        self.last = now
+        reqs = eng.running + eng.finished
+        done = sum(len(r.output) for r in reqs)
+        kept = [k for r in reqs for k in r.kept]
+        acc = f"  accepted/round {sum(kept) / len(kept):.2f}" if kept else ""
+        rate = done / (now - self.t0)
+        print(f"\r  {done}/{self.total} tokens  {rate:.1f} tok/s{acc}   ", end="", file=sys.stderr, flush=True)
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            print(file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1 or not 0 <= args.k <= 16 or args.temperature < 0 or args.top_k < 0:
+        print("draftrelay generate: need --max-tokens >= 1, 0 <= --k <= 16, --temperature >= 0, --top-k >= 0",
+              file=sys.stderr)
+        return 2
+    if args.slot_ring and not args.graphs:
+        print("draftrelay generate: --slot-ring needs --graphs", file=sys.stderr)
+        return 2
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    from draftrelay.handoff.rounds import HandoffConfig
+    from draftrelay.model import ModelError
+
+    from . import loading as L
+    from .cli_demo import SPIN_NAP_US
+    from .engine import Engine, EngineConfig, SamplingParams
+
+    try:
+        dev = L.pick_device(args.device)
+        if args.graphs and dev.type != "cuda":
+            raise ValueError("--graphs needs a CUDA device")
+        host, port = L.parse_hostport(args.worker) if args.worker else ("", 0)
+        target = L.load_target(args.model, dev)
+    except (ValueError, ModelError, OSError) as exc:
+        print(f"draftrelay generate: {exc}", file=sys.stderr)
+        return 2
+    ids = target.tokenizer.encode(prompt)
+    if not ids:
+        print("draftrelay generate: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    max_len = len(ids) + args.max_tokens + args.k + 8
+    worker = None
+    try:
+        h = None
+        if args.mode != "off":
+            if not args.worker:
+                try:
+                    worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, 1)
+                except RuntimeError as exc:
+                    print(f"draftrelay generate: the local worker did not start: {exc}", file=sys.stderr)
+                    return 1
+                host, port = worker.host, worker.port
+            spec = L.worker_spec(host, port, L.drafter_model_id(args.drafter) if not args.worker else "",
+                                 target.tokenizer_hash, args.k, 8)
+            why = L.check_worker(spec)
+            if why:
+                print(f"draftrelay generate: the worker refused us: {why}", file=sys.stderr)
+                return 1
+            spin, nap = SPIN_NAP_US[dev.type]
+            h = HandoffConfig(round_spec=spec, deadline_ms=args.deadline_ms, spin_us=spin, nap_us=nap,
+                              backend="cuda" if dev.type == "cuda" else "emulated")
+        cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=1, max_len=max_len, handoff=h,
+                           graphs=args.graphs, slot_ring=args.slot_ring)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                seed=args.seed, stop_token_ids=target.stop_ids)
+        progress = Progress(args.max_tokens, args.progress)
+        with Engine(target.model, cfg) as eng:
+            try:
+                (req,) = eng.generate([ids], params, on_step=progress)
+            finally:
+                progress.close()
+            m = eng.metrics([req])
+    finally:
+        if worker is not None:
+            worker.stop()
+    print(prompt + target.tokenizer.decode(req.output) if isinstance(target.tokenizer, L.HFTokenizer)
+          else L.printable(prompt + target.tokenizer.decode(req.output)))
+    t = m["total"]
+    r = t["rounds"]
+    refusal = f" (async refused: {t['refusal']})" if t["refusal"] else ""
+    print(f"[{args.mode}{refusal}] {t['output_tokens']} tokens, {t['tokens_per_s']:.1f} tok/s, "
+          f"TTFT {1e3 * t['ttft_s_mean']:.1f} ms, step p50 {t['step_p50_ms']:.2f} ms, "
+          f"accepted/round {t['mean_accepted']:.2f}, rounds ok/failed/watchdog/target-only "
+          f"{r['ok']}/{r['failed']}/{r['watchdog']}/{r['target_only']}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(m, f, indent=1)
+    return 0

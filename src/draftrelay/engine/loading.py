@@ -1,0 +1,143 @@
+"""What the `demo` and `generate` commands share: loading a target and its tokenizer, starting a
+local drafter worker, and the round spec that points the proxy at it."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from draftrelay import model as M
+from draftrelay.wire.protocol import tokenizer_hash_of_dir
+
+
+class ByteTokenizer:
+    """The tiny models' vocabulary: the 256 byte values (prompts are UTF-8 bytes)."""
+
+    name = M.TINY_TOKENIZER_ID
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        fn = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(fn):
+            raise M.ModelError(f"{path}: no tokenizer.json (needed to encode prompts)")
+        try:
+            self.tok = Tokenizer.from_file(fn)
+        except Exception as exc:
+            raise M.ModelError(f"{fn}: cannot load: {exc}") from None
+        self.name = os.path.basename(os.path.abspath(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def printable(text: str, limit: int = 0) -> str:
+    """Text for a terminal: control and other non-printable characters escaped, optionally cut."""
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return out if not limit or len(out) <= limit else out[:limit] + "..."
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    return dev
+
+
+@dataclass
+class Target:
+    model: M.Transformer
+    tokenizer: ByteTokenizer | HFTokenizer
+    stop_ids: tuple[int, ...]
+    tokenizer_hash: str  # sent in the worker handshake ('' = not checked)
+    name: str
+
+
+def load_target(spec: str, device: torch.device) -> Target:
+    """'tiny' (the target half of the built-in pair) or a local HF directory."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if spec == "tiny":
+        target, _ = M.tiny_pair(M.TINY_SEED, device=device, dtype=dtype)
+        return Target(target, ByteTokenizer(), (), M.TINY_TOKENIZER_ID, "tiny-target")
+    if not os.path.isdir(spec):
+        raise M.ModelError(f"--model {spec!r}: not 'tiny' and not an existing model directory")
+    model = M.Transformer.from_hf_dir(spec, device=device, dtype=dtype)
+    return Target(model, HFTokenizer(spec), _eos_ids(spec), tokenizer_hash_of_dir(spec),
+                  os.path.basename(os.path.abspath(spec)))
+
+
+def _eos_ids(path: str) -> tuple[int, ...]:
+    ids: list[int] = []
+    for fn in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(path, fn)) as f:
+                v = json.load(f).get("eos_token_id")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, list):
+            ids += [x for x in v if isinstance(x, int)]
+        if ids:
+            break
+    return tuple(ids)
+
+
+def drafter_model_id(spec: str) -> str:
+    """The identity the worker announces for `--model spec` (checked in the handshake)."""
+    if spec == "tiny":
+        return M.tiny_model_id(M.TINY_SEED)
+    return os.path.basename(os.path.abspath(spec)) if os.path.isdir(spec) else ""
+
+
+def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int):
+    """A `draftrelay worker` child process on a free loopback port."""
+    from draftrelay.worker.process import start_worker_process
+
+    args = ["--model", drafter, "--device", str(device), "--n-out-max", str(max(8, n_draft)),
+            "--max-ctx", str(max_ctx), "--rows", str(max(16, rows)), "--max-requests", str(max(16, rows))]
+    env = {"OMP_NUM_THREADS": "1"} if device.type == "cpu" else None  # leave the cores to the target
+    return start_worker_process(args, env=env)
+
+
+def worker_spec(host: str, port: int, model_id: str, tokenizer_hash: str, n_draft: int, max_requests: int) -> dict:
+    return {"kind": "worker", "host": host, "port": int(port), "model_id": model_id,
+            "tokenizer_hash": tokenizer_hash, "n_out_max": max(1, n_draft), "max_requests": max_requests}
+
+
+def check_worker(spec: dict, timeout_s: float = 5.0) -> str:
+    """Handshake once with the worker the spec names; '' if it accepts us, else why not."""
+    from draftrelay.wire.client import WireError
+    from draftrelay.wire.roundfn import client_from_spec
+
+    client = client_from_spec(spec)
+    try:
+        info = client.connect(timeout=timeout_s)
+        return "" if info else "no handshake"
+    except WireError as exc:
+        return f"worker {spec['host']}:{spec['port']}: {exc}"
+    finally:
+        client.close()
+
+
+def parse_hostport(s: str) -> tuple[str, int]:
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--worker {s!r}: expected HOST:PORT")
+    return host or "127.0.0.1", int(port)
