@@ -213,7 +213,19 @@ class EmulatedGroup:
     def pending(self) -> int:
         return len(self._ops)
 
-    def all_reduce(self, rank: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    # no waits to bound or interrupt here; kept so the worker can swap the two groups
+    def set_timeout(self, timeout_ms: float) -> None:
+        return None
+
+    def cancel(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.reset()
+
+    def all_reduce(
+        self, rank: int, x: torch.Tensor, out: torch.Tensor | None = None, stream: object = None
+    ) -> torch.Tensor:
         _check_payload(x, "all_reduce")
         out = torch.empty_like(x) if out is None else out
         if out.shape != x.shape or out.dtype != x.dtype:
@@ -223,7 +235,7 @@ class EmulatedGroup:
 
     def argmax_exchange(
         self, rank: int, val: torch.Tensor, idx: torch.Tensor, val2: torch.Tensor | None = None, *, vocab: int,
-        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None, stream: object = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         _check_argmax_inputs(val, idx, val2)
         if out is None:
@@ -234,7 +246,7 @@ class EmulatedGroup:
         return out
 
     def shard_argmax(
-        self, rank: int, logits: torch.Tensor, offset: int, top2: bool = False
+        self, rank: int, logits: torch.Tensor, offset: int, top2: bool = False, stream: object = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         v1, idx, v2 = reference_shard_argmax(logits, offset)
         return v1, idx, (v2 if top2 else None)
@@ -346,32 +358,37 @@ class P2PGroup:
             for b in sorted(set(idx)):
                 if a != b:
                     self._check(lib, lib.p2p_probe(a, b), f"peer write/read probe {a}->{b}")
-        # state: plain device allocations, made here (outside any capture), never moved
-        nbytes = lib.p2p_state_bytes(self.world_size, blocks, self.region)
-        for d in idx:
-            p = ctypes.c_void_p()
-            rc = lib.p2p_malloc(d, nbytes, ctypes.byref(p))
-            self._check(lib, rc, f"allocate {nbytes} B of P2P state on cuda:{d}")
-            self._bases.append(p.value)
-        cancel_dev = ctypes.c_void_p()
-        self._check(lib, lib.p2p_host_word(ctypes.byref(self._cancel_host), ctypes.byref(cancel_dev)), "cancel word")
-        self._cancel_word = ctypes.cast(self._cancel_host, ctypes.POINTER(ctypes.c_uint32))
-        # pinned landing words for header reads (a pageable copy could serialize behind a parked kernel)
-        hdr_dev = ctypes.c_void_p()
-        self._check(lib, lib.p2p_host_word(ctypes.byref(self._hdr_host), ctypes.byref(hdr_dev)), "header words")
-        self._hdr = ctypes.cast(self._hdr_host, ctypes.POINTER(ctypes.c_uint32))
-        bases = (ctypes.c_void_p * self.world_size)(*self._bases)
-        for r, d in enumerate(idx):
-            ctx = lib.p2p_ctx_new(d, r, self.world_size, blocks, threads, self.region,
-                                  int(self.timeout_ms * 1e6), bases, cancel_dev, self.mode)
-            if not ctx:
-                raise RuntimeError("p2p_ctx_new refused its arguments")
-            self._ctx.append(ctx)
-            s = ctypes.c_void_p()
-            self._check(lib, lib.p2p_stream_create(d, ctypes.byref(s)), "side stream")
-            self._side.append(s.value)
-        self.reset()
-        self.preload()
+        try:
+            # state: plain device allocations, made here (outside any capture), never moved
+            nbytes = lib.p2p_state_bytes(self.world_size, blocks, self.region)
+            for d in idx:
+                p = ctypes.c_void_p()
+                rc = lib.p2p_malloc(d, nbytes, ctypes.byref(p))
+                self._check(lib, rc, f"allocate {nbytes} B of P2P state on cuda:{d}")
+                self._bases.append(p.value)
+            cancel_dev = ctypes.c_void_p()
+            rc = lib.p2p_host_word(ctypes.byref(self._cancel_host), ctypes.byref(cancel_dev))
+            self._check(lib, rc, "cancel word")
+            self._cancel_word = ctypes.cast(self._cancel_host, ctypes.POINTER(ctypes.c_uint32))
+            # pinned landing words for header reads (a pageable copy could serialize behind a parked kernel)
+            hdr_dev = ctypes.c_void_p()
+            self._check(lib, lib.p2p_host_word(ctypes.byref(self._hdr_host), ctypes.byref(hdr_dev)), "header words")
+            self._hdr = ctypes.cast(self._hdr_host, ctypes.POINTER(ctypes.c_uint32))
+            bases = (ctypes.c_void_p * self.world_size)(*self._bases)
+            for r, d in enumerate(idx):
+                ctx = lib.p2p_ctx_new(d, r, self.world_size, blocks, threads, self.region,
+                                      int(self.timeout_ms * 1e6), bases, cancel_dev, self.mode)
+                if not ctx:
+                    raise RuntimeError("p2p_ctx_new refused its arguments")
+                self._ctx.append(ctx)
+                s = ctypes.c_void_p()
+                self._check(lib, lib.p2p_stream_create(d, ctypes.byref(s)), "side stream")
+                self._side.append(s.value)
+            self.reset()
+            self.preload()
+        except BaseException:
+            self._release()  # nothing was launched that uses the state yet: free what was made
+            raise
 
     # --- lifecycle ---
     def preload(self) -> None:
@@ -449,13 +466,21 @@ class P2PGroup:
         try:
             self.reset()
         finally:
-            for r, d in enumerate(self.devices):
-                self._lib.p2p_stream_destroy(d.index, self._side[r])
-                self._lib.p2p_free(d.index, self._bases[r])
-                self._lib.p2p_ctx_free(self._ctx[r])
-            self._lib.p2p_free_host(self._cancel_host)
-            self._lib.p2p_free_host(self._hdr_host)
-            self._ctx, self._bases, self._side = [], [], []
+            self._release()
+
+    def _release(self) -> None:
+        lib = self._lib
+        for r, s in enumerate(self._side):
+            lib.p2p_stream_destroy(self.devices[r].index, s)
+        for r, base in enumerate(self._bases):
+            lib.p2p_free(self.devices[r].index, base)
+        for ctx in self._ctx:
+            lib.p2p_ctx_free(ctx)
+        for word in (self._cancel_host, self._hdr_host):
+            if word.value:
+                lib.p2p_free_host(word)
+                word.value = None
+        self._ctx, self._bases, self._side = [], [], []
 
     # --- collectives ---
     def _launch_prep(self, rank: int, tensors: Sequence[torch.Tensor | None], stream: torch.cuda.Stream | None) -> int:
