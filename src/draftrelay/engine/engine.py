@@ -121,6 +121,14 @@ class Request:
         }
 
 
+def drafts_from_reply(buf: torch.Tensor, layout, n_req: int, width: int, vocab: int) -> torch.Tensor:
+    """The [n_req, width] draft-token block of a reply slot's bytes (a uint8 tensor on any device),
+    clamped into the vocabulary so stale or garbage bytes can never index outside the embedding."""
+    cfg = layout.cfg
+    raw = buf[layout.reply_drafts_off:layout.reply_drafts_off + 4 * cfg.max_requests * cfg.max_drafts]
+    return raw.view(torch.int32).view(cfg.max_requests, cfg.max_drafts)[:n_req, :width].clamp(0, vocab - 1).long()
+
+
 class LocalRounds:
     """In-process rounds around a round function (same interface as SyncRounds): for tests and
     for running a drafter inside the engine process. fn(t, requests, budget_s) -> [(drafts, conf)]."""
@@ -182,11 +190,18 @@ class Engine:
             with self._on_stream():  # the CUDA hand-off enqueues on the current stream
                 self.rounds = SyncRounds(h) if cfg.mode == "sync" else open_rounds(h)
             self._own_rounds = True
-        self.graphs = None
+        self.graphs: dict[int, object] = {}  # verify width T -> DecodeGraphs
         if cfg.graphs:
             from .graphs import DecodeGraphs  # CUDA only
 
-            self.graphs = DecodeGraphs(target, self.cache, cfg.max_batch, cfg.n_draft + 1, ring=cfg.slot_ring)
+            widths = {1} if self.rounds is None else {1, cfg.n_draft + 1}
+            with self._on_stream():
+                for T in sorted(widths):
+                    self.graphs[T] = DecodeGraphs(target, self.cache, cfg.max_batch, T, ring=cfg.slot_ring)
+        # CUDA async rounds: the verify reads its drafts on the GPU, from the reply buffer the
+        # hand-off fills, and is enqueued right behind the parked wait (see _decode)
+        self.device_drafts = (self.stream is not None and getattr(self.rounds, "mode", "") == "async"
+                              and getattr(getattr(self.rounds, "stream", None), "name", "") == "cuda")
         self._round_mode = "off" if self.rounds is None else self.rounds.mode
         self.wall_s = 0.0
         self.submit_s: list[float] = []  # engine-side cost of submit (async: enqueue only)
@@ -319,20 +334,28 @@ class Engine:
         start = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.long)  # the pending token's position
         rows = torch.tensor([r.row for r in batch], dtype=torch.long)
         pending = [s[-1] for s in seqs]
+        logits = used = None
+        if t and self.device_drafts:
+            # enqueue the verify now: on the stream it runs as soon as the round is released
+            logits, used = self._verify_on_device(pending, t, 1 + max(n_out), start, rows)
         drafts: list[list[int]] = [[] for _ in batch]
         if t:
             t0 = time.perf_counter()
             res = self.rounds.result(t)
             self.wait_s.append(time.perf_counter() - t0)
             drafts = self._take_drafts(batch, seqs, n_out, res)
-        T = 1 + max(len(d) for d in drafts)
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        for i, (p, d) in enumerate(zip(pending, drafts, strict=True)):
-            tokens[i, 0] = p
-            tokens[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
-        logits = self._verify_forward(tokens, start, rows)  # [B, T, V]
+        if logits is None:
+            T = 1 + max(len(d) for d in drafts)
+            tokens = torch.zeros(B, T, dtype=torch.long)
+            for i, (p, d) in enumerate(zip(pending, drafts, strict=True)):
+                tokens[i, 0] = p
+                tokens[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+            logits = self._verify_forward(tokens, start, rows)  # [B, >=T, V]
         greedy = [r.params.temperature <= 0 for r in batch]
         argmax = logits.argmax(-1).tolist() if any(greedy) else None
+        if used is not None:  # the drafts the GPU verified must be the ones the host validated
+            used = used.tolist()
+            drafts = [d if used[i][:len(d)] == d else [] for i, d in enumerate(drafts)]
         for i, r in enumerate(batch):
             d = drafts[i]
             if greedy[i]:
@@ -347,6 +370,25 @@ class Engine:
         dt = time.perf_counter() - t_step
         for r in batch:
             r.step_s.append(dt)
+
+    def _verify_on_device(self, pending: list[int], t: int, T: int, start: torch.Tensor, rows: torch.Tensor):
+        """Verify forward fed from the GPU copy of round t's reply (CUDA async rounds). Returns
+        (logits, the draft tokens the GPU used). A failed round leaves stale bytes there: they are
+        clamped into the vocabulary and never accepted (the host's verdict sets the counts), and
+        position 0 does not depend on them."""
+        B = len(pending)
+        buf = self.rounds.reply_device_buffer(t) if hasattr(self.rounds, "reply_device_buffer") \
+            else self.rounds._dst[t & 1].dev
+        dd = drafts_from_reply(buf, self.rounds.region.layout, B, T - 1, self.vocab)
+        g = self.graphs.get(T) or self.graphs.get(self.cfg.n_draft + 1)
+        if g is not None and g.fits(B, T):
+            tokens = torch.zeros(B, 1, dtype=torch.long)
+            tokens[:, 0] = torch.tensor(pending, dtype=torch.long)
+            return g.run(tokens, start, rows, device_drafts=dd), dd
+        tokens = torch.empty(B, T, dtype=torch.long, device=self.device)
+        tokens[:, 0] = torch.tensor(pending, dtype=torch.long).to(self.device, non_blocking=True)
+        tokens[:, 1:] = dd
+        return self.model(tokens, start, self.cache, rows), dd
 
     def _round_capacity(self) -> int:
         h = getattr(self.rounds, "cfg", None)
@@ -391,8 +433,10 @@ class Engine:
                 r.pos_hits[j] += j < kept
 
     def _verify_forward(self, tokens: torch.Tensor, start: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.fits(tokens.shape[0], tokens.shape[1]):
-            return self.graphs.run(tokens, start, rows)
+        B, T = tokens.shape
+        for width in sorted(self.graphs):  # the narrowest captured graph that fits
+            if self.graphs[width].fits(B, T):
+                return self.graphs[width].run(tokens, start, rows)
         return self.model(tokens, start, self.cache, rows)
 
     def _set_kv_len(self, row: int, n: int) -> None:

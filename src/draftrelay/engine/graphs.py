@@ -1,0 +1,136 @@
+"""CUDA graphs for the verify forward, one per padded batch size, with the two-slot ring.
+
+A captured graph reads its inputs from static device tensors, which the host refreshes before each
+replay with an async copy out of a pinned host buffer. Refreshing the host buffer for step N+1 while
+the copy of step N has not run yet is a race (the graph would read step N+1's positions in step N).
+Two ways to make it safe:
+
+  ring off: one slot per size; before refreshing, wait until the slot's previous replay finished
+            (a drain). Byte-identical to eager by construction, but the host waits for the GPU.
+  ring on:  two slots per size (pinned inputs, static device inputs, graph, output), alternated per
+            step; each slot records a reuse event after its replay and the host waits only on that
+            slot's event before refreshing it, so step N+1's refresh overlaps replay N.
+
+The second capture needs a second set of retained outputs; both sizes of every slot are captured
+into one shared memory pool after a warm-up, so no capture ever needs a fresh cudaMalloc. The graph
+path takes a static kv_len (the cache's max_len: every replay attends over the whole row, masked),
+does no host-side checks and leaves cache.lengths alone (the engine sets them after acceptance).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftrelay.model import KVCache, Transformer
+
+
+class _Slot:
+    def __init__(self, B: int, T: int, V: int, device: torch.device) -> None:
+        self.host = torch.zeros(2 * B + B * T, dtype=torch.long, pin_memory=True)  # start | rows | tokens
+        self.dev = torch.zeros(2 * B + B * T, dtype=torch.long, device=device)
+        self.start = self.dev[:B]
+        self.rows = self.dev[B:2 * B]
+        self.tokens = self.dev[2 * B:].view(B, T)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.done = torch.cuda.Event(blocking=True)  # reuse event: recorded after each replay
+        self.used = False
+
+
+class DecodeGraphs:
+    def __init__(self, model: Transformer, cache: KVCache, max_batch: int, T: int, ring: bool = False,
+                 sizes: list[int] | None = None) -> None:
+        if model.device.type != "cuda":
+            raise ValueError("decode graphs need the model on a CUDA device")
+        self.model, self.cache, self.T, self.ring = model, cache, T, ring
+        self.spare_row = cache.max_batch - 1  # padding rows write here; never read back
+        self.sizes = sorted(set(sizes or _pow2_sizes(max_batch)))
+        self.slots: dict[int, list[_Slot]] = {}
+        self.turn: dict[int, int] = {}
+        self.pool = None
+        self.replays = 0
+        self.drains = 0
+        self._capture_all()
+
+    def fits(self, B: int, T: int) -> bool:
+        return T <= self.T and B <= self.sizes[-1]
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        V = self.model.cfg.vocab_size
+        dev = self.model.device
+        n_slots = 2 if self.ring else 1
+        stream = torch.cuda.current_stream()
+        for B in self.sizes:
+            self.slots[B] = [_Slot(B, self.T, V, dev) for _ in range(n_slots)]
+            self.turn[B] = 0
+        # warm-up on a side stream (as torch recommends), outside any capture: lazy kernels, cuBLAS
+        # workspaces and the allocator's blocks for the largest size are all in place before capture
+        side = torch.cuda.Stream()
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            for B in self.sizes:
+                s = self.slots[B][0]
+                self._fill_dummy(s, B)
+                for _ in range(2):
+                    self.model(s.tokens, s.start, self.cache, s.rows, kv_len=self.cache.max_len)
+        stream.wait_stream(side)
+        torch.cuda.synchronize()
+        # capture largest first, all into one pool: later (smaller) captures reuse its blocks
+        for B in reversed(self.sizes):
+            for s in self.slots[B]:
+                self._fill_dummy(s, B)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    s.logits = self.model(s.tokens, s.start, self.cache, s.rows, kv_len=self.cache.max_len)
+                if self.pool is None:
+                    self.pool = g.pool()
+                s.graph = g
+        torch.cuda.synchronize()
+
+    def _fill_dummy(self, s: _Slot, B: int) -> None:
+        s.start.zero_()
+        s.rows.fill_(self.spare_row)
+        s.tokens.zero_()
+
+    def run(self, tokens: torch.Tensor, start: torch.Tensor, rows: torch.Tensor,
+            device_drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T'] (host; T' <= T), start/rows [B] (host) -> logits [B, T, V] (a view of the
+        slot's output, valid until this slot's next replay). device_drafts: optional [B, T-1] int
+        tensor on the GPU that overrides tokens[:, 1:] (drafts straight from the hand-off reply)."""
+        B, Tq = tokens.shape
+        P = next(p for p in self.sizes if p >= B)
+        slots = self.slots[P]
+        i = self.turn[P]
+        self.turn[P] = (i + 1) % len(slots)
+        s = slots[i]
+        if s.used:
+            # the slot's pinned inputs may still be read by its last H2D copy: wait for its replay
+            # (ring: the replay before last of this size; no ring: the previous step -> a drain)
+            s.done.synchronize()
+            self.drains += not self.ring
+        h = s.host
+        h.zero_()
+        h[:B] = start
+        h[P:P + B] = rows
+        h[P + B:2 * P] = self.spare_row
+        toks = h[2 * P:].view(P, self.T)
+        toks[:B, :Tq] = tokens
+        s.dev.copy_(h, non_blocking=True)
+        if device_drafts is not None:
+            n = min(device_drafts.shape[1], self.T - 1)
+            s.tokens[:B, 1:1 + n].copy_(device_drafts[:B, :n])
+        s.graph.replay()
+        s.done.record()
+        s.used = True
+        self.replays += 1
+        return s.logits[:B]
+
+
+def _pow2_sizes(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    out.append(max_batch)
+    return out
