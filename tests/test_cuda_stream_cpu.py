@@ -199,3 +199,166 @@ def test_selftest_through_the_draftrelay_command():
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads(p.stdout)
     assert res["backend"] == "emulated" and res["mode"] == "async" and res["wrong"] == 0
+
+
+# -- the backend's own refusal and cleanup paths, against a simulated driver ------------------------
+# A stand-in for cuda.bindings.driver: same call shapes (tuples of CUresult and values), host memory
+# "registration" tracked in a dict, stream writes performed at once, events that complete unless the
+# test says the stream is stuck. What it checks is CudaStream's own bookkeeping: every refusal path
+# leaves nothing registered, and a stream that will not drain keeps its registration.
+
+
+class FakeDriver:
+    def __init__(self, **kw) -> None:
+        import enum
+        import types
+
+        class CUresult(enum.IntEnum):
+            CUDA_SUCCESS = 0
+            CUDA_ERROR_INVALID_VALUE = 1
+            CUDA_ERROR_INVALID_CONTEXT = 201
+            CUDA_ERROR_NOT_READY = 600
+            CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+            CUDA_ERROR_NOT_SUPPORTED = 801
+
+        A = enum.IntEnum("CUdevice_attribute", {"CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING": 41,
+                                                "CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM": 91})
+        self.R, self.A = CUresult, A
+        self.attrs = {A.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: 1,
+                      A.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: kw.get("host_ptr", 1)}
+        self.memops = kw.get("memops", True)
+        self.fail_register_at = kw.get("fail_register_at", 0)  # the n-th registration fails (1-based)
+        self.registered: dict[int, int] = {}
+        self.n_register = 0
+        self.events_live: set[int] = set()
+        self.stuck = False
+        m = types.ModuleType("cuda.bindings.driver")
+        ok = (CUresult.CUDA_SUCCESS,)
+        for name, fn in {
+            "cuInit": lambda f: ok, "cuCtxGetCurrent": lambda: (CUresult.CUDA_SUCCESS, 77),
+            "cuCtxGetDevice": lambda: (CUresult.CUDA_SUCCESS, 0), "cuCtxSetCurrent": lambda c: ok,
+            "cuDeviceGetAttribute": lambda a, d: (CUresult.CUDA_SUCCESS, self.attrs.get(a, 0)),
+            "cuDriverGetVersion": lambda: (CUresult.CUDA_SUCCESS, 13000),
+            "cuGetProcAddress": lambda name, v, f: (CUresult.CUDA_SUCCESS, 0, None),  # no fast path here
+            "cuGetErrorName": lambda e: (CUresult.CUDA_SUCCESS, CUresult(e).name.encode()),
+            "cuEventCreate": self._event_create, "cuEventDestroy": lambda e: self.events_live.discard(e) or ok,
+            "cuEventRecord": lambda e, s: ok,
+            "cuEventQuery": lambda e: (CUresult.CUDA_ERROR_NOT_READY,) if self.stuck else ok,
+            "cuMemHostRegister": self._register, "cuMemHostUnregister": self._unregister,
+            "cuMemHostGetDevicePointer": lambda p, f: (CUresult.CUDA_SUCCESS, p),
+            "cuStreamWriteValue32": self._write, "cuStreamWaitValue32": lambda s, a, v, f: ok,
+            "cuMemcpyDtoHAsync": lambda *a: ok, "cuMemcpyHtoDAsync": lambda *a: ok,
+            "cuLaunchKernel": lambda *a: ok, "cuModuleUnload": lambda m: ok,
+            "CUstream": lambda s: s, "CUresult": CUresult, "CUdevice_attribute": A,
+            "CU_MEMHOSTREGISTER_DEVICEMAP": 2, "CU_MEMHOSTREGISTER_PORTABLE": 1,
+        }.items():
+            setattr(m, name, fn)
+        m.CUstreamWaitValue_flags = enum.IntEnum("CUstreamWaitValue_flags", {"CU_STREAM_WAIT_VALUE_GEQ": 0})
+        m.CUstreamWriteValue_flags = enum.IntEnum("CUstreamWriteValue_flags", {"CU_STREAM_WRITE_VALUE_DEFAULT": 0})
+        m.CUevent_flags = enum.IntEnum("CUevent_flags", {"CU_EVENT_DISABLE_TIMING": 2})
+        m.CUdriverProcAddress_flags = enum.IntEnum("CUdriverProcAddress_flags",
+                                                   {"CU_GET_PROC_ADDRESS_LEGACY_STREAM": 1})
+        self.module = m
+        self._ev = 1000
+
+    def _event_create(self, flags):
+        self._ev += 1
+        self.events_live.add(self._ev)
+        return self.R.CUDA_SUCCESS, self._ev
+
+    def _register(self, p, size, flags):
+        self.n_register += 1
+        if self.n_register == self.fail_register_at or p in self.registered:
+            return (self.R.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,)
+        self.registered[p] = size
+        return (self.R.CUDA_SUCCESS,)
+
+    def _unregister(self, p):
+        return (self.R.CUDA_SUCCESS,) if self.registered.pop(p, None) else (self.R.CUDA_ERROR_INVALID_VALUE,)
+
+    def _write(self, s, addr, v, f):
+        if not self.memops:
+            return (self.R.CUDA_ERROR_NOT_SUPPORTED,)
+        import ctypes
+
+        ctypes.c_uint32.from_address(int(addr)).value = v  # a stream write that lands at once
+        return (self.R.CUDA_SUCCESS,)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Install a FakeDriver as cuda.bindings.driver and make CPU torch look like a CUDA device."""
+    import types
+
+    import torch
+
+    def install(**kw) -> FakeDriver:
+        fake = FakeDriver(**kw)
+        pkg, sub = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
+        pkg.bindings, sub.driver = sub, fake.module
+        monkeypatch.setitem(sys.modules, "cuda", pkg)
+        monkeypatch.setitem(sys.modules, "cuda.bindings", sub)
+        monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake.module)
+        stream = types.SimpleNamespace(device=torch.device("cpu"), cuda_stream=0)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+        return fake
+
+    return install
+
+
+@pytest.mark.parametrize("case,kw,reason", [
+    ("no host-pointer use", {"host_ptr": 0}, "cannot use host pointers for registered memory"),
+    ("memops unsupported", {"memops": False}, "stream memory operations unsupported"),
+    ("region registration fails", {"fail_register_at": 2}, "cuMemHostRegister of the region"),
+    ("fails after registering (no pinned memory on CPU torch)", {}, "pin_memory"),
+])
+def test_every_refusal_path_unregisters_everything(fake_cuda, case, kw, reason):
+    from draftrelay.handoff.cuda_stream import CudaStream, CudaStreamRefused
+
+    fake = fake_cuda(**kw)
+    region = Region.create(RegionConfig(4, 256, 8, 5000))
+    try:
+        with pytest.raises(CudaStreamRefused, match=reason):
+            CudaStream(region)
+        assert fake.registered == {}, f"{case}: left registered {fake.registered}"
+        assert not fake.events_live, f"{case}: events not destroyed"
+        if case.startswith("fails after"):
+            assert fake.n_register == 2  # the scratch page and the region were registered, then both undone
+    finally:
+        region.close()
+
+
+def test_refusal_through_open_rounds_leaves_no_fd_mapping_or_registration(fake_cuda):
+    fake = fake_cuda()  # registration succeeds, then CPU torch cannot pin memory: refused after registering
+    fds, maps, kids = fd_count(), memfd_maps(), children()
+    r = open_rounds(cfg(backend="cuda"))
+    assert r.mode == "sync" and "CudaStreamRefused" in r.refusal and "pin_memory" in r.refusal
+    assert fake.registered == {} and fake.n_register == 2
+    assert fd_count() == fds and memfd_maps() == maps and children() <= kids
+    with pytest.raises(AsyncRefused):
+        open_rounds(cfg(backend="cuda", strict=True))
+    assert fake.registered == {} and fd_count() == fds and memfd_maps() == maps
+
+
+def test_a_stream_that_will_not_drain_keeps_its_registration(fake_cuda, monkeypatch):
+    import torch
+
+    from draftrelay.handoff.cuda_stream import CudaStream
+
+    fake = fake_cuda()
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    region = Region.create(RegionConfig(4, 256, 8, 5000))
+    st = CudaStream(region, drain_timeout_s=0.2)
+    assert st.registered and region.base in fake.registered and st.info["fast_calls"] is False
+    fake.stuck = True  # the stream is parked for good
+    assert st.drain(0.05) is False
+    with pytest.raises(StreamStuck, match="stays registered"):
+        st.close()
+    assert st.stuck and region.base in fake.registered  # the GPU may still use it: nothing freed
+    fake.stuck = False  # released at last (the watchdog's job): now it closes and unregisters
+    st.close()
+    assert fake.registered == {} and not fake.events_live
+    region.close()

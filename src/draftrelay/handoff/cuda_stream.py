@@ -15,24 +15,30 @@ enqueued on the engine's torch stream as plain driver calls (stream.py has the o
 
 The engine thread only enqueues; nothing here waits on the stream except `drain` (bounded, by event
 queries) and `preload` (before any round is armed). The driver bindings (`cuda-bindings`, the `gpu`
-extra) are imported only in this module, only when this backend is chosen. For the per-round calls the
-bindings' own entry points cost ~1.8 µs each in argument conversion (measured on an H200), so, unless
-`fast=False`, the same driver functions are called through the pointers cuGetProcAddress returns
-(legacy-stream variants, CUDA 12.0 ABI) via ctypes, which drops the GIL for each call.
+extra) are imported only in this module, only when this backend is chosen. Unless `fast=False`, the
+per-round driver functions are called through the pointers cuGetProcAddress returns (legacy-stream
+variants, CUDA 12.0 ABI) via ctypes, which drops the GIL for each call: the bindings' own entry points
+added ~1.6 µs a call in one H200 run (three memops 12.4 vs 7.6 µs), within noise in another. Most of a
+round's ~20 µs enqueue is the driver itself (per call p50 on an H200: D2H 4.8, memop 2.4-2.8, H2D 3.0,
+event record 1.7 µs; benchmarks/results/handoff_cuda.json).
 
 Waiting. `wait="memop"` (the default) parks the stream with cuStreamWaitValue32(GEQ): no SM is used,
-but the GPU's front end notices a host-memory store only after ~8-10 µs (measured on an H200, even with
-no proxy involved). `wait="kernel"` (or DRAFTRELAY_CUDA_WAIT=kernel) launches instead a one-thread
+but the GPU notices a host-memory store only ~8-9 µs p50 / 13-17 µs p99 later (H200; 8.0 µs even when
+the engine thread stores the flag itself, against 2.6 µs between two stream writes that do not wait).
+`wait="kernel"` (or DRAFTRELAY_CUDA_WAIT=kernel) launches instead a one-thread
 kernel that polls the word with acquire loads at system scope (PTX below, JIT-compiled by the driver at
-start and launched once there, so it is never a first-use kernel) and exits once it is >= t: faster
-wake-up, at the price of one SM busy while the stream is parked. Same protocol, same CUDA-free release.
+start and launched once there, so it is never a first-use kernel) and exits once it is >= t: 5.4 µs p50
+/ 7.5 µs p99 release -> resume with a napping proxy on an H200, at the price of one SM busy while the
+stream is parked and a launch (~5 µs) instead of a memop in the enqueue. Same protocol, same CUDA-free
+release; qualified on the H200 by the same 10,000-round soak and late-proxy probes.
 
 Refusal. The constructor raises CudaStreamRefused, leaving nothing registered, when: the bindings or
 a CUDA device are missing; the device cannot use host pointers for registered memory
 (CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM == 0); the device is not on unified
 addressing; registering the region fails; or a functional probe of stream memory operations on a
-registered scratch page fails (e.g. CUDA_ERROR_NOT_SUPPORTED). open_rounds turns that into sync rounds
-with the reason, or AsyncRefused under strict.
+registered scratch page fails (e.g. CUDA_ERROR_NOT_SUPPORTED; the deprecated attribute
+CAN_USE_STREAM_MEM_OPS_V1 reads 0 on an H200 under CUDA 13 although memops work, so it is only
+recorded). open_rounds turns that into sync rounds with the reason, or AsyncRefused under strict.
 
 Never free what a parked stream may still use: `close` drains first (event queries, bounded) and, if the
 stream will not drain, raises StreamStuck and keeps the region registered (the caller must then keep it
@@ -478,11 +484,13 @@ class CudaStream(StreamOps):
         round is armed; then wait (bounded) until they ran.
 
         Why: under CUDA's default lazy module loading, the first launch of a kernel loads its module,
-        and a module load can wait for the device to go idle. While the stream is parked on `released`
+        and a module load waits for the device to go idle. While the stream is parked on `released`
         the device is not idle, so that first launch blocks the engine thread until the round is
-        released. With the CUDA-free proxy and the native watchdog that costs only the overlap; if
-        anything the release depends on makes a CUDA call meanwhile (a proxy thread copying the reply
-        with cuMemcpyHtoDAsync, a helper thread in the engine), it is a deadlock. The classic trap is a
+        released (on an H200: 30 of 30 fresh module loads returned only after the release). With the
+        CUDA-free proxy and the native watchdog that costs only the overlap; if anything the release
+        depends on makes a CUDA call meanwhile (a proxy thread copying the reply with
+        cuMemcpyHtoDAsync, a helper thread in the engine), it is a deadlock (3 of 3 on the H200, ended
+        only by a CUDA-free timer; 0 of 3 once the kernel had been launched before). The classic trap is a
         first-use Triton or other JIT kernel (Triton's loader calls cuModuleLoadData explicitly, so
         CUDA_MODULE_LOADING=EAGER does not cover it), and a torch op used for the first time in the
         decode loop. Pass callables that launch each such kernel with representative shapes (each
