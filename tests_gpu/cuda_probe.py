@@ -716,6 +716,9 @@ def step_graph() -> dict:
     diag: dict = {}
     try:
         memop_nodes = [nd for nd, ty in zip(nodes, types, strict=True) if "BATCH_MEM_OP" in ty]
+        # what capture() enqueued, in order (cuGraphGetNodes listed the nodes in capture order on the H200)
+        known = [("write", st._dbase + L.word(W.GATHERED)), ("wait", st._dbase + L.word(W.RELEASED)),
+                 ("write", st._dbase + L.word(W.CONSUMED))]
         good_b = 0
         t_us = []
         for t in range(1, 21):
@@ -723,8 +726,8 @@ def step_graph() -> dict:
                 dev_src.copy_(torch.from_numpy(pack_staging(L, t, [req])).cuda())
                 torch.cuda.synchronize()
                 u0 = time.perf_counter()
-                for nd in memop_nodes:
-                    update_memop_node(driver, gexec, nd, t, diag)
+                for nd, known_op in zip(memop_nodes, known, strict=False):
+                    update_memop_node(driver, gexec, nd, t, diag, known_op)
                 t_us.append((time.perf_counter() - u0) * 1e6)
             else:
                 dev_src.copy_(torch.from_numpy(pack_staging(L, 1, [req])).cuda())
@@ -754,13 +757,28 @@ def step_graph() -> dict:
     return out
 
 
-def update_memop_node(driver, gexec, nd, t: int, diag: dict) -> None:
+def update_memop_node(driver, gexec, nd, t: int, diag: dict, known_op: tuple[str, int] | None = None) -> None:
     """Set every 32-bit write/wait value of a captured batch-memop node to t in the executable graph.
-    Tries the node's own parameters first, then freshly built ones; records what it saw in `diag`."""
+    Tries the node's own parameters first, then freshly built ones; records what it saw in `diag`.
+    On the H200 run (cuda-bindings 13.3.1) GetParams gave count 1 but an empty paramArray, so both
+    failed with INVALID_VALUE; the fresh parameters are now built from what capture() enqueued
+    (`known_op`) when the node's own are empty (this fallback has not run on a GPU yet)."""
     err, old = driver.cuGraphBatchMemOpNodeGetParams(nd)
     assert not err, f"cuGraphBatchMemOpNodeGetParams: {err}"
     OP = driver.CUstreamBatchMemOpType
     ops = list(old.paramArray)[:old.count]
+    if not ops and known_op is not None:
+        o = driver.CUstreamBatchMemOpParams()
+        kind, addr = known_op
+        if kind == "write":
+            o.operation = o.writeValue.operation = OP.CU_STREAM_MEM_OP_WRITE_VALUE_32
+            o.writeValue.address = driver.CUdeviceptr(addr)
+            o.writeValue.flags = 0
+        else:
+            o.operation = o.waitValue.operation = OP.CU_STREAM_MEM_OP_WAIT_VALUE_32
+            o.waitValue.address = driver.CUdeviceptr(addr)
+            o.waitValue.flags = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        ops = [o]
     diag.setdefault("ops", [[str(op.operation) for op in ops], int(old.count), int(old.flags)])
     for op in ops:
         if op.operation == OP.CU_STREAM_MEM_OP_WRITE_VALUE_32:
