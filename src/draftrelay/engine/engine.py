@@ -61,6 +61,9 @@ class EngineConfig:
     max_batch: int = 4  # concurrent requests (target KV rows)
     max_len: int = 2048  # tokens per KV row (prompt + output + k + 1)
     prefill_chunk: int = 512
+    # tokens one request sends the drafter per round: a long prompt reaches the drafter over several
+    # rounds (target-only steps meanwhile), so no round has to prefill 100K tokens within its deadline
+    max_round_tokens: int = 4096
     graphs: bool = False  # CUDA graphs for the verify forward (GPU only, see graphs.py)
     slot_ring: bool = False  # two-slot decode-graph ring (only with graphs)
     handoff: HandoffConfig | None = None  # rounds to open when none are passed in
@@ -68,7 +71,7 @@ class EngineConfig:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("max_batch", "max_len", "prefill_chunk"):
+        for name in ("max_batch", "max_len", "prefill_chunk", "max_round_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.n_draft <= 64:
@@ -87,8 +90,8 @@ class Request:
     # drafter bookkeeping: what the drafter holds (position of the next block) and its incarnation
     generation: int = 1
     synced: int = 0
-    restarts: int = 0
-    no_drafts: bool = False  # the drafter returned nothing even after a restart: stop asking
+    restarts: int = 0  # restarts in a row without a draft
+    no_drafts: bool = False  # the drafter returned nothing even after restarts: stop asking
     # metrics
     t_arrive: float = 0.0
     t_first: float = 0.0
@@ -320,11 +323,16 @@ class Engine:
         t_step = time.perf_counter()
         B = len(batch)
         seqs = [r.prompt + r.output for r in batch]
-        n_out = [self._n_out(r) for r in batch] if self.rounds is not None else [0] * B
+        wanted = [self._n_out(r) for r in batch] if self.rounds is not None else [0] * B
+        M = self.cfg.max_round_tokens
+        send = [s[r.synced:r.synced + M] for r, s in zip(batch, seqs, strict=True)]
+        # a request whose drafter is still catching up on its context asks for no drafts yet
+        n_out = [n if r.synced + len(x) == len(s) else 0
+                 for r, s, x, n in zip(batch, seqs, send, wanted, strict=True)]
         res, t = None, 0
-        if any(n_out):
-            reqs = [RoundRequest(r.id, r.generation, r.synced, np.asarray(s[r.synced:], np.int32), n)
-                    for r, s, n in zip(batch, seqs, n_out, strict=True)]
+        if any(wanted):
+            reqs = [RoundRequest(r.id, r.generation, r.synced, np.asarray(x, np.int32), n)
+                    for r, x, n in zip(batch, send, n_out, strict=True)]
             room = max(0, self._round_capacity() - B)
             ends, self._ends = self._ends[:room], self._ends[room:]
             t0 = time.perf_counter()
@@ -343,7 +351,7 @@ class Engine:
             t0 = time.perf_counter()
             res = self.rounds.result(t)
             self.wait_s.append(time.perf_counter() - t0)
-            drafts = self._take_drafts(batch, seqs, n_out, res)
+            drafts = self._take_drafts(batch, send, n_out, res)
         if logits is None:
             T = 1 + max(len(d) for d in drafts)
             tokens = torch.zeros(B, T, dtype=torch.long)
@@ -365,7 +373,7 @@ class Engine:
                 kept, nxt = accept_sampled(p, d, r.gen)
             # roll the KV back to the accepted length: pending + kept drafts are now in the cache
             self._set_kv_len(r.row, int(start[i]) + 1 + kept)
-            self._record(r, res, n_out[i], len(d), kept)
+            self._record(r, res, wanted[i], len(d), kept)
             self._emit(r, d[:kept] + [nxt])
         dt = time.perf_counter() - t_step
         for r in batch:
@@ -394,7 +402,7 @@ class Engine:
         h = getattr(self.rounds, "cfg", None)
         return h.max_requests if h is not None else self.cfg.max_batch
 
-    def _take_drafts(self, batch, seqs, n_out, res: RoundResult) -> list[list[int]]:
+    def _take_drafts(self, batch, send, n_out, res: RoundResult) -> list[list[int]]:
         """Drafts usable for each request, and the drafter bookkeeping the round implies."""
         out = []
         for i, r in enumerate(batch):
@@ -407,14 +415,16 @@ class Engine:
                 d = d[:0]
             if n_out[i] and c == 0:
                 # an OK round with nothing for this request: the drafter does not know it (new
-                # session) or refused the block. Restart it once from position 0, then give up.
-                if r.restarts >= 1 and r.synced == 0:
-                    r.no_drafts = True
+                # session) or refused the block. Restart it from position 0 with a new generation;
+                # after 3 restarts in a row without a single draft, stop asking.
+                r.restarts += 1
+                r.no_drafts = r.restarts > 3
                 r.generation += 1
                 r.synced = 0
-                r.restarts += 1
             else:
-                r.synced = len(seqs[i])
+                r.synced += len(send[i])
+                if c:
+                    r.restarts = 0
             out.append(d.tolist())
         return out
 
