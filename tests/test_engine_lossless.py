@@ -51,9 +51,11 @@ def drafter_fn(drafter: Transformer):
     return fn
 
 
-def run(target, mode="off", prompts=PROMPTS, max_batch=4, rounds=None, spec=None, k=4, on_step=None, **hkw):
+def run(target, mode="off", prompts=PROMPTS, max_batch=4, rounds=None, spec=None, k=4, on_step=None,
+        max_round_tokens=4096, **hkw):
     h = HandoffConfig(round_spec=spec or {"kind": "builtin"}, **hkw)
-    cfg = EngineConfig(mode=mode, n_draft=k, max_batch=max_batch, max_len=256, handoff=h)
+    cfg = EngineConfig(mode=mode, n_draft=k, max_batch=max_batch, max_len=256, handoff=h,
+                       max_round_tokens=max_round_tokens)
     with Engine(target, cfg, rounds=rounds) as eng:
         reqs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), on_step=on_step)
         return [r.output for r in reqs], eng.metrics()
@@ -108,6 +110,24 @@ def test_kv_rolled_back_to_the_accepted_length(pair, reference):
 
     out, _ = run(target, "sync", rounds=LocalRounds(drafter_fn(drafter)), on_step=check)
     assert out == reference and len(seen) > 10
+
+
+def test_long_prompts_reach_the_drafter_in_bounded_rounds(pair, reference):
+    target, drafter = pair
+    inner = drafter_fn(drafter)
+    blocks = []
+
+    def fn(t, requests, budget_s):
+        blocks.extend((r.req_id, r.position, len(r.tokens), r.n_out) for r in requests)
+        return inner(t, requests, budget_s)
+
+    out, m = run(target, "sync", rounds=LocalRounds(fn), max_round_tokens=5)
+    assert out == reference
+    assert max(b[2] for b in blocks) <= 5
+    first = [b for b in blocks if b[0] == 1]  # PROMPTS[1] has 19 tokens: 4 catch-up blocks, no drafts
+    assert [b[3] for b in first[:4]] == [0, 0, 0, 0] and first[4][3] > 0
+    assert [b[1] for b in first[:5]] == [0, 5, 10, 15, 20]
+    assert m["total"]["mean_accepted"] > 1.0
 
 
 @pytest.fixture(scope="module")
