@@ -197,18 +197,35 @@ class Engine:
         if cfg.graphs:
             from .graphs import DecodeGraphs  # CUDA only
 
-            widths = {1} if self.rounds is None else {1, cfg.n_draft + 1}
+            widths = {1} if cfg.mode == "off" and rounds is None else {1, cfg.n_draft + 1}
             with self._on_stream():
                 for T in sorted(widths):
                     self.graphs[T] = DecodeGraphs(target, self.cache, cfg.max_batch, T, ring=cfg.slot_ring)
+        self._use_rounds(self.rounds)
+        self.wall_s = 0.0
+        # where each decode step's time goes (seconds): submit = the engine thread's cost of starting
+        # the round (sync: the whole round); wait = blocked in result(); verify = the verify forward
+        # up to its logits on the host (on a GPU: launches + whatever did not overlap); host = the rest
+        self.timing: dict[str, list[float]] = {k: [] for k in ("submit", "wait", "verify", "host", "step")}
+
+    def _use_rounds(self, rounds) -> None:
+        self.rounds = rounds
+        self._round_mode = "off" if rounds is None else rounds.mode
         # CUDA async rounds: the verify reads its drafts on the GPU, from the reply buffer the
         # hand-off fills, and is enqueued right behind the parked wait (see _decode)
-        self.device_drafts = (self.stream is not None and getattr(self.rounds, "mode", "") == "async"
-                              and getattr(getattr(self.rounds, "stream", None), "name", "") == "cuda")
-        self._round_mode = "off" if self.rounds is None else self.rounds.mode
-        self.wall_s = 0.0
-        self.submit_s: list[float] = []  # engine-side cost of submit (async: enqueue only)
-        self.wait_s: list[float] = []  # time blocked in result()
+        self.device_drafts = (self.stream is not None and getattr(rounds, "mode", "") == "async"
+                              and getattr(getattr(rounds, "stream", None), "name", "") == "cuda")
+
+    def set_rounds(self, rounds) -> None:
+        """Switch where drafts come from (None: target only) between requests, e.g. to decode the
+        same prefilled prompts in several modes side by side. The caller keeps owning `rounds`."""
+        if self.running or self.waiting:
+            raise RuntimeError("set_rounds: requests are in flight")
+        if self._own_rounds and self.rounds is not None:
+            self.rounds.close()
+        self._own_rounds = False
+        self._ends.clear()
+        self._use_rounds(rounds)
 
     @property
     def round_mode(self) -> str:
@@ -261,6 +278,41 @@ class Engine:
     def step(self) -> None:
         with self._on_stream():
             self._step()
+
+    def prefill_waiting(self) -> None:
+        """Admit waiting requests into free rows: prefill, first token (TTFT)."""
+        with torch.inference_mode(), self._on_stream():
+            while self.waiting and self.free_rows:
+                self._prefill(self.waiting.popleft())
+
+    def resume(self, req: Request, n_output: int = 1) -> Request:
+        """A new request that continues `req`'s row from its prompt and first `n_output` tokens
+        (the KV of those is already in the row): benchmarks decode one prefill in several modes."""
+        if req.row < 0 or req.row in self.free_rows or any(r.row == req.row for r in self.running):
+            raise ValueError("resume: the request's row is not held (cancel it first, do not finish it)")
+        new = Request(self._next_id, req.prompt, req.params, output=req.output[:n_output], row=req.row,
+                      t_arrive=req.t_arrive, t_first=req.t_first)
+        self._next_id += 1
+        if req.gen is not None:
+            new.gen = torch.Generator(device=self.device).manual_seed(req.params.seed * 1_000_003 + new.id)
+        self.cache.lengths[req.row] = len(req.prompt) + n_output - 1
+        self.running.append(new)
+        return new
+
+    def cancel(self, req: Request, keep_row: bool = False) -> None:
+        """Stop a running request; keep_row leaves its KV row reserved (for resume)."""
+        self.running.remove(req)
+        req.done, req.finish_reason = True, req.finish_reason or "cancelled"
+        if not keep_row:
+            self.cache.reset(req.row)
+            self.free_rows.append(req.row)
+            self.free_rows.sort()
+
+    def release_row(self, row: int) -> None:
+        self.cache.reset(row)
+        if row not in self.free_rows:
+            self.free_rows.append(row)
+            self.free_rows.sort()
 
     def _step(self) -> None:
         while self.waiting and self.free_rows:
@@ -321,6 +373,7 @@ class Engine:
 
     def _decode(self, batch: list[Request]) -> None:
         t_step = time.perf_counter()
+        tm = {"submit": 0.0, "wait": 0.0, "verify": 0.0}
         B = len(batch)
         seqs = [r.prompt + r.output for r in batch]
         wanted = [self._n_out(r) for r in batch] if self.rounds is not None else [0] * B
@@ -337,7 +390,7 @@ class Engine:
             ends, self._ends = self._ends[:room], self._ends[room:]
             t0 = time.perf_counter()
             t = self.rounds.submit(reqs + ends)
-            self.submit_s.append(time.perf_counter() - t0)
+            tm["submit"] = time.perf_counter() - t0
         # host work that does not depend on the drafts (overlaps the round in async mode)
         start = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.long)  # the pending token's position
         rows = torch.tensor([r.row for r in batch], dtype=torch.long)
@@ -345,13 +398,16 @@ class Engine:
         logits = used = None
         if t and self.device_drafts:
             # enqueue the verify now: on the stream it runs as soon as the round is released
+            t0 = time.perf_counter()
             logits, used = self._verify_on_device(pending, t, 1 + max(n_out), start, rows)
+            tm["verify"] += time.perf_counter() - t0
         drafts: list[list[int]] = [[] for _ in batch]
         if t:
             t0 = time.perf_counter()
             res = self.rounds.result(t)
-            self.wait_s.append(time.perf_counter() - t0)
+            tm["wait"] = time.perf_counter() - t0
             drafts = self._take_drafts(batch, send, n_out, res)
+        t0 = time.perf_counter()
         if logits is None:
             T = 1 + max(len(d) for d in drafts)
             tokens = torch.zeros(B, T, dtype=torch.long)
@@ -361,6 +417,7 @@ class Engine:
             logits = self._verify_forward(tokens, start, rows)  # [B, >=T, V]
         greedy = [r.params.temperature <= 0 for r in batch]
         argmax = logits.argmax(-1).tolist() if any(greedy) else None
+        tm["verify"] += time.perf_counter() - t0
         if used is not None:  # the drafts the GPU verified must be the ones the host validated
             used = used.tolist()
             drafts = [d if used[i][:len(d)] == d else [] for i, d in enumerate(drafts)]
@@ -378,6 +435,10 @@ class Engine:
         dt = time.perf_counter() - t_step
         for r in batch:
             r.step_s.append(dt)
+        for k, v in tm.items():
+            self.timing[k].append(v)
+        self.timing["host"].append(dt - sum(tm.values()))
+        self.timing["step"].append(dt)
 
     def _verify_on_device(self, pending: list[int], t: int, T: int, start: torch.Tensor, rows: torch.Tensor):
         """Verify forward fed from the GPU copy of round t's reply (CUDA async rounds). Returns
@@ -479,8 +540,7 @@ class Engine:
             "tokens_per_step": (sum(m["output_tokens"] - 1 for m in per) / max(1, sum(m["steps"] for m in per))),
             "accept_rate_by_pos": [hits[j] / tries[j] for j in sorted(tries)],
             "rounds": {k: rounds.get(k, 0) for k in ("ok", "failed", "watchdog", "target_only")},
-            "submit_p50_us": 1e6 * statistics.median(self.submit_s) if self.submit_s else 0.0,
-            "wait_p50_ms": 1e3 * statistics.median(self.wait_s) if self.wait_s else 0.0,
+            "step_parts_p50_ms": {k: 1e3 * statistics.median(v) if v else 0.0 for k, v in self.timing.items()},
         }
         if self.rounds is not None:
             total["handoff"] = self.rounds.stats()
@@ -490,12 +550,17 @@ class Engine:
         """Forget finished requests and timers (e.g. after a warm-up run)."""
         self.finished.clear()
         self.wall_s = 0.0
-        self.submit_s.clear()
-        self.wait_s.clear()
+        for v in self.timing.values():
+            v.clear()
 
     def close(self) -> None:
         if self.rounds is not None and self._own_rounds:
             self.rounds.close()
+            # SyncRounds runs the round function in this process: end its worker session now (a
+            # session reserves draft-KV rows on the worker until its connection closes)
+            close_fn = getattr(getattr(self.rounds, "_fn", None), "close", None)
+            if close_fn is not None:
+                close_fn()
         self.rounds = None
 
     def __enter__(self) -> Engine:

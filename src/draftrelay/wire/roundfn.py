@@ -86,6 +86,10 @@ class WorkerRoundFn:
         """Connections opened after the first one (each one is a new worker session)."""
         return max(0, self.client.stats["connects"] - 1)
 
+    def close(self) -> None:
+        """End the worker session now (BYE): its draft-KV rows are reserved until then."""
+        self.client.close()
+
     def __call__(self, t: int, requests: list[RoundRequest], budget_s: float) -> list[tuple[np.ndarray, np.ndarray]]:
         if not requests:
             return []

@@ -1,0 +1,252 @@
+"""The engine workload table: off / sync / async round modes side by side, per workload.
+
+Workloads (the seed's shape): short prompts x 3, 32K x 3, 32K with 3 concurrent requests, 128K x 2.
+Target: a Qwen2.5-7B-shaped model (7.6B, the 0.5B drafter's vocabulary) at random weights (decode
+timing does not depend on weight values); drafter: a Qwen2.5-0.5B-shaped model at random weights
+served by a real `draftrelay worker` process on loopback TCP, through the real proxy process.
+
+For every request: one prefill (TTFT), then the same prefilled KV is decoded in each mode in turn
+(the modes are interleaved per request, so drift hits them alike): `--warmup` steps first (they also
+cover the drafter catching up on a long context, in bounded rounds), then `--steps` timed steps.
+Reported per request: the direct per-step timer p50 (engine step wall time; with random weights
+nearly nothing is accepted, so this is the cost of one speculative step), and the median split of
+a step into submit / wait / verify / host (see engine.Engine.timing).
+
+    python benchmarks/engine_workloads.py                       # GPU defaults (H200-sized)
+    python benchmarks/engine_workloads.py --device cpu --target tiny --drafter tiny --ctx-scale 1024 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from draftrelay import model as M
+from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+from draftrelay.handoff.rounds import HandoffConfig, SyncRounds, open_rounds
+from draftrelay.worker.process import start_worker_process
+
+TARGET_SHAPES = {  # Qwen2.5-7B with the 0.5B's vocabulary (the handshake requires the same one)
+    "qwen2.5-7b": dict(vocab_size=151936, hidden_size=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
+                       intermediate_size=18944, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       max_position_embeddings=262144, qkv_bias=True),
+}
+DRAFTER_SHAPES = {
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
+                         intermediate_size=4864, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         max_position_embeddings=262144, qkv_bias=True),
+}
+# name -> (context tokens, requests, concurrent?)
+WORKLOADS = {"short": (32, 3, False), "32k": (32768, 3, False), "32k-conc3": (32768, 3, True),
+             "128k": (131072, 2, False)}
+
+
+def env_info(dev: torch.device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
+            "cpu_count": os.cpu_count(), "device": str(dev)}
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["cuda"] = torch.version.cuda
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,power.limit",
+                                             "--format=csv,noheader"], capture_output=True, text=True,
+                                            timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            info["driver"] = f"unavailable: {exc}"
+    return info
+
+
+@torch.no_grad()
+def random_model(cfg: M.ModelConfig, dev: torch.device, dtype: torch.dtype, seed: int) -> M.Transformer:
+    """Random weights drawn on the device (timing does not depend on their values)."""
+    with torch.device("meta"):
+        model = M.Transformer(cfg)
+    model = model.to_empty(device=dev).to(dtype)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=g)
+    return model.eval()
+
+
+def write_drafter_dir(shape: str, path: str, seed: int) -> None:
+    cfg = M.ModelConfig(**DRAFTER_SHAPES[shape], name=shape)
+    model = random_model(cfg, torch.device("cpu"), torch.bfloat16, seed)
+    M.save_hf_dir(model, path)
+
+
+def p50(xs) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def run_group(eng: Engine, prompts: list[list[int]], modes: dict, warmup: int, steps: int, k: int) -> dict:
+    """Prefill the prompts together, then decode them in each mode in turn from the same KV."""
+    params = SamplingParams(max_tokens=(warmup + steps + 2) * (k + 1) + 2)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    if eng.stream is not None:
+        torch.cuda.synchronize()
+    eng.prefill_waiting()
+    ttft = [r.t_first - r.t_arrive for r in reqs]
+    for r in reqs:
+        eng.cancel(r, keep_row=True)
+    out = {"ttft_s": ttft, "modes": {}}
+    for name, rounds in modes.items():
+        eng.set_rounds(rounds)
+        for v in eng.timing.values():
+            v.clear()
+        live = [eng.resume(r) for r in reqs]
+        for _ in range(warmup + steps):
+            eng.step()
+        t = {k2: v[-steps:] for k2, v in eng.timing.items()}
+        out["modes"][name] = {
+            "round_mode": eng.round_mode,
+            "refusal": getattr(rounds, "refusal", "") if rounds is not None else "",
+            "step_p50_ms": [1e3 * p50(r.step_s[-steps:]) for r in live],
+            "parts_p50_ms": {k2: 1e3 * p50(v) for k2, v in t.items()},
+            "tokens_per_step": [(len(r.output) - 1) / len(r.step_s) for r in live],
+            "rounds": [dict(r.rounds) for r in live],
+            "first_tokens": [r.output[:8] for r in live],
+        }
+        for r in live:
+            eng.cancel(r, keep_row=True)
+    for r in reqs:
+        eng.release_row(r.row)
+    eng.set_rounds(None)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--target", default="qwen2.5-7b", help="qwen2.5-7b (random weights) or tiny")
+    ap.add_argument("--drafter", default="qwen2.5-0.5b", help="qwen2.5-0.5b (random weights) or tiny")
+    ap.add_argument("--workloads", default="short,32k,32k-conc3,128k")
+    ap.add_argument("--ctx-scale", type=int, default=1, help="divide every context length by this (CPU tests)")
+    ap.add_argument("--modes", default="off,sync,async")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=4, help="untimed steps (plus the drafter's catch-up rounds)")
+    ap.add_argument("--steps", type=int, default=32, help="timed steps per request and mode")
+    ap.add_argument("--max-round-tokens", type=int, default=4096)
+    ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--deadline-ms", type=float, default=2000.0,
+                    help="watchdog deadline (generous: catch-up rounds prefill up to max-round-tokens)")
+    ap.add_argument("--graphs", action="store_true")
+    ap.add_argument("--slot-ring", action="store_true")
+    ap.add_argument("--time-budget-s", type=float, default=1e9, help="skip workloads that would start after this")
+    ap.add_argument("--out", default="benchmarks/results/engine_workloads.json")
+    args = ap.parse_args()
+
+    t_start = time.perf_counter()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    modes = [m for m in args.modes.split(",") if m]
+    scale = max(1, args.ctx_scale)
+    wl = {w: WORKLOADS[w] for w in args.workloads.split(",") if w}
+    max_ctx = max(max(1, c // scale) for c, _, _ in wl.values())
+    per_req = max_ctx + (args.warmup + args.steps + 4) * (args.k + 1) + 16
+    result = {"env": env_info(dev), "args": vars(args), "workloads": {}}
+
+    def save() -> None:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if args.target == "tiny":
+        target, _ = M.tiny_pair(device=dev, dtype=dtype)
+    else:
+        target = random_model(M.ModelConfig(**TARGET_SHAPES[args.target], name=args.target), dev, dtype, 1)
+    result["target"] = {"shape": args.target, "params": target.cfg.n_params(), "dtype": str(dtype)}
+    tmp = tempfile.mkdtemp(prefix="draftrelay-bench-")
+    if args.drafter == "tiny":
+        wargs, model_id = ["--model", "tiny"], M.tiny_model_id()
+    else:
+        ddir = os.path.join(tmp, f"random-{args.drafter}")
+        write_drafter_dir(args.drafter, ddir, 2)
+        wargs, model_id = ["--model", ddir], os.path.basename(ddir)
+    n_conc = max(n if conc else 1 for _, n, conc in wl.values())
+    worker = start_worker_process(wargs + ["--device", str(dev), "--max-ctx", str(per_req + 64), "--rows", "8",
+                                           "--max-requests", "8", "--n-out-max", str(max(8, args.k))],
+                                  timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
+    result["worker"] = worker.banner
+    print(worker.banner, flush=True)
+    spin, nap = (50, 20) if dev.type == "cuda" else (0, 200)
+    # sync and async rounds are open at once: two worker sessions, each reserving max_requests rows
+    h = HandoffConfig(vocab_size=target.cfg.vocab_size, max_drafts=max(8, args.k), max_requests=4,
+                      max_tokens=max(32768, args.max_round_tokens * 8), deadline_ms=args.deadline_ms,
+                      round_budget_ms=args.deadline_ms * 0.9, spin_us=spin, nap_us=nap,
+                      backend="cuda" if dev.type == "cuda" else "emulated",
+                      round_spec={"kind": "worker", "host": worker.host, "port": worker.port, "model_id": model_id,
+                                  "n_out_max": args.k, "max_requests": 4})
+    cfg = EngineConfig(mode="off", n_draft=args.k, max_batch=n_conc, max_len=per_req,
+                       prefill_chunk=args.prefill_chunk, max_round_tokens=args.max_round_tokens,
+                       graphs=args.graphs, slot_ring=args.slot_ring)
+    eng = Engine(target, cfg)
+    rounds: dict = {}
+    try:
+        with eng._on_stream():  # the CUDA hand-off enqueues on the stream current at its start
+            for m in modes:
+                rounds[m] = None if m == "off" else (SyncRounds(h) if m == "sync" else open_rounds(h))
+        result["async_refusal"] = getattr(rounds.get("async"), "refusal", "")
+        gen = torch.Generator().manual_seed(0)
+        V = target.cfg.vocab_size
+        for name, (ctx, n, conc) in wl.items():
+            if time.perf_counter() - t_start > args.time_budget_s:
+                result["workloads"][name] = {"skipped": "time budget"}
+                continue
+            L = max(1, ctx // scale)
+            groups = [[torch.randint(0, V, (L,), generator=gen).tolist() for _ in range(n)]] if conc else \
+                [[torch.randint(0, V, (L,), generator=gen).tolist()] for _ in range(n)]
+            t0 = time.perf_counter()
+            runs = [run_group(eng, g, rounds, args.warmup, args.steps, args.k) for g in groups]
+            result["workloads"][name] = {"context": L, "requests": n, "concurrent": conc, "runs": runs,
+                                         "wall_s": time.perf_counter() - t0}
+            print(format_row(name, result["workloads"][name], modes), flush=True)
+            save()
+        result["handoff"] = {m: r.stats() for m, r in rounds.items() if r is not None}
+    finally:
+        for r in rounds.values():
+            if r is not None:
+                r.close()
+                getattr(getattr(r, "_fn", None), "close", lambda: None)()
+        eng.close()
+        worker.stop()
+    result["wall_s"] = time.perf_counter() - t_start
+    result["table"] = [format_row(n, w, modes) for n, w in result["workloads"].items() if "runs" in w]
+    save()
+    print("\n".join(["", header(modes)] + result["table"]))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def header(modes: list[str]) -> str:
+    return "workload     " + "  ".join(f"{m + ' step p50 ms':>26}" for m in modes) + "  async vs sync   TTFT s"
+
+
+def format_row(name: str, w: dict, modes: list[str]) -> str:
+    if "runs" not in w:
+        return f"{name:<12} skipped"
+    per_mode = {m: [x for run in w["runs"] for x in run["modes"][m]["step_p50_ms"]] for m in modes}
+    cells = ["/".join(f"{x:.1f}" for x in per_mode[m]).rjust(26) for m in modes]
+    gain = ""
+    if "sync" in per_mode and "async" in per_mode:
+        s, a = statistics.mean(per_mode["sync"]), statistics.mean(per_mode["async"])
+        gain = f"{100 * (a - s) / s:+.1f} %"
+    ttft = [x for run in w["runs"] for x in run["ttft_s"]]
+    return f"{name:<12} " + "  ".join(cells) + f"  {gain:>13}   {min(ttft):.2f}-{max(ttft):.2f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
