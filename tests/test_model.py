@@ -390,3 +390,23 @@ def test_logits_equal_huggingface_transformers(tmp_path, kind):
     with torch.no_grad():
         ref = hf(toks).logits.float()
     torch.testing.assert_close(full_logits(ours, toks), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_as_slice_read_in_place_equal_gathered_rows():
+    """Consecutive rows are read in place (slice), scattered rows gathered: the same logits."""
+    cfg = small_cfg()
+    model = Transformer.random(cfg, seed=11, std=0.1)
+    toks = rand_tokens(10, cfg.vocab_size, seed=6, batch=2)
+    c1, c2 = model.new_cache(4, 16), model.new_cache(4, 16)
+    with torch.no_grad():
+        a = model(toks, torch.tensor([0, 0]), c1, slice(1, 3), kv_len=16)          # static path, slice
+        b = model(toks, torch.tensor([0, 0]), c2, torch.tensor([1, 2]), kv_len=16)  # static path, tensor
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        assert torch.equal(c1.k, c2.k)  # both wrote rows 1 and 2 only
+        assert c1.k[:, 0].abs().sum() == 0 and c1.k[:, 3].abs().sum() == 0
+        c3 = model.new_cache(4, 16)
+        c3.lengths[:] = 0
+        e = model(toks.flip(0), torch.tensor([0, 0]), c3, torch.tensor([3, 0]))      # eager, gathered
+        torch.testing.assert_close(e.flip(0), a, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="consecutive"):
+            model(toks, torch.tensor([0, 0]), c3, slice(0, 3))

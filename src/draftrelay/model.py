@@ -287,25 +287,29 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, rows, pos, kv_len: int):
+    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, rows, widx, pos, kv_len: int):
         B, T, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)
         k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
         v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # write the new K/V into each sequence's row at its own positions, then read the row back
+        # write the new K/V into each sequence's row at its own positions, then read the rows back:
+        # a contiguous run of rows (a slice) is read in place, scattered rows are gathered (a copy)
         ck, cv = cache.k[layer], cache.v[layer]
-        ck[rows[:, None], pos] = k.to(ck.dtype)
-        cv[rows[:, None], pos] = v.to(cv.dtype)
-        keys = ck[rows, :kv_len].transpose(1, 2)  # [B, n_kv, L, D]
-        vals = cv[rows, :kv_len].transpose(1, 2)
-        if c.n_rep > 1:  # GQA: each kv head serves n_rep query heads
-            L = keys.shape[2]
-            keys = keys[:, :, None].expand(B, c.n_kv_heads, c.n_rep, L, c.head_dim).reshape(B, c.n_heads, L, -1)
-            vals = vals[:, :, None].expand(B, c.n_kv_heads, c.n_rep, L, c.head_dim).reshape(B, c.n_heads, L, -1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
+        if isinstance(rows, slice):
+            ck, cv = ck[rows], cv[rows]
+        ck[widx, pos] = k.to(ck.dtype)
+        cv[widx, pos] = v.to(cv.dtype)
+        if isinstance(rows, slice):
+            keys, vals = ck[:, :kv_len], cv[:, :kv_len]
+        else:
+            keys, vals = ck[rows, :kv_len], cv[rows, :kv_len]
+        keys, vals = keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype)  # [B, n_kv, L, D]
+        # GQA without repeating K/V: the n_rep query heads of one kv head become n_rep*T query rows
+        qg = q.transpose(1, 2).reshape(B, c.n_kv_heads, c.n_rep * T, c.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)  # [B, n_kv, n_rep*T, D]
+        return self.o_proj(out.reshape(B, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -327,8 +331,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer, rows, pos, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, rows, pos, kv_len)
+    def forward(self, x, cos, sin, mask, cache, layer, rows, widx, pos, kv_len):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, rows, widx, pos, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -361,6 +365,8 @@ class Transformer(nn.Module):
                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B,T] at positions start_pos[b].. of cache rows rows[b] -> float32 logits [B,T,V].
 
+        rows: a [B] tensor of cache rows, or a slice(r0, r0 + B) of consecutive rows (read in
+        place, no gather copy: the fast path for long contexts; eager calls detect it themselves).
         Eager use (kv_len=None): checks the positions on the host and advances cache.lengths.
         Graph capture: pass a static kv_len (>= every start_pos+T); nothing syncs and the caller
         keeps cache.lengths itself. last_only: logits of the last position only ([B,1,V]);
@@ -368,12 +374,24 @@ class Transformer(nn.Module):
         """
         dev = self.device
         eager = kv_len is None
-        if eager:  # host copies for the checks, taken before the device copy (no sync for host inputs)
-            sp, rw = torch.as_tensor(start_pos).tolist(), torch.as_tensor(rows).tolist()
         tokens = torch.as_tensor(tokens, device=dev)
-        start_pos = torch.as_tensor(start_pos, device=dev).long()
-        rows = torch.as_tensor(rows, device=dev).long()
         B, T = tokens.shape
+        if isinstance(rows, slice):
+            if rows.stop - rows.start != B or rows.step not in (None, 1):
+                raise ValueError(f"rows {rows}: a slice of rows must cover exactly {B} consecutive rows")
+            rw = list(range(rows.start, rows.stop))
+        elif eager:  # host copies for the checks, taken before the device copy (no sync for host inputs)
+            rw = torch.as_tensor(rows).tolist()
+            if rw and rw == list(range(rw[0], rw[0] + len(rw))):
+                rows = slice(rw[0], rw[0] + len(rw))
+        if eager:
+            sp = torch.as_tensor(start_pos).tolist()
+        start_pos = torch.as_tensor(start_pos, device=dev).long()
+        if isinstance(rows, slice):
+            widx = torch.arange(B, device=dev)[:, None]
+        else:
+            rows = torch.as_tensor(rows, device=dev).long()
+            widx = rows[:, None]
         if eager:
             if len(sp) != B or len(rw) != B:
                 raise ValueError(f"start_pos and rows need {B} entries, got {len(sp)} and {len(rw)}")
@@ -396,10 +414,12 @@ class Transformer(nn.Module):
         act = self.dtype
         cos, sin = ang.cos().to(act), ang.sin().to(act)
         # causal over each row's own positions: key j is visible to the query at position p iff j <= p
-        mask = (torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]
+        mask = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, L]
+        n_rep = self.cfg.n_rep  # query rows are (head-in-group, t): repeat the mask per head of a group
+        mask = mask[:, None, None].expand(B, 1, n_rep, T, kv_len).reshape(B, 1, n_rep * T, kv_len)
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, rows, pos, kv_len)
+            x = layer(x, cos, sin, mask, cache, i, rows, widx, pos, kv_len)
         if last_only:
             x = x[:, -1:]
         elif logits_at is not None:
