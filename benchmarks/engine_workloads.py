@@ -69,8 +69,8 @@ def env_info(dev: torch.device) -> dict:
 def random_model(cfg: M.ModelConfig, dev: torch.device, dtype: torch.dtype, seed: int) -> M.Transformer:
     """Random weights drawn on the device (timing does not depend on their values)."""
     with torch.device("meta"):
-        model = M.Transformer(cfg)
-    model = model.to_empty(device=dev).to(dtype)
+        model = M.Transformer(cfg).to(dtype)
+    model = model.to_empty(device=dev)
     g = torch.Generator(device=dev).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -94,6 +94,8 @@ def p50(xs) -> float:
 
 def run_group(eng: Engine, prompts: list[list[int]], modes: dict, warmup: int, steps: int, k: int) -> dict:
     """Prefill the prompts together, then decode them in each mode in turn from the same KV."""
+    # untimed: the warm-up steps plus the rounds in which the drafter catches up on the context
+    warmup += -(-(max(len(p) for p in prompts) + 1) // eng.cfg.max_round_tokens)
     params = SamplingParams(max_tokens=(warmup + steps + 2) * (k + 1) + 2)
     reqs = [eng.add_request(p, params) for p in prompts]
     if eng.stream is not None:
@@ -133,7 +135,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--target", default="qwen2.5-7b", help="qwen2.5-7b (random weights) or tiny")
     ap.add_argument("--drafter", default="qwen2.5-0.5b", help="qwen2.5-0.5b (random weights) or tiny")
-    ap.add_argument("--workloads", default="short,32k,32k-conc3,128k")
+    ap.add_argument("--workloads", default="short,32k-conc3,32k,128k")
     ap.add_argument("--ctx-scale", type=int, default=1, help="divide every context length by this (CPU tests)")
     ap.add_argument("--modes", default="off,sync,async")
     ap.add_argument("--k", type=int, default=4)
@@ -156,7 +158,8 @@ def main() -> int:
     scale = max(1, args.ctx_scale)
     wl = {w: WORKLOADS[w] for w in args.workloads.split(",") if w}
     max_ctx = max(max(1, c // scale) for c, _, _ in wl.values())
-    per_req = max_ctx + (args.warmup + args.steps + 4) * (args.k + 1) + 16
+    catch_up = -(-(max_ctx + 1) // args.max_round_tokens)
+    per_req = max_ctx + (args.warmup + catch_up + args.steps + 4) * (args.k + 1) + 16
     result = {"env": env_info(dev), "args": vars(args), "workloads": {}}
 
     def save() -> None:
@@ -210,7 +213,23 @@ def main() -> int:
             groups = [[torch.randint(0, V, (L,), generator=gen).tolist() for _ in range(n)]] if conc else \
                 [[torch.randint(0, V, (L,), generator=gen).tolist()] for _ in range(n)]
             t0 = time.perf_counter()
-            runs = [run_group(eng, g, rounds, args.warmup, args.steps, args.k) for g in groups]
+            try:
+                runs = [run_group(eng, g, rounds, args.warmup, args.steps, args.k) for g in groups]
+            except Exception as exc:  # record and go on with the next workload (e.g. out of memory)
+                import traceback
+
+                traceback.print_exc()
+                result["workloads"][name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                eng.waiting.clear()
+                for r in list(eng.running):
+                    eng.cancel(r)
+                for row in range(eng.cfg.max_batch):
+                    eng.release_row(row)
+                eng.set_rounds(None)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                save()
+                continue
             result["workloads"][name] = {"context": L, "requests": n, "concurrent": conc, "runs": runs,
                                          "wall_s": time.perf_counter() - t0}
             print(format_row(name, result["workloads"][name], modes), flush=True)
@@ -237,7 +256,7 @@ def header(modes: list[str]) -> str:
 
 def format_row(name: str, w: dict, modes: list[str]) -> str:
     if "runs" not in w:
-        return f"{name:<12} skipped"
+        return f"{name:<12} {w.get('error') or w.get('skipped') or 'skipped'}"
     per_mode = {m: [x for run in w["runs"] for x in run["modes"][m]["step_p50_ms"]] for m in modes}
     cells = ["/".join(f"{x:.1f}" for x in per_mode[m]).rjust(26) for m in modes]
     gain = ""

@@ -153,6 +153,31 @@ def test_real_worker(pair, reference, worker, mode):
     assert all(r["generation"] == 1 for r in m["requests"])
 
 
+def test_gpu_draft_path_logic_on_the_emulated_stream(pair, reference, worker):
+    """The CUDA async path (verify fed from the reply buffer's bytes, drafts cross-checked against
+    the host's verdict) run on the CPU: the 'device' buffer is the emulated stream's reply copy."""
+    target = pair[0]
+    h = HandoffConfig(round_spec=worker_spec(worker), deadline_ms=3000, round_budget_ms=2500)
+    with Engine(target, EngineConfig(mode="async", n_draft=4, max_len=256, handoff=h)) as eng:
+        assert eng.round_mode == "async" and not eng.device_drafts  # no CUDA here
+        used = []
+
+        def reply_bytes(rid):
+            for slot, p in eng.rounds._pending.items():
+                if p[0] == rid:
+                    p[3].wait(10.0)  # a GPU would order this on the stream instead
+                    used.append(rid)
+                    return torch.from_numpy(eng.rounds._dst[slot])
+            return None
+
+        eng.device_drafts = True
+        eng._reply_device_buffer = reply_bytes
+        reqs = eng.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        m = eng.metrics(reqs)["total"]
+    assert [r.output for r in reqs] == reference
+    assert len(used) > 5 and m["mean_accepted"] > 1.0
+
+
 def test_worker_identity_mismatch_is_target_only(pair, reference, worker):
     out, m = run(pair[0], "sync", spec=worker_spec(worker, model_id="some-other-model"))
     assert out == reference

@@ -185,6 +185,8 @@ class Engine:
         self.rounds = rounds
         # on a GPU the engine works on its own stream: a parked *default* stream would hold up others
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the cache's zeroing
         if cfg.mode != "off" and rounds is None:
             h = dataclasses.replace(cfg.handoff or HandoffConfig(backend="cuda" if self.stream else "emulated"))
             h.vocab_size = self.vocab
@@ -396,10 +398,11 @@ class Engine:
         rows = torch.tensor([r.row for r in batch], dtype=torch.long)
         pending = [s[-1] for s in seqs]
         logits = used = None
-        if t and self.device_drafts:
+        buf = self._reply_device_buffer(t) if t and self.device_drafts and any(n_out) else None
+        if buf is not None:
             # enqueue the verify now: on the stream it runs as soon as the round is released
             t0 = time.perf_counter()
-            logits, used = self._verify_on_device(pending, t, 1 + max(n_out), start, rows)
+            logits, used = self._verify_on_device(pending, buf, 1 + max(n_out), start, rows)
             tm["verify"] += time.perf_counter() - t0
         drafts: list[list[int]] = [[] for _ in batch]
         if t:
@@ -440,14 +443,25 @@ class Engine:
         self.timing["host"].append(dt - sum(tm.values()))
         self.timing["step"].append(dt)
 
-    def _verify_on_device(self, pending: list[int], t: int, T: int, start: torch.Tensor, rows: torch.Tensor):
-        """Verify forward fed from the GPU copy of round t's reply (CUDA async rounds). Returns
+    def _reply_device_buffer(self, rid: int) -> torch.Tensor | None:
+        """The device copy (uint8) of the reply slot round `rid` lands in; None when the round is
+        not on the stream (e.g. the proxy is being replaced: a zero-draft result, host path)."""
+        fn = getattr(self.rounds, "reply_device_buffer", None)
+        if fn is not None:
+            return fn(rid)
+        # AsyncRounds internals: slot -> (round id, stream round, n_out, event); one buffer per slot
+        for slot, p in getattr(self.rounds, "_pending", {}).items():
+            if p[0] == rid:
+                return getattr(self.rounds._dst[slot], "dev", None)
+        return None
+
+    def _verify_on_device(self, pending: list[int], buf: torch.Tensor, T: int, start: torch.Tensor,
+                          rows: torch.Tensor):
+        """Verify forward fed from the GPU copy of a round's reply (CUDA async rounds). Returns
         (logits, the draft tokens the GPU used). A failed round leaves stale bytes there: they are
         clamped into the vocabulary and never accepted (the host's verdict sets the counts), and
         position 0 does not depend on them."""
         B = len(pending)
-        buf = self.rounds.reply_device_buffer(t) if hasattr(self.rounds, "reply_device_buffer") \
-            else self.rounds._dst[t & 1].dev
         dd = drafts_from_reply(buf, self.rounds.region.layout, B, T - 1, self.vocab)
         g = self.graphs.get(T) or self.graphs.get(self.cfg.n_draft + 1)
         if g is not None and g.fits(B, T):
