@@ -19,6 +19,7 @@ a step into submit / wait / verify / host (see engine.Engine.timing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -135,7 +137,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--target", default="qwen2.5-7b", help="qwen2.5-7b (random weights) or tiny")
     ap.add_argument("--drafter", default="qwen2.5-0.5b", help="qwen2.5-0.5b (random weights) or tiny")
-    ap.add_argument("--workloads", default="short,32k-conc3,32k,128k")
+    ap.add_argument("--workloads", default="short,32k-conc3,32k,128k",
+                    help="comma-separated; NAME:graphs runs it with decode graphs (GPU), NAME:ring with the ring")
     ap.add_argument("--ctx-scale", type=int, default=1, help="divide every context length by this (CPU tests)")
     ap.add_argument("--modes", default="off,sync,async")
     ap.add_argument("--k", type=int, default=4)
@@ -145,8 +148,6 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=4096)
     ap.add_argument("--deadline-ms", type=float, default=2000.0,
                     help="watchdog deadline (generous: catch-up rounds prefill up to max-round-tokens)")
-    ap.add_argument("--graphs", action="store_true")
-    ap.add_argument("--slot-ring", action="store_true")
     ap.add_argument("--time-budget-s", type=float, default=1e9, help="skip workloads that would start after this")
     ap.add_argument("--out", default="benchmarks/results/engine_workloads.json")
     args = ap.parse_args()
@@ -156,10 +157,21 @@ def main() -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     modes = [m for m in args.modes.split(",") if m]
     scale = max(1, args.ctx_scale)
-    wl = {w: WORKLOADS[w] for w in args.workloads.split(",") if w}
-    max_ctx = max(max(1, c // scale) for c, _, _ in wl.values())
-    catch_up = -(-(max_ctx + 1) // args.max_round_tokens)
-    per_req = max_ctx + (args.warmup + catch_up + args.steps + 4) * (args.k + 1) + 16
+    plan = []  # (label, workload, graphs, ring)
+    for item in [w for w in args.workloads.split(",") if w]:
+        name, _, opt = item.partition(":")
+        if name not in WORKLOADS or opt not in ("", "graphs", "ring"):
+            ap.error(f"--workloads: unknown item {item!r} (known: {', '.join(WORKLOADS)}, with :graphs or :ring)")
+        plan.append((item, name, opt in ("graphs", "ring"), opt == "ring"))
+
+    def ctx_of(name: str) -> int:
+        return max(1, WORKLOADS[name][0] // scale)
+
+    def row_len(name: str) -> int:
+        catch_up = -(-(ctx_of(name) + 1) // args.max_round_tokens)
+        return ctx_of(name) + (args.warmup + catch_up + args.steps + 4) * (args.k + 1) + 16
+
+    max_row = max(row_len(name) for _, name, _, _ in plan)
     result = {"env": env_info(dev), "args": vars(args), "workloads": {}}
 
     def save() -> None:
@@ -179,60 +191,61 @@ def main() -> int:
         ddir = os.path.join(tmp, f"random-{args.drafter}")
         write_drafter_dir(args.drafter, ddir, 2)
         wargs, model_id = ["--model", ddir], os.path.basename(ddir)
-    n_conc = max(n if conc else 1 for _, n, conc in wl.values())
-    worker = start_worker_process(wargs + ["--device", str(dev), "--max-ctx", str(per_req + 64), "--rows", "8",
-                                           "--max-requests", "8", "--n-out-max", str(max(8, args.k))],
+    worker = start_worker_process(wargs + ["--device", str(dev), "--max-ctx", str(max_row + 64), "--rows", "8",
+                                           "--max-requests", "4", "--n-out-max", str(max(8, args.k))],
                                   timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
     result["worker"] = worker.banner
     print(worker.banner, flush=True)
     spin, nap = (50, 20) if dev.type == "cuda" else (0, 200)
     # sync and async rounds are open at once: two worker sessions, each reserving max_requests rows
     h = HandoffConfig(vocab_size=target.cfg.vocab_size, max_drafts=max(8, args.k), max_requests=4,
-                      max_tokens=max(32768, args.max_round_tokens * 8), deadline_ms=args.deadline_ms,
+                      max_tokens=max(32768, args.max_round_tokens * 4), deadline_ms=args.deadline_ms,
                       round_budget_ms=args.deadline_ms * 0.9, spin_us=spin, nap_us=nap,
                       backend="cuda" if dev.type == "cuda" else "emulated",
                       round_spec={"kind": "worker", "host": worker.host, "port": worker.port, "model_id": model_id,
                                   "n_out_max": args.k, "max_requests": 4})
-    cfg = EngineConfig(mode="off", n_draft=args.k, max_batch=n_conc, max_len=per_req,
-                       prefill_chunk=args.prefill_chunk, max_round_tokens=args.max_round_tokens,
-                       graphs=args.graphs, slot_ring=args.slot_ring)
-    eng = Engine(target, cfg)
+    # one engine stream for every engine: the CUDA hand-off enqueues on the stream current at its start
+    stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
     rounds: dict = {}
     try:
-        with eng._on_stream():  # the CUDA hand-off enqueues on the stream current at its start
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for m in modes:
                 rounds[m] = None if m == "off" else (SyncRounds(h) if m == "sync" else open_rounds(h))
         result["async_refusal"] = getattr(rounds.get("async"), "refusal", "")
         gen = torch.Generator().manual_seed(0)
         V = target.cfg.vocab_size
-        for name, (ctx, n, conc) in wl.items():
+        for label, name, graphs, ring in plan:
             if time.perf_counter() - t_start > args.time_budget_s:
-                result["workloads"][name] = {"skipped": "time budget"}
+                result["workloads"][label] = {"skipped": "time budget"}
+                save()
                 continue
-            L = max(1, ctx // scale)
+            ctx, n, conc = WORKLOADS[name]
+            L = ctx_of(name)
             groups = [[torch.randint(0, V, (L,), generator=gen).tolist() for _ in range(n)]] if conc else \
                 [[torch.randint(0, V, (L,), generator=gen).tolist()] for _ in range(n)]
             t0 = time.perf_counter()
+            eng = None
             try:
+                # a cache sized for this workload (graphs attend over the whole row, so size matters)
+                cfg = EngineConfig(mode="off", n_draft=args.k, max_batch=n if conc else 1, max_len=row_len(name),
+                                   prefill_chunk=args.prefill_chunk, max_round_tokens=args.max_round_tokens,
+                                   graphs=graphs, slot_ring=ring)
+                eng = Engine(target, cfg, stream=stream)
                 runs = [run_group(eng, g, rounds, args.warmup, args.steps, args.k) for g in groups]
+                result["workloads"][label] = {"context": L, "requests": n, "concurrent": conc, "graphs": graphs,
+                                              "ring": ring, "runs": runs, "wall_s": time.perf_counter() - t0}
             except Exception as exc:  # record and go on with the next workload (e.g. out of memory)
-                import traceback
-
                 traceback.print_exc()
-                result["workloads"][name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                eng.waiting.clear()
-                for r in list(eng.running):
-                    eng.cancel(r)
-                for row in range(eng.cfg.max_batch):
-                    eng.release_row(row)
-                eng.set_rounds(None)
+                result["workloads"][label] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            finally:
+                if eng is not None:
+                    eng.rounds = None  # the rounds are shared: the benchmark closes them
+                    eng.close()
+                del eng
                 if dev.type == "cuda":
+                    torch.cuda.synchronize()
                     torch.cuda.empty_cache()
-                save()
-                continue
-            result["workloads"][name] = {"context": L, "requests": n, "concurrent": conc, "runs": runs,
-                                         "wall_s": time.perf_counter() - t0}
-            print(format_row(name, result["workloads"][name], modes), flush=True)
+            print(format_row(label, result["workloads"][label], modes), flush=True)
             save()
         result["handoff"] = {m: r.stats() for m, r in rounds.items() if r is not None}
     finally:
@@ -240,23 +253,22 @@ def main() -> int:
             if r is not None:
                 r.close()
                 getattr(getattr(r, "_fn", None), "close", lambda: None)()
-        eng.close()
         worker.stop()
     result["wall_s"] = time.perf_counter() - t_start
-    result["table"] = [format_row(n, w, modes) for n, w in result["workloads"].items() if "runs" in w]
+    result["table"] = [header(modes)] + [format_row(n, w, modes) for n, w in result["workloads"].items()]
     save()
-    print("\n".join(["", header(modes)] + result["table"]))
+    print("\n".join([""] + result["table"]))
     print(f"wrote {args.out}")
     return 0
 
 
 def header(modes: list[str]) -> str:
-    return "workload     " + "  ".join(f"{m + ' step p50 ms':>26}" for m in modes) + "  async vs sync   TTFT s"
+    return "workload        " + "  ".join(f"{m + ' step p50 ms':>26}" for m in modes) + "  async vs sync   TTFT s"
 
 
 def format_row(name: str, w: dict, modes: list[str]) -> str:
     if "runs" not in w:
-        return f"{name:<12} {w.get('error') or w.get('skipped') or 'skipped'}"
+        return f"{name:<15} {w.get('error') or w.get('skipped') or 'skipped'}"
     per_mode = {m: [x for run in w["runs"] for x in run["modes"][m]["step_p50_ms"]] for m in modes}
     cells = ["/".join(f"{x:.1f}" for x in per_mode[m]).rjust(26) for m in modes]
     gain = ""
@@ -264,7 +276,7 @@ def format_row(name: str, w: dict, modes: list[str]) -> str:
         s, a = statistics.mean(per_mode["sync"]), statistics.mean(per_mode["async"])
         gain = f"{100 * (a - s) / s:+.1f} %"
     ttft = [x for run in w["runs"] for x in run["ttft_s"]]
-    return f"{name:<12} " + "  ".join(cells) + f"  {gain:>13}   {min(ttft):.2f}-{max(ttft):.2f}"
+    return f"{name:<15} " + "  ".join(cells) + f"  {gain:>13}   {min(ttft):.2f}-{max(ttft):.2f}"
 
 
 if __name__ == "__main__":

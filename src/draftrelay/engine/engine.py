@@ -168,7 +168,7 @@ class LocalRounds:
 
 
 class Engine:
-    def __init__(self, target: Transformer, cfg: EngineConfig, rounds=None) -> None:
+    def __init__(self, target: Transformer, cfg: EngineConfig, rounds=None, stream=None) -> None:
         cfg.validate()
         self.model, self.cfg = target, cfg
         self.device = target.device
@@ -184,7 +184,9 @@ class Engine:
         self._own_rounds = False
         self.rounds = rounds
         # on a GPU the engine works on its own stream: a parked *default* stream would hold up others
-        self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        if stream is None and self.device.type == "cuda":
+            stream = torch.cuda.Stream(device=self.device)
+        self.stream = stream  # passed in: e.g. the stream CUDA rounds made elsewhere enqueue on
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the cache's zeroing
         if cfg.mode != "off" and rounds is None:
@@ -199,7 +201,7 @@ class Engine:
         if cfg.graphs:
             from .graphs import DecodeGraphs  # CUDA only
 
-            widths = {1} if cfg.mode == "off" and rounds is None else {1, cfg.n_draft + 1}
+            widths = {1, cfg.n_draft + 1}  # plain decode steps and k+1 verifies
             with self._on_stream():
                 for T in sorted(widths):
                     self.graphs[T] = DecodeGraphs(target, self.cache, cfg.max_batch, T, ring=cfg.slot_ring)
