@@ -443,12 +443,15 @@ class Transformer(nn.Module):
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32, std: float = 0.02, embed_std: float | None = None) -> Transformer:
-        """Seeded random weights, drawn on the CPU in fp32 so every device gets the same values."""
+               dtype: torch.dtype = torch.float32, std: float = 0.02, embed_std: float | None = None,
+               draw_on: str = "cpu") -> Transformer:
+        """Seeded random weights in fp32, drawn on the CPU so every device gets the same values
+        (draw_on="device": drawn by the device's generator instead, much faster for large shapes)."""
         with torch.device("meta"):
             model = cls(cfg)
         model = model.to_empty(device=device).to(dtype)
-        g = torch.Generator().manual_seed(seed)
+        gdev = torch.device(device) if draw_on == "device" else torch.device("cpu")
+        g = torch.Generator(device=gdev).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("layernorm.weight") or name == "norm.weight":
@@ -457,7 +460,7 @@ class Transformer(nn.Module):
                     p.zero_()
                 else:
                     s = embed_std if (embed_std is not None and name == "embed_tokens.weight") else std
-                    p.copy_(torch.randn(p.shape, generator=g) * s)
+                    p.copy_(torch.randn(p.shape, generator=g, device=gdev) * s)
         return model.eval()
 
     @classmethod

@@ -327,7 +327,7 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         if name not in SHAPES:
             raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
         cfg = M.ModelConfig(**SHAPES[name], name=name)
-        net = M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype)
+        net = M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype, draw_on="device")
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "", mode)
     if not os.path.isdir(spec):
         raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', nor an existing directory")

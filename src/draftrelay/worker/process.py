@@ -62,7 +62,7 @@ class WorkerProcess:
         self.stop()
 
 
-def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: float = 60.0,
+def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: float = 180.0,
                          env: dict | None = None) -> WorkerProcess:
     fd, log_path = tempfile.mkstemp(prefix="draftrelay-worker-", suffix=".log")
     cmd = [sys.executable, "-m", "draftrelay.worker", "--host", host, "--port", "0", *args]
