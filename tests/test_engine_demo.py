@@ -55,3 +55,40 @@ def test_generate_bad_arguments(capsys):
     assert "--graphs" in capsys.readouterr().err
     assert cli.main(["generate", "x", "--graphs", "--device", "cpu"]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def _hf_dirs(tmp_path):
+    """The tiny pair written as two HF checkpoints sharing a byte-level tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from draftrelay.model import save_hf_dir, tiny_pair
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    target, drafter = tiny_pair()
+    dirs = []
+    for name, model in (("target", target), ("drafter", drafter)):
+        d = tmp_path / name
+        save_hf_dir(model, d)
+        tok.save(str(d / "tokenizer.json"))
+        dirs.append(str(d))
+    return dirs
+
+
+def test_generate_with_hf_checkpoints_and_a_local_worker(tmp_path, capsys):
+    tdir, ddir = _hf_dirs(tmp_path)
+    js = tmp_path / "m.json"
+    assert cli.main(["generate", "Hello", "--model", tdir, "--drafter", ddir, "--mode", "sync", "--max-tokens", "16",
+                     "--device", "cpu", "--json", str(js)]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("Hello") and "[sync] 16 tokens" in cap.err
+    m = json.loads(js.read_text())["total"]
+    assert m["rounds"]["ok"] > 0 and m["mean_accepted"] > 0.5  # the worker loaded the drafter checkpoint
+    # a drafter whose tokenizer differs is refused at the handshake, with the reason
+    (tmp_path / "drafter" / "tokenizer.json").write_text((tmp_path / "drafter" / "tokenizer.json").read_text()
+                                                         .replace('"ByteLevel"', '"ByteLevel" ', 1))
+    assert cli.main(["generate", "Hello", "--model", tdir, "--drafter", ddir, "--mode", "sync", "--max-tokens", "4",
+                     "--device", "cpu"]) == 1
+    assert "IDENTITY_MISMATCH" in capsys.readouterr().err
