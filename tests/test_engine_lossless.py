@@ -16,7 +16,7 @@ from draftrelay.model import ModelConfig, Transformer, tiny_model_id, tiny_pair
 from draftrelay.worker.process import start_worker_process
 
 PROMPTS = [list(b"Hello, world"), list(b"The quick brown fox"), list(b"abc"), list(b"speculative decoding")]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +52,12 @@ def drafter_fn(drafter: Transformer):
 
 
 def run(target, mode="off", prompts=PROMPTS, max_batch=4, rounds=None, spec=None, k=4, on_step=None,
-        max_round_tokens=4096, **hkw):
+        max_round_tokens=4096, max_tokens=MAX_TOKENS, **hkw):
     h = HandoffConfig(round_spec=spec or {"kind": "builtin"}, **hkw)
     cfg = EngineConfig(mode=mode, n_draft=k, max_batch=max_batch, max_len=256, handoff=h,
                        max_round_tokens=max_round_tokens)
     with Engine(target, cfg, rounds=rounds) as eng:
-        reqs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), on_step=on_step)
+        reqs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens), on_step=on_step)
         return [r.output for r in reqs], eng.metrics()
 
 
@@ -86,16 +86,17 @@ def test_greedy_identical_across_modes_and_batch_sizes(pair, reference, max_batc
         assert m["total"]["round_mode"] == mode and m["total"]["rounds"]["ok"] > 0
 
 
-def test_faults_cost_speed_never_tokens(pair, reference):
+def test_faults_cost_speed_never_tokens(pair):
     faults = dict(seed=3, p_delay=0.15, delay_ms=80, p_exception=0.1, p_disconnect=0.1, p_timeout=0.05,
                   p_bad_reply=0.1, p_corrupt=0.1)
-    out, m = run(pair[0], "async", spec={"kind": "builtin", "faults": faults}, deadline_ms=40)
-    assert out == reference
+    ref, _ = run(pair[0], "off", max_tokens=40)
+    out, m = run(pair[0], "async", spec={"kind": "builtin", "faults": faults}, deadline_ms=40, max_tokens=40)
+    assert out == ref
     r = m["total"]["rounds"]
     assert r["watchdog"] > 0 and r["failed"] > 0 and r["target_only"] >= r["watchdog"] + r["failed"]
     assert m["total"]["handoff"]["watchdog_fires"] > 0
-    out, m = run(pair[0], "sync", spec={"kind": "builtin", "faults": faults})
-    assert out == reference and m["total"]["rounds"]["failed"] > 0
+    out, m = run(pair[0], "sync", spec={"kind": "builtin", "faults": faults}, max_tokens=40)
+    assert out == ref and m["total"]["rounds"]["failed"] > 0
 
 
 def test_kv_rolled_back_to_the_accepted_length(pair, reference):
@@ -175,7 +176,7 @@ def test_gpu_draft_path_logic_on_the_emulated_stream(pair, reference, worker):
         reqs = eng.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         m = eng.metrics(reqs)["total"]
     assert [r.output for r in reqs] == reference
-    assert len(used) > 5 and m["mean_accepted"] > 1.0
+    assert len(used) >= 4 and m["mean_accepted"] > 1.0
 
 
 def test_worker_identity_mismatch_is_target_only(pair, reference, worker):
@@ -206,10 +207,11 @@ def test_worker_killed_mid_run_and_replaced(pair, reference):
     try:
         prompts = PROMPTS[:2]
         out, m = run(pair[0], "async", prompts=prompts, spec=worker_spec(w, breaker_cooldown_s=0.05),
-                     max_batch=2, on_step=on_step)
+                     max_batch=2, on_step=on_step, max_tokens=40)
+        ref, _ = run(pair[0], "off", prompts=prompts, max_tokens=40)
     finally:
         state["w"].stop()
-    assert out == reference[:2]
+    assert out == ref
     r = m["total"]["rounds"]
     assert r["failed"] > 0 and r["ok"] > 0 and state["steps"] > 6
     assert max(q["generation"] for q in m["requests"]) > 1  # restarted on the new worker's session
@@ -229,7 +231,8 @@ def small_target() -> Transformer:
 
 def test_sampled_outputs_follow_the_target_distribution():
     """Temperature 1, k = 2 point-mass drafts that are right some of the time: the joint law of the
-    two tokens produced by the first speculative step equals the target's (chi-square, 64 cells)."""
+    two tokens produced by the first speculative step equals the target's (chi-square, 64 cells,
+    1,024 samples)."""
     target = small_target()
     prompt = [1, 2, 3]
 
@@ -242,7 +245,7 @@ def test_sampled_outputs_follow_the_target_distribution():
                         np.full(n, 0.5, np.float32)))
         return out
 
-    n_batches, B = 96, 16
+    n_batches, B = 64, 16
     counts = np.zeros((V, V))
     for b in range(n_batches):
         cfg = EngineConfig(mode="sync", n_draft=2, max_batch=B, max_len=32)

@@ -79,3 +79,16 @@ def test_async_faults_on_gpu_cost_no_tokens(target, worker):
         m = eng.metrics(reqs)["total"]
     assert [r.output for r in reqs] == ref
     assert m["rounds"]["watchdog"] > 0 and m["rounds"]["failed"] > 0
+
+
+if __name__ == "__main__":  # without pytest: run the probes in order, fixtures by hand
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    tgt = tiny_pair(device="cuda", dtype=torch.float32)[0]
+    w = start_worker_process(["--model", "tiny", "--device", "cuda", "--dtype", "float32"])
+    try:
+        for fn in (test_greedy_identical_on_every_gpu_path, test_async_faults_on_gpu_cost_no_tokens):
+            fn(tgt, w)
+            print("PASSED", fn.__name__, flush=True)
+    finally:
+        w.stop()
