@@ -72,8 +72,8 @@ class Target:
 def load_target(spec: str, device: torch.device) -> Target:
     """'tiny' (the target half of the built-in pair) or a local HF directory."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if spec == "tiny":
-        target, _ = M.tiny_pair(M.TINY_SEED, device=device, dtype=dtype)
+    if spec == "tiny":  # fp32 everywhere: tiny, and greedy outputs then match across modes bit for bit
+        target, _ = M.tiny_pair(M.TINY_SEED, device=device, dtype=torch.float32)
         return Target(target, ByteTokenizer(), (), M.TINY_TOKENIZER_ID, "tiny-target")
     if not os.path.isdir(spec):
         raise M.ModelError(f"--model {spec!r}: not 'tiny' and not an existing model directory")
@@ -111,6 +111,7 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
     from draftrelay.worker.process import start_worker_process
 
     args = ["--model", drafter, "--device", str(device), "--n-out-max", str(max(8, n_draft)),
+            *(["--dtype", "float32"] if drafter == "tiny" else []),
             "--max-ctx", str(max_ctx), "--rows", str(max(16, rows)), "--max-requests", str(max(16, rows))]
     env = {"OMP_NUM_THREADS": "1"} if device.type == "cpu" else None  # leave the cores to the target
     return start_worker_process(args, env=env)
