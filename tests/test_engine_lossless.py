@@ -154,13 +154,19 @@ def test_real_worker(pair, reference, worker, mode):
     assert all(r["generation"] == 1 for r in m["requests"])
 
 
-def test_gpu_draft_path_logic_on_the_emulated_stream(pair, reference, worker):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_draft_path_logic_on_the_emulated_stream(pair, reference, worker, graphs):
     """The CUDA async path (verify fed from the reply buffer's bytes, drafts cross-checked against
-    the host's verdict) run on the CPU: the 'device' buffer is the emulated stream's reply copy."""
+    the host's verdict) run on the CPU: the 'device' buffer is the emulated stream's reply copy;
+    graphs=True: through the decode-graph slots (ring on), eager forwards standing in for replays."""
+    from draftrelay.engine.graphs import DecodeGraphs
+
     target = pair[0]
     h = HandoffConfig(round_spec=worker_spec(worker), deadline_ms=3000, round_budget_ms=2500)
     with Engine(target, EngineConfig(mode="async", n_draft=4, max_len=256, handoff=h)) as eng:
         assert eng.round_mode == "async" and not eng.device_drafts  # no CUDA here
+        if graphs:
+            eng.graphs = {T: DecodeGraphs(target, eng.cache, 4, T, ring=True, capture=False) for T in (1, 5)}
         used = []
 
         def reply_bytes(rid):
@@ -177,6 +183,8 @@ def test_gpu_draft_path_logic_on_the_emulated_stream(pair, reference, worker):
         m = eng.metrics(reqs)["total"]
     assert [r.output for r in reqs] == reference
     assert len(used) >= 4 and m["mean_accepted"] > 1.0
+    if graphs:
+        assert eng.graphs[5].replays >= len(used)
 
 
 def test_worker_identity_mismatch_is_target_only(pair, reference, worker):

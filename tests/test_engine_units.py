@@ -39,3 +39,36 @@ def test_graph_batch_sizes():
     assert _pow2_sizes(1) == [1]
     assert _pow2_sizes(3) == [1, 2, 3]
     assert _pow2_sizes(8) == [1, 2, 4, 8]
+
+
+def test_decode_graph_bookkeeping_emulated_on_cpu():
+    """The graph path's static buffers, padding rows (spare KV row), padded batch sizes, widths and
+    the two-slot ring, with eager forwards standing in for replays: greedy outputs unchanged."""
+    from draftrelay.engine.engine import Engine, EngineConfig, LocalRounds, SamplingParams
+    from draftrelay.engine.graphs import DecodeGraphs
+    from draftrelay.model import tiny_pair
+
+    target, _ = tiny_pair()
+    prompts = [list(b"Hello, world"), list(b"The quick brown fox"), list(b"abc")]
+
+    def fn(t, requests, budget_s):  # fixed drafts: some right, most wrong (exercises k+1 widths)
+        return [(np.array([(int(r.tokens[-1]) * 7 + j) % 256 for j in range(r.n_out)], np.int32),
+                 np.zeros(r.n_out, np.float32)) if len(r.tokens) else (np.zeros(0, np.int32), np.zeros(0, np.float32))
+                for r in requests]
+
+    def gen(graphs: bool, ring: bool, mode: str):
+        cfg = EngineConfig(mode="off", n_draft=4, max_batch=4, max_len=96)
+        with Engine(target, cfg, rounds=LocalRounds(fn) if mode == "spec" else None) as eng:
+            if graphs:
+                eng.graphs = {T: DecodeGraphs(target, eng.cache, 4, T, ring=ring, capture=False) for T in (1, 5)}
+            reqs = eng.generate(prompts, SamplingParams(max_tokens=20))
+            return [r.output for r in reqs], {T: (g.replays, g.drains, sorted(g.slots)) for T, g in eng.graphs.items()}
+
+    ref, _ = gen(False, False, "off")
+    for mode in ("off", "spec"):
+        for ring in (False, True):
+            out, info = gen(True, ring, mode)
+            assert out == ref, (mode, ring)
+            assert info[1][2] == [1, 2, 4]  # padded sizes: 3 requests run as 4 with the spare row
+            used = info[5] if mode == "spec" else info[1]
+            assert used[0] > 0 and (used[1] == 0) == ring

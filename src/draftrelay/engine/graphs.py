@@ -24,25 +24,38 @@ import torch
 from draftrelay.model import KVCache, Transformer
 
 
+class _NoEvent:
+    """Stands in for a CUDA event where the 'replay' is an eager forward (CPU tests)."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _Slot:
-    def __init__(self, B: int, T: int, V: int, device: torch.device) -> None:
-        self.host = torch.zeros(2 * B + B * T, dtype=torch.long, pin_memory=True)  # start | rows | tokens
+    def __init__(self, B: int, T: int, device: torch.device, cuda: bool) -> None:
+        # start | rows | tokens, in one pinned host buffer and one device buffer: one H2D per step
+        self.host = torch.zeros(2 * B + B * T, dtype=torch.long, pin_memory=cuda)
         self.dev = torch.zeros(2 * B + B * T, dtype=torch.long, device=device)
         self.start = self.dev[:B]
         self.rows = self.dev[B:2 * B]
         self.tokens = self.dev[2 * B:].view(B, T)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        self.done = torch.cuda.Event(blocking=True)  # reuse event: recorded after each replay
+        self.done = torch.cuda.Event(blocking=True) if cuda else _NoEvent()  # reuse event, after each replay
         self.used = False
 
 
 class DecodeGraphs:
     def __init__(self, model: Transformer, cache: KVCache, max_batch: int, T: int, ring: bool = False,
-                 sizes: list[int] | None = None) -> None:
-        if model.device.type != "cuda":
-            raise ValueError("decode graphs need the model on a CUDA device")
-        self.model, self.cache, self.T, self.ring = model, cache, T, ring
+                 sizes: list[int] | None = None, capture: bool = True) -> None:
+        """capture=False: no CUDA graphs, each 'replay' is an eager forward over the same static
+        buffers (the slot, padding and ring bookkeeping, testable on a CPU)."""
+        if capture and model.device.type != "cuda":
+            raise ValueError("decode graphs need the model on a CUDA device (capture=False emulates them)")
+        self.model, self.cache, self.T, self.ring, self.capture = model, cache, T, ring, capture
         self.spare_row = cache.max_batch - 1  # padding rows write here; never read back
         self.sizes = sorted(set(sizes or _pow2_sizes(max_batch)))
         self.slots: dict[int, list[_Slot]] = {}
@@ -57,13 +70,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        V = self.model.cfg.vocab_size
         dev = self.model.device
         n_slots = 2 if self.ring else 1
-        stream = torch.cuda.current_stream()
         for B in self.sizes:
-            self.slots[B] = [_Slot(B, self.T, V, dev) for _ in range(n_slots)]
+            self.slots[B] = [_Slot(B, self.T, dev, self.capture) for _ in range(n_slots)]
             self.turn[B] = 0
+        if not self.capture:
+            return
+        stream = torch.cuda.current_stream()
         # warm-up on a side stream (as torch recommends), outside any capture: lazy kernels, cuBLAS
         # workspaces and the allocator's blocks for the largest size are all in place before capture
         side = torch.cuda.Stream()
@@ -120,7 +134,10 @@ class DecodeGraphs:
         if device_drafts is not None:
             n = min(device_drafts.shape[1], self.T - 1)
             s.tokens[:B, 1:1 + n].copy_(device_drafts[:B, :n])
-        s.graph.replay()
+        if self.capture:
+            s.graph.replay()
+        else:
+            s.logits = self.model(s.tokens, s.start, self.cache, s.rows, kv_len=self.cache.max_len)
         s.done.record()
         s.used = True
         self.replays += 1
