@@ -12,7 +12,9 @@ Two ways to make it safe:
             slot's event before refreshing it, so step N+1's refresh overlaps replay N.
 
 The second capture needs a second set of retained outputs; both sizes of every slot are captured
-into one shared memory pool after a warm-up, so no capture ever needs a fresh cudaMalloc. The graph
+into one shared memory pool after a warm-up, so no capture ever needs a fresh cudaMalloc. Graphs of
+one pool may reuse each other's scratch: that is safe because they replay on one stream and every
+replay's logits are read before the next replay. The graph
 path takes a static kv_len (the cache's max_len: every replay attends over the whole row, masked),
 does no host-side checks and leaves cache.lengths alone (the engine sets them after acceptance).
 """
@@ -95,7 +97,8 @@ class DecodeGraphs:
             for s in self.slots[B]:
                 self._fill_dummy(s, B)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                # thread_local: the hand-off's own threads (supervisor, watchdog) may run meanwhile
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                     s.logits = self.model(s.tokens, s.start, self.cache, s.rows, kv_len=self.cache.max_len)
                 if self.pool is None:
                     self.pool = g.pool()
