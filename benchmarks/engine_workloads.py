@@ -256,14 +256,26 @@ def main() -> int:
         worker.stop()
     result["wall_s"] = time.perf_counter() - t_start
     result["table"] = [header(modes)] + [format_row(n, w, modes) for n, w in result["workloads"].items()]
+    result["split"] = ["step split, median ms (submit / wait / verify / host = step)"] + [
+        format_split(n, w, modes) for n, w in result["workloads"].items() if "runs" in w]
     save()
-    print("\n".join([""] + result["table"]))
+    print("\n".join([""] + result["table"] + [""] + result["split"]))
     print(f"wrote {args.out}")
     return 0
 
 
 def header(modes: list[str]) -> str:
     return "workload        " + "  ".join(f"{m + ' step p50 ms':>26}" for m in modes) + "  async vs sync   TTFT s"
+
+
+def format_split(name: str, w: dict, modes: list[str]) -> str:
+    cells = []
+    for m in modes:
+        parts = [run["modes"][m]["parts_p50_ms"] for run in w["runs"]]
+        avg = {k: statistics.mean(p[k] for p in parts) for k in ("submit", "wait", "verify", "host", "step")}
+        cells.append(f"{m}: {avg['submit']:.2f}/{avg['wait']:.2f}/{avg['verify']:.2f}/{avg['host']:.2f}"
+                     f"={avg['step']:.2f}")
+    return f"{name:<15} " + "   ".join(cells)
 
 
 def format_row(name: str, w: dict, modes: list[str]) -> str:
