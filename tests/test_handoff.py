@@ -44,8 +44,10 @@ def check_round(reqs: list[RoundRequest], res) -> tuple[int, int]:
 
 
 def cfg(**kw) -> HandoffConfig:
+    # loss_fires is raised here: these tests stall and delay the proxy on purpose and check the hand-off
+    # itself; the loss rule (3 fires with no finished round = lost) is exercised in test_recovery.py
     base = dict(vocab_size=VOCAB, max_requests=4, max_tokens=256, max_drafts=8, deadline_ms=20.0,
-                selftest_rounds=4)
+                selftest_rounds=4, loss_fires=10**6)
     base.update(kw)
     return HandoffConfig(**base)
 

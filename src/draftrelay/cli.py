@@ -18,8 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("draftrelay.worker.cli", "serve a remote drafter over TCP"),
     "selftest": ("draftrelay.handoff.cli", "run the hand-off self-test (emulated stream, or CUDA with --backend cuda)"),
     "bench": ("draftrelay.bench_cli", "run a benchmark from benchmarks/ and write its JSON result"),
-    "drill": ("draftrelay.engine.cli_drill", "run fault drills (kill, stop, idle, soak) against a live engine"),
-    "stats": ("draftrelay.engine.cli_stats", "print hand-off and recovery counters as Prometheus text"),
+    "drill": ("draftrelay.handoff.drills", "run fault drills (kill, stop, idle, slow, soak, freeze) on live rounds"),
+    "stats": ("draftrelay.handoff.metrics", "print hand-off and recovery counters as Prometheus text"),
 }
 
 

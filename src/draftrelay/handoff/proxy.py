@@ -207,6 +207,7 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
         if fault == "stall" and point == where and faults is not None:
             time.sleep(faults.stall_ms / 1000)
 
+    reported_reconnects = 0
     t = native.load32(a_released) + 1
     while True:
         rc = native.wait_geq32(a_gathered, t, spin_us, nap_us, 100_000, a_stop)
@@ -261,6 +262,10 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
                 count(Counter.FAILED)
         else:
             count(Counter.LATE_DISCARDED)
+        reconnects = getattr(round_fn, "reconnects", 0)
+        if reconnects != reported_reconnects:
+            count(Counter.RECONNECTS, reconnects - reported_reconnects)
+            reported_reconnects = reconnects
         t += 1
 
 

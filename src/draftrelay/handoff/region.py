@@ -91,6 +91,7 @@ class Counter(IntEnum):
     TORN_SKIPPED = 3  # staging overwritten while it was being read: dropped
     SKIPPED = 4  # rounds the proxy never saw (released by the watchdog before it got there)
     FAILED = 5  # rounds it published with a failure status
+    RECONNECTS = 6  # the round function's reconnects to the worker (its `reconnects` attribute)
 
 
 # One staging request record: 8 x u32.

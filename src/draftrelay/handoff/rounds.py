@@ -13,11 +13,13 @@ falls back to sync rounds.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
@@ -39,6 +41,8 @@ from .region import (
     pack_staging,
 )
 from .stream import EmulatedStream, StreamOps, StreamStuck
+
+log = logging.getLogger("draftrelay")
 
 
 class AsyncRefused(RuntimeError):
@@ -65,6 +69,11 @@ class HandoffConfig:
     strict: bool = False
     round_spec: dict = field(default_factory=lambda: {"kind": "builtin"})
     proxy_audit: str = ""  # file the proxy writes its loaded modules to (tests)
+    # recovery (see AsyncRounds._judge / _recover)
+    max_respawns: int = 3
+    respawn_reset_s: float = 3600.0  # an hour without a loss restores the respawn budget
+    loss_fires: int = 3  # watchdog fires with no round finished by the proxy = lost
+    supervise_ms: float = 10.0
     preload: tuple = ()  # callables launching every kernel used while a stream is parked (run before round 1)
     cuda_stream: object = None  # backend "cuda": the torch.cuda.Stream to park (default: the current one)
 
@@ -207,7 +216,13 @@ class ProxyProcess:
 
 
 class AsyncRounds:
-    """The hand-off: the stream parks on `released`, the proxy process does the round."""
+    """The hand-off: the stream parks on `released`, the proxy process does the round.
+
+    Round ids handed to the engine (`rid`) only grow; the stream's round numbers (`t`) restart at 1
+    after a respawn, when the words are reset. A supervisor thread watches the proxy while the
+    engine is active and replaces it when it is lost (see `_judge` and `_recover`); meanwhile, and
+    once the respawn budget is spent, submit() returns target-only rounds without touching the stream.
+    """
 
     mode = "async"
     refusal = ""
@@ -218,14 +233,30 @@ class AsyncRounds:
         self.watchdog: native.Watchdog | None = None
         self.stream: StreamOps | None = None
         self.proxy: ProxyProcess | None = None
+        self.state = "starting"  # live | recovering | target_only | closed
+        self._lock = threading.Lock()  # submit vs. the supervisor's state changes
+        self._rid = 0
         self._t = 0
-        self._pending: dict[int, tuple] = {}  # slot -> (t, n_out, event)
+        self._pending: dict[int, tuple] = {}  # slot -> (rid, t, n_out, event)
         self._results: dict[int, RoundResult] = {}
         self._stats = _Stats()
         self._dst: list = []
+        self._last_submit_ns = 0
         self.enqueue_ns: list[int] = []  # engine-side submit cost, when enabled (benchmarks)
         self.record_enqueue = False
         self.on_resume = None  # host callback run on the stream right after the wait (benchmarks)
+        # recovery
+        self.generation = 0
+        self.respawns_used = 0
+        self.losses: Tally = Tally()
+        self.loss_log: list[dict] = []
+        self.target_only_rounds = 0
+        self.target_only_reason = ""
+        self.released_on_loss = 0
+        self._last_loss_ns = 0
+        self._mark = (0, 0)  # (watchdog fires, proxy rounds done) when the proxy last made progress
+        self._supervisor: threading.Thread | None = None
+        self._stop = threading.Event()
 
     # -- start-up ---------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -241,7 +272,11 @@ class AsyncRounds:
         self._dst = [self.stream.new_reply_buffer() for _ in (0, 1)]
         self.proxy = ProxyProcess(self.region, cfg.proxy_spec(), cfg.proxy_audit)
         self.proxy.wait_ready(cfg.proxy_start_timeout_s)
+        self.state = "live"
         self._selftest()
+        self._mark = self._progress()
+        self._supervisor = threading.Thread(target=self._supervise, name="draftrelay-supervisor", daemon=True)
+        self._supervisor.start()
 
     def _selftest(self) -> None:
         """Rounds through the real mechanism, checked bit for bit. A wrong draft refuses async at
@@ -264,68 +299,220 @@ class AsyncRounds:
     # -- rounds -------------------------------------------------------------------------------------
     def submit(self, requests: list[RoundRequest] | None = None, *, src=None, n_out=None,
                flags: int = 0) -> int:
-        """Enqueue round t. Either `requests` (packed here) or a prepared staging `src` and its n_out."""
+        """Enqueue a round; returns its id. Either `requests` (packed here) or a prepared staging `src`
+        (whose descriptor must carry `self.next_stream_round`) and its n_out."""
         t0 = native.now_ns() if self.record_enqueue else 0
-        self._t += 1
-        t = self._t
-        s = t & 1
-        if s in self._pending:  # the slot's previous round must be decoded before its buffer is reused
-            self._collect(self._pending[s][0], None)
-        if src is None:
-            src = pack_staging(self.region.layout, t, requests, flags)
-            n_out = np.array([r.n_out for r in requests], np.int32)
-        gathered, released, consumed = self._off
-        st = self.stream
-        st.copy_in(s, src)
-        st.write32(gathered, t)
-        st.wait_geq32(released, t)
-        if self.on_resume is not None:
-            st.host_fn(self.on_resume)
-        st.copy_out(s, self._dst[s])
-        st.write32(consumed, t)
-        self._pending[s] = (t, np.asarray(n_out, np.int32), st.record())
+        self._rid += 1
+        rid = self._rid
+        with self._lock:
+            if self.state != "live":
+                n = len(requests) if requests is not None else len(n_out)
+                self._results[rid] = _zero_result(rid, n, self.cfg.max_drafts, Status.UNAVAILABLE,
+                                                  f"proxy {self.state}")
+                self.target_only_rounds += 1
+                return rid
+            t = self._t + 1
+            s = t & 1
+            if s in self._pending:  # the slot's previous round must be decoded before its buffer is reused
+                self._collect(self._pending[s][0], None)
+            self._t = t
+            if src is None:
+                src = pack_staging(self.region.layout, t, requests, flags)
+                n_out = np.array([r.n_out for r in requests], np.int32)
+            gathered, released, consumed = self._off
+            st = self.stream
+            st.copy_in(s, src)
+            st.write32(gathered, t)
+            st.wait_geq32(released, t)
+            if self.on_resume is not None:
+                st.host_fn(self.on_resume)
+            st.copy_out(s, self._dst[s])
+            st.write32(consumed, t)
+            self._pending[s] = (rid, t, np.asarray(n_out, np.int32), st.record())
+        self._last_submit_ns = native.now_ns()
         if t0:
-            self.enqueue_ns.append(native.now_ns() - t0)
-        return t
+            self.enqueue_ns.append(self._last_submit_ns - t0)
+        return rid
 
-    def _collect(self, t: int, timeout_s: float | None) -> None:
-        s = t & 1
-        pt, n_out, ev = self._pending[s]
-        assert pt == t
+    @property
+    def next_stream_round(self) -> int:
+        return self._t + 1
+
+    def _collect(self, rid: int, timeout_s: float | None) -> None:
+        slot = next((s for s, p in self._pending.items() if p[0] == rid), None)
+        if slot is None:
+            raise KeyError(f"round {rid} was never submitted or was already collected")
+        _, t, n_out, ev = self._pending[slot]
         if not ev.wait(timeout_s):
-            raise TimeoutError(f"round {t} not finished on the stream after {timeout_s} s")
-        del self._pending[s]
-        buf = self.stream.host_bytes(self._dst[s])
-        self._results[t] = decode_reply(self.region.layout, buf, t, n_out)
+            raise TimeoutError(f"round {rid} not finished on the stream after {timeout_s} s")
+        del self._pending[slot]
+        buf = self.stream.host_bytes(self._dst[slot])
+        res = decode_reply(self.region.layout, buf, t, n_out)
+        res.round = rid
+        self._results[rid] = res
 
-    def result(self, t: int, timeout_s: float | None = None) -> RoundResult:
-        if t not in self._results:
-            self._collect(t, timeout_s)
-        res = self._results.pop(t)
+    def result(self, rid: int, timeout_s: float | None = None) -> RoundResult:
+        if rid not in self._results:
+            self._collect(rid, timeout_s)
+        res = self._results.pop(rid)
         self._stats.add(res)
         return res
 
+    # -- loss detection and respawn ----------------------------------------------------------------
+    @property
+    def loss_limit_s(self) -> float:
+        """A heartbeat older than this is a lost proxy: max(2 x deadline, round budget + 250 ms)."""
+        return max(2 * self.cfg.deadline_ms, self.cfg.round_budget_ms + 250) / 1000
+
+    def _progress(self) -> tuple[int, int]:
+        c = self.region.counters()
+        return self.watchdog.fires, c["published"] + c["late_discarded"]
+
+    def _active(self) -> bool:
+        recent = (native.now_ns() - self._last_submit_ns) / 1e9 < 2 * self.loss_limit_s
+        return bool(self._pending) or recent
+
+    def _judge(self) -> tuple[str, str] | None:
+        """The loss rule. Process exit always counts; the heartbeat and the watchdog-fire rule are
+        judged only while the engine is active, so an idle engine never declares a loss."""
+        rc = self.proxy.proc.poll()
+        if rc is not None:
+            return "exit", f"proxy exited with code {rc}"
+        if not self._active():
+            self._mark = self._progress()
+            return None
+        a_hb = self.region.word_addr(W.HEARTBEAT)
+        limit_ns = int(self.loss_limit_s * 1e9)
+        age = native.now_ns() - native.load64(a_hb)
+        if age > limit_ns:
+            # Read it again after the clock: if this process was frozen between the two reads above
+            # (SIGSTOP, a VM pause), a live proxy's heartbeat is fresh now.
+            age = native.now_ns() - native.load64(a_hb)
+            if age > limit_ns:
+                return "heartbeat", f"heartbeat {age / 1e6:.0f} ms old against the {limit_ns / 1e6:.0f} ms limit"
+        fires, done = self._progress()
+        if done != self._mark[1]:
+            self._mark = (fires, done)
+        elif fires - self._mark[0] >= self.cfg.loss_fires:
+            return "fires", f"{fires - self._mark[0]} watchdog fires with no round finished"
+        return None
+
+    def _supervise(self) -> None:
+        period = self.cfg.supervise_ms / 1000
+        while not self._stop.wait(period):
+            if self.state != "live":
+                continue
+            try:
+                verdict = self._judge()
+                if verdict:
+                    self._recover(*verdict)
+            except Exception as exc:  # the supervisor must not die silently: go target-only, loudly
+                self._go_target_only(f"supervisor error: {type(exc).__name__}: {exc}")
+
+    def _recover(self, cause: str, detail: str) -> None:
+        now = native.now_ns()
+        event = {"cause": cause, "detail": detail, "detected_ns": now, "generation": self.generation,
+                 "fires": self.watchdog.fires}
+        self.loss_log.append(event)
+        self.losses[cause] += 1
+        with self._lock:
+            self.state = "recovering"  # from here on submit() does not touch the stream
+        log.warning("draftrelay: proxy lost (%s: %s)", cause, detail)
+        if self._last_loss_ns and (now - self._last_loss_ns) / 1e9 > self.cfg.respawn_reset_s:
+            self.respawns_used = 0  # an hour (by default) without loss restores the budget
+        self._last_loss_ns = now
+        self.proxy.kill()  # SIGKILL works on a stopped process too; reaped here, not on the engine thread
+        if not self._drain_released(5.0 + 2 * self.cfg.deadline_ms / 1000):
+            self._go_target_only("the stream did not drain after a proxy loss; region kept mapped")
+            return
+        if self.respawns_used >= self.cfg.max_respawns:
+            self._go_target_only(f"respawn budget spent ({self.cfg.max_respawns}); continuing target-only")
+            return
+        self.respawns_used += 1
+        L = self.region.layout
+        self.watchdog.reset_words([L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED), L.claim(0),
+                                   L.claim(1), L.word(W.STOP), L.word(W.PROXY_STATE), L.word(W.HEARTBEAT),
+                                   L.word(W.HEARTBEAT) + 4, L.word(W.PROXY_PID)])
+        self._t = 0
+        event["respawn_ns"] = native.now_ns()
+        try:
+            self.proxy = ProxyProcess(self.region, self.cfg.proxy_spec(), self.cfg.proxy_audit)
+            self.proxy.wait_ready(self.cfg.proxy_start_timeout_s)
+        except Exception as exc:
+            self._go_target_only(f"respawn failed: {exc}")
+            return
+        event["ready_ns"] = native.now_ns()
+        self.generation += 1
+        self._mark = self._progress()
+        with self._lock:
+            self.state = "live"
+        log.warning("draftrelay: proxy respawned (generation %d, %d respawns left)", self.generation,
+                    self.cfg.max_respawns - self.respawns_used)
+
+    def _drain_released(self, timeout_s: float) -> bool:
+        """Drain the stream after the proxy was killed and reaped. Nobody else can publish now, so
+        rounds still parked are claimed and released here as the watchdog would (claim 2t+1: zero
+        drafts) instead of waiting a deadline for each of them."""
+        L, base = self.region.layout, self.region.base
+        done = self.stream.record()
+        end = time.monotonic() + timeout_s
+        while not done.wait(0.001):
+            g = native.load32(base + L.word(W.GATHERED))
+            if g and not native.geq32(native.load32(base + L.word(W.RELEASED)), g):
+                if native.claim32(base + L.claim(g & 1), 2 * g, 2 * g + 1):
+                    self.released_on_loss += 1
+                native.store_max32(base + L.word(W.RELEASED), g)
+            if time.monotonic() > end:
+                return False
+        return True
+
+    def _go_target_only(self, reason: str) -> None:
+        with self._lock:
+            self.state = "target_only"
+        self.target_only_reason = reason
+        if self.proxy is not None:
+            self.proxy.kill()
+        log.warning("draftrelay: async rounds off: %s", reason)
+
     # -- state --------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        out = {"mode": self.mode, "refusal": "", **self._stats.as_dict()}
+        out = {"mode": self.mode, "refusal": "", "state": self.state, **self._stats.as_dict(),
+               "generation": self.generation, "respawns_used": self.respawns_used,
+               "respawns_left": max(0, self.cfg.max_respawns - self.respawns_used),
+               "proxy_losses": dict(self.losses), "target_only_rounds": self.target_only_rounds,
+               "released_on_loss": self.released_on_loss,
+               "target_only_reason": self.target_only_reason}
         if self.region is not None and not self.region.closed:
             c = self.region.counters()
             out.update(late_discarded=c["late_discarded"], torn_skipped=c["torn_skipped"],
-                       proxy_skipped=c["skipped"], proxy_published=c["published"])
+                       proxy_skipped=c["skipped"], proxy_published=c["published"],
+                       worker_reconnects=c["reconnects"])
         if self.watchdog is not None:
             out.update(watchdog_fires=self.watchdog.fires, watchdog_assists=self.watchdog.assists)
         return out
+
+    def wait_settled(self, timeout_s: float = 10.0) -> str:
+        """Wait until no recovery is in progress; returns the state (drills and tests)."""
+        end = time.monotonic() + timeout_s
+        while self.state in ("recovering", "starting") and time.monotonic() < end:
+            time.sleep(0.005)
+        return self.state
 
     def heartbeat_age_s(self) -> float:
         hb = native.load64(self.region.word_addr(W.HEARTBEAT))
         return (native.now_ns() - hb) / 1e9 if hb else float("inf")
 
     def close(self) -> None:
-        """Stop the proxy, drain the stream (the watchdog releases what is parked), free everything.
-
-        A stream that will not drain raises StreamStuck and frees nothing the device may still use."""
+        """Stop the supervisor and the proxy, drain the stream (the watchdog releases what is parked),
+        free everything. A stream that will not drain raises StreamStuck and frees nothing the device
+        may still use."""
+        self._stop.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(10.0)
+        with self._lock:
+            self.state = "closed"
         if self.proxy is not None:
-            self.proxy.stop()
+            self.proxy.stop(timeout_s=0.1)
             self.proxy = None
         if self.stream is not None:
             if not self.stream.drain(5.0 + 2 * self.cfg.deadline_ms / 1000):
@@ -340,6 +527,11 @@ class AsyncRounds:
         if self.region is not None:
             self.region.close()
             self.region = None
+
+
+def _zero_result(rid: int, n: int, max_drafts: int, status: Status, detail: str) -> RoundResult:
+    return RoundResult(rid, status, np.zeros(n, np.int32), np.zeros((n, max_drafts), np.int32),
+                       np.zeros((n, max_drafts), np.float32), detail)
 
 
 def make_stream(cfg: HandoffConfig, region: Region) -> StreamOps:
