@@ -456,6 +456,9 @@ class CudaStream(StreamOps):
             self._fail("cuEventRecord", err)
         return _CudaEvent(self._ev_h[i], self)
 
+    def bind_thread(self) -> None:
+        self._drv.cuCtxSetCurrent(self._ctx)  # a driver context is current per thread
+
     def _query(self, ev: int) -> bool:
         err = self._qry(ev)
         if err == self._NOT_READY:

@@ -399,6 +399,7 @@ class AsyncRounds:
 
     def _supervise(self) -> None:
         period = self.cfg.supervise_ms / 1000
+        self.stream.bind_thread()  # it records and queries events on the engine's stream when it drains
         while not self._stop.wait(period):
             if self.state != "live":
                 continue

@@ -64,6 +64,10 @@ class StreamOps(ABC):
     @abstractmethod
     def record(self) -> Event: ...
 
+    def bind_thread(self) -> None:
+        """Make this stream usable from the calling thread (the CUDA backend sets its context)."""
+        return None
+
     def new_reply_buffer(self) -> Any:
         """A destination for copy_out (the engine's device-side reply buffer)."""
         return np.zeros(self.region.layout.reply_size, np.uint8)
