@@ -162,3 +162,48 @@ def test_80_engine_freezes_cause_no_false_loss():
     assert r["loss_limit_s"] * 1000 < r["freeze_ms"]  # each freeze is longer than the loss limit
     assert r["losses"] == 0, r
     assert r["rounds"] > 80 and r["wrong_drafts"] == 0
+
+
+def test_stats_as_prometheus_text_and_http_endpoint():
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    from draftrelay.handoff import metrics
+
+    r = open_rounds(HandoffConfig(vocab_size=100, deadline_ms=20.0, selftest_rounds=1))
+    try:
+        drills.Drive(1, 10).run(r, 100)
+        os.kill(r.proxy.pid, signal.SIGKILL)
+        drills.Drive(1, 30).run(r, 100, step_sleep_s=0.005)
+        assert r.wait_settled() == "live"
+        text = metrics.render(r.stats())
+        assert 'draftrelay_proxy_losses_total{cause="exit"} 1.0' in text
+        assert "draftrelay_generation 1.0" in text and "draftrelay_respawns_left 2.0" in text
+        assert 'draftrelay_async_state{state="live"} 1.0' in text
+        ok = r.stats()["ok"]
+        assert f'draftrelay_rounds_total{{status="ok"}} {float(ok)}' in text
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server, _ = metrics.serve(port, r.stats)
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
+            assert 'draftrelay_proxy_losses_total{cause="exit"} 1.0' in body
+            out = subprocess.run([sys.executable, "-m", "draftrelay.cli", "stats", "--url", f"http://127.0.0.1:{port}/"],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and "draftrelay_generation 1.0" in out.stdout
+        finally:
+            server.shutdown()
+    finally:
+        r.close()
+
+
+def test_stats_cli_reports_an_unreachable_endpoint_clearly():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "draftrelay.cli", "stats", "--url", "http://127.0.0.1:9/"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "cannot read http://127.0.0.1:9/" in out.stderr
