@@ -1,6 +1,7 @@
 """Hand-off micro-benchmark on the emulated stream (CPU, no GPU needed).
 
-Measures, over >= 20,000 rounds each for a spinning and a napping proxy, side by side in one run:
+Measures, over >= 20,000 rounds each for a spinning proxy, a napping one (spin 50 µs, then 20 µs naps: the
+default) and a nap-only one (50 µs naps), side by side in one run:
   - engine-side enqueue: the time `AsyncRounds.submit` takes on the engine thread (staging prepared)
   - release -> resume: the proxy's clock just before it stores `released` to the stream thread's clock
     right after its wait returns (same CLOCK_MONOTONIC, both processes)
@@ -36,11 +37,12 @@ def pct(a: list[float], q: float) -> float:
 
 
 def run(mode: str, n_rounds: int) -> dict:
-    spin_us, nap_us = (10_000_000, 0) if mode == "spin" else (50, 20)
-    # The emulated stream's wait uses the same setting as the proxy's: on this 2-core machine a stream
-    # thread spinning beside a napping proxy would only measure CPU contention (a GPU's wait costs no core).
+    spin_us, nap_us = {"spin": (10_000_000, 0), "nap": (50, 20), "nap-only": (0, 50)}[mode]
+    # spin/nap is the proxy's wait for `gathered`, the knob a deployment sets. The emulated stream stands
+    # in for the GPU, whose wait polls without a CPU: it spins in both runs (a napping emulated stream
+    # adds its own wake-up and makes the engine thread's submit pay for the stream thread's scheduling).
     cfg = HandoffConfig(vocab_size=32000, max_requests=4, max_tokens=512, max_drafts=8, spin_us=spin_us,
-                        nap_us=nap_us, stream_spin_us=spin_us, stream_nap_us=nap_us, deadline_ms=200)
+                        nap_us=nap_us, stream_spin_us=10_000_000, stream_nap_us=0, deadline_ms=200)
     r = open_rounds(cfg)
     if not isinstance(r, AsyncRounds):
         raise SystemExit(f"async refused: {r.refusal}")
@@ -90,12 +92,12 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/handoff_emulated.json")
     args = ap.parse_args()
     rows = []
-    for mode in ("spin", "nap"):
+    for mode in ("spin", "nap", "nap-only"):
         print(f"[{mode}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
         rows.append(run(mode, args.rounds))
-    print(f"{'proxy':6} {'enqueue p50/p99 µs':>20} {'release->resume p50/p99 µs':>28} {'round µs':>9} {'proxy CPU':>9}")
+    print(f"{'proxy':8} {'enqueue p50/p99 µs':>20} {'release->resume p50/p99 µs':>28} {'round µs':>9} {'proxy CPU':>9}")
     for x in rows:
-        print(f"{x['mode']:6} {x['enqueue_us_p50']:9.1f} / {x['enqueue_us_p99']:<8.1f} "
+        print(f"{x['mode']:8} {x['enqueue_us_p50']:9.1f} / {x['enqueue_us_p99']:<8.1f} "
               f"{x['release_to_resume_us_p50']:13.1f} / {x['release_to_resume_us_p99']:<12.1f} "
               f"{x['round_trip_us_mean']:9.0f} {x['proxy_cpu_percent']:8.0f}%")
     out = {"benchmark": "handoff_emulated", "backend": "emulated",

@@ -301,7 +301,7 @@ class AsyncRounds:
                flags: int = 0) -> int:
         """Enqueue a round; returns its id. Either `requests` (packed here) or a prepared staging `src`
         (whose descriptor must carry `self.next_stream_round`) and its n_out."""
-        t0 = native.now_ns() if self.record_enqueue else 0
+        t0 = time.monotonic_ns() if self.record_enqueue else 0
         self._rid += 1
         rid = self._rid
         with self._lock:
@@ -329,7 +329,9 @@ class AsyncRounds:
             st.copy_out(s, self._dst[s])
             st.write32(consumed, t)
             self._pending[s] = (rid, t, np.asarray(n_out, np.int32), st.record())
-        self._last_submit_ns = native.now_ns()
+        # time.monotonic_ns (CLOCK_MONOTONIC, like the native clock) because it keeps the GIL: a ctypes
+        # call here would hand the GIL to the just-woken stream thread and bill its work to submit()
+        self._last_submit_ns = time.monotonic_ns()
         if t0:
             self.enqueue_ns.append(self._last_submit_ns - t0)
         return rid
@@ -369,7 +371,7 @@ class AsyncRounds:
         return self.watchdog.fires, c["published"] + c["late_discarded"]
 
     def _active(self) -> bool:
-        recent = (native.now_ns() - self._last_submit_ns) / 1e9 < 2 * self.loss_limit_s
+        recent = (time.monotonic_ns() - self._last_submit_ns) / 1e9 < 2 * self.loss_limit_s
         return bool(self._pending) or recent
 
     def _judge(self) -> tuple[str, str] | None:
