@@ -215,7 +215,7 @@ def test_worker_killed_mid_run_and_replaced(pair, reference):
     try:
         prompts = PROMPTS[:2]
         out, m = run(pair[0], "async", prompts=prompts, spec=worker_spec(w, breaker_cooldown_s=0.05),
-                     max_batch=2, on_step=on_step, max_tokens=40)
+                     max_batch=2, on_step=on_step, max_tokens=40, deadline_ms=3000, round_budget_ms=2500)
         ref, _ = run(pair[0], "off", prompts=prompts, max_tokens=40)
     finally:
         state["w"].stop()
