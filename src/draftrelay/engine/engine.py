@@ -107,6 +107,15 @@ class Request:
     def seq_len(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    def tokens(self, a: int, b: int) -> list[int]:
+        """(prompt + output)[a:b] without building the whole sequence (long prompts)."""
+        P = len(self.prompt)
+        if b <= P:
+            return self.prompt[a:b]
+        if a >= P:
+            return self.output[a - P:b - P]
+        return self.prompt[a:] + self.output[:b - P]
+
     def metrics(self) -> dict:
         steps = self.step_s
         n_out = len(self.output)
@@ -379,13 +388,12 @@ class Engine:
         t_step = time.perf_counter()
         tm = {"submit": 0.0, "wait": 0.0, "verify": 0.0}
         B = len(batch)
-        seqs = [r.prompt + r.output for r in batch]
+        lens = [r.seq_len for r in batch]
         wanted = [self._n_out(r) for r in batch] if self.rounds is not None else [0] * B
         M = self.cfg.max_round_tokens
-        send = [s[r.synced:r.synced + M] for r, s in zip(batch, seqs, strict=True)]
+        send = [r.tokens(r.synced, min(n, r.synced + M)) for r, n in zip(batch, lens, strict=True)]
         # a request whose drafter is still catching up on its context asks for no drafts yet
-        n_out = [n if r.synced + len(x) == len(s) else 0
-                 for r, s, x, n in zip(batch, seqs, send, wanted, strict=True)]
+        n_out = [w if r.synced + len(x) == n else 0 for r, n, x, w in zip(batch, lens, send, wanted, strict=True)]
         res, t = None, 0
         if any(wanted):
             reqs = [RoundRequest(r.id, r.generation, r.synced, np.asarray(x, np.int32), n)
@@ -396,9 +404,9 @@ class Engine:
             t = self.rounds.submit(reqs + ends)
             tm["submit"] = time.perf_counter() - t0
         # host work that does not depend on the drafts (overlaps the round in async mode)
-        start = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.long)  # the pending token's position
+        start = torch.tensor([n - 1 for n in lens], dtype=torch.long)  # the pending token's position
         rows = torch.tensor([r.row for r in batch], dtype=torch.long)
-        pending = [s[-1] for s in seqs]
+        pending = [r.output[-1] for r in batch]
         logits = used = None
         buf = self._reply_device_buffer(t) if t and self.device_drafts and any(n_out) else None
         if buf is not None:
