@@ -7,7 +7,7 @@ Prints p50/p99 of the client-side round trip, the worker's own drafting time (wo
 reply) and the empty-frame PING round trip (pure transport), then writes JSON.
 
     python benchmarks/wire_step.py                                   # CPU, built-in tiny drafter
-    python benchmarks/wire_step.py --model random:qwen2.5-0.5b --device cuda --modes eager,graph
+    python benchmarks/wire_step.py --model random:qwen2.5-0.5b --device cuda --modes graph,eager --budget-s 100
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def gpu_memory_used() -> str:
         return ""
 
 
-def run_mode(args, mode: str) -> dict:
+def run_mode(args, mode: str, save=None) -> dict:
     n_outs = [int(x) for x in args.n_out.split(",")]
     reqs = [int(x) for x in args.requests.split(",")]
     wargs = ["--model", args.model, "--device", args.device, "--rows", "8", "--max-requests", "8",
@@ -110,9 +110,15 @@ def run_mode(args, mode: str) -> dict:
         points = []
         for n_out in n_outs:
             for n_req in reqs:
+                if time.monotonic() > args.deadline:
+                    print(f"[{mode}] budget spent: {n_req} request(s), n_out {n_out} skipped", flush=True)
+                    points.append({"requests": n_req, "n_out": n_out, "skipped": "--budget-s spent", "_drafts": []})
+                    continue
                 p = run_point(client, n_req, n_out, min(args.accept, n_out), args.rounds, args.warmup,
                               info.vocab_size, args.prompt_len, seed=n_req * 100 + n_out)
                 points.append(p)
+                if save:
+                    save({"mode": mode, "worker": w.banner, "points": points, "partial": True})
                 print(f"[{mode}] {n_req} request(s), n_out {n_out}: STEP round trip p50 {p['rtt_p50_ms']:.3f} ms "
                       f"p99 {p['rtt_p99_ms']:.3f} ms | worker drafting p50 {p['worker_p50_ms']:.3f} ms | "
                       f"transport+codec p50 {p['transport_p50_ms']:.3f} ms", flush=True)
@@ -140,12 +146,26 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-ctx", type=int, default=4096)
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="stop starting new points after this many seconds (0: no limit); the JSON names the skipped")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    args.deadline = time.monotonic() + args.budget_s if args.budget_s > 0 else float("inf")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"wire_step_{'gpu' if args.device.startswith('cuda') else 'cpu'}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     runs, failed = [], []
+
+    def save(current=None) -> None:  # after every point: a run cut short still leaves its figures
+        done = [{**r, "points": [{k: v for k, v in p.items() if k != "_drafts"} for p in r["points"]]}
+                for r in runs + ([current] if current else [])]
+        with open(out, "w") as f:
+            json.dump({"benchmark": "wire_step", "partial": True, "model": args.model, "device": args.device,
+                       "runs": done, "failed": failed, "env": env_info(args.device)}, f, indent=1)
+
     for m in args.modes.split(","):
         try:
-            runs.append(run_mode(args, m))
+            runs.append(run_mode(args, m, save))
         except Exception as exc:  # keep the other modes' figures; say what failed
             print(f"[{m}] FAILED: {type(exc).__name__}: {exc}", flush=True)
             failed.append({"mode": m, "error": f"{type(exc).__name__}: {exc}"})
@@ -154,7 +174,9 @@ def main(argv=None) -> int:
     for other in runs[1:]:
         for p0, p1 in zip(runs[0]["points"], other["points"], strict=True):
             a, b = p0["_drafts"], p1["_drafts"]
-            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            if not a or not b:
+                continue  # a skipped point
+            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
             parity.append({"modes": [runs[0]["mode"], other["mode"]], "requests": p0["requests"],
                            "n_out": p0["n_out"], "rounds": len(a), "first_mismatch_round": first})
             print(f"parity {runs[0]['mode']} vs {other['mode']} ({p0['requests']} req, n_out {p0['n_out']}): "
@@ -166,9 +188,6 @@ def main(argv=None) -> int:
               "command": " ".join(["python", "benchmarks/wire_step.py"] + (argv if argv is not None else sys.argv[1:])),
               "model": args.model, "device": args.device, "accept": args.accept, "prompt_len": args.prompt_len,
               "runs": runs, "failed": failed, "parity": parity, "env": env_info(args.device)}
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"wire_step_{'gpu' if args.device.startswith('cuda') else 'cpu'}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
