@@ -45,6 +45,6 @@ def test_static_step_equals_eager_step():
 def test_warm_builds_every_key_up_front():
     d = load_drafter("tiny", device="cpu", n_rows=4, max_ctx=600, n_out_max=6, mode="static")
     assert d.cache.max_len == 600 + 17
-    assert d.warm([3], max_batch=2) == 2 * 5 * 3  # B 1-2, T buckets 1-16, kv 256 / 512 / 617
+    assert d.warm([3], max_batch=2) == 2 * 3 * 3  # B 1-2, T buckets 1-4 (<= n_out + 1), kv 256 / 512 / 617
     assert {k[3] for k in d._static} == {256, 512, 617}
     assert load_drafter("tiny", device="cpu", n_rows=4, max_ctx=600, mode="eager").warm([3], 2) == 0

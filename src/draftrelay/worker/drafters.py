@@ -247,8 +247,7 @@ class LlamaDrafter(Drafter):
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    for _ in range(2):  # lets cuBLAS & co. pick and allocate before capture
-                        self._static_step(g)
+                    self._static_step(g)  # one eager run first: cuBLAS & co. pick and allocate outside capture
                 torch.cuda.current_stream().wait_stream(side)
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
@@ -259,15 +258,17 @@ class LlamaDrafter(Drafter):
         return g
 
     def warm(self, n_steps_list: list[int], max_batch: int) -> int:
-        """Build (capture) the static steps of every (requests <= max_batch, T bucket, n_steps) now,
-        so the first rounds of a session do not pay for captures. Returns how many were built."""
+        """Build (capture) the static steps of every (requests <= max_batch, T bucket, n_steps, kv bucket)
+        a steady state with n_out = n_steps can use (a round sends at most n_steps + 1 tokens), so the
+        first rounds of a session do not pay for captures. Returns how many were built."""
         if self.mode == "eager":
             return 0
         before = len(self._static)
         kvs = sorted({self._kv_bucket(n) for n in [256 * 2**i for i in range(20)] if n <= 2 * self.cache.max_len})
         for n in n_steps_list:
+            t_max = next((t for t in T_BUCKETS if t >= n + 1), PAD_LIMIT)
             for b in range(1, min(max_batch, self.n_rows) + 1):
-                for t in T_BUCKETS:
+                for t in [t for t in T_BUCKETS if t <= t_max]:
                     for kv in kvs:
                         self._get_static((b, t, n, kv))
         return len(self._static) - before
