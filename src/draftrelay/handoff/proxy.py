@@ -335,4 +335,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package module's main, not this __main__ copy: round functions raise
+    # draftrelay.handoff.proxy.RoundFailure, and the loop must catch that very class.
+    from draftrelay.handoff import proxy as _package_module
+
+    sys.exit(_package_module.main())

@@ -145,7 +145,9 @@ class SyncRounds:
         return {"mode": self.mode, "refusal": self.refusal, **self._stats.as_dict()}
 
     def close(self) -> None:
-        pass
+        close = getattr(self._fn, "close", None)  # a worker client: end its session now, not at GC
+        if close is not None:
+            close()
 
 
 def _open_fds() -> int:
@@ -352,6 +354,14 @@ class AsyncRounds:
         res = decode_reply(self.region.layout, buf, t, n_out)
         res.round = rid
         self._results[rid] = res
+
+    def reply_device_buffer(self, rid: int):
+        """The engine-side buffer (a device buffer on the CUDA backend) that round `rid`'s reply is
+        copied into; None when the round is not on the stream (target-only while recovering)."""
+        for slot, p in self._pending.items():
+            if p[0] == rid:
+                return getattr(self._dst[slot], "dev", self._dst[slot])
+        return None
 
     def result(self, rid: int, timeout_s: float | None = None) -> RoundResult:
         if rid not in self._results:

@@ -19,8 +19,6 @@ This module must not import torch: the proxy process refuses to serve if torch i
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from draftrelay.handoff.proxy import RoundFailure, RoundFn
@@ -37,14 +35,8 @@ from draftrelay.wire.client import (
 
 
 def _failure_class() -> type[RoundFailure]:
-    """The RoundFailure the running proxy catches. The proxy runs as `python -m
-    draftrelay.handoff.proxy`, i.e. as module __main__, whose RoundFailure is a different class from
-    draftrelay.handoff.proxy.RoundFailure (the module is loaded twice); raising the latter there would
-    be reported as EXCEPTION instead of TIMEOUT / DISCONNECT / ... ."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name == "draftrelay.handoff.proxy":
-        return getattr(main, "RoundFailure", RoundFailure)
+    """The RoundFailure the proxy loop catches (proxy.py runs its package module's main, so it is
+    the one imported here)."""
     return RoundFailure
 
 
