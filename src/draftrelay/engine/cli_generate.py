@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="progress line on stderr (auto: after the first second of decoding)")
     p.add_argument("--json", default="", metavar="PATH", help="write the metrics to this file")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve the hand-off and recovery counters (Prometheus) on 127.0.0.1:PORT while running")
 
 
 class Progress:
@@ -115,10 +117,18 @@ def run(args: argparse.Namespace) -> int:
                                 seed=args.seed, stop_token_ids=target.stop_ids)
         progress = Progress(args.max_tokens, args.progress)
         with Engine(target.model, cfg) as eng:
+            server = None
+            if args.metrics_port:
+                from draftrelay.handoff import metrics
+
+                stats = lambda: eng.rounds.stats() if eng.rounds else {"mode": "off"}  # noqa: E731
+                server, _ = metrics.serve(args.metrics_port, stats)
             try:
                 (req,) = eng.generate([ids], params, on_step=progress)
             finally:
                 progress.close()
+                if server is not None:
+                    server.shutdown()
             m = eng.metrics([req])
     finally:
         if worker is not None:
