@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import pytest
 
 from draftrelay.handoff import cli as selftest_cli
 from draftrelay.handoff import rounds as rounds_mod
+from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status
 from draftrelay.handoff.rounds import AsyncRefused, AsyncRounds, HandoffConfig, SyncRounds, open_rounds
 from draftrelay.handoff.stream import StreamStuck
@@ -34,26 +34,10 @@ needs_no_cuda = pytest.mark.skipif(
     cuda_usable(), reason="CUDA is usable here: refusal on a real driver is tests_gpu/cuda_probe.py --steps refusal")
 
 
-def memfd_maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum("memfd:draftrelay" in line for line in f)
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
-def children() -> set[int]:
-    me, out = os.getpid(), set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        out.add(int(pid))
-            except OSError:
-                pass
-    return out
 
 
 def cfg(**kw) -> HandoffConfig:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from draftrelay.handoff import rounds as rounds_mod
+from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
 from draftrelay.handoff.proxy import STALL_POINTS, deterministic_draft
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status, pack_staging
 from draftrelay.handoff.rounds import AsyncRefused, AsyncRounds, HandoffConfig, SyncRounds, open_rounds
@@ -52,27 +53,10 @@ def cfg(**kw) -> HandoffConfig:
     return HandoffConfig(**base)
 
 
-def memfd_maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum("memfd:draftrelay" in line for line in f)
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
-def children() -> set[int]:
-    me = os.getpid()
-    out = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        out.add(int(pid))
-            except OSError:
-                pass
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ import traceback
 
 import numpy as np
 
+from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
+
 STEPS = ("env", "refusal", "lazy", "soak", "late", "graph", "soak_kwait", "late_kwait")
 STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 90, "soak": 70, "late": 50, "graph": 30, "soak_kwait": 70,
                   "late_kwait": 50}
@@ -90,26 +92,10 @@ def cfg(**kw):
     return HandoffConfig(**base)
 
 
-def memfd_maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum("memfd:draftrelay" in line for line in f)
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
-def children() -> set[int]:
-    me, out = os.getpid(), set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        out.add(int(pid))
-            except OSError:
-                pass
-    return out
 
 
 def pct(a, q):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import native
+from .procinfo import children_states, memfd_fds, proc_state
 from .proxy import deterministic_draft
 from .region import RoundRequest, Status
 from .rounds import AsyncRounds, HandoffConfig, open_rounds
@@ -90,43 +91,13 @@ def _cfg(args, **kw) -> HandoffConfig:
     return HandoffConfig(**base)
 
 
-def _proc_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
-
-def _children_states() -> dict[int, str]:
-    me = os.getpid()
-    out = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-                if int(rest[1]) == me:
-                    out[int(pid)] = rest[0]
-            except OSError:
-                pass
-    return out
-
-
-def _memfds() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += "memfd:draftrelay" in os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return n
 
 
 def _signal_drill(args, sig: int, n_requests: int, **kw) -> dict:
     rounds = open_rounds(_cfg(args, **kw))
     assert isinstance(rounds, AsyncRounds)
-    memfds_before = _memfds()
+    memfds_before = memfd_fds()
     old_pid = rounds.proxy.pid
     sent: dict = {}
 
@@ -143,8 +114,8 @@ def _signal_drill(args, sig: int, n_requests: int, **kw) -> dict:
         st = rounds.stats()
         loss = rounds.loss_log[0] if rounds.loss_log else {}
         new_pid = rounds.proxy.pid if rounds.proxy else None
-        kids = _children_states()
-        memfds_after = _memfds()
+        kids = children_states()
+        memfds_after = memfd_fds()
     finally:
         rounds.close()
     ms = lambda key: (loss[key] - sent["ns"]) / 1e6 if key in loss and sent else None  # noqa: E731
@@ -152,7 +123,7 @@ def _signal_drill(args, sig: int, n_requests: int, **kw) -> dict:
         "requests_completed": f"{len(drive.done)}/{n_requests}", "loss_cause": loss.get("cause"),
         "loss_detail": loss.get("detail"), "detected_after_ms": ms("detected_ns"),
         "respawn_started_after_ms": ms("respawn_ns"), "respawn_ready_after_ms": ms("ready_ns"),
-        "old_proxy_state": _proc_state(old_pid), "new_proxy_pid_differs": new_pid not in (None, old_pid),
+        "old_proxy_state": proc_state(old_pid), "new_proxy_pid_differs": new_pid not in (None, old_pid),
         "stopped_or_zombie_children": sum(s in ("T", "Z", "t") for s in kids.values()),
         "memfds_before": memfds_before, "memfds_after": memfds_after,
         "generation": st["generation"], "respawns_left": st["respawns_left"],
