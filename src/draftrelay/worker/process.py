@@ -39,7 +39,7 @@ class WorkerProcess:
         except OSError:
             return ""
 
-    def stop(self, grace: float = 3.0) -> int | None:
+    def stop(self, grace: float = 10.0) -> int | None:  # generous: a loaded host is slow to exit cleanly
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
