@@ -17,7 +17,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("draftrelay.engine.cli_generate", "generate text for one prompt with chosen models and mode"),
     "worker": ("draftrelay.worker.cli", "serve a remote drafter over TCP"),
     "selftest": ("draftrelay.handoff.cli", "run the hand-off self-test (emulated stream, or CUDA with --backend cuda)"),
-    "bench": ("draftrelay.bench_cli", "run a benchmark from benchmarks/ and write its JSON result"),
     "drill": ("draftrelay.handoff.drills", "run fault drills (kill, stop, idle, slow, soak, freeze) on live rounds"),
     "stats": ("draftrelay.handoff.metrics", "print hand-off and recovery counters as Prometheus text"),
 }
