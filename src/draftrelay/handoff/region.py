@@ -24,7 +24,7 @@ import gc
 import mmap
 import os
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
@@ -51,9 +51,6 @@ class Status(IntEnum):
     ENQUEUE = 9  # could not send the request
     STALE = 10  # the reply slot did not belong to this round (engine-side verdict)
     UNAVAILABLE = 11  # no proxy / async off for this round
-
-
-FAILURE_REASONS = [s for s in Status if s not in (Status.NONE, Status.OK)]
 
 
 class W(IntEnum):
@@ -285,9 +282,6 @@ class Region:
     def counters(self) -> dict[str, int]:
         arr = self._u8[self.layout.word(W.COUNTERS):self.layout.word(W.COUNTERS) + 64].view("<u4")
         return {c.name.lower(): int(arr[c]) for c in Counter}
-
-    def describe(self) -> dict:
-        return {"size": self.size, **asdict(self.cfg)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -150,10 +150,6 @@ class SyncRounds:
             close()
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 class ProxyProcess:
     """The proxy child: spawn with the region's fd, stop with a word, kill if it won't."""
 
@@ -244,8 +240,6 @@ class AsyncRounds:
         self._stats = _Stats()
         self._dst: list = []
         self._last_submit_ns = 0
-        self.enqueue_ns: list[int] = []  # engine-side submit cost, when enabled (benchmarks)
-        self.record_enqueue = False
         self.on_resume = None  # host callback run on the stream right after the wait (benchmarks)
         # recovery
         self.generation = 0
@@ -303,7 +297,6 @@ class AsyncRounds:
                flags: int = 0) -> int:
         """Enqueue a round; returns its id. Either `requests` (packed here) or a prepared staging `src`
         (whose descriptor must carry `self.next_stream_round`) and its n_out."""
-        t0 = time.monotonic_ns() if self.record_enqueue else 0
         self._rid += 1
         rid = self._rid
         with self._lock:
@@ -334,8 +327,6 @@ class AsyncRounds:
         # time.monotonic_ns (CLOCK_MONOTONIC, like the native clock) because it keeps the GIL: a ctypes
         # call here would hand the GIL to the just-woken stream thread and bill its work to submit()
         self._last_submit_ns = time.monotonic_ns()
-        if t0:
-            self.enqueue_ns.append(self._last_submit_ns - t0)
         return rid
 
     @property
@@ -510,10 +501,6 @@ class AsyncRounds:
         while self.state in ("recovering", "starting") and time.monotonic() < end:
             time.sleep(0.005)
         return self.state
-
-    def heartbeat_age_s(self) -> float:
-        hb = native.load64(self.region.word_addr(W.HEARTBEAT))
-        return (native.now_ns() - hb) / 1e9 if hb else float("inf")
 
     def close(self) -> None:
         """Stop the supervisor and the proxy, drain the stream (the watchdog releases what is parked),

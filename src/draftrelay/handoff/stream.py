@@ -129,7 +129,6 @@ class EmulatedStream(StreamOps):
         self._staging = [region.staging_view(s) for s in (0, 1)]
         self._reply = [region.reply_view(s) for s in (0, 1)]
         self.error: BaseException | None = None
-        self.waiting_since_ns = 0  # nonzero while parked on a wait (diagnostics, drills)
         self._thread = threading.Thread(target=self._run, name="draftrelay-emulated-stream", daemon=True)
         self._thread.start()
 
@@ -192,13 +191,11 @@ class EmulatedStream(StreamOps):
                     elif op == _WRITE:
                         native.store32(base + a, b)
                     elif op == _WAIT:
-                        self.waiting_since_ns = native.now_ns()
                         while True:
                             rc = native.wait_geq32(base + a, b, self.spin_us, self.nap_us, self.poll_us,
                                                    self._closing_addr)
                             if rc == native.WAIT_OK or self._closing[0]:
                                 break
-                        self.waiting_since_ns = 0
                         if self._closing[0]:
                             return
                     elif op == _COPY_OUT:
