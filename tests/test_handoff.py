@@ -13,7 +13,7 @@ import pytest
 
 from draftrelay.handoff import rounds as rounds_mod
 from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
-from draftrelay.handoff.proxy import STALL_POINTS, deterministic_draft
+from draftrelay.handoff.proxy import STALL_POINTS, score_round
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status, pack_staging
 from draftrelay.handoff.rounds import AsyncRefused, AsyncRounds, HandoffConfig, SyncRounds, open_rounds
 
@@ -29,19 +29,9 @@ def make_requests(rng: np.random.Generator, t: int, max_req: int = 4) -> list[Ro
 
 def check_round(reqs: list[RoundRequest], res) -> tuple[int, int]:
     """(exact drafts, wrong drafts) in one result; failed rounds must carry zero drafts."""
-    exact = wrong = 0
     if res.status != Status.OK:
         assert res.counts.sum() == 0, f"failed round {res.round} ({res.status.name}) carries drafts"
-        return 0, 0
-    for i, r in enumerate(reqs):
-        want, conf = deterministic_draft(r, VOCAB)
-        k = int(res.counts[i])
-        got = res.drafts[i, :k]
-        if k == r.n_out and np.array_equal(got, want) and np.array_equal(res.conf[i, :k], conf):
-            exact += k
-        else:
-            wrong += max(k, 1)
-    return exact, wrong
+    return score_round(reqs, res, VOCAB)
 
 
 def cfg(**kw) -> HandoffConfig:

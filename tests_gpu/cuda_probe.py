@@ -65,20 +65,9 @@ def make_requests(rng, t: int, max_req: int = 4):
 
 def check_round(reqs, res) -> tuple[int, int]:
     """(exact drafts, wrong drafts); a failed round must carry zero drafts (else it counts as wrong)."""
-    from draftrelay.handoff.proxy import deterministic_draft
-    from draftrelay.handoff.region import Status
+    from draftrelay.handoff.proxy import score_round
 
-    exact = wrong = 0
-    if res.status != Status.OK:
-        return 0, int(res.counts.sum())
-    for i, r in enumerate(reqs):
-        want, conf = deterministic_draft(r, VOCAB)
-        k = int(res.counts[i])
-        if k == r.n_out and np.array_equal(res.drafts[i, :k], want) and np.array_equal(res.conf[i, :k], conf):
-            exact += k
-        else:
-            wrong += max(k, 1)
-    return exact, wrong
+    return score_round(reqs, res, VOCAB)
 
 
 def cfg(**kw):

@@ -22,8 +22,8 @@ import numpy as np
 
 from . import native
 from .procinfo import children_states, memfd_fds, proc_state
-from .proxy import deterministic_draft
-from .region import RoundRequest, Status
+from .proxy import score_round
+from .region import RoundRequest
 from .rounds import AsyncRounds, HandoffConfig, open_rounds
 
 
@@ -68,16 +68,9 @@ class Drive:
                 rid, reqs = inflight.pop(0)
                 res = rounds.result(rid, timeout_s=30)
                 self.by_status[res.status.name] = self.by_status.get(res.status.name, 0) + 1
-                if res.status == Status.OK:
-                    for j, r in enumerate(reqs):
-                        want, _ = deterministic_draft(r, vocab)
-                        k = int(res.counts[j])
-                        if k == r.n_out and np.array_equal(res.drafts[j, :k], want):
-                            self.exact += k
-                        else:
-                            self.wrong += 1
-                elif res.counts.sum():
-                    self.wrong += 1
+                exact, wrong = score_round(reqs, res, vocab)
+                self.exact += exact
+                self.wrong += wrong
             if step_sleep_s:
                 time.sleep(step_sleep_s)
             if stopping and not inflight:

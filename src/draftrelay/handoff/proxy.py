@@ -76,6 +76,23 @@ def deterministic_draft(req: RoundRequest, vocab_size: int) -> tuple[np.ndarray,
     return drafts, conf
 
 
+def score_round(requests: list[RoundRequest], result, vocab_size: int) -> tuple[int, int]:
+    """(exact drafts, wrong drafts) of a RoundResult for rounds of the built-in drafter: an OK round
+    must carry each request's n_out drafts and confidences bit for bit; any other round must carry
+    none (its drafts all count as wrong). Used by the self-test's peers: soaks, drills, probes."""
+    if result.status != Status.OK:
+        return 0, int(result.counts.sum())
+    exact = wrong = 0
+    for i, r in enumerate(requests):
+        want, conf = deterministic_draft(r, vocab_size)
+        k = int(result.counts[i])
+        if k == r.n_out and np.array_equal(result.drafts[i, :k], want) and np.array_equal(result.conf[i, :k], conf):
+            exact += k
+        else:
+            wrong += max(k, 1)
+    return exact, wrong
+
+
 def builtin_round_fn(vocab_size: int) -> RoundFn:
     def fn(t: int, requests: list[RoundRequest], budget_s: float) -> Drafts:
         return [deterministic_draft(r, vocab_size) for r in requests]
