@@ -22,14 +22,9 @@ import time
 import numpy as np
 
 from draftrelay.handoff import native
+from draftrelay.handoff.procinfo import cpu_seconds
 from draftrelay.handoff.region import RoundRequest, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig, open_rounds
-
-
-def proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(a: list[float], q: float) -> float:
@@ -55,7 +50,7 @@ def run(mode: str, n_rounds: int) -> dict:
     n_out = np.array([4, 4], np.int32)
     enqueue: list[int] = []
     pack: list[int] = []
-    cpu0, wall0 = proc_cpu_s(r.proxy.pid), time.monotonic()
+    cpu0, wall0 = cpu_seconds(r.proxy.pid), time.monotonic()
     try:
         for _ in range(n_rounds):
             t = r._t + 1
@@ -70,7 +65,7 @@ def run(mode: str, n_rounds: int) -> dict:
             enqueue.append(p2 - p1)
             res = r.result(t, timeout_s=10)
             assert res.ok, res
-        cpu = proc_cpu_s(r.proxy.pid) - cpu0
+        cpu = cpu_seconds(r.proxy.pid) - cpu0
         wall = time.monotonic() - wall0
         stats = r.stats()
     finally:

@@ -34,16 +34,12 @@ import numpy as np
 
 from draftrelay.handoff import native
 from draftrelay.handoff import rounds as rounds_mod
+from draftrelay.handoff.procinfo import cpu_seconds
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig, open_rounds
 
 PROXY = {"spin": (10_000_000, 0), "nap": (50, 20)}
 
-
-def proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(a, q: float) -> float | None:
@@ -94,7 +90,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     try:
         for i in range(warmup + n_rounds):
             if i == warmup:
-                cpu0, wall0 = proc_cpu_s(r.proxy.pid), time.monotonic()
+                cpu0, wall0 = cpu_seconds(r.proxy.pid), time.monotonic()
             t = r._t + 1
             k = t % 4
             pack_staging(L, t, reqs, out=pinned[k].numpy())
@@ -156,7 +152,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
                 memops.append(m)
                 resume.append(c_ns - rel)
                 pickup.append(rel - g_ns)
-        cpu = proc_cpu_s(r.proxy.pid) - cpu0
+        cpu = cpu_seconds(r.proxy.pid) - cpu0
         wall = time.monotonic() - wall0
         stats = r.stats()
     finally:

@@ -35,6 +35,13 @@ def proc_state(pid: int) -> str:
         return "gone"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def children_states() -> dict[int, str]:
     """This process's children and their state letters."""
     me, out = os.getpid(), {}
