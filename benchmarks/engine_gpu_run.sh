@@ -1,36 +1,51 @@
 #!/usr/bin/env bash
-# One GPU session for the engine: install, GPU probes, the demo, the workload table.
+# One GPU session for the engine: install, GPU probes, the drafter's own STEP time, the workload table
+# on one GPU, and (when a second GPU is there) the table again with the worker on GPU 1.
 # Everything it produces lands in $OUT (default ./gpu-out): logs and benchmark JSON.
-#   bash benchmarks/engine_gpu_run.sh [seconds the whole script may take, default 330]
+#   bash benchmarks/engine_gpu_run.sh [seconds the whole script may take, default 540]
+# WORKLOADS / WORKLOADS_2GPU override the workload lists (see benchmarks/engine_workloads.py).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-TOTAL=${1:-330}
+TOTAL=${1:-540}
+WORKLOADS=${WORKLOADS:-128k,32k:graphs,short:graphs,short:ring,32k-conc3:graphs}
+WORKLOADS_2GPU=${WORKLOADS_2GPU:-short:graphs,32k:graphs}
 t0=$(date +%s)
 stamp() { echo "[engine_gpu_run +$(( $(date +%s) - t0 ))s] $*"; }
+left() { echo $(( TOTAL - ($(date +%s) - t0) - 5 )); }
 
 stamp "install"
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.limit --format=csv,noheader
-  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
   python3 -c "import cuda.bindings as b; print('cuda-bindings', b.__version__)" 2>&1 | tail -1
 } | tee "$OUT/env.txt"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 stamp "GPU probes"
 if python3 -c "import pytest" 2>/dev/null; then
-  timeout 90 python3 -m pytest -q -x -s tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 120 python3 -m pytest -q -x -s tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 else
-  timeout 90 python3 tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 120 python3 tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 
-stamp "demo"
-timeout 45 python3 -m draftrelay.cli demo --json "$OUT/engine_demo_gpu.json" 2>&1 | tee "$OUT/demo.log" | tail -22
+stamp "drafter STEP round trip alone (worker graph mode, 0.5B shape)"
+timeout 90 python3 benchmarks/wire_step.py --model random:qwen2.5-0.5b --device cuda --modes graph \
+  --requests 1,3 --n-out 4 --rounds 150 --budget-s 60 --out "$OUT/wire_step_gpu.json" 2>&1 | tail -8
 
-LEFT=$(( TOTAL - ($(date +%s) - t0) - 5 ))
-stamp "workload table (${LEFT}s left; no new workload after $(( LEFT - 100 ))s)"
-timeout "$LEFT" python3 benchmarks/engine_workloads.py --time-budget-s $(( LEFT - 100 )) --prefill-chunk 2048 \
-  --warmup 3 --steps 24 --workloads short,short:graphs,32k-conc3,32k,128k,32k-conc3:graphs,short:ring \
+if [ "$NGPU" -ge 2 ]; then
+  L=$(( $(left) / 3 ))
+  stamp "workload table, target GPU 0, worker GPU 1 (${L}s)"
+  timeout "$L" python3 benchmarks/engine_workloads.py --time-budget-s $(( L - 60 )) --prefill-chunk 2048 \
+    --warmup 3 --steps 24 --workloads "$WORKLOADS_2GPU" --worker-device cuda:1 \
+    --out "$OUT/engine_workloads_2gpu.json" 2>&1 | tee "$OUT/bench_2gpu.log" | grep -v "^\s*$" | tail -12
+fi
+
+L=$(left)
+stamp "workload table, one GPU (${L}s left; no new workload after $(( L - 150 ))s)"
+timeout "$L" python3 benchmarks/engine_workloads.py --time-budget-s $(( L - 150 )) --prefill-chunk 2048 \
+  --warmup 3 --steps 24 --workloads "$WORKLOADS" \
   --out "$OUT/engine_workloads.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -25
 stamp "done"

@@ -148,6 +148,8 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=4096)
     ap.add_argument("--deadline-ms", type=float, default=2000.0,
                     help="watchdog deadline (generous: catch-up rounds prefill up to max-round-tokens)")
+    ap.add_argument("--worker-device", default="",
+                    help="the drafter worker's device (default: --device); e.g. cuda:1 puts it on the second GPU")
     ap.add_argument("--time-budget-s", type=float, default=1e9, help="skip workloads that would start after this")
     ap.add_argument("--out", default="benchmarks/results/engine_workloads.json")
     args = ap.parse_args()
@@ -191,7 +193,9 @@ def main() -> int:
         ddir = os.path.join(tmp, f"random-{args.drafter}")
         write_drafter_dir(args.drafter, ddir, 2)
         wargs, model_id = ["--model", ddir], os.path.basename(ddir)
-    worker = start_worker_process(wargs + ["--device", str(dev), "--max-ctx", str(max_row + 64), "--rows", "8",
+    wdev = args.worker_device or str(dev)
+    result["worker_device"] = wdev
+    worker = start_worker_process(wargs + ["--device", wdev, "--max-ctx", str(max_row + 64), "--rows", "8",
                                            "--max-requests", "4", "--n-out-max", str(max(8, args.k))],
                                   timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
     result["worker"] = worker.banner
@@ -253,6 +257,7 @@ def main() -> int:
             if r is not None:
                 r.close()
                 getattr(getattr(r, "_fn", None), "close", lambda: None)()
+        result["worker_log_tail"] = worker.log()[-3000:]  # e.g. a graph capture that fell back to eager
         worker.stop()
     result["wall_s"] = time.perf_counter() - t_start
     result["table"] = [header(modes)] + [format_row(n, w, modes) for n, w in result["workloads"].items()]

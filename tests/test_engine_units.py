@@ -60,9 +60,11 @@ def test_decode_graph_bookkeeping_emulated_on_cpu():
         cfg = EngineConfig(mode="off", n_draft=4, max_batch=4, max_len=96)
         with Engine(target, cfg, rounds=LocalRounds(fn) if mode == "spec" else None) as eng:
             if graphs:
-                eng.graphs = {T: DecodeGraphs(target, eng.cache, 4, T, ring=ring, capture=False) for T in (1, 5)}
+                eng.graphs = {T: DecodeGraphs(target, eng.cache, 4, T, ring=ring, capture=False, min_kv=16)
+                              for T in (1, 5)}
             reqs = eng.generate(prompts, SamplingParams(max_tokens=20))
-            return [r.output for r in reqs], {T: (g.replays, g.drains, sorted(g.slots)) for T, g in eng.graphs.items()}
+            return [r.output for r in reqs], {T: (g.replays, g.drains, sorted({B for B, _ in g.slots}),
+                                                  g.bucket_replays) for T, g in eng.graphs.items()}
 
     ref, _ = gen(False, False, "off")
     for mode in ("off", "spec"):
@@ -72,3 +74,7 @@ def test_decode_graph_bookkeeping_emulated_on_cpu():
             assert info[1][2] == [1, 2, 4]  # padded sizes: 3 requests run as 4 with the spare row
             used = info[5] if mode == "spec" else info[1]
             assert used[0] > 0 and (used[1] == 0) == ring
+            # KV buckets 16/32/64/96: the rows grow from 3-19 to 22-38 positions, so the replays
+            # moved from the 32 bucket to the 64 one, and none needed the whole row
+            assert list(used[3]) == [16, 32, 64, 96]
+            assert used[3][32] > 0 and used[3][64] > 0 and used[3][96] == 0

@@ -14,9 +14,13 @@ Two ways to make it safe:
 The second capture needs a second set of retained outputs; both sizes of every slot are captured
 into one shared memory pool after a warm-up, so no capture ever needs a fresh cudaMalloc. Graphs of
 one pool may reuse each other's scratch: that is safe because they replay on one stream and every
-replay's logits are read before the next replay. The graph
-path takes a static kv_len (the cache's max_len: every replay attends over the whole row, masked),
-does no host-side checks and leaves cache.lengths alone (the engine sets them after acceptance).
+replay's logits are read before the next replay.
+
+A replay attends over a static kv_len, masked. One kv_len (the cache's max_len) would make a short
+request in a 128K engine pay for 128K positions every step, so each batch size is captured once per
+KV bucket: powers of two from `min_kv` up to max_len (the last bucket is max_len itself), and a step
+replays the smallest bucket that holds its longest row. The graph path does no host-side checks and
+leaves cache.lengths alone (the engine sets them after acceptance).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class _Slot:
         self.start = self.dev[:B]
         self.rows = self.dev[B:2 * B]
         self.tokens = self.dev[2 * B:].view(B, T)
+        self.kv_len = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.done = torch.cuda.Event(blocking=True) if cuda else _NoEvent()  # reuse event, after each replay
@@ -52,19 +57,21 @@ class _Slot:
 
 class DecodeGraphs:
     def __init__(self, model: Transformer, cache: KVCache, max_batch: int, T: int, ring: bool = False,
-                 sizes: list[int] | None = None, capture: bool = True) -> None:
+                 sizes: list[int] | None = None, capture: bool = True, min_kv: int = 1024) -> None:
         """capture=False: no CUDA graphs, each 'replay' is an eager forward over the same static
-        buffers (the slot, padding and ring bookkeeping, testable on a CPU)."""
+        buffers (the slot, bucket, padding and ring bookkeeping, testable on a CPU)."""
         if capture and model.device.type != "cuda":
             raise ValueError("decode graphs need the model on a CUDA device (capture=False emulates them)")
         self.model, self.cache, self.T, self.ring, self.capture = model, cache, T, ring, capture
         self.spare_row = cache.max_batch - 1  # padding rows write here; never read back
         self.sizes = sorted(set(sizes or _pow2_sizes(max_batch)))
-        self.slots: dict[int, list[_Slot]] = {}
-        self.turn: dict[int, int] = {}
+        self.buckets = kv_buckets(cache.max_len, min_kv)
+        self.slots: dict[tuple[int, int], list[_Slot]] = {}  # (padded batch, kv bucket) -> slots
+        self.turn: dict[tuple[int, int], int] = {}
         self.pool = None
         self.replays = 0
         self.drains = 0
+        self.bucket_replays = dict.fromkeys(self.buckets, 0)
         self._capture_all()
 
     def fits(self, B: int, T: int) -> bool:
@@ -75,31 +82,34 @@ class DecodeGraphs:
         dev = self.model.device
         n_slots = 2 if self.ring else 1
         for B in self.sizes:
-            self.slots[B] = [_Slot(B, self.T, dev, self.capture) for _ in range(n_slots)]
-            self.turn[B] = 0
+            for kv in self.buckets:
+                self.slots[B, kv] = [_Slot(B, self.T, dev, self.capture) for _ in range(n_slots)]
+                self.turn[B, kv] = 0
+                for s in self.slots[B, kv]:
+                    s.kv_len = kv
         if not self.capture:
             return
         stream = torch.cuda.current_stream()
         # warm-up on a side stream (as torch recommends), outside any capture: lazy kernels, cuBLAS
-        # workspaces and the allocator's blocks for the largest size are all in place before capture
+        # workspaces and the allocator's blocks for the largest shapes are all in place before capture
         side = torch.cuda.Stream()
         side.wait_stream(stream)
         with torch.cuda.stream(side):
-            for B in self.sizes:
-                s = self.slots[B][0]
-                self._fill_dummy(s, B)
+            for key, slots in self.slots.items():
+                s = slots[0]
+                self._fill_dummy(s, key[0])
                 for _ in range(2):
-                    self.model(s.tokens, s.start, self.cache, s.rows, kv_len=self.cache.max_len)
+                    self.model(s.tokens, s.start, self.cache, s.rows, kv_len=s.kv_len)
         stream.wait_stream(side)
         torch.cuda.synchronize()
         # capture largest first, all into one pool: later (smaller) captures reuse its blocks
-        for B in reversed(self.sizes):
-            for s in self.slots[B]:
-                self._fill_dummy(s, B)
+        for key in sorted(self.slots, reverse=True):
+            for s in self.slots[key]:
+                self._fill_dummy(s, key[0])
                 g = torch.cuda.CUDAGraph()
                 # thread_local: the hand-off's own threads (supervisor, watchdog) may run meanwhile
                 with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                    s.logits = self.model(s.tokens, s.start, self.cache, s.rows, kv_len=self.cache.max_len)
+                    s.logits = self.model(s.tokens, s.start, self.cache, s.rows, kv_len=s.kv_len)
                 if self.pool is None:
                     self.pool = g.pool()
                 s.graph = g
@@ -117,9 +127,11 @@ class DecodeGraphs:
         tensor on the GPU that overrides tokens[:, 1:] (drafts straight from the hand-off reply)."""
         B, Tq = tokens.shape
         P = next(p for p in self.sizes if p >= B)
-        slots = self.slots[P]
-        i = self.turn[P]
-        self.turn[P] = (i + 1) % len(slots)
+        need = int(start.max()) + self.T  # every position this replay writes or reads
+        key = (P, next((kv for kv in self.buckets if kv >= need), self.buckets[-1]))
+        slots = self.slots[key]
+        i = self.turn[key]
+        self.turn[key] = (i + 1) % len(slots)
         s = slots[i]
         if s.used:
             # the slot's pinned inputs may still be read by its last H2D copy: wait for its replay
@@ -140,10 +152,11 @@ class DecodeGraphs:
         if self.capture:
             s.graph.replay()
         else:
-            s.logits = self.model(s.tokens, s.start, self.cache, s.rows, kv_len=self.cache.max_len)
+            s.logits = self.model(s.tokens, s.start, self.cache, s.rows, kv_len=s.kv_len)
         s.done.record()
         s.used = True
         self.replays += 1
+        self.bucket_replays[s.kv_len] += 1
         return s.logits[:B]
 
 
@@ -153,4 +166,14 @@ def _pow2_sizes(max_batch: int) -> list[int]:
         out.append(b)
         b *= 2
     out.append(max_batch)
+    return out
+
+
+def kv_buckets(max_len: int, min_kv: int = 1024) -> list[int]:
+    """Powers of two from min_kv below max_len, then max_len: [1024, 2048, ..., max_len]."""
+    out, kv = [], max(1, min_kv)
+    while kv < max_len:
+        out.append(kv)
+        kv *= 2
+    out.append(max_len)
     return out
