@@ -33,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-fail-token", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="auto", choices=["auto", "eager", "static", "graph"],
                    help="draft step execution: CUDA graphs (auto on a GPU), eager (auto on CPU), or static shapes")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks of the drafter (docs/TP2.md): 1 (default) one device, 2 a GPU pair")
+    p.add_argument("--tp-mode", default="auto", choices=["auto", "pair", "emulate", "solo"],
+                   help="with --tp: pair (one GPU per rank, P2P collectives; auto), emulate (every rank on --device, "
+                        "the same bits), solo (rank 0 alone, stand-in collectives: timing); with --tp 1 a mode "
+                        "runs the TP code unsplit")
+    p.add_argument("--test-tp-fail-token", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--warm-graphs", default="",
                    help="comma list of n_out values whose draft-step graphs are captured at start (for up to "
                         "--warm-batch requests); others are captured on first use")
@@ -57,6 +64,10 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive"
     if args.threads < 0:
         return f"--threads {args.threads}: must be 0 or more"
+    if not 1 <= args.tp <= 8:
+        return f"--tp {args.tp}: must be 1-8"
+    if (args.tp > 1 or args.tp_mode != "auto") and args.model == "test":
+        return "--tp needs a Llama-family model ('tiny', 'random:SHAPE' or a directory), not 'test'"
     if args.test_vocab <= 1:
         return f"--test-vocab {args.test_vocab}: must be at least 2"
     return None
@@ -83,12 +94,21 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(threads)
     elif device == "auto":
         device = "cpu"
+    tp_used = args.tp > 1 or args.tp_mode != "auto"
     try:
-        drafter = load_drafter(args.model, device=device, dtype=args.dtype, n_rows=args.rows, max_ctx=args.max_ctx,
-                               n_out_max=args.n_out_max, seed=args.seed, model_id=args.model_id,
-                               test_vocab=args.test_vocab, slow_token=args.test_slow_token,
-                               delay_ms=args.test_delay_ms, fail_token=args.test_fail_token,
-                               mode=args.mode)
+        if tp_used:
+            from draftrelay.worker.tp import load_tp_drafter
+
+            drafter = load_tp_drafter(args.model, args.tp, "pair" if args.tp_mode == "auto" else args.tp_mode,
+                                      device=device, dtype=args.dtype, n_rows=args.rows, max_ctx=args.max_ctx,
+                                      n_out_max=args.n_out_max, seed=args.seed, model_id=args.model_id,
+                                      mode=args.mode, fail_token=args.test_tp_fail_token)
+        else:
+            drafter = load_drafter(args.model, device=device, dtype=args.dtype, n_rows=args.rows,
+                                   max_ctx=args.max_ctx, n_out_max=args.n_out_max, seed=args.seed,
+                                   model_id=args.model_id, test_vocab=args.test_vocab,
+                                   slow_token=args.test_slow_token, delay_ms=args.test_delay_ms,
+                                   fail_token=args.test_fail_token, mode=args.mode)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"draftrelay worker: cannot load drafter: {exc}", file=sys.stderr)
         return 2
@@ -108,6 +128,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"draftrelay worker: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    fatal: list[str] = []
+    if tp_used:  # a TP pair that keeps failing steps: exit nonzero so a supervisor restarts the worker
+
+        def on_fatal(msg: str) -> None:
+            fatal.append(msg)
+            server._stopping.set()
+
+        drafter.on_fatal = on_fatal
     host, port = server.start()
     signal.signal(signal.SIGTERM, lambda *_: server._stopping.set())
     print(f"draftrelay worker listening on {host}:{port} model_id={drafter.model_id} vocab={drafter.vocab_size} "
@@ -118,4 +146,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         server.stop()
+    if fatal:
+        print(f"draftrelay worker: exiting for a restart: {fatal[0]}", file=sys.stderr)
+        return 3
     return 0

@@ -21,6 +21,11 @@ from draftrelay.worker.drafters import Drafter, Job
 log = logging.getLogger("draftrelay.worker")
 
 
+class StepFailed(RuntimeError):
+    """The drafter could not finish a step safely (e.g. a TP collective failed): no drafts exist. The frame
+    is answered INTERNAL (the server's ERROR) and its requests are dropped (resent from position 0)."""
+
+
 class Refusal(Exception):
     def __init__(self, code: int, message: str):
         super().__init__(message)
@@ -161,6 +166,11 @@ class WorkerCore:
         if jobs:
             try:
                 out_d, out_c = d.run(jobs, n_steps)
+            except StepFailed:
+                self.stats["drafter_errors"] += 1
+                for i, _, _, _, _ in planned:
+                    self._drop(s, blocks[i].request_id)
+                raise
             except Exception as exc:  # the drafter's failure is this frame's, not the server's
                 log.exception("drafter failed on a STEP of session %016x", s.id)
                 self.stats["drafter_errors"] += 1
