@@ -47,7 +47,7 @@ def pct(a, q: float) -> float | None:
 
 
 def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: bool = True,
-        wait: str = "memop") -> dict:
+        wait: str = "memop", batch: bool = True) -> dict:
     import torch
 
     spin_us, nap_us = PROXY[proxy]
@@ -63,13 +63,17 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     if backend == "cuda":
         from draftrelay.handoff.cuda_stream import CudaStream
 
-        rounds_mod.make_stream = lambda c, region: CudaStream(region, c.cuda_stream, fast=fast, wait=wait)
+        rounds_mod.make_stream = lambda c, region: CudaStream(region, c.cuda_stream, fast=fast, wait=wait,
+                                                              batch=batch)
     try:
         r = open_rounds(cfg)
     finally:
         rounds_mod.make_stream = real_make
     assert isinstance(r, AsyncRounds)
-    calls = "ctypes" if getattr(r.stream, "info", {}).get("fast_calls") else ("bindings" if backend == "cuda" else "-")
+    info = getattr(r.stream, "info", {})
+    calls = "ctypes" if info.get("fast_calls") else ("bindings" if backend == "cuda" else "-")
+    path = ("kernel" if info.get("round") == "kernel" else "batched" if info.get("batch_memops") else "memops") \
+        if backend == "cuda" else "-"
     L = r.region.layout
     a_g, a_c = r.region.word_addr(W.GATHERED), r.region.word_addr(W.CONSUMED)
     a_last = r.region.word_addr(W.LAST_RELEASE_NS)
@@ -82,7 +86,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
         dev = [torch.zeros(L.staging_size, dtype=torch.uint8, device="cuda") for _ in range(4)]
     else:
         pinned = [torch.zeros(L.staging_size, dtype=torch.uint8) for _ in range(4)]
-    enq, memops, resume, pickup = [], [], [], []
+    enq, memops, resume, pickup, done = [], [], [], [], []
     ops_ns: list[list[int]] = []
     st = r.stream
     cpu0 = wall0 = 0.0
@@ -100,20 +104,31 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
                 src = dev[k]
             else:
                 src = pinned[k].numpy()
+            ev = None
             if mode == "round":
                 p0 = time.perf_counter_ns()
                 r.submit(src=src, n_out=n_out)
                 p1 = time.perf_counter_ns()
                 m = 0
+                ev = r._pending[t & 1][3]
+            elif mode == "round-host":  # the engine's own path: requests packed on the host, staged from there
+                p0 = time.perf_counter_ns()
+                r.submit(reqs)
+                p1 = time.perf_counter_ns()
+                m = 0
+                ev = r._pending[t & 1][3]
             elif mode == "ops":  # the round's ops one by one, each timed (reaches into the backend: bench only)
                 r._t = t
                 s, dst = t & 1, r._dst[t & 1]
                 c = [time.perf_counter_ns()]
                 st.copy_in(s, src)
                 c.append(time.perf_counter_ns())
-                st.write32(off_g, t)
-                c.append(time.perf_counter_ns())
-                st.wait_geq32(off_r, t)
+                if st._bm is not None:  # write gathered + wait released in one driver call
+                    st._write_then_wait(st._dbase + off_g, st._dbase + off_r, t)
+                else:
+                    st.write32(off_g, t)
+                    c.append(time.perf_counter_ns())
+                    st.wait_geq32(off_r, t)
                 c.append(time.perf_counter_ns())
                 st._h2d(dst.dev_ptr, st._reply_h[s], dst.nbytes, st._s)
                 c.append(time.perf_counter_ns())
@@ -142,8 +157,12 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
             g_ns = native.now_ns()
             native.wait_geq32(a_c, t, 10_000_000, 0, 2_000_000)
             c_ns = native.now_ns()
+            if ev is not None:  # the round's end on the stream: reply in the device buffer and the mirror
+                while not ev.query():
+                    pass
+                done.append(native.now_ns())
             rel = native.load64(a_last)
-            if mode == "round":
+            if mode.startswith("round"):
                 bad += int(not r.result(t, timeout_s=5).ok)
             elif not ev.wait(5):
                 raise RuntimeError(f"round {t} did not finish")
@@ -152,6 +171,10 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
                 memops.append(m)
                 resume.append(c_ns - rel)
                 pickup.append(rel - g_ns)
+                if ev is not None:
+                    done[-1] -= rel
+            elif ev is not None:
+                done.pop()
         cpu = cpu_seconds(r.proxy.pid) - cpu0
         wall = time.monotonic() - wall0
         stats = r.stats()
@@ -159,6 +182,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
         r.close()
     us = 1e-3
     row = {"backend": backend, "mode": mode, "proxy": proxy, "calls": calls, "wait": wait if backend == "cuda" else "-",
+           "path": path,
            "spin_us": spin_us, "nap_us": nap_us,
            "rounds": n_rounds, "not_ok": bad, "watchdog": stats["watchdog"],
            "enqueue_us_p50": pct(np.array(enq) * us, 50), "enqueue_us_p99": pct(np.array(enq) * us, 99),
@@ -167,6 +191,9 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
            "release_to_resume_us_max": round(float(np.max(resume)) * us, 1),
            "pickup_us_p50": pct(np.array(pickup) * us, 50), "pickup_us_p99": pct(np.array(pickup) * us, 99),
            "round_us_mean": round(wall / n_rounds * 1e6, 1), "proxy_cpu_percent": round(100 * cpu / wall, 1)}
+    if done:  # release -> the round's event done (polled with cuEventQuery, ~1 µs a query)
+        row["release_to_done_us_p50"] = pct(np.array(done) * us, 50)
+        row["release_to_done_us_p99"] = pct(np.array(done) * us, 99)
     if mode == "bare":
         row["three_memops_us_p50"] = pct(np.array(memops) * us, 50)
         row["three_memops_us_p99"] = pct(np.array(memops) * us, 99)
@@ -174,6 +201,8 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
         a = np.array(ops_ns) * us
         names = ("copy_in_d2h", "write_gathered", "wait_released", "reply_h2d", "mirror_d2h", "write_consumed",
                  "event_record")
+        if path == "batched":
+            names = ("copy_in_d2h", "batch_write_wait", "reply_h2d", "mirror_d2h", "write_consumed", "event_record")
         row["op_us_p50"] = {n: pct(a[:, k], 50) for k, n in enumerate(names)}
     return row
 
@@ -223,6 +252,107 @@ def run_gpu_self(n_rounds: int, warmup: int, wait: str = "memop") -> list[dict]:
             for name, v in (("gpu-self", parked_ns), ("gpu-unparked", unparked_ns))]
 
 
+def run_gpu_self_round(n_rounds: int, warmup: int) -> dict:
+    """gpu-self for the round kernel: no proxy; the engine thread stores `released` itself ~20 µs after it
+    saw `gathered`, and times until it sees `consumed` (the kernel stores it once it has read the reply)."""
+    import torch
+
+    from draftrelay.handoff.cuda_stream import CudaStream
+
+    region = Region.create(RegionConfig(4, 512, 8, 32000))
+    st = CudaStream(region, torch.cuda.Stream(), wait="kernel")
+    L = region.layout
+    offs = tuple(L.word(w) for w in (W.GATHERED, W.RELEASED, W.CONSUMED))
+    a_g, a_r, a_c = (region.addr(o) for o in offs)
+    src = torch.zeros(L.staging_size, dtype=torch.uint8, device="cuda")
+    dst = [st.new_reply_buffer() for _ in (0, 1)]
+    torch.cuda.synchronize()
+    lat = []
+    try:
+        for t in range(1, n_rounds + warmup + 1):
+            ev = st.enqueue_round(t & 1, t, src, dst[t & 1], offs)
+            native.wait_geq32(a_g, t, 10_000_000, 0, 2_000_000)
+            g = native.now_ns()
+            while native.now_ns() - g < 20_000:
+                pass
+            r0 = native.now_ns()
+            native.store32(a_r, t)
+            native.wait_geq32(a_c, t, 10_000_000, 0, 2_000_000)
+            c = native.now_ns()
+            if not ev.wait(5.0):
+                raise RuntimeError(f"round {t} did not finish")
+            if t > warmup:
+                lat.append(c - r0)
+    finally:
+        st.close()
+        region.close()
+    us = 1e-3
+    return {"backend": "cuda", "mode": "gpu-self", "proxy": "none", "calls": "ctypes", "wait": "kernel",
+            "path": "kernel", "rounds": len(lat), "release_to_resume_us_p50": pct(np.array(lat) * us, 50),
+            "release_to_resume_us_p99": pct(np.array(lat) * us, 99),
+            "release_to_resume_us_max": round(float(np.max(lat)) * us, 1)}
+
+
+PINGPONG_CU = r"""
+extern "C" __global__ void draftrelay_pingpong(const unsigned* ping, unsigned* pong, unsigned n) {
+    for (unsigned i = 1; i <= n; ++i) {
+        unsigned long long spins = 0;
+        unsigned v;
+        do {
+            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(ping) : "memory");
+            if (++spins > (1ull << 22)) {  // ~seconds: the host is gone, do not spin for ever
+                asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(pong), "r"(0xFFFFFFFFu) : "memory");
+                return;
+            }
+        } while ((int)(v - i) < 0);
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(pong), "r"(i) : "memory");
+    }
+}
+"""
+
+
+def run_pingpong(n: int, warmup: int) -> dict:
+    """The bus itself: a resident one-warp kernel polls `ping` (acquire loads, as the round kernel polls
+    `released`) and answers each value on `pong`; the host stores ping = i and spins until pong = i. Half
+    the round trip estimates one leg, e.g. the ack leg (GPU store -> host sees it) inside release -> resume."""
+    import ctypes
+
+    import torch
+    from cuda.bindings import driver
+
+    from draftrelay.handoff.cuda_stream import compile_cuda
+
+    torch.zeros(1, device="cuda")
+    cubin = compile_cuda(PINGPONG_CU, torch.cuda.get_device_capability())
+    err, mod = driver.cuModuleLoadData(cubin.ctypes.data)
+    assert not err, err
+    err, fn = driver.cuModuleGetFunction(mod, b"draftrelay_pingpong")
+    assert not err, err
+    words = torch.zeros(64, dtype=torch.int32, pin_memory=True)  # ping at +0, pong at +128 (own lines)
+    ping, pong = words.data_ptr(), words.data_ptr() + 128
+    stream = torch.cuda.Stream()
+    total = n + warmup
+    err, = driver.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, driver.CUstream(stream.cuda_stream),
+                                 ((ping, pong, total), (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)), 0)
+    assert not err, err
+    rtt = []
+    for i in range(1, total + 1):
+        t0 = native.now_ns()
+        native.store32(ping, i)
+        if native.wait_geq32(pong, i, 10_000_000, 0, 2_000_000) != 0:
+            raise RuntimeError(f"pingpong: no answer to {i}")
+        t1 = native.now_ns()
+        if i > warmup:
+            rtt.append(t1 - t0)
+    stream.synchronize()
+    driver.cuModuleUnload(mod)
+    us = 1e-3
+    return {"backend": "cuda", "mode": "pingpong", "proxy": "none", "calls": "-", "wait": "-", "path": "-",
+            "rounds": len(rtt), "round_trip_us_p50": pct(np.array(rtt) * us, 50),
+            "round_trip_us_p99": pct(np.array(rtt) * us, 99),
+            "one_leg_us_p50_estimate": pct(np.array(rtt) * us / 2, 50)}
+
+
 def environment() -> dict:
     import torch
 
@@ -253,39 +383,53 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/handoff_cuda.json")
     ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-stream rows")
     args = ap.parse_args()
-    plan = [("cuda", "round", "spin", True, "memop"), ("cuda", "round", "nap", True, "memop"),
-            ("cuda", "bare", "spin", True, "memop"), ("cuda", "bare", "nap", True, "memop"),
-            ("cuda", "ops", "nap", True, "memop"),
-            ("cuda", "round", "nap", False, "memop"), ("cuda", "bare", "nap", False, "memop"),
-            ("cuda", "round", "spin", True, "kernel"), ("cuda", "round", "nap", True, "kernel"),
-            ("cuda", "bare", "nap", True, "kernel")]
+    # (backend, mode, proxy, fast calls, wait, batched memops): "auto" is the default (the round kernel);
+    # the memop rows with batch=False are the previous build's round, side by side
+    plan = [("cuda", "round", "nap", True, "auto", True), ("cuda", "round", "spin", True, "auto", True),
+            ("cuda", "round-host", "nap", True, "auto", True),
+            ("cuda", "round", "nap", True, "memop", True), ("cuda", "round", "nap", True, "memop", False),
+            ("cuda", "round-host", "nap", True, "memop", True),
+            ("cuda", "bare", "nap", True, "memop", True), ("cuda", "bare", "spin", True, "memop", True),
+            ("cuda", "bare", "nap", True, "kernel", True),
+            ("cuda", "ops", "nap", True, "memop", True), ("cuda", "ops", "nap", True, "memop", False),
+            ("cuda", "round", "nap", False, "memop", False)]
     if not args.no_emulated:
-        plan += [("emulated", "round", "spin", True, "-"), ("emulated", "round", "nap", True, "-")]
+        plan += [("emulated", "round", "spin", True, "-", True), ("emulated", "round", "nap", True, "-", True)]
     rows: list[dict] = []
     errors: list[dict] = []
-    for backend, mode, proxy, fast, wait in plan:
-        print(f"[{backend} {mode} {proxy} fast={fast} wait={wait}] {args.rounds} rounds ...", file=sys.stderr,
-              flush=True)
+    for backend, mode, proxy, fast, wait, batch in plan:
+        print(f"[{backend} {mode} {proxy} fast={fast} wait={wait} batch={batch}] {args.rounds} rounds ...",
+              file=sys.stderr, flush=True)
         try:
-            rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast, wait))
+            rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast, wait, batch))
         except Exception as exc:  # noqa: BLE001  one failed configuration must not lose the others
             print(f"  failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            errors.append({"backend": backend, "mode": mode, "proxy": proxy, "wait": wait, "error": str(exc)})
-    for wait in ("memop", "kernel"):
-        print(f"[gpu-self wait={wait}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
+            errors.append({"backend": backend, "mode": mode, "proxy": proxy, "wait": wait, "batch": batch,
+                           "error": str(exc)})
+    extra = [("gpu-self memop", lambda: run_gpu_self(args.rounds, args.warmup, "memop")),
+             ("gpu-self wait kernel", lambda: run_gpu_self(args.rounds, args.warmup, "kernel")),
+             ("gpu-self round kernel", lambda: [run_gpu_self_round(args.rounds, args.warmup)]),
+             ("pingpong", lambda: [run_pingpong(args.rounds, args.warmup)])]
+    for name, fn in extra:
+        print(f"[{name}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
         try:
-            rows += run_gpu_self(args.rounds, args.warmup, wait)
+            rows += fn()
         except Exception as exc:  # noqa: BLE001
             print(f"  failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            errors.append({"mode": "gpu-self", "wait": wait, "error": str(exc)})
+            errors.append({"mode": name, "error": f"{type(exc).__name__}: {exc}"})
     nan = float("nan")
-    print(f"{'backend':9}{'mode':13}{'proxy':6}{'calls':9}{'wait':7}{'enqueue p50/p99 µs':>20}{'3 memops p50':>13}"
-          f"{'release->resume p50/p99 µs':>29}{'pickup p50':>11}{'round µs':>9}{'proxy CPU':>10}")
+    print(f"{'backend':9}{'mode':11}{'proxy':6}{'calls':9}{'path':8}{'enqueue p50/p99 µs':>20}{'3 memops':>9}"
+          f"{'release->ack p50/p99 µs':>25}{'->done p50':>11}{'pickup p50':>11}{'round µs':>9}{'proxy CPU':>10}")
     for x in rows:
-        print(f"{x['backend']:9}{x['mode']:13}{x['proxy']:6}{x['calls']:9}{x['wait']:7}"
+        if x["mode"] == "pingpong":
+            print(f"pingpong (host store -> resident kernel -> host sees its store): round trip p50 "
+                  f"{x['round_trip_us_p50']:.2f} µs, p99 {x['round_trip_us_p99']:.2f} µs")
+            continue
+        print(f"{x['backend']:9}{x['mode']:11}{x['proxy']:6}{x['calls']:9}{x.get('path', '-'):8}"
               f"{x.get('enqueue_us_p50') or nan:10.1f} / {x.get('enqueue_us_p99') or nan:<7.1f}"
-              f"{x.get('three_memops_us_p50') or nan:13.1f}"
-              f"{x['release_to_resume_us_p50']:15.1f} / {x['release_to_resume_us_p99']:<11.1f}"
+              f"{x.get('three_memops_us_p50') or nan:9.1f}"
+              f"{x['release_to_resume_us_p50']:11.1f} / {x['release_to_resume_us_p99']:<11.1f}"
+              f"{x.get('release_to_done_us_p50') or nan:11.1f}"
               f"{x.get('pickup_us_p50') or nan:11.1f}{x.get('round_us_mean') or nan:9.0f}"
               f"{x.get('proxy_cpu_percent') or nan:9.0f}%")
     out = {"benchmark": "handoff_cuda", "command": "python benchmarks/handoff_cuda.py " + " ".join(sys.argv[1:]),

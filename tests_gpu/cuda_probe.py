@@ -37,9 +37,9 @@ import numpy as np
 
 from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
 
-STEPS = ("env", "refusal", "lazy", "soak", "late", "graph", "soak_kwait", "late_kwait")
-STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 90, "soak": 70, "late": 50, "graph": 30, "soak_kwait": 70,
-                  "late_kwait": 50}
+STEPS = ("env", "refusal", "lazy", "lazy_round", "soak", "late", "graph", "soak_memop", "late_memop")
+STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 90, "lazy_round": 40, "soak": 70, "late": 50, "graph": 40,
+                  "soak_memop": 70, "late_memop": 50}
 _CHECKPOINT = ""  # the step's JSON path: long steps write partial results there as they go
 
 
@@ -498,6 +498,7 @@ def step_soak() -> dict:
     eng = torch.cuda.Stream()
     r = open_rounds(cfg(cuda_stream=eng, strict=True, round_spec={"kind": "builtin", "faults": faults}))
     L = r.region.layout
+    path = {k: v for k, v in r.stream.info.items() if k in ("wait", "round", "round_kernel", "batch_memops")}
     # Device-side sources for 2 of 3 rounds (the engine's gather: one D2H), host numpy for the rest.
     pinned = [torch.zeros(L.staging_size, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
     dev = [torch.zeros(L.staging_size, dtype=torch.uint8, device="cuda") for _ in range(4)]
@@ -531,7 +532,7 @@ def step_soak() -> dict:
         r.close()
     elapsed = time.monotonic() - t0
     ok = wrong == 0 and st["rounds"] == 10_000 and st["ok"] + st["failed"] + st["watchdog"] == st["rounds"]
-    return {"wait": os.environ.get("DRAFTRELAY_CUDA_WAIT", "memop"),
+    return {"wait": os.environ.get("DRAFTRELAY_CUDA_WAIT", "auto"), "round_path": path,
             "rounds": st["rounds"], "exact_drafts": exact, "wrong_drafts": wrong, "elapsed_s": round(elapsed, 2),
             "stats": st, "pass": bool(ok and exact > 10_000)}
 
@@ -576,15 +577,26 @@ def step_late() -> dict:
     return out
 
 
-def step_soak_kwait() -> dict:
-    """The soak with the polling-kernel wait instead of cuStreamWaitValue32."""
-    os.environ["DRAFTRELAY_CUDA_WAIT"] = "kernel"
+def step_soak_memop() -> dict:
+    """The soak on the memop path (batched write + wait, copies) instead of the default round kernel."""
+    os.environ["DRAFTRELAY_CUDA_WAIT"] = "memop"
     return step_soak()
 
 
-def step_late_kwait() -> dict:
-    os.environ["DRAFTRELAY_CUDA_WAIT"] = "kernel"
+def step_late_memop() -> dict:
+    os.environ["DRAFTRELAY_CUDA_WAIT"] = "memop"
     return step_late()
+
+
+def step_lazy_round() -> dict:
+    """The lazy-loading probe's main case on the default path (the stream parked in the round kernel):
+    a fresh module loaded and launched on the engine thread in every one of 30 parked rounds."""
+    import torch
+
+    torch.zeros(1, device="cuda")
+    out = lazy_free_process(30)
+    out["pass"] = bool(out.get("exact_rounds") == 30 and out.get("wrong_drafts") == 0 and out.get("kernels_all_ran"))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -726,9 +738,71 @@ def step_graph() -> dict:
     finally:
         if not st.drain(5.0):
             out["stuck"] = True
+
+    # (c) the round kernel taking t from the device counter: ONE graph, replayed 20 times as rounds
+    #     101..120 (t and the slot t & 1 come from the counter; the kernel stamps t into the staged
+    #     descriptor), with no host reset between replays and no parameter update
+    try:
+        if st.info.get("round") != "kernel":
+            raise RuntimeError(f"round kernel not in use: {st.info.get('round_kernel')}")
+        for w in words:
+            native.store32(region.addr(w), 0)
+        bufs = (st.new_reply_buffer(), st.new_reply_buffer())
+        dev_src.copy_(torch.from_numpy(pack_staging(L, 0, [req])).cuda())  # round field 0: the kernel stamps t
+        counter.zero_()
+        st.set_round_counter(100)
+        torch.cuda.synchronize()
+        err, = driver.cuStreamBeginCapture(st.cu_stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        assert not err, err
+        with torch.cuda.stream(eng):
+            counter.add_(1)  # the engine's gather would be here
+        st.enqueue_round_from_counter(dev_src, bufs)
+        with torch.cuda.stream(eng):
+            counter.add_(1)  # and its verify here
+        err, graph_c = driver.cuStreamEndCapture(st.cu_stream)
+        assert not err, err
+        err, gexec_c = driver.cuGraphInstantiate(graph_c, 0)
+        assert not err, err
+        err, nodes_c, n_c = driver.cuGraphGetNodes(graph_c, 0)
+        err, nodes_c, n_c = driver.cuGraphGetNodes(graph_c, n_c)
+        types_c = [driver.cuGraphNodeGetType(nd)[1].name for nd in nodes_c]
+        good_c = parked_c = same_c = 0
+        rows = []
+        for k in range(20):
+            t = 101 + k
+            log = []
+            th = threading.Thread(target=proxy_round, args=(t, k, 0.002, log))
+            th.start()
+            err, = driver.cuGraphLaunch(gexec_c, st.cu_stream)
+            assert not err, err
+            done = st.record().wait(5.0)
+            th.join(5.0)
+            torch.cuda.synchronize()
+            s = t & 1
+            res = decode_reply(L, st.host_bytes(bufs[s]), t, np.array([4], np.int32))
+            same = bool(torch.equal(bufs[s].dev.cpu(), bufs[s].host))  # the device got the mirror's bytes
+            ok = done and res.ok and same and np.array_equal(res.drafts[0, :4], expect(t, k))
+            good_c += int(ok)
+            parked_c += int(bool(log) and isinstance(log[0], int) and log[0] < t)
+            same_c += int(same)
+            rows.append({"t": t, "status": res.status.name, "ok": bool(ok), "consumed_while_proxy_held": log[:1]})
+        out["counter_replays"] = {
+            "replays": 20, "exact": good_c, "parked_until_release": parked_c, "device_equals_mirror": same_c,
+            "rounds": [101, 120], "kernel_nodes_ran": int(counter.item()),
+            "consumed_after": native.load32(region.word_addr(W.CONSUMED)), "node_types": types_c, "rows": rows,
+            "parameter_updates": 0}
+        driver.cuGraphExecDestroy(gexec_c)
+        driver.cuGraphDestroy(graph_c)
+    except Exception as exc:  # noqa: BLE001
+        out["counter_replays"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
+    finally:
+        if not st.drain(5.0):
+            out["stuck"] = True
     st.close()
     region.close()
-    out["pass"] = out["reset_replays"]["exact"] == 20 and out["reset_replays"]["parked_until_release"] == 20
+    c = out["counter_replays"]
+    out["pass"] = out["reset_replays"]["exact"] == 20 and out["reset_replays"]["parked_until_release"] == 20 \
+        and c.get("exact") == 20 and c.get("parked_until_release") == 20 and c.get("consumed_after") == 120
     return out
 
 
@@ -877,15 +951,21 @@ def summary_line(step: str, r: dict) -> str:
                 f"free proxy process: {g('free_process_30', 'exact_rounds')}/30 exact; "
                 f"triton cudacall hung {g('cudacall_triton', 'hung_until_timer')}/2, "
                 f"free fires {g('free_thread_triton', 'timer_fires')}")
-    if step in ("soak", "soak_kwait"):
-        return f"{r['rounds']} rounds, {r['exact_drafts']} drafts exact, {r['wrong_drafts']} wrong, {r['elapsed_s']} s"
-    if step in ("late", "late_kwait"):
+    if step in ("soak", "soak_memop"):
+        return (f"{r['rounds']} rounds, {r['exact_drafts']} drafts exact, {r['wrong_drafts']} wrong, "
+                f"{r['elapsed_s']} s ({r.get('round_path')})")
+    if step == "lazy_round":
+        return (f"{r.get('exact_rounds')}/30 exact, loads after release {r.get('loads_returning_after_release')}, "
+                f"kernels ran {r.get('kernels_all_ran')}")
+    if step in ("late", "late_memop"):
         return "; ".join(f"{k}: {v['stalled_exact']}/{v['stalled_rounds']} exact, {v['wrong_drafts']} wrong"
                          for k, v in r.items() if isinstance(v, dict))
     if step == "graph":
         a, b = r.get("reset_replays", {}), r.get("updated_replays", {})
+        c = r.get("counter_replays", {})
         return (f"reset replays {a.get('exact')}/20 exact ({a.get('parked_until_release')} parked); "
-                f"updated replays {b.get('exact', b.get('error'))}/20")
+                f"updated memop replays {b.get('exact', b.get('error'))}/20; round-kernel counter replays "
+                f"{c.get('exact', c.get('error'))}/20 ({c.get('parked_until_release')} parked)")
     return ""
 
 

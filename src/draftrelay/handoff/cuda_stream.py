@@ -1,44 +1,48 @@
 """The CUDA backend of the engine-side stream ops: a real GPU stream parks on the host flag.
 
 The shared memfd region (region.py) is registered with the driver (cuMemHostRegister, DEVICEMAP |
-PORTABLE), so the GPU reads and writes the hand-off words, staging and replies in place. A round is
-enqueued on the engine's torch stream as plain driver calls (stream.py has the op list):
+PORTABLE), so the GPU reads and writes the hand-off words, staging and replies in place. A round
+(`enqueue_round`, what AsyncRounds.submit calls) is enqueued on the engine's torch stream in one of two
+ways; the protocol (docs/ORDERING.md) is the same and the proxy never calls CUDA in either.
 
-    copy_in    cuMemcpyDtoHAsync  gathered rows (a device tensor) -> staging[s]
-    write32    cuStreamWriteValue32(gathered, t)       the write is preceded by a memory barrier
-    wait_geq32 cuStreamWaitValue32(released >= t, GEQ) the stream parks here, polling host memory
-    copy_out   cuMemcpyHtoDAsync  reply[s] (claim word included) -> the device reply buffer,
-               then cuMemcpyDtoHAsync of that buffer -> a pinned host mirror (what decode_reply reads:
-               exactly the bytes the device got, never the live slot a late proxy might still touch)
-    write32    cuStreamWriteValue32(consumed, t)
-    record     cuEventRecord on a ring of reusable events
+**Round kernel** (`wait="auto"`, the default, where it compiles and passes its start-up check; or
+`"kernel"`): ONE launch of a one-block kernel (CUDA C below, compiled at start with NVRTC from the
+bindings, launched on a scratch area at start so it is never a first-use kernel while parked):
 
+    copy the rows (device memory, or the pinned bounce for host bytes) -> staging[s]; fence (system)
+    gathered = t (release store); thread 0 polls released >= t with acquire loads (GEQ, wrapping)
+    reply[s] (claim word included) -> the device reply buffer AND its pinned host mirror, written from
+    the same registers, so decode_reply reads exactly the bytes the device got; consumed = t
+
+then an event record: ~2 driver calls per round instead of 7. The round number is a launch parameter,
+or 0 = "the device counter's last round + 1" (`enqueue_round_from_counter`): a CUDA graph that captured
+such a launch replays round after round with no parameter update. While parked it keeps one block of
+one SM spinning on a host-memory load (the price of the faster wake-up: the memop wait below uses no SM).
+
+**Memops** (`wait="memop"`, or where the kernel is unavailable: no NVRTC, no ctypes fast path):
+D2H rows -> staging[s]; one cuStreamBatchMemOp [write gathered = t (after a memory barrier), wait
+released >= t (GEQ)]; H2D reply[s] -> device buffer, D2H of that buffer -> the pinned host mirror (the
+mirror is what decode_reply reads: exactly the bytes the device got, never the live slot a late proxy may
+still write); write consumed = t; event record (on a ring of reusable events).
+
+The single ops (copy_in, write32, wait_geq32, copy_out; stream.py) stay available for tests, probes and
+graph capture; with `wait="kernel"` wait_geq32 launches a one-thread polling kernel (PTX below) instead
+of cuStreamWaitValue32. Per-round driver functions are called through the pointers cuGetProcAddress
+returns (legacy-stream variants, CUDA 12.0 ABI) via ctypes, which drops the GIL for each call (`fast`).
 The engine thread only enqueues; nothing here waits on the stream except `drain` (bounded, by event
 queries) and `preload` (before any round is armed). The driver bindings (`cuda-bindings`, the `gpu`
-extra) are imported only in this module, only when this backend is chosen. Unless `fast=False`, the
-per-round driver functions are called through the pointers cuGetProcAddress returns (legacy-stream
-variants, CUDA 12.0 ABI) via ctypes, which drops the GIL for each call: the bindings' own entry points
-added ~1.6 µs a call in one H200 run (three memops 12.4 vs 7.6 µs), within noise in another. Most of a
-round's ~20 µs enqueue is the driver itself (per call p50 on an H200: D2H 4.8, memop 2.4-2.8, H2D 3.0,
-event record 1.7 µs; benchmarks/results/handoff_cuda.json).
-
-Waiting. `wait="memop"` (the default) parks the stream with cuStreamWaitValue32(GEQ): no SM is used,
-but the GPU notices a host-memory store only ~8-9 µs p50 / 13-17 µs p99 later (H200; 8.0 µs even when
-the engine thread stores the flag itself, against 2.6 µs between two stream writes that do not wait).
-`wait="kernel"` (or DRAFTRELAY_CUDA_WAIT=kernel) launches instead a one-thread
-kernel that polls the word with acquire loads at system scope (PTX below, JIT-compiled by the driver at
-start and launched once there, so it is never a first-use kernel) and exits once it is >= t: 5.4 µs p50
-/ 7.5 µs p99 release -> resume with a napping proxy on an H200, at the price of one SM busy while the
-stream is parked and a launch (~5 µs) instead of a memop in the enqueue. Same protocol, same CUDA-free
-release; qualified on the H200 by the same 10,000-round soak and late-proxy probes.
+extra) are imported only in this module, only when this backend is chosen. Figures:
+docs/CUDA_BACKEND.md, benchmarks/results/handoff_cuda.json.
 
 Refusal. The constructor raises CudaStreamRefused, leaving nothing registered, when: the bindings or
 a CUDA device are missing; the device cannot use host pointers for registered memory
 (CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM == 0); the device is not on unified
-addressing; registering the region fails; or a functional probe of stream memory operations on a
+addressing; registering the region fails; a functional probe of stream memory operations on a
 registered scratch page fails (e.g. CUDA_ERROR_NOT_SUPPORTED; the deprecated attribute
 CAN_USE_STREAM_MEM_OPS_V1 reads 0 on an H200 under CUDA 13 although memops work, so it is only
-recorded). open_rounds turns that into sync rounds with the reason, or AsyncRefused under strict.
+recorded); or `wait="kernel"` was asked for and the round kernel cannot be built or fails its check
+(under "auto" that only falls back to memops, with the reason in `info["round_kernel"]`). open_rounds
+turns a refusal into sync rounds with the reason, or AsyncRefused under strict.
 
 Never free what a parked stream may still use: `close` drains first (event queries, bounded) and, if the
 stream will not drain, raises StreamStuck and keeps the region registered (the caller must then keep it
@@ -106,7 +110,165 @@ _FAST = {
     "cuLaunchKernel": (_c.c_void_p, _c.c_uint, _c.c_uint, _c.c_uint, _c.c_uint, _c.c_uint, _c.c_uint, _c.c_uint,
                        _c.c_void_p, _c.c_void_p, _c.c_void_p),
 }
+WAIT_MODES = ("auto", "kernel", "memop")
 _EVENT_RING = 64  # reusable events; a ring slot is re-recorded only 64 records later (see _CudaEvent)
+_ROUND_THREADS = 256  # one block: 4 KB of reply or staging per pass
+
+# The round kernel (see the module docstring). Ordering: every thread fences its staging stores at
+# system scope before the block barrier, thread 0 then stores `gathered` with release semantics; thread 0
+# polls `released` with acquire loads and the block barrier orders every thread's reply loads after it
+# (the same "one thread acquires, bar.sync, all read" pattern as NCCL's); host memory is read with
+# .relaxed.sys loads, which are never served from a stale cached line; `consumed` is stored once every
+# reply load has returned. The host reads the mirror only after the round's event, i.e. after the kernel
+# finished and all its stores are visible.
+_ROUND_CU = r"""// One hand-off round as one kernel, one block (draftrelay/handoff/cuda_stream.py; docs/ORDERING.md).
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct RoundArgs {
+    const unsigned char* src;         // rows + descriptor: device memory or mapped pinned host memory
+    u64 nbytes;                       // bytes of src to stage (at most a staging slot)
+    unsigned char* staging[2];        // staging[slot] in the registered region
+    const unsigned char* reply[2];    // reply[slot] in the registered region (claim word first)
+    unsigned char* dev[2];            // the engine's device reply buffers
+    unsigned char* mirror[2];         // their pinned host mirrors (what decode_reply reads)
+    u32* gathered;
+    u32* released;
+    u32* consumed;
+    u32* counter;                     // device memory: the last round this kernel ran
+    u32 reply_bytes;                  // a multiple of 16
+    u32 tok_off;                      // staging offset of the tokens: stage only the used part; 0 = all
+    u32 t;                            // the round; 0 = *counter + 1 (graph replays)
+    u32 stamp;                        // 1: write t into the descriptor's round field
+};
+
+__device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_relaxed_sys(const void* p) {
+    u32 v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint4 ld16(const void* p) {  // coherent at system scope: never a stale cached line
+    uint4 v;
+    asm volatile("ld.relaxed.sys.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// dst[0, n) = src[0, n), 16 bytes a thread at a time, four loads in flight before their stores
+// (a load from host memory is a bus round trip: one per thread, not one per vector).
+__device__ __forceinline__ void copy_block(unsigned char* dst, const unsigned char* src, u64 n) {
+    const u64 tid = threadIdx.x, nth = blockDim.x;
+    if ((((u64)dst | (u64)src) & 15) == 0) {
+        const u64 nv = n >> 4;
+        u64 i = tid;
+        for (; i + 3 * nth < nv; i += 4 * nth) {
+            uint4 a = ld16(src + 16 * i), b = ld16(src + 16 * (i + nth));
+            uint4 c = ld16(src + 16 * (i + 2 * nth)), d = ld16(src + 16 * (i + 3 * nth));
+            *(uint4*)(dst + 16 * i) = a;
+            *(uint4*)(dst + 16 * (i + nth)) = b;
+            *(uint4*)(dst + 16 * (i + 2 * nth)) = c;
+            *(uint4*)(dst + 16 * (i + 3 * nth)) = d;
+        }
+        for (; i < nv; i += nth) *(uint4*)(dst + 16 * i) = ld16(src + 16 * i);
+        for (i = 16 * nv + tid; i < n; i += nth) dst[i] = src[i];
+    } else {
+        for (u64 i = tid; i < n; i += nth) dst[i] = src[i];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) draftrelay_round(const RoundArgs a) {
+    const u32 t = a.t ? a.t : *(volatile u32*)a.counter + 1u;
+    const u32 s = t & 1u;
+    unsigned char* stg = s ? a.staging[1] : a.staging[0];  // (a select, not an index: no local-memory copy of a)
+    // 1. stage the rows (only the used part when the descriptor says how many tokens there are)
+    u64 n = a.nbytes;
+    if (a.tok_off && n >= a.tok_off + 16ull) {
+        const u64 used = (u64)a.tok_off + 4ull * ld_relaxed_sys(a.src + 8);  // descriptor: round, n_req, n_tok
+        if (used < n) n = used;
+    }
+    copy_block(stg, a.src, n);
+    __threadfence_system();  // every thread's staging stores are visible to the host ...
+    __syncthreads();         // ... before thread 0 goes on
+    if (threadIdx.x == 0) {
+        if (a.stamp) *(volatile u32*)stg = t;  // the descriptor names round t (graphs: t comes from the counter)
+        __threadfence_system();
+        st_release_sys(a.gathered, t);  // 2. gathered = t
+        while ((int)(ld_acquire_sys(a.released) - t) < 0) {  // 3. park until released >= t (GEQ, wrapping)
+        }
+    }
+    __syncthreads();  // the acquire above orders every thread's reply loads after the release
+    // 4. reply[s] (claim word included) -> device buffer and host mirror, from the same registers
+    const unsigned char* rep = s ? a.reply[1] : a.reply[0];
+    unsigned char* dev = s ? a.dev[1] : a.dev[0];
+    unsigned char* mir = s ? a.mirror[1] : a.mirror[0];
+    for (u32 i = threadIdx.x; i < a.reply_bytes / 16u; i += blockDim.x) {
+        const uint4 v = ld16(rep + 16u * i);
+        *(uint4*)(dev + 16u * i) = v;
+        *(uint4*)(mir + 16u * i) = v;
+    }
+    __syncthreads();  // every reply load has returned: the slot may be reused
+    if (threadIdx.x == 0) {
+        st_relaxed_sys(a.consumed, t);  // 5. consumed = t
+        *a.counter = t;
+    }
+}
+"""
+
+_CUBINS: dict = {}  # (source, arch) -> cubin: NVRTC runs once per process, not once per stream
+
+
+def compile_cuda(source: str, arch: tuple[int, int]) -> np.ndarray:
+    """Compile CUDA C to a cubin for sm_<arch> with NVRTC (from cuda-bindings; needs libnvrtc, which
+    torch's CUDA wheels bring). Raises on any failure, with NVRTC's log."""
+    key = (source, tuple(arch))
+    if key in _CUBINS:
+        return _CUBINS[key]
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"draftrelay.cu", 0, [], [])
+    if err:
+        raise RuntimeError(f"nvrtcCreateProgram: {err}")
+    try:
+        opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), b"-std=c++17"]
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC {err}: {log.decode(errors='replace').strip()}")
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    _CUBINS[key] = np.frombuffer(cubin, dtype=np.uint8).copy()
+    return _CUBINS[key]
+
+
+class _RoundArgs(ctypes.Structure):
+    """The round kernel's parameter, passed by value (its C twin is RoundArgs in _ROUND_CU)."""
+
+    _fields_ = [("src", ctypes.c_uint64), ("nbytes", ctypes.c_uint64), ("staging", ctypes.c_uint64 * 2),
+                ("reply", ctypes.c_uint64 * 2), ("dev", ctypes.c_uint64 * 2), ("mirror", ctypes.c_uint64 * 2),
+                ("gathered", ctypes.c_uint64), ("released", ctypes.c_uint64), ("consumed", ctypes.c_uint64),
+                ("counter", ctypes.c_uint64), ("reply_bytes", ctypes.c_uint32), ("tok_off", ctypes.c_uint32),
+                ("t", ctypes.c_uint32), ("stamp", ctypes.c_uint32)]
+
+
+# cuStreamBatchMemOp's parameter: a 48-byte union per op; for WRITE_VALUE_32 / WAIT_VALUE_32 the
+# operation is at offset 0, the address at 8, the 32-bit value at 16, the flags at 24 (cuda.h).
+_MEMOP_SIZE, _MEMOP_ADDR, _MEMOP_VALUE, _MEMOP_FLAGS = 48, 8, 16, 24
 
 
 def _import_driver():
@@ -160,15 +322,17 @@ class _CudaEvent(Event):
 
 class CudaReplyBuffer:
     """The engine's reply buffer: `dev` (uint8 on the GPU; what the engine's kernels read) and its
-    pinned host mirror `host` (filled on the stream right after `dev`; what decode_reply reads)."""
+    pinned host mirror `host` (filled on the stream with the same bytes as `dev`; what decode_reply
+    reads). `mirror_dptr`: the mirror's device address (the round kernel writes it directly)."""
 
-    def __init__(self, torch, nbytes: int, device) -> None:
+    def __init__(self, torch, nbytes: int, device, host_dptr=None) -> None:
         self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
         self.host_np = self.host.numpy()
         self.nbytes = nbytes
         self.dev_ptr = self.dev.data_ptr()
         self.host_ptr = self.host.data_ptr()
+        self.mirror_dptr = host_dptr(self.host_ptr) if host_dptr is not None else self.host_ptr
 
 
 class CudaStream(StreamOps):
@@ -181,16 +345,20 @@ class CudaStream(StreamOps):
     name = "cuda"
 
     def __init__(self, region: Region, stream: Any = None, *, drain_timeout_s: float = 5.0,
-                 fast: bool = True, wait: str | None = None) -> None:
+                 fast: bool = True, wait: str | None = None, batch: bool = True) -> None:
         super().__init__(region)
         self.drain_timeout_s = drain_timeout_s
         self.fast = fast
-        self.wait_mode = wait or os.environ.get("DRAFTRELAY_CUDA_WAIT", "memop")
-        if self.wait_mode not in ("memop", "kernel"):
-            raise ValueError(f"CudaStream wait={self.wait_mode!r}: expected 'memop' or 'kernel'")
+        self.wait_mode = wait or os.environ.get("DRAFTRELAY_CUDA_WAIT", "auto")
+        if self.wait_mode not in WAIT_MODES:
+            raise ValueError(f"CudaStream wait={self.wait_mode!r}: expected one of {', '.join(WAIT_MODES)}")
+        self.batch = batch
         self._registered: list[int] = []  # host addresses currently registered by us
         self._scratch: mmap.mmap | None = None
         self._events: list = []
+        self._round_fn = None  # the round kernel, once loaded and checked
+        self._round_mod = self._wait_mod = None
+        self._bm = None  # the batched [write gathered, wait released] memop parameters (fast path)
         self._closed = False
         self.stuck = False
         self.info: dict = {}
@@ -305,14 +473,29 @@ class CudaStream(StreamOps):
         self._bounce_np = [b.numpy() for b in self._bounce]
         self._bounce_dev = [torch.empty(L.staging_size, dtype=torch.uint8, device=self.device) for _ in (0, 1)]
         self._bounce_ev: list[_CudaEvent | None] = [None, None]
+        self._tok_off = L.staging_tok_off
         self.info["wait"] = self.wait_mode
         if self.wait_mode == "kernel":
             self._load_wait_kernel()
+        self.info["round"] = "memops"
+        if self.wait_mode in ("auto", "kernel"):
+            try:
+                self._load_round_kernel()
+                self.info["round"] = "kernel"
+            except StreamStuck:
+                raise
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                if self.wait_mode == "kernel":
+                    raise CudaStreamRefused(f"wait='kernel': the round kernel is unavailable ({why})") from exc
+                self.info["round_kernel"] = f"unavailable, rounds use memops ({why})"
+        self.info["batch_memops"] = self._bm is not None
 
     def _bind_calls(self, fast: bool) -> None:
         """The per-round driver calls, each taking plain ints and returning the CUresult as an int."""
         drv = self._drv
         self.info["fast_calls"] = False
+        self._batch_fn = None
         if fast:
             flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
             fns = {}
@@ -323,6 +506,10 @@ class CudaStream(StreamOps):
                     break
                 fns[name] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(int(r[1]))
             if fns:
+                r = drv.cuGetProcAddress(b"cuStreamBatchMemOp", 12000, flags)
+                if not r[0] and r[1]:
+                    self._batch_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p,
+                                                      ctypes.c_uint)(int(r[1]))
                 self._launch = fns["cuLaunchKernel"]
                 self._write, self._wait = fns["cuStreamWriteValue32"], fns["cuStreamWaitValue32"]
                 self._d2h, self._h2d = fns["cuMemcpyDtoHAsync"], fns["cuMemcpyHtoDAsync"]
@@ -400,9 +587,148 @@ class CudaStream(StreamOps):
         seen = int(np.frombuffer(self._scratch, dtype=np.uint32, count=1)[0])
         if seen != 7:
             raise CudaStreamRefused(f"stream write to registered host memory not visible (read {seen}, wrote 7)")
+        if self.batch and self._batch_fn is not None:  # the batched write + wait: used only if it works here
+            self._setup_batch()
+            words = np.frombuffer(self._scratch, dtype=np.uint32, count=2)
+            words[1] = 10
+            err = self._write_then_wait(dptr, dptr + 4, 11)  # write word 0 = 11, then park until word 1 >= 11
+            ev = None if err else self.record()
+            time.sleep(0.002)
+            parked = ev is not None and not ev.query() and int(words[0]) == 11
+            words[1] = 11
+            done = ev is not None and ev.wait(2.0)
+            if not (parked and done):
+                self._bm = None
+                self.info["batch_memops_error"] = f"cuStreamBatchMemOp -> {err}, parked={parked}, done={done}"
+                if ev is not None and not done and not self.drain(2.0):
+                    raise StreamStuck("the batched memop probe (write, then wait on a released word) did not finish")
+            del words
         self._unregister(addr)
         self._scratch.close()
         self._scratch = None
+
+    def _setup_batch(self) -> None:
+        """Two CUstreamBatchMemOpParams: [write32 (with the default memory barrier), wait32 GEQ]."""
+        OP = self._drv.CUstreamBatchMemOpType
+        bm = (ctypes.c_uint8 * (2 * _MEMOP_SIZE))()
+        for i, (op, flags) in enumerate(((OP.CU_STREAM_MEM_OP_WRITE_VALUE_32, self._WDEFAULT),
+                                         (OP.CU_STREAM_MEM_OP_WAIT_VALUE_32, self._GEQ))):
+            ctypes.c_uint32.from_buffer(bm, i * _MEMOP_SIZE).value = int(op)
+            ctypes.c_uint32.from_buffer(bm, i * _MEMOP_SIZE + _MEMOP_FLAGS).value = flags
+        self._bm, self._bm_ptr = bm, ctypes.addressof(bm)
+        self._bm_addr = [ctypes.c_uint64.from_buffer(bm, i * _MEMOP_SIZE + _MEMOP_ADDR) for i in (0, 1)]
+        self._bm_val = [ctypes.c_uint32.from_buffer(bm, i * _MEMOP_SIZE + _MEMOP_VALUE) for i in (0, 1)]
+
+    def _write_then_wait(self, write_addr: int, wait_addr: int, value: int) -> int:
+        """Enqueue write32(write_addr, value) then wait32(wait_addr >= value) in one driver call."""
+        self._bm_addr[0].value, self._bm_addr[1].value = write_addr, wait_addr
+        self._bm_val[0].value = self._bm_val[1].value = value & 0xFFFFFFFF
+        return self._batch_fn(self._s, 2, self._bm_ptr, 0)
+
+    def _host_dptr(self, host_ptr: int) -> int:
+        """The device address of pinned host memory (equal to the host address under unified addressing)."""
+        return int(self._call("cuMemHostGetDevicePointer", self._drv.cuMemHostGetDevicePointer(host_ptr, 0)))
+
+    def _load_round_kernel(self) -> None:
+        """Compile and load the round kernel, then run it on a scratch area (three rounds, one of them
+        parked until the host releases it) and check every word and byte it must move: a kernel that
+        fails here is never used, and its module is loaded and launched before any round is armed."""
+        if not self.info.get("fast_calls"):
+            raise RuntimeError("the round kernel is launched through the ctypes fast path, which is off")
+        torch, drv = self._torch, self._drv
+        self._round_cubin = compile_cuda(_ROUND_CU, torch.cuda.get_device_capability(self.device))
+        err, mod = drv.cuModuleLoadData(self._round_cubin.ctypes.data)[:2]
+        if err:
+            raise RuntimeError(f"cuModuleLoadData of the round kernel failed: {_err_name(drv, err)}")
+        self._round_mod = mod
+        fn = int(self._call("cuModuleGetFunction", drv.cuModuleGetFunction(mod, b"draftrelay_round")))
+        self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._bounce_dptr = [self._host_dptr(b.data_ptr()) for b in self._bounce]
+        L, base = self.region.layout, self._dbase
+        a = self._args = _RoundArgs()
+        a.staging[0], a.staging[1] = (base + L.staging(s) for s in (0, 1))
+        a.reply[0], a.reply[1] = (base + L.reply(s) for s in (0, 1))
+        a.gathered, a.released, a.consumed = (base + L.word(w) for w in (W.GATHERED, W.RELEASED, W.CONSUMED))
+        a.counter = self._counter.data_ptr()
+        a.reply_bytes, a.tok_off, a.stamp = self._reply_size, self._tok_off, 0
+        self._args_kp = (ctypes.c_void_p * 1)(ctypes.addressof(a))
+        self._args_kp_ptr = ctypes.addressof(self._args_kp)
+        self._round_words = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
+        self._check_round_kernel(fn)
+        self._round_fn = fn
+
+    def _check_round_kernel(self, fn: int) -> None:
+        torch, drv = self._torch, self._drv
+        scratch = mmap.mmap(-1, 2 * _PAGE)
+        u8 = np.frombuffer(scratch, dtype=np.uint8)
+        w32 = u8[:256].view(np.uint32)  # gathered @0, released @64, consumed @128 (bytes)
+        base = int(u8.ctypes.data)
+        err = drv.cuMemHostRegister(base, 2 * _PAGE, self._reg_flags)[0]
+        if err:
+            raise RuntimeError(f"cuMemHostRegister of the round kernel's scratch failed: {_err_name(drv, err)}")
+        self._registered.append(base)
+        try:
+            rng = np.random.default_rng(11)
+            stg, rep, nrep = (1024, 2048), (4096, 5120), 1024
+            src_np = rng.integers(0, 256, (3, 1008), dtype=np.uint8)  # 1000 bytes a round: 16-byte loop + tail
+            src = torch.from_numpy(src_np).to(self.device)
+            bufs = [CudaReplyBuffer(torch, nrep, self.device, self._host_dptr) for _ in (0, 1)]
+            torch.cuda.synchronize(self.device)
+            a = _RoundArgs()
+            a.nbytes = 1000
+            a.staging[0], a.staging[1] = base + stg[0], base + stg[1]
+            a.reply[0], a.reply[1] = base + rep[0], base + rep[1]
+            a.dev[0], a.dev[1] = bufs[0].dev_ptr, bufs[1].dev_ptr
+            a.mirror[0], a.mirror[1] = bufs[0].mirror_dptr, bufs[1].mirror_dptr
+            a.gathered, a.released, a.consumed, a.counter = base, base + 64, base + 128, self._counter.data_ptr()
+            a.reply_bytes, a.tok_off, a.stamp = nrep, 0, 1
+            kp = (ctypes.c_void_p * 1)(ctypes.addressof(a))
+
+            def launch(t: int, given: bool) -> Event:
+                a.t = t if given else 0
+                a.src = src[t - 1].data_ptr()
+                e = self._launch(fn, 1, 1, 1, _ROUND_THREADS, 1, 1, 0, self._s, ctypes.addressof(kp), None)
+                if e:
+                    self._fail("cuLaunchKernel(draftrelay_round)", e)
+                return self.record()
+
+            problems = []
+            # t = 1 given (slot 1), released already; then t from the counter (2, slot 0); then t = 3 parked
+            for t, given in ((1, True), (2, False), (3, True)):
+                s = t & 1
+                parked = t == 3
+                u8[rep[s]:rep[s] + nrep] = rng.integers(0, 256, nrep, dtype=np.uint8)  # a fresh reply
+                if not parked:
+                    w32[16] = t  # released
+                ev = launch(t, given)
+                if parked:
+                    time.sleep(0.005)
+                    if ev.query() or w32[32] == t or w32[0] != t:
+                        problems.append(f"t={t}: not parked (done={ev.query()}, gathered={w32[0]}, "
+                                        f"consumed={w32[32]})")
+                    w32[16] = t
+                if not ev.wait(5.0):
+                    raise StreamStuck(f"the round kernel's check (round {t}) did not finish in 5 s")
+                torch.cuda.synchronize(self.device)
+                got = u8[stg[s]:stg[s] + 1000]
+                want_rep = u8[rep[s]:rep[s] + nrep]
+                checks = {"gathered": w32[0] == t, "consumed": w32[32] == t, "stamp": got[:4].view(np.uint32)[0] == t,
+                          "staging": np.array_equal(got[4:], src_np[t - 1, 4:1000]),
+                          "mirror": np.array_equal(bufs[s].host_np, want_rep),
+                          "device buffer": np.array_equal(bufs[s].dev.cpu().numpy(), want_rep),
+                          "counter": int(self._counter.item()) == t}
+                problems += [f"t={t}: {k} wrong" for k, ok in checks.items() if not ok]
+            with torch.cuda.stream(self.torch_stream):
+                self._counter.zero_()  # graph replays after start begin at round 1
+            if not self.drain(5.0):
+                raise StreamStuck("the round kernel's check did not drain")
+            if problems:
+                raise RuntimeError("the round kernel failed its start-up check: " + "; ".join(problems))
+        finally:
+            if self.drain(5.0):  # never unregister what the device may still touch
+                self._unregister(base)
+                got = want_rep = w32 = u8 = None  # noqa: F841  (drop the views before closing the mapping)
+                scratch.close()
 
     # -- the ops (engine thread; enqueue only) --------------------------------------------------------
     def copy_in(self, slot: int, src: Any) -> None:
@@ -427,6 +753,100 @@ class CudaStream(StreamOps):
                 err = self._d2h(self._staging_h[slot], dev, n, self._s)
         if err:
             self._fail(f"copy_in(slot {slot})", err)
+
+    def _host_src(self, src: Any) -> np.ndarray:
+        torch = self._torch
+        arr = src.numpy() if isinstance(src, torch.Tensor) else np.asarray(src)
+        return arr.reshape(-1).view(np.uint8)
+
+    def _used_bytes(self, arr: np.ndarray) -> int:
+        """Bytes of a packed round worth staging: the descriptor, the request table and n_tok tokens
+        (the proxy parses nothing else; pack_staging hands over a whole slot, mostly zeros)."""
+        n = min(arr.nbytes, self._staging_size)
+        if n >= 16:
+            n = min(n, self._tok_off + 4 * int.from_bytes(arr[8:12].tobytes(), "little"))
+        return n
+
+    def enqueue_round(self, slot: int, t: int, src: Any, dst: CudaReplyBuffer, offs: tuple[int, int, int],
+                      on_resume: Callable[[], None] | None = None) -> Event:
+        """One whole round (see the module docstring): the round kernel, or the memop sequence."""
+        if on_resume is not None:  # a host callback mid-stream: only the single ops can place it
+            return super().enqueue_round(slot, t, src, dst, offs, on_resume)
+        if (t & 1) != slot:
+            raise ValueError(f"round {t} belongs to slot {t & 1}, not {slot}")
+        if self._round_fn is not None:
+            return self._enqueue_round_kernel(slot, t, src, dst, offs)
+        g, r, c = offs
+        torch = self._torch
+        if isinstance(src, torch.Tensor) and src.is_cuda:
+            self.copy_in(slot, src)
+        else:
+            arr = self._host_src(src)
+            self.copy_in(slot, arr[:self._used_bytes(arr)])
+        if self._bm is not None:
+            err = self._write_then_wait(self._dbase + g, self._dbase + r, t)
+            if err:
+                self._fail(f"cuStreamBatchMemOp(write +{g} = {t}, wait +{r} >= {t})", err)
+        else:
+            self.write32(g, t)
+            self.wait_geq32(r, t)
+        self.copy_out(slot, dst)
+        self.write32(c, t)
+        return self.record()
+
+    def _enqueue_round_kernel(self, slot: int, t: int, src: Any, dst: CudaReplyBuffer,
+                              offs: tuple[int, int, int]) -> Event:
+        if offs != self._round_words:
+            raise ValueError(f"round words at {offs}, the round kernel was set up for {self._round_words}")
+        a = self._args
+        torch = self._torch
+        host = not (isinstance(src, torch.Tensor) and src.is_cuda)
+        if host:  # host bytes: into the pinned bounce, which the kernel reads over the bus
+            arr = self._host_src(src)
+            n = self._used_bytes(arr)
+            prev = self._bounce_ev[slot]
+            if prev is not None and not prev.wait(self.drain_timeout_s):
+                raise StreamStuck(f"bounce buffer {slot} still in use by the stream after {self.drain_timeout_s} s")
+            self._bounce_np[slot][:n] = arr[:n]
+            a.src, a.nbytes = self._bounce_dptr[slot], n
+        else:
+            a.src, a.nbytes = src.data_ptr(), min(src.nbytes, self._staging_size)
+        a.t = t & 0xFFFFFFFF  # 0 only after 2**32 rounds: the kernel's counter + 1 is the same number then
+        a.dev[slot], a.mirror[slot] = dst.dev_ptr, dst.mirror_dptr
+        err = self._launch(self._round_fn, 1, 1, 1, _ROUND_THREADS, 1, 1, 0, self._s, self._args_kp_ptr, None)
+        if err:
+            self._fail(f"cuLaunchKernel(draftrelay_round, t={t})", err)
+        ev = self.record()
+        if host:
+            self._bounce_ev[slot] = ev
+        return ev
+
+    def enqueue_round_from_counter(self, src: Any, dsts: tuple[CudaReplyBuffer, CudaReplyBuffer]) -> None:
+        """Enqueue (or, inside a stream capture, record) one round whose number the DEVICE picks: the
+        round counter's last round + 1, slot t & 1, and t is stamped into the staged descriptor. A CUDA
+        graph holding this launch replays round after round with no parameter update. `src`: a device
+        tensor at a fixed address (the engine's gather output); `dsts`: both slots' reply buffers.
+        The caller keeps the host-side count (`set_round_counter` to resynchronise, e.g. after a reset)."""
+        if self._round_fn is None:
+            raise RuntimeError(f"the round kernel is not in use here (wait={self.wait_mode!r}; "
+                               f"{self.info.get('round_kernel', '')})")
+        if not (isinstance(src, self._torch.Tensor) and src.is_cuda):
+            raise ValueError("enqueue_round_from_counter needs a device tensor as the source")
+        a = _RoundArgs()
+        ctypes.memmove(ctypes.addressof(a), ctypes.addressof(self._args), ctypes.sizeof(a))
+        a.src, a.nbytes, a.t, a.stamp = src.data_ptr(), min(src.nbytes, self._staging_size), 0, 1
+        for s in (0, 1):
+            a.dev[s], a.mirror[s] = dsts[s].dev_ptr, dsts[s].mirror_dptr
+        kp = (ctypes.c_void_p * 1)(ctypes.addressof(a))  # the driver copies the parameter at the call
+        err = self._launch(self._round_fn, 1, 1, 1, _ROUND_THREADS, 1, 1, 0, self._s, ctypes.addressof(kp), None)
+        if err:
+            self._fail("cuLaunchKernel(draftrelay_round, t from the counter)", err)
+
+    def set_round_counter(self, value: int) -> None:
+        """Enqueue: the device round counter := value (the next counter round is value + 1)."""
+        v = value & 0xFFFFFFFF
+        with self._torch.cuda.stream(self.torch_stream):
+            self._counter.fill_(v - 2**32 if v >= 2**31 else v)  # an int32 tensor holding the u32 word
 
     def write32(self, off: int, value: int) -> None:
         err = self._write(self._s, self._dbase + off, value & 0xFFFFFFFF, self._WDEFAULT)
@@ -473,7 +893,7 @@ class CudaStream(StreamOps):
         self._fail("cuEventQuery", err)
 
     def new_reply_buffer(self) -> CudaReplyBuffer:
-        buf = CudaReplyBuffer(self._torch, self._reply_size, self.device)
+        buf = CudaReplyBuffer(self._torch, self._reply_size, self.device, self._host_dptr)
         if buf.nbytes > self._reply_size:
             raise ValueError("reply buffer larger than a reply slot")
         return buf
@@ -536,9 +956,11 @@ class CudaStream(StreamOps):
         if self._scratch is not None:
             self._scratch.close()
             self._scratch = None
-        if getattr(self, "_wait_mod", None) is not None:
-            self._drv.cuModuleUnload(self._wait_mod)
-            self._wait_mod = None
+        for name in ("_wait_mod", "_round_mod"):
+            if getattr(self, name, None) is not None:
+                self._drv.cuModuleUnload(getattr(self, name))
+                setattr(self, name, None)
+        self._round_fn = None
         for ev in self._events:
             self._drv.cuEventDestroy(ev)
         self._events = []

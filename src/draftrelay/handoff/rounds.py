@@ -314,16 +314,8 @@ class AsyncRounds:
             if src is None:
                 src = pack_staging(self.region.layout, t, requests, flags)
                 n_out = np.array([r.n_out for r in requests], np.int32)
-            gathered, released, consumed = self._off
-            st = self.stream
-            st.copy_in(s, src)
-            st.write32(gathered, t)
-            st.wait_geq32(released, t)
-            if self.on_resume is not None:
-                st.host_fn(self.on_resume)
-            st.copy_out(s, self._dst[s])
-            st.write32(consumed, t)
-            self._pending[s] = (rid, t, np.asarray(n_out, np.int32), st.record())
+            ev = self.stream.enqueue_round(s, t, src, self._dst[s], self._off, self.on_resume)
+            self._pending[s] = (rid, t, np.asarray(n_out, np.int32), ev)
         # time.monotonic_ns (CLOCK_MONOTONIC, like the native clock) because it keeps the GIL: a ctypes
         # call here would hand the GIL to the just-woken stream thread and bill its work to submit()
         self._last_submit_ns = time.monotonic_ns()

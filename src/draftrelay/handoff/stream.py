@@ -64,6 +64,20 @@ class StreamOps(ABC):
     @abstractmethod
     def record(self) -> Event: ...
 
+    def enqueue_round(self, slot: int, t: int, src: Any, dst: Any, offs: tuple[int, int, int],
+                      on_resume: Callable[[], None] | None = None) -> Event:
+        """A whole round, in order (offs: the gathered, released and consumed words); returns the event
+        of its end. Backends may do it in fewer driver calls (cuda_stream: one kernel launch)."""
+        gathered, released, consumed = offs
+        self.copy_in(slot, src)
+        self.write32(gathered, t)
+        self.wait_geq32(released, t)
+        if on_resume is not None:
+            self.host_fn(on_resume)
+        self.copy_out(slot, dst)
+        self.write32(consumed, t)
+        return self.record()
+
     def bind_thread(self) -> None:
         """Make this stream usable from the calling thread (the CUDA backend sets its context)."""
         return None
