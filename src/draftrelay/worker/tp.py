@@ -266,7 +266,12 @@ class TPDrafter(Drafter):
         else:
             self.group = StandInGroup()
         cuda = self.shards[0].device.type == "cuda"
-        self.streams = [torch.cuda.Stream(device=s.device) for s in self.shards] if cuda else [None] * len(ranks)
+        if not cuda:
+            self.streams = [None] * len(ranks)
+        elif tp_mode == "pair":  # one stream per GPU: each rank's launches queue independently
+            self.streams = [torch.cuda.Stream(device=s.device) for s in self.shards]
+        else:  # ranks sharing a device share one stream (the emulation reads peers' tensors in order)
+            self.streams = [torch.cuda.Stream(device=devices[0])] * len(ranks)
         self.f32_partials = self.dtype == torch.float32 or (cuda and _mm_f32_out_works(self.shards[0].device))
         self._static: dict[tuple, _Static] = {}
         self._pools: list = []
@@ -274,6 +279,9 @@ class TPDrafter(Drafter):
         self.on_fatal: Callable[[str], None] | None = None
         self.fail_token = fail_token  # tests: a step whose jobs hold this token skips the last rank
         self.skip_last_rank_once = False  # probes: the next step launches no work on the last rank
+        if cuda:  # the weights and zeroed caches were made on the default streams; the ranks use their own
+            for s in self.shards:
+                torch.cuda.synchronize(s.device)
         where = "+".join(str(s.device) for s in self.shards)
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, tp{world} "
                      f"{tp_mode} {where} {str(self.dtype).replace('torch.', '')}, {mode}")
@@ -395,6 +403,9 @@ class TPDrafter(Drafter):
         if st is not None:
             return st
         st = _Static(key, self.shards, pin=self.streams[0] is not None)
+        if self.streams[0] is not None:  # its buffers were zeroed on the default streams
+            for s in self.shards:
+                torch.cuda.synchronize(s.device)
         if self.mode == "graph":
             for r in range(len(self.shards)):
                 st.inbuf[r].copy_(self._scratch_inputs(key))
@@ -407,13 +418,19 @@ class TPDrafter(Drafter):
                     for s in self.shards:
                         with torch.cuda.device(s.device):
                             self._pools.append(torch.cuda.graph_pool_handle())
-                for r, s in enumerate(self.shards):  # capture records one rank alone: no partner needed
-                    with torch.cuda.device(s.device):
-                        gr = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(gr, pool=self._pools[r], stream=self.streams[r]):
-                            for _ in self._step(r, st):
-                                pass
-                        st.graphs.append(gr)
+                try:
+                    for r, s in enumerate(self.shards):  # capture records one rank alone: no partner needed
+                        with torch.cuda.device(s.device):
+                            gr = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(gr, pool=self._pools[r], stream=self.streams[r]):
+                                for _ in self._step(r, st):
+                                    pass
+                            st.graphs.append(gr)
+                except Exception:  # serve in lockstep without graphs rather than fail every round
+                    log.exception("tp%d: CUDA graph capture failed; the drafter falls back to static mode", self.world)
+                    st.graphs = []
+                    self.mode = "static"
+                    self.info = self.info.replace(", graph", ", static (graph capture failed)")
         self._static[key] = st
         return st
 
@@ -551,6 +568,15 @@ class TPDrafter(Drafter):
         column shards side by side). Every rank is needed (not 'solo')."""
         if self.tp_mode == "solo" and self.world > 1:
             raise ValueError("forward_logits needs every rank (not 'solo')")
+        short = []
+        with torch.inference_mode():
+            for j in jobs:  # as in a step: all but the last PAD_LIMIT tokens of a long job in chunks first
+                n = len(j.tokens) - PAD_LIMIT
+                if n > 0:
+                    self._lockstep(lambda r, j=j, n=n: self._prefill(r, j, n))
+                    j = Job(j.row, j.keep + n, j.tokens[n:])
+                short.append(j)
+        jobs = short
         B, T = len(jobs), max(len(j.tokens) for j in jobs)
         kv = kv_len or max(j.keep for j in jobs) + T
         toks = np.zeros((B, T), np.int64)
