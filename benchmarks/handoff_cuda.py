@@ -47,7 +47,7 @@ def pct(a, q: float) -> float | None:
 
 
 def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: bool = True,
-        wait: str = "memop", batch: bool = True) -> dict:
+        wait: str = "memop", batch: bool = True, pollers: int = 8) -> dict:
     import torch
 
     spin_us, nap_us = PROXY[proxy]
@@ -64,7 +64,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
         from draftrelay.handoff.cuda_stream import CudaStream
 
         rounds_mod.make_stream = lambda c, region: CudaStream(region, c.cuda_stream, fast=fast, wait=wait,
-                                                              batch=batch)
+                                                              batch=batch, pollers=pollers)
     try:
         r = open_rounds(cfg)
     finally:
@@ -88,6 +88,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
         pinned = [torch.zeros(L.staging_size, dtype=torch.uint8) for _ in range(4)]
     enq, memops, resume, pickup, done = [], [], [], [], []
     ops_ns: list[list[int]] = []
+    ops_b: list[list[int]] = []
     st = r.stream
     cpu0 = wall0 = 0.0
     bad = 0
@@ -123,7 +124,8 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
                 c = [time.perf_counter_ns()]
                 st.copy_in(s, src)
                 c.append(time.perf_counter_ns())
-                if st._bm is not None:  # write gathered + wait released in one driver call
+                batched = st._bm is not None and t % 2 == 0  # odd rounds: separate calls, side by side
+                if batched:  # write gathered + wait released in one driver call
                     st._write_then_wait(st._dbase + off_g, st._dbase + off_r, t)
                 else:
                     st.write32(off_g, t)
@@ -140,7 +142,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
                 c.append(time.perf_counter_ns())
                 p0, p1, m = c[0], c[-1], 0
                 if i >= warmup:
-                    ops_ns.append([b - a for a, b in zip(c, c[1:], strict=False)])
+                    (ops_b if batched else ops_ns).append([b - a for a, b in zip(c, c[1:], strict=False)])
             else:  # bare: drive the stream ops directly (the proxy still answers every round)
                 r._t = t
                 p0 = time.perf_counter_ns()
@@ -181,8 +183,10 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     finally:
         r.close()
     us = 1e-3
+    if path == "kernel":  # which round kernel: the staggered polling warps or the one poller
+        path = f"kernel{pollers}" if info.get("round_kernel", "").startswith("draftrelay_round_mp") else "kernel1"
     row = {"backend": backend, "mode": mode, "proxy": proxy, "calls": calls, "wait": wait if backend == "cuda" else "-",
-           "path": path,
+           "path": path, "round_kernel": info.get("round_kernel"),
            "spin_us": spin_us, "nap_us": nap_us,
            "rounds": n_rounds, "not_ok": bad, "watchdog": stats["watchdog"],
            "enqueue_us_p50": pct(np.array(enq) * us, 50), "enqueue_us_p99": pct(np.array(enq) * us, 99),
@@ -197,13 +201,18 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     if mode == "bare":
         row["three_memops_us_p50"] = pct(np.array(memops) * us, 50)
         row["three_memops_us_p99"] = pct(np.array(memops) * us, 99)
-    if mode == "ops":
+    if mode == "ops":  # with batched memops available, even rounds batched and odd ones not, in one run
         a = np.array(ops_ns) * us
         names = ("copy_in_d2h", "write_gathered", "wait_released", "reply_h2d", "mirror_d2h", "write_consumed",
                  "event_record")
-        if path == "batched":
-            names = ("copy_in_d2h", "batch_write_wait", "reply_h2d", "mirror_d2h", "write_consumed", "event_record")
         row["op_us_p50"] = {n: pct(a[:, k], 50) for k, n in enumerate(names)}
+        row["op_us_p50"]["write_and_wait"] = pct(a[:, 1] + a[:, 2], 50)
+        row["op_us_p50"]["round_total"] = pct(a.sum(1), 50)
+        if ops_b:
+            b = np.array(ops_b) * us
+            names = ("copy_in_d2h", "batch_write_wait", "reply_h2d", "mirror_d2h", "write_consumed", "event_record")
+            row["op_us_p50_batched"] = {n: pct(b[:, k], 50) for k, n in enumerate(names)}
+            row["op_us_p50_batched"]["round_total"] = pct(b.sum(1), 50)
     return row
 
 
@@ -252,7 +261,7 @@ def run_gpu_self(n_rounds: int, warmup: int, wait: str = "memop") -> list[dict]:
             for name, v in (("gpu-self", parked_ns), ("gpu-unparked", unparked_ns))]
 
 
-def run_gpu_self_round(n_rounds: int, warmup: int) -> dict:
+def run_gpu_self_round(n_rounds: int, warmup: int, pollers: int = 8) -> dict:
     """gpu-self for the round kernel: no proxy; the engine thread stores `released` itself ~20 µs after it
     saw `gathered`, and times until it sees `consumed` (the kernel stores it once it has read the reply)."""
     import torch
@@ -260,7 +269,8 @@ def run_gpu_self_round(n_rounds: int, warmup: int) -> dict:
     from draftrelay.handoff.cuda_stream import CudaStream
 
     region = Region.create(RegionConfig(4, 512, 8, 32000))
-    st = CudaStream(region, torch.cuda.Stream(), wait="kernel")
+    st = CudaStream(region, torch.cuda.Stream(), wait="kernel", pollers=pollers)
+    kernel = st.info.get("round_kernel")
     L = region.layout
     offs = tuple(L.word(w) for w in (W.GATHERED, W.RELEASED, W.CONSUMED))
     a_g, a_r, a_c = (region.addr(o) for o in offs)
@@ -288,7 +298,8 @@ def run_gpu_self_round(n_rounds: int, warmup: int) -> dict:
         region.close()
     us = 1e-3
     return {"backend": "cuda", "mode": "gpu-self", "proxy": "none", "calls": "ctypes", "wait": "kernel",
-            "path": "kernel", "rounds": len(lat), "release_to_resume_us_p50": pct(np.array(lat) * us, 50),
+            "path": f"kernel{pollers}", "round_kernel": kernel, "rounds": len(lat),
+            "release_to_resume_us_p50": pct(np.array(lat) * us, 50),
             "release_to_resume_us_p99": pct(np.array(lat) * us, 99),
             "release_to_resume_us_max": round(float(np.max(lat)) * us, 1)}
 
@@ -383,32 +394,31 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/handoff_cuda.json")
     ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-stream rows")
     args = ap.parse_args()
-    # (backend, mode, proxy, fast calls, wait, batched memops): "auto" is the default (the round kernel);
-    # the memop rows with batch=False are the previous build's round, side by side
-    plan = [("cuda", "round", "nap", True, "auto", True), ("cuda", "round", "spin", True, "auto", True),
-            ("cuda", "round-host", "nap", True, "auto", True),
-            ("cuda", "round", "nap", True, "memop", True), ("cuda", "round", "nap", True, "memop", False),
-            ("cuda", "round-host", "nap", True, "memop", True),
-            ("cuda", "bare", "nap", True, "memop", True), ("cuda", "bare", "spin", True, "memop", True),
-            ("cuda", "bare", "nap", True, "kernel", True),
-            ("cuda", "ops", "nap", True, "memop", True), ("cuda", "ops", "nap", True, "memop", False),
-            ("cuda", "round", "nap", False, "memop", False)]
+    # (backend, mode, proxy, fast calls, wait, batched memops, polling warps): "auto" is the default (the
+    # round kernel, 8 staggered polling warps); memop rows with batch=False are the previous build's round
+    plan = [("cuda", "round", "nap", True, "auto", True, 8), ("cuda", "round", "spin", True, "auto", True, 8),
+            ("cuda", "round", "nap", True, "auto", True, 1), ("cuda", "round", "spin", True, "auto", True, 1),
+            ("cuda", "round-host", "nap", True, "auto", True, 8),
+            ("cuda", "round", "nap", True, "memop", True, 8), ("cuda", "round", "nap", True, "memop", False, 8),
+            ("cuda", "bare", "nap", True, "memop", True, 8), ("cuda", "bare", "nap", True, "kernel", True, 8),
+            ("cuda", "ops", "nap", True, "memop", True, 8)]
     if not args.no_emulated:
-        plan += [("emulated", "round", "spin", True, "-", True), ("emulated", "round", "nap", True, "-", True)]
+        plan += [("emulated", "round", "spin", True, "-", True, 1), ("emulated", "round", "nap", True, "-", True, 1)]
     rows: list[dict] = []
     errors: list[dict] = []
-    for backend, mode, proxy, fast, wait, batch in plan:
-        print(f"[{backend} {mode} {proxy} fast={fast} wait={wait} batch={batch}] {args.rounds} rounds ...",
-              file=sys.stderr, flush=True)
+    for backend, mode, proxy, fast, wait, batch, pollers in plan:
+        print(f"[{backend} {mode} {proxy} fast={fast} wait={wait} batch={batch} pollers={pollers}] {args.rounds} "
+              "rounds ...", file=sys.stderr, flush=True)
         try:
-            rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast, wait, batch))
+            rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast, wait, batch, pollers))
         except Exception as exc:  # noqa: BLE001  one failed configuration must not lose the others
             print(f"  failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             errors.append({"backend": backend, "mode": mode, "proxy": proxy, "wait": wait, "batch": batch,
                            "error": str(exc)})
     extra = [("gpu-self memop", lambda: run_gpu_self(args.rounds, args.warmup, "memop")),
              ("gpu-self wait kernel", lambda: run_gpu_self(args.rounds, args.warmup, "kernel")),
-             ("gpu-self round kernel", lambda: [run_gpu_self_round(args.rounds, args.warmup)]),
+             ("gpu-self round kernel, 8 pollers", lambda: [run_gpu_self_round(args.rounds, args.warmup, 8)]),
+             ("gpu-self round kernel, 1 poller", lambda: [run_gpu_self_round(args.rounds, args.warmup, 1)]),
              ("pingpong", lambda: [run_pingpong(args.rounds, args.warmup)])]
     for name, fn in extra:
         print(f"[{name}] {args.rounds} rounds ...", file=sys.stderr, flush=True)
@@ -418,14 +428,14 @@ def main() -> int:
             print(f"  failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             errors.append({"mode": name, "error": f"{type(exc).__name__}: {exc}"})
     nan = float("nan")
-    print(f"{'backend':9}{'mode':11}{'proxy':6}{'calls':9}{'path':8}{'enqueue p50/p99 µs':>20}{'3 memops':>9}"
+    print(f"{'backend':9}{'mode':11}{'proxy':6}{'calls':9}{'path':9}{'enqueue p50/p99 µs':>20}{'3 memops':>9}"
           f"{'release->ack p50/p99 µs':>25}{'->done p50':>11}{'pickup p50':>11}{'round µs':>9}{'proxy CPU':>10}")
     for x in rows:
         if x["mode"] == "pingpong":
             print(f"pingpong (host store -> resident kernel -> host sees its store): round trip p50 "
                   f"{x['round_trip_us_p50']:.2f} µs, p99 {x['round_trip_us_p99']:.2f} µs")
             continue
-        print(f"{x['backend']:9}{x['mode']:11}{x['proxy']:6}{x['calls']:9}{x.get('path', '-'):8}"
+        print(f"{x['backend']:9}{x['mode'][:10]:11}{x['proxy']:6}{x['calls']:9}{x.get('path', '-'):9}"
               f"{x.get('enqueue_us_p50') or nan:10.1f} / {x.get('enqueue_us_p99') or nan:<7.1f}"
               f"{x.get('three_memops_us_p50') or nan:9.1f}"
               f"{x['release_to_resume_us_p50']:11.1f} / {x['release_to_resume_us_p99']:<11.1f}"
@@ -442,8 +452,9 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
     for x in rows:
-        if "op_us_p50" in x:
-            print("per-op enqueue p50 µs:", json.dumps(x["op_us_p50"]))
+        for k in ("op_us_p50", "op_us_p50_batched"):
+            if k in x:
+                print(f"per-op enqueue p50 µs ({k}):", json.dumps(x[k]))
     print(f"wrote {args.out}")
     return 0
 

@@ -75,8 +75,10 @@ def cfg(**kw):
 
     from draftrelay.handoff.rounds import HandoffConfig
 
+    # loss_fires raised as in tests/test_handoff.py: the soak and the late-proxy probe stall the proxy on
+    # purpose to test the hand-off; the loss rule (3 fires, no round finished) would replace the proxy
     base = dict(vocab_size=VOCAB, max_requests=4, max_tokens=256, max_drafts=8, deadline_ms=20.0,
-                selftest_rounds=4, backend="cuda", cuda_stream=torch.cuda.Stream())
+                selftest_rounds=4, backend="cuda", cuda_stream=torch.cuda.Stream(), loss_fires=10**6)
     base.update(kw)
     return HandoffConfig(**base)
 
