@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
         def on_fatal(msg: str) -> None:
             fatal.append(msg)
-            server._stopping.set()
+            threading.Timer(0.3, server._stopping.set).start()  # the failing STEP's INTERNAL reply goes out first
 
         drafter.on_fatal = on_fatal
     host, port = server.start()

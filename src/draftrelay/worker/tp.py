@@ -40,6 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from draftrelay.model import ModelConfig, Transformer, apply_rope, rope_inv_freq
+
+try:  # the one-card model's attention (explicit product for few query rows, SDPA otherwise)
+    from draftrelay.model import attend
+except ImportError:  # a model.py from before attend(): SDPA everywhere, as it did then
+    def attend(qg, keys, vals, mask):
+        return F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
 from draftrelay.p2p import EmulatedGroup, P2PError, P2PGroup
 from draftrelay.p2p.collectives import MAX_RANKS
 from draftrelay.worker.core import StepFailed
@@ -326,7 +332,7 @@ class TPDrafter(Drafter):
             keys = ck[rows, :kv_len].transpose(1, 2).to(q.dtype)
             vals = cv[rows, :kv_len].transpose(1, 2).to(q.dtype)
             qg = q.transpose(1, 2).reshape(B, hk, rep * T, hd)
-            o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
+            o = attend(qg, keys, vals, mask)
             o = o.reshape(B, hq, T, hd).transpose(1, 2).reshape(B, T, hq * hd)
             red = g.all_reduce(r, self._partial(o, w.wo))
             yield
