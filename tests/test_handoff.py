@@ -215,6 +215,20 @@ def test_refusal_paths_leave_nothing_behind(case, monkeypatch, tmp_path):
     assert fd_count() == fds and memfd_maps() == maps and children() <= kids
 
 
+def test_ctrl_c_during_start_cleans_up_and_stays_ctrl_c(monkeypatch):
+    """A KeyboardInterrupt while the proxy is up (in the self-test) is not turned into a refusal: it
+    propagates as itself, after the proxy, region and watchdog are gone."""
+    fds, maps, kids = fd_count(), memfd_maps(), children()
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AsyncRounds, "_selftest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        open_rounds(cfg())
+    assert fd_count() == fds and memfd_maps() == maps and children() <= kids
+
+
 def test_refusal_reasons_name_the_cause(monkeypatch):
     monkeypatch.setattr(rounds_mod.sys, "executable", "/bin/false")
     r = open_rounds(cfg())

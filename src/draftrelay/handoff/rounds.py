@@ -555,7 +555,9 @@ def open_rounds(cfg: HandoffConfig) -> AsyncRounds | SyncRounds:
             raise
         except Exception as close_exc:  # keep the first reason; report the cleanup failure too
             reason += f" (cleanup: {close_exc})"
-        if cfg.strict or not isinstance(exc, Exception):
+        if not isinstance(exc, Exception):  # Ctrl-C, SystemExit: cleaned up above, then what it was
+            raise
+        if cfg.strict:
             if isinstance(exc, AsyncRefused):
                 raise
             raise AsyncRefused(reason) from exc

@@ -140,6 +140,26 @@ class LlamaDrafter(Drafter):
                      f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}")
 
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.model.device.type != "cuda":
+            return self._run(jobs, n_steps)
+        # the server calls from its own threads, whose current CUDA device is GPU 0 whatever the
+        # model's: side streams, pools and captures must be made on the model's GPU (a capture on
+        # another device's stream records an EMPTY graph, whose replays leave stale drafts behind)
+        with self.torch.cuda.device(self.model.device):
+            return self._run(jobs, n_steps)
+
+    def warm(self, n_steps_list: list[int], max_batch: int) -> int:
+        """Build (capture) the static steps of every (requests <= max_batch, T bucket, n_steps, kv bucket)
+        a steady state with n_out = n_steps can use (a round sends at most n_steps + 1 tokens), so the
+        first rounds of a session do not pay for captures. Returns how many were built."""
+        if self.mode == "eager":
+            return 0
+        if self.model.device.type != "cuda":
+            return self._warm(n_steps_list, max_batch)
+        with self.torch.cuda.device(self.model.device):
+            return self._warm(n_steps_list, max_batch)
+
+    def _run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         if self.mode != "eager" and jobs and n_steps >= 1 and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
             key_count = len(self._static)
             try:
@@ -257,12 +277,7 @@ class LlamaDrafter(Drafter):
         self._static[key] = g
         return g
 
-    def warm(self, n_steps_list: list[int], max_batch: int) -> int:
-        """Build (capture) the static steps of every (requests <= max_batch, T bucket, n_steps, kv bucket)
-        a steady state with n_out = n_steps can use (a round sends at most n_steps + 1 tokens), so the
-        first rounds of a session do not pay for captures. Returns how many were built."""
-        if self.mode == "eager":
-            return 0
+    def _warm(self, n_steps_list: list[int], max_batch: int) -> int:
         before = len(self._static)
         kvs = sorted({self._kv_bucket(n) for n in [256 * 2**i for i in range(20)] if n <= 2 * self.cache.max_len})
         for n in n_steps_list:
