@@ -9,8 +9,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 TOTAL=${1:-540}
-WORKLOADS=${WORKLOADS:-128k,32k:graphs,short:graphs,short:ring,32k-conc3:graphs}
+WORKLOADS=${WORKLOADS:-128k:graphs,32k:graphs,short:graphs,short:ring,32k-conc3:graphs,128k}
 WORKLOADS_2GPU=${WORKLOADS_2GPU:-short:graphs,32k:graphs}
+STEPS=${STEPS:-24}
 t0=$(date +%s)
 stamp() { echo "[engine_gpu_run +$(( $(date +%s) - t0 ))s] $*"; }
 left() { echo $(( TOTAL - ($(date +%s) - t0) - 5 )); }
@@ -26,26 +27,25 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 stamp "GPU probes"
 if python3 -c "import pytest" 2>/dev/null; then
-  timeout 120 python3 -m pytest -q -x -s tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 90 python3 -m pytest -q -x -s tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 else
-  timeout 120 python3 tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 90 python3 tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 
-stamp "drafter STEP round trip alone (worker graph mode, 0.5B shape)"
-timeout 90 python3 benchmarks/wire_step.py --model random:qwen2.5-0.5b --device cuda --modes graph \
-  --requests 1,3 --n-out 4 --rounds 150 --budget-s 60 --out "$OUT/wire_step_gpu.json" 2>&1 | tail -8
+stamp "worker drafter: graph == eager, run() time per mode, on each GPU"
+timeout 120 python3 tests_gpu/worker_graph_probe.py --rounds 40 --out "$OUT" 2>&1 | tee "$OUT/worker_probe.log" | tail -6
 
 if [ "$NGPU" -ge 2 ]; then
   L=$(( $(left) / 3 ))
   stamp "workload table, target GPU 0, worker GPU 1 (${L}s)"
-  timeout "$L" python3 benchmarks/engine_workloads.py --time-budget-s $(( L - 60 )) --prefill-chunk 2048 \
-    --warmup 3 --steps 24 --workloads "$WORKLOADS_2GPU" --worker-device cuda:1 \
+  timeout "$L" python3 benchmarks/engine_workloads.py --time-budget-s $(( L / 2 )) --prefill-chunk 2048 \
+    --warmup 3 --steps "$STEPS" --workloads "$WORKLOADS_2GPU" --worker-device cuda:1 \
     --out "$OUT/engine_workloads_2gpu.json" 2>&1 | tee "$OUT/bench_2gpu.log" | grep -v "^\s*$" | tail -12
 fi
 
 L=$(left)
-stamp "workload table, one GPU (${L}s left; no new workload after $(( L - 150 ))s)"
-timeout "$L" python3 benchmarks/engine_workloads.py --time-budget-s $(( L - 150 )) --prefill-chunk 2048 \
-  --warmup 3 --steps 24 --workloads "$WORKLOADS" \
+stamp "workload table, one GPU (${L}s left; no new workload after $(( L * 6 / 10 ))s)"
+timeout "$L" python3 benchmarks/engine_workloads.py --time-budget-s $(( L * 6 / 10 )) --prefill-chunk 2048 \
+  --warmup 3 --steps "$STEPS" --workloads "$WORKLOADS" \
   --out "$OUT/engine_workloads.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -25
 stamp "done"
