@@ -73,9 +73,7 @@ def replay_fn(drafter, key):
     st = drafter._static[key]
 
     def many():
-        for r, gr in enumerate(st.graphs):
-            with drafter._ctx(r):
-                gr.replay()
+        drafter._replay(st, range(len(st.graphs)), copy_inputs=False)
         for s in drafter.streams:
             s.synchronize()
     return many
@@ -93,7 +91,7 @@ def time_point(drafters: dict, B: int, n_out: int, iters: int, rng) -> dict:
         if isinstance(d, LlamaDrafter):
             assert d._static[key].graph is not None, f"{name}: no graph for {key}"
         else:
-            assert d._static[key].graphs, f"{name}: no graph for {key}"
+            assert d._static[key].graphs, f"{name}: no graph for {key} (settle log {d.settle_log[-3:]})"
     # interleave the drafters: drift of the machine hits all of them alike
     rep = {n: replay_fn(d, key) for n, d in drafters.items()}
     t_rep = {n: [] for n in drafters}
@@ -180,6 +178,8 @@ def run_shape(shape: str, args, rng, deadline: float) -> dict:
                   f"{p['pair']['run_p50_ms']:.3f} ({p['pair_over_one_card_run']:.2f}x) | drafts equal "
                   f"{p['pair_drafts_equal_one_card']}", flush=True)
             save_partial(res)
+    res["settle_log"] = pair.settle_log[:8]
+    res["replay_threads"] = pair._pool_threads is not None
     m_graphs = mem(devs)
     res["memory"] = {
         "note": "torch.cuda.memory_allocated deltas per card (weights + KV rows; then + graph pools of all "

@@ -145,10 +145,11 @@ def graph_equals_eager(model, shape: str, rounds: int) -> dict:
             assert same_bits(a[0], b[0]) and same_bits(a[1], b[1]), f"round {k} n_out {n}: {a} vs {b}"
             jobs = [Job(j.row, j.keep, j.tokens) for j in jobs]  # the same frame again (rewind)
     graphs = sum(len(st.graphs) for st in g._static.values())
+    settle = {"settle_log": g.settle_log[:6], "replay_threads": g._pool_threads is not None}
     g.close()
     e.close()
     assert graphs > 0 or ARGS.cpu_dry_run, "no graph was captured"
-    return {"rounds": rounds, "n_out": [4, 5], "graphs": graphs}
+    return {"rounds": rounds, "n_out": [4, 5], "graphs": graphs, **settle}
 
 
 def bf16_ulp(x: float) -> float:
@@ -205,7 +206,8 @@ def parity_vs_one_card(model, shape: str, rounds: int) -> dict:
     out = {"requests": n_req, "rounds": rounds, "request_rounds": total, "n_out": n_out,
            "agreement_rate": agree / total, "position_agreement": (pos_agree / total).round(4).tolist(),
            "first_mismatches": len(mismatches), "near_ties": near, "not_near_ties": other,
-           "mismatch_details": details[:60]}
+           "mismatch_details": details[:60], "replay_threads": two._pool_threads is not None,
+           "settle_log": two.settle_log[:3]}
     assert total >= 400, total
     assert other == 0, f"{other} mismatches are not numeric near-ties: {[d for d in details if not d['near_tie']][:3]}"
     return out

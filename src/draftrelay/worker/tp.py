@@ -32,7 +32,9 @@ produced the same tokens.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -281,6 +283,8 @@ class TPDrafter(Drafter):
         self.f32_partials = self.dtype == torch.float32 or (cuda and _mm_f32_out_works(self.shards[0].device))
         self._static: dict[tuple, _Static] = {}
         self._pools: list = []
+        self._pool_threads: ThreadPoolExecutor | None = None
+        self.settle_log: list[dict] = []
         self.max_failures, self.failures_in_a_row, self.failed_steps = max_failures, 0, 0
         self.on_fatal: Callable[[str], None] | None = None
         self.fail_token = fail_token  # tests: a step whose jobs hold this token skips the last rank
@@ -437,8 +441,47 @@ class TPDrafter(Drafter):
                     st.graphs = []
                     self.mode = "static"
                     self.info = self.info.replace(", graph", ", static (graph capture failed)")
+                if st.graphs and len(self.shards) > 1:
+                    self._settle(st)
         self._static[key] = st
         return st
+
+    def _replay(self, st: _Static, ranks, copy_inputs: bool) -> list[float]:
+        """Launch the ranks' graphs (host seconds per launch). Sequential, or one host thread per rank
+        when a launch was seen to block the host (a peer launched after it would then start too late)."""
+        def one(r: int) -> float:
+            with self._ctx(r):
+                t0 = time.perf_counter()
+                if copy_inputs:
+                    st.inbuf[r].copy_(st.host, non_blocking=True)
+                st.graphs[r].replay()
+                return time.perf_counter() - t0
+
+        if self._pool_threads is None:
+            return [one(r) for r in ranks]
+        return list(self._pool_threads.map(one, ranks))
+
+    def _settle(self, st: _Static) -> None:
+        """The first replay of fresh graphs (on the scratch inputs of the capture). If it fails (a launch
+        so slow that the peer's collective timed out), retry with per-rank launch threads, then give up
+        on graphs (static lockstep). The log says what happened (docs/TP2.md)."""
+        for attempt in range(2):
+            t = self._replay(st, range(len(self.shards)), copy_inputs=False)
+            for s in self.streams:
+                s.synchronize()
+            errs = self.group.errors()
+            self.settle_log.append({"key": list(st.key), "threads": self._pool_threads is not None,
+                                    "launch_s": [round(x, 6) for x in t], "errors": errs})
+            if not any(errs):
+                return
+            log.warning("tp%d: first replay of %s failed (%s, launches %s s)", self.world, st.key, errs, t)
+            self._recover([])
+            if self._pool_threads is None and attempt == 0:
+                self._pool_threads = ThreadPoolExecutor(len(self.shards), thread_name_prefix="tp-replay")
+        log.error("tp%d: graphs of %s do not replay; the drafter falls back to static mode", self.world, st.key)
+        st.graphs = []
+        self.mode = "static"
+        self.info = self.info.replace(", graph", ", static (graph replay failed)")
 
     def _scratch_inputs(self, key) -> torch.Tensor:
         B, T = key[:2]
@@ -546,10 +589,7 @@ class TPDrafter(Drafter):
             host[B * T + 2 * B + b] = len(j.tokens) - 1
         if st.graphs:
             ranks = range(len(self.shards) - 1 if self.skip_last_rank_once else len(self.shards))
-            for r in ranks:
-                with self._ctx(r):
-                    st.inbuf[r].copy_(st.host, non_blocking=True)
-                    st.graphs[r].replay()
+            self._replay(st, ranks, copy_inputs=True)
         else:
             for r in range(len(self.shards)):
                 with self._ctx(r):
@@ -607,6 +647,8 @@ class TPDrafter(Drafter):
     def close(self) -> None:
         self._static.clear()
         self.group.close()
+        if self._pool_threads is not None:
+            self._pool_threads.shutdown()
 
 
 class _Null:
