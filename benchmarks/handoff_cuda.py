@@ -1,21 +1,27 @@
 """Hand-off micro-benchmark on a real CUDA stream (needs a GPU, torch and cuda-bindings).
 
-For a spinning and a napping proxy process, over --rounds rounds each (after a warm-up), serially:
-  - enqueue: the engine thread's cost of one round. `round`: AsyncRounds.submit with the gathered rows
-    already on the device (D2H into staging, write gathered, wait released, H2D reply + D2H mirror, write
-    consumed, event record). `bare`: the same without the reply copies, and the three memops alone
-    (write, wait, write: the figure the issue compares with 9.6 µs).
-  - release -> resume: the proxy's CLOCK_MONOTONIC just before it stores `released` to the engine
-    thread seeing the word the GPU writes after the wait (`consumed`), spinning natively on it. In
-    `round` mode the GPU copies the reply in (H2D) and out to the pinned mirror (D2H) before writing
-    `consumed`; in `bare` mode nothing sits between the wait and that write.
+Rows, each over --rounds rounds after a warm-up, with a spinning or a napping (spin 50 µs, nap 20 µs)
+proxy process answering every round; `path` says how the round was enqueued: `kernel` (the round
+kernel, the default), `batched` (memops, write + wait in one cuStreamBatchMemOp), `memops` (the previous
+build: separate calls):
+  - enqueue: the engine thread's cost of one round. `round`: AsyncRounds.submit with the rows already on
+    the device; `round-host`: submit(requests), the engine's own path (packed on the host, staged from a
+    pinned bounce); `bare`: write, wait, write on the single ops (`three memops`); `ops`: the memop
+    round one call at a time, even rounds batched and odd rounds not (per-call p50s side by side).
+  - release -> ack: the proxy's CLOCK_MONOTONIC just before it stores `released` (two ctypes calls before
+    the store itself) to the engine thread seeing `consumed`, spinning natively on it. The round kernel
+    stores `consumed` once it has read the reply, so this includes one bus round trip for the reply and
+    the ack leg (GPU store -> host sees it); memop rounds store it after the H2D + mirror copies; `bare`
+    rows right after the wait.
+  - release -> done: to the round's event completing (cuEventQuery polled): reply in the device buffer
+    and in the host mirror, the next kernel on the stream may start.
   - pickup: engine thread sees `gathered` -> proxy's release (the proxy's wait + the built-in round)
   - the proxy process's CPU use over the run
-Also, side by side: the same rows with the driver bindings' own entry points (`calls=bindings`) instead
-of the ctypes fast path, the GPU's own release -> resume with no proxy process at all (`gpu-self`: the
-engine thread stores `released` itself once the stream is parked, and as a floor, the same ops with
-`released` already set: `gpu-unparked`, the time between the two GPU writes as the host sees them), and
-the emulated stream running the same `round` loop.
+Then, with no proxy process at all: `gpu-self` (the engine thread stores `released` itself ~20 µs after
+the stream parked: the GPU's own wake-up; memop wait, polling wait kernel, round kernel) and
+`gpu-unparked` (the same ops with `released` set beforehand: the floor between two stream writes), and
+`pingpong`: a resident one-warp kernel answering each host store with its own store (the bus round
+trip; half of it estimates one leg, e.g. the ack leg inside release -> ack).
 
     python benchmarks/handoff_cuda.py [--rounds 20000] [--out benchmarks/results/handoff_cuda.json]
 """
@@ -47,7 +53,7 @@ def pct(a, q: float) -> float | None:
 
 
 def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: bool = True,
-        wait: str = "memop", batch: bool = True, pollers: int = 8) -> dict:
+        wait: str = "memop", batch: bool = True) -> dict:
     import torch
 
     spin_us, nap_us = PROXY[proxy]
@@ -64,7 +70,7 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
         from draftrelay.handoff.cuda_stream import CudaStream
 
         rounds_mod.make_stream = lambda c, region: CudaStream(region, c.cuda_stream, fast=fast, wait=wait,
-                                                              batch=batch, pollers=pollers)
+                                                              batch=batch)
     try:
         r = open_rounds(cfg)
     finally:
@@ -183,8 +189,6 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     finally:
         r.close()
     us = 1e-3
-    if path == "kernel":  # which round kernel: the staggered polling warps or the one poller
-        path = f"kernel{pollers}" if info.get("round_kernel", "").startswith("draftrelay_round_mp") else "kernel1"
     row = {"backend": backend, "mode": mode, "proxy": proxy, "calls": calls, "wait": wait if backend == "cuda" else "-",
            "path": path, "round_kernel": info.get("round_kernel"),
            "spin_us": spin_us, "nap_us": nap_us,
@@ -261,7 +265,7 @@ def run_gpu_self(n_rounds: int, warmup: int, wait: str = "memop") -> list[dict]:
             for name, v in (("gpu-self", parked_ns), ("gpu-unparked", unparked_ns))]
 
 
-def run_gpu_self_round(n_rounds: int, warmup: int, pollers: int = 8) -> dict:
+def run_gpu_self_round(n_rounds: int, warmup: int) -> dict:
     """gpu-self for the round kernel: no proxy; the engine thread stores `released` itself ~20 µs after it
     saw `gathered`, and times until it sees `consumed` (the kernel stores it once it has read the reply)."""
     import torch
@@ -269,7 +273,7 @@ def run_gpu_self_round(n_rounds: int, warmup: int, pollers: int = 8) -> dict:
     from draftrelay.handoff.cuda_stream import CudaStream
 
     region = Region.create(RegionConfig(4, 512, 8, 32000))
-    st = CudaStream(region, torch.cuda.Stream(), wait="kernel", pollers=pollers)
+    st = CudaStream(region, torch.cuda.Stream(), wait="kernel")
     kernel = st.info.get("round_kernel")
     L = region.layout
     offs = tuple(L.word(w) for w in (W.GATHERED, W.RELEASED, W.CONSUMED))
@@ -298,7 +302,7 @@ def run_gpu_self_round(n_rounds: int, warmup: int, pollers: int = 8) -> dict:
         region.close()
     us = 1e-3
     return {"backend": "cuda", "mode": "gpu-self", "proxy": "none", "calls": "ctypes", "wait": "kernel",
-            "path": f"kernel{pollers}", "round_kernel": kernel, "rounds": len(lat),
+            "path": "kernel", "round_kernel": kernel, "rounds": len(lat),
             "release_to_resume_us_p50": pct(np.array(lat) * us, 50),
             "release_to_resume_us_p99": pct(np.array(lat) * us, 99),
             "release_to_resume_us_max": round(float(np.max(lat)) * us, 1)}
@@ -394,31 +398,31 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/handoff_cuda.json")
     ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-stream rows")
     args = ap.parse_args()
-    # (backend, mode, proxy, fast calls, wait, batched memops, polling warps): "auto" is the default (the
-    # round kernel, 8 staggered polling warps); memop rows with batch=False are the previous build's round
-    plan = [("cuda", "round", "nap", True, "auto", True, 8), ("cuda", "round", "spin", True, "auto", True, 8),
-            ("cuda", "round", "nap", True, "auto", True, 1), ("cuda", "round", "spin", True, "auto", True, 1),
-            ("cuda", "round-host", "nap", True, "auto", True, 8),
-            ("cuda", "round", "nap", True, "memop", True, 8), ("cuda", "round", "nap", True, "memop", False, 8),
-            ("cuda", "bare", "nap", True, "memop", True, 8), ("cuda", "bare", "nap", True, "kernel", True, 8),
-            ("cuda", "ops", "nap", True, "memop", True, 8)]
+    # (backend, mode, proxy, fast calls, wait, batched memops): "auto" is the default (the round kernel);
+    # the memop row with batch=False is the previous build's round, side by side
+    plan = [("cuda", "round", "nap", True, "auto", True), ("cuda", "round", "spin", True, "auto", True),
+            ("cuda", "round-host", "nap", True, "auto", True),
+            ("cuda", "round", "nap", True, "memop", True), ("cuda", "round", "nap", True, "memop", False),
+            ("cuda", "round-host", "nap", True, "memop", True),
+            ("cuda", "bare", "nap", True, "memop", True), ("cuda", "bare", "spin", True, "memop", True),
+            ("cuda", "bare", "nap", True, "kernel", True),
+            ("cuda", "ops", "nap", True, "memop", True), ("cuda", "round", "nap", False, "memop", False)]
     if not args.no_emulated:
-        plan += [("emulated", "round", "spin", True, "-", True, 1), ("emulated", "round", "nap", True, "-", True, 1)]
+        plan += [("emulated", "round", "spin", True, "-", True), ("emulated", "round", "nap", True, "-", True)]
     rows: list[dict] = []
     errors: list[dict] = []
-    for backend, mode, proxy, fast, wait, batch, pollers in plan:
-        print(f"[{backend} {mode} {proxy} fast={fast} wait={wait} batch={batch} pollers={pollers}] {args.rounds} "
-              "rounds ...", file=sys.stderr, flush=True)
+    for backend, mode, proxy, fast, wait, batch in plan:
+        print(f"[{backend} {mode} {proxy} fast={fast} wait={wait} batch={batch}] {args.rounds} rounds ...",
+              file=sys.stderr, flush=True)
         try:
-            rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast, wait, batch, pollers))
+            rows.append(run(backend, mode, proxy, args.rounds, args.warmup, fast, wait, batch))
         except Exception as exc:  # noqa: BLE001  one failed configuration must not lose the others
             print(f"  failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             errors.append({"backend": backend, "mode": mode, "proxy": proxy, "wait": wait, "batch": batch,
                            "error": str(exc)})
     extra = [("gpu-self memop", lambda: run_gpu_self(args.rounds, args.warmup, "memop")),
              ("gpu-self wait kernel", lambda: run_gpu_self(args.rounds, args.warmup, "kernel")),
-             ("gpu-self round kernel, 8 pollers", lambda: [run_gpu_self_round(args.rounds, args.warmup, 8)]),
-             ("gpu-self round kernel, 1 poller", lambda: [run_gpu_self_round(args.rounds, args.warmup, 1)]),
+             ("gpu-self round kernel", lambda: [run_gpu_self_round(args.rounds, args.warmup)]),
              ("pingpong", lambda: [run_pingpong(args.rounds, args.warmup)])]
     for name, fn in extra:
         print(f"[{name}] {args.rounds} rounds ...", file=sys.stderr, flush=True)

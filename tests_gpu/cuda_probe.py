@@ -1,7 +1,7 @@
 """GPU probes of the CUDA stream backend (issue 3), one command, JSON out. Needs a CUDA GPU, torch and
 cuda-bindings; never collected by CI.
 
-    python tests_gpu/cuda_probe.py --out DIR [--steps env,refusal,lazy,soak,late,graph]
+    python tests_gpu/cuda_probe.py --out DIR [--steps env,refusal,lazy,lazy_round,soak,late,graph,...]
 
 Each step runs in its own Python process under a timeout (a fresh process is also a fresh CUDA module
 state, which the lazy-loading step needs), writes DIR/probe_<step>.json, and the parent prints a table
@@ -15,10 +15,14 @@ and writes DIR/cuda_probe.json. Steps:
            while its stream is parked: with a CUDA-calling in-process proxy (hangs; a CUDA-free timer
            process releases the flag after a bound so the probe ends) vs the CUDA-free proxy process
            (30 of 30 rounds exact); plus controls
+  lazy_round  lazy's main case (30 parked rounds, a fresh module each) on the default round path
   soak     10,000 faulted rounds through the real proxy process on the CUDA stream: 0 wrong drafts
   late     the late proxy at every stall point: 12 of 12 stalled rounds exact each
-  graph    a CUDA graph containing the D2H, write and wait nodes replays correctly (host reset between
-           replays; and with the memop node values updated in the executable graph per replay)
+  graph    CUDA graphs: (a) D2H, write and wait nodes, host reset between replays; (b) the same with the
+           memop node values updated in the executable graph per replay; (c) the round kernel taking t
+           from the device counter: one graph replayed as 20 consecutive rounds, no update, no reset
+  soak_memop, late_memop  soak and late on the memop path (DRAFTRELAY_CUDA_WAIT=memop); soak and late
+           run the default (the round kernel where it is available)
 """
 
 from __future__ import annotations

@@ -140,8 +140,6 @@ struct RoundArgs {
     u32 tok_off;                      // staging offset of the tokens: stage only the used part; 0 = all
     u32 t;                            // the round; 0 = *counter + 1 (graph replays)
     u32 stamp;                        // 1: write t into the descriptor's round field
-    u32 pollers;                      // draftrelay_round_mp: warps polling `released` (1..blockDim/32)
-    u32 pad;
 };
 
 __device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
@@ -225,70 +223,6 @@ extern "C" __global__ void __launch_bounds__(256) draftrelay_round(const RoundAr
         *a.counter = t;
     }
 }
-
-// The same round, with `pollers` warps polling `released`, their bus round trips spread over one round
-// trip (a poll sees the release on average half a round trip after it lands, plus the way back: several
-// staggered pollers cut the first part). The first warp to see it wins the reply copy (a warp's worth of
-// 16-byte loads in flight, then the stores) and stores `consumed`; the others just exit. Every lane of a
-// polling warp makes the acquire load itself (one bus request per warp), so each lane's reply loads are
-// ordered after its own acquire.
-extern "C" __global__ void __launch_bounds__(256) draftrelay_round_mp(const RoundArgs a) {
-    __shared__ u32 won;
-    const u32 t = a.t ? a.t : *(volatile u32*)a.counter + 1u;
-    const u32 s = t & 1u;
-    unsigned char* stg = s ? a.staging[1] : a.staging[0];
-    if (threadIdx.x == 0) won = 0;
-    u64 n = a.nbytes;
-    if (a.tok_off && n >= 16ull) {
-        const u64 used = (u64)a.tok_off + 4ull * ld_relaxed_sys(a.src + 8);
-        if (used < n) n = used;
-    }
-    copy_block(stg, a.src, n);
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (a.stamp) *(volatile u32*)stg = t;
-        __threadfence_system();
-        st_release_sys(a.gathered, t);
-    }
-    __syncthreads();
-    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31u;
-    if (warp >= a.pollers) return;
-    if (warp) __nanosleep(warp * 160u);  // de-phase the pollers
-    for (;;) {
-        const u32 v = ld_acquire_sys(a.released);
-        if (__all_sync(0xffffffffu, (int)(v - t) >= 0)) break;
-        if (*(volatile u32*)&won) return;  // another warp saw the release first
-    }
-    u32 mine = 0;
-    if (lane == 0) mine = atomicCAS(&won, 0u, 1u) == 0u;
-    if (!__shfl_sync(0xffffffffu, mine, 0)) return;
-    const unsigned char* rep = s ? a.reply[1] : a.reply[0];
-    unsigned char* dev = s ? a.dev[1] : a.dev[0];
-    unsigned char* mir = s ? a.mirror[1] : a.mirror[0];
-    const u32 nv = a.reply_bytes / 16u;
-    for (u32 i0 = 0; i0 < nv; i0 += 128u) {
-        uint4 v[4];
-#pragma unroll
-        for (u32 k = 0; k < 4; ++k) {
-            const u32 i = i0 + 32u * k + lane;
-            if (i < nv) v[k] = ld16(rep + 16u * i);
-        }
-#pragma unroll
-        for (u32 k = 0; k < 4; ++k) {
-            const u32 i = i0 + 32u * k + lane;
-            if (i < nv) {
-                *(uint4*)(dev + 16u * i) = v[k];
-                *(uint4*)(mir + 16u * i) = v[k];
-            }
-        }
-    }
-    __syncwarp();  // every lane's reply loads have returned
-    if (lane == 0) {
-        st_relaxed_sys(a.consumed, t);
-        *a.counter = t;
-    }
-}
 """
 
 _CUBINS: dict = {}  # (source, arch) -> cubin: NVRTC runs once per process, not once per stream
@@ -329,8 +263,7 @@ class _RoundArgs(ctypes.Structure):
                 ("reply", ctypes.c_uint64 * 2), ("dev", ctypes.c_uint64 * 2), ("mirror", ctypes.c_uint64 * 2),
                 ("gathered", ctypes.c_uint64), ("released", ctypes.c_uint64), ("consumed", ctypes.c_uint64),
                 ("counter", ctypes.c_uint64), ("reply_bytes", ctypes.c_uint32), ("tok_off", ctypes.c_uint32),
-                ("t", ctypes.c_uint32), ("stamp", ctypes.c_uint32), ("pollers", ctypes.c_uint32),
-                ("pad", ctypes.c_uint32)]
+                ("t", ctypes.c_uint32), ("stamp", ctypes.c_uint32)]
 
 
 # cuStreamBatchMemOp's parameter: a 48-byte union per op; for WRITE_VALUE_32 / WAIT_VALUE_32 the
@@ -417,11 +350,8 @@ class CudaStream(StreamOps):
     name = "cuda"
 
     def __init__(self, region: Region, stream: Any = None, *, drain_timeout_s: float = 5.0,
-                 fast: bool = True, wait: str | None = None, batch: bool = True, pollers: int = 8) -> None:
+                 fast: bool = True, wait: str | None = None, batch: bool = True) -> None:
         super().__init__(region)
-        if not 1 <= pollers <= _ROUND_THREADS // 32:
-            raise ValueError(f"CudaStream pollers={pollers}: expected 1..{_ROUND_THREADS // 32}")
-        self.pollers = pollers
         self.drain_timeout_s = drain_timeout_s
         self.fast = fast
         self.wait_mode = wait or os.environ.get("DRAFTRELAY_CUDA_WAIT", "auto")
@@ -728,28 +658,12 @@ class CudaStream(StreamOps):
         self._args_kp = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         self._args_kp_ptr = ctypes.addressof(self._args_kp)
         self._round_words = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
-        # several staggered polling warps (draftrelay_round_mp) unless pollers=1; the one-poller kernel
-        # is the fallback if that variant fails its check
-        plan = ([("draftrelay_round_mp", self.pollers)] if self.pollers > 1 else []) + [("draftrelay_round", 1)]
-        failed = []
-        for name, pollers in plan:
-            fn = int(self._call("cuModuleGetFunction", drv.cuModuleGetFunction(mod, name.encode())))
-            try:
-                self._check_round_kernel(fn, pollers)
-            except StreamStuck:
-                raise
-            except Exception as exc:
-                failed.append(f"{name}: {exc}")
-                continue
-            a.pollers = pollers
-            self._round_fn = fn
-            self.info["round_kernel"] = f"{name}, {pollers} polling warp{'s' if pollers > 1 else ''}"
-            if failed:
-                self.info["round_kernel_failed"] = failed
-            return
-        raise RuntimeError("; ".join(failed))
+        fn = int(self._call("cuModuleGetFunction", drv.cuModuleGetFunction(mod, b"draftrelay_round")))
+        self._check_round_kernel(fn)
+        self._round_fn = fn
+        self.info["round_kernel"] = "draftrelay_round"
 
-    def _check_round_kernel(self, fn: int, pollers: int) -> None:
+    def _check_round_kernel(self, fn: int) -> None:
         torch, drv = self._torch, self._drv
         scratch = mmap.mmap(-1, 2 * _PAGE)
         u8 = np.frombuffer(scratch, dtype=np.uint8)
@@ -773,7 +687,7 @@ class CudaStream(StreamOps):
             a.dev[0], a.dev[1] = bufs[0].dev_ptr, bufs[1].dev_ptr
             a.mirror[0], a.mirror[1] = bufs[0].mirror_dptr, bufs[1].mirror_dptr
             a.gathered, a.released, a.consumed, a.counter = base, base + 64, base + 128, self._counter.data_ptr()
-            a.reply_bytes, a.tok_off, a.stamp, a.pollers = nrep, 0, 1, pollers
+            a.reply_bytes, a.tok_off, a.stamp = nrep, 0, 1
             kp = (ctypes.c_void_p * 1)(ctypes.addressof(a))
 
             def launch(t: int, given: bool) -> Event:
