@@ -283,7 +283,8 @@ class TPDrafter(Drafter):
         self.f32_partials = self.dtype == torch.float32 or (cuda and _mm_f32_out_works(self.shards[0].device))
         self._static: dict[tuple, _Static] = {}
         self._pools: list = []
-        self._pool_threads: ThreadPoolExecutor | None = None
+        self._pool_threads = (ThreadPoolExecutor(world - 1, thread_name_prefix="tp-launch")
+                              if tp_mode == "pair" and mode == "graph" else None)
         self.settle_log: list[dict] = []
         self.max_failures, self.failures_in_a_row, self.failed_steps = max_failures, 0, 0
         self.on_fatal: Callable[[str], None] | None = None
@@ -447,10 +448,12 @@ class TPDrafter(Drafter):
         return st
 
     def _replay(self, st: _Static, ranks, copy_inputs: bool) -> list[float]:
-        """Launch the ranks' graphs (host seconds per launch). Sequential, or one host thread per rank
-        when a launch was seen to block the host (a peer launched after it would then start too late)."""
+        """Launch the ranks' graphs; returns the host seconds of each launch. The pair launches ranks
+        1.. from their own threads and rank 0 from this one: launching a large graph blocks the host
+        while the GPU cannot take more work, and rank 0's GPU waits in its first collective for the
+        peer's graph, so sequential launches would deadlock until the collective times out."""
         def one(r: int) -> float:
-            with self._ctx(r):
+            with torch.inference_mode(), self._ctx(r):
                 t0 = time.perf_counter()
                 if copy_inputs:
                     st.inbuf[r].copy_(st.host, non_blocking=True)
@@ -459,13 +462,14 @@ class TPDrafter(Drafter):
 
         if self._pool_threads is None:
             return [one(r) for r in ranks]
-        return list(self._pool_threads.map(one, ranks))
+        futs = [self._pool_threads.submit(one, r) for r in ranks if r != 0]
+        first = [one(0)] if 0 in ranks else []
+        return first + [f.result() for f in futs]
 
     def _settle(self, st: _Static) -> None:
-        """The first replay of fresh graphs (on the scratch inputs of the capture). If it fails (a launch
-        so slow that the peer's collective timed out), retry with per-rank launch threads, then give up
-        on graphs (static lockstep). The log says what happened (docs/TP2.md)."""
-        for attempt in range(2):
+        """The first replay of fresh graphs (on the scratch inputs of the capture), checked; one retry,
+        then the drafter gives up on graphs (static lockstep). settle_log keeps what happened."""
+        for _attempt in range(2):
             t = self._replay(st, range(len(self.shards)), copy_inputs=False)
             for s in self.streams:
                 s.synchronize()
@@ -476,8 +480,6 @@ class TPDrafter(Drafter):
                 return
             log.warning("tp%d: first replay of %s failed (%s, launches %s s)", self.world, st.key, errs, t)
             self._recover([])
-            if self._pool_threads is None and attempt == 0:
-                self._pool_threads = ThreadPoolExecutor(len(self.shards), thread_name_prefix="tp-replay")
         log.error("tp%d: graphs of %s do not replay; the drafter falls back to static mode", self.world, st.key)
         st.graphs = []
         self.mode = "static"
