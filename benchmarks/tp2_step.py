@@ -265,7 +265,9 @@ def main(argv=None) -> int:
         print("needs 2 GPUs", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.budget_s if args.budget_s > 0 else float("inf")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tp2_step.json")
+    default = args.shapes == "qwen2.5-0.5b,qwen2.5-1.5b"
+    name = "tp2_step.json" if default else f"tp2_step_{args.shapes.replace(',', '_')}.json"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     RUN.update({"benchmark": "tp2_step", "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "command": " ".join(["python", "benchmarks/tp2_step.py"] + (argv or sys.argv[1:])),
