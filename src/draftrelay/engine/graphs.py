@@ -89,10 +89,10 @@ class DecodeGraphs:
                     s.kv_len = kv
         if not self.capture:
             return
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream(dev)
         # warm-up on a side stream (as torch recommends), outside any capture: lazy kernels, cuBLAS
         # workspaces and the allocator's blocks for the largest shapes are all in place before capture
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream(device=dev)
         side.wait_stream(stream)
         with torch.cuda.stream(side):
             for key, slots in self.slots.items():
@@ -102,13 +102,16 @@ class DecodeGraphs:
                     self.model(s.tokens, s.start, self.cache, s.rows, kv_len=s.kv_len)
         stream.wait_stream(side)
         torch.cuda.synchronize()
-        # capture largest first, all into one pool: later (smaller) captures reuse its blocks
+        # capture largest first, all into one pool: later (smaller) captures reuse its blocks. The
+        # capture stream is ours, on the model's GPU: torch's default one is made once per process on
+        # whichever GPU was current then, and a capture on another GPU's stream records nothing
+        capture_stream = torch.cuda.Stream(device=dev)
         for key in sorted(self.slots, reverse=True):
             for s in self.slots[key]:
                 self._fill_dummy(s, key[0])
                 g = torch.cuda.CUDAGraph()
                 # thread_local: the hand-off's own threads (supervisor, watchdog) may run meanwhile
-                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(g, pool=self.pool, stream=capture_stream, capture_error_mode="thread_local"):
                     s.logits = self.model(s.tokens, s.start, self.cache, s.rows, kv_len=s.kv_len)
                 if self.pool is None:
                     self.pool = g.pool()

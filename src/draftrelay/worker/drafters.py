@@ -136,6 +136,7 @@ class LlamaDrafter(Drafter):
         self.cache = model.new_cache(n_rows + 1, self.max_ctx + max(PAD_LIMIT, n_out_max) + 1)
         self._static: dict[tuple[int, int, int], object] = {}
         self._pool = None
+        self._capture_stream = None
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
                      f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}")
 
@@ -264,7 +265,7 @@ class LlamaDrafter(Drafter):
         if self.mode == "graph":
             g.rows.fill_(self.n_rows)  # warm-up and capture write only into the scratch row
             with torch.inference_mode():
-                side = torch.cuda.Stream()
+                side = torch.cuda.Stream(device=dev)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     self._static_step(g)  # one eager run first: cuBLAS & co. pick and allocate outside capture
@@ -272,7 +273,12 @@ class LlamaDrafter(Drafter):
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 g.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g.graph, pool=self._pool):
+                # an explicit capture stream on the model's GPU: torch's default one is made once per
+                # process, on whichever GPU was current at the first capture (a capture on another
+                # GPU's stream records an empty graph)
+                if self._capture_stream is None:
+                    self._capture_stream = torch.cuda.Stream(device=self.model.device)
+                with torch.cuda.graph(g.graph, pool=self._pool, stream=self._capture_stream):
                     self._static_step(g)
         self._static[key] = g
         return g
