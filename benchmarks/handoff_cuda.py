@@ -241,15 +241,7 @@ def run_gpu_self(n_rounds: int, warmup: int, wait: str = "memop") -> list[dict]:
             st.write32(off[0], t)
             st.wait_geq32(off[1], t)
             st.write32(off[2], t)
-            native.wait_geq32(a_g, t, 10_000_000, 0, 2_000_000)
-            g = native.now_ns()
-            if parked:
-                while native.now_ns() - g < 20_000:
-                    pass
-                r0 = native.now_ns()
-                native.store32(a_r, t)
-            native.wait_geq32(a_c, t, 10_000_000, 0, 2_000_000)
-            c = native.now_ns()
+            g, r0, c = release_and_time(a_g, a_r if parked else 0, a_c, t)
             if t > 2 * warmup:
                 (parked_ns if parked else unparked_ns).append(c - r0 if parked else c - g)
         if not st.drain(5.0):
@@ -263,6 +255,20 @@ def run_gpu_self(n_rounds: int, warmup: int, wait: str = "memop") -> list[dict]:
              "release_to_resume_us_p99": pct(np.array(v) * us, 99),
              "release_to_resume_us_max": round(float(np.max(v)) * us, 1)}
             for name, v in (("gpu-self", parked_ns), ("gpu-unparked", unparked_ns))]
+
+
+def release_and_time(a_g: int, a_r: int, a_c: int, t: int) -> tuple[int, int, int]:
+    """The engine thread as its own proxy: wait for `gathered` = t, ~20 µs later store `released` = t
+    (a_r = 0: no release, the stream was not parked), wait for `consumed` = t. Returns the three times (ns)."""
+    native.wait_geq32(a_g, t, 10_000_000, 0, 2_000_000)
+    g = r0 = native.now_ns()
+    if a_r:
+        while native.now_ns() - g < 20_000:
+            pass
+        r0 = native.now_ns()
+        native.store32(a_r, t)
+    native.wait_geq32(a_c, t, 10_000_000, 0, 2_000_000)
+    return g, r0, native.now_ns()
 
 
 def run_gpu_self_round(n_rounds: int, warmup: int) -> dict:
@@ -285,14 +291,7 @@ def run_gpu_self_round(n_rounds: int, warmup: int) -> dict:
     try:
         for t in range(1, n_rounds + warmup + 1):
             ev = st.enqueue_round(t & 1, t, src, dst[t & 1], offs)
-            native.wait_geq32(a_g, t, 10_000_000, 0, 2_000_000)
-            g = native.now_ns()
-            while native.now_ns() - g < 20_000:
-                pass
-            r0 = native.now_ns()
-            native.store32(a_r, t)
-            native.wait_geq32(a_c, t, 10_000_000, 0, 2_000_000)
-            c = native.now_ns()
+            _, r0, c = release_and_time(a_g, a_r, a_c, t)
             if not ev.wait(5.0):
                 raise RuntimeError(f"round {t} did not finish")
             if t > warmup:

@@ -253,27 +253,15 @@ def step_refusal() -> dict:
 def nvrtc_cubins(n: int, tag: str) -> list[tuple[str, np.ndarray]]:
     """n tiny kernels, each its own module (distinct name and constant), compiled ahead of time."""
     import torch
-    from cuda.bindings import nvrtc
 
-    major, minor = torch.cuda.get_device_capability()
+    from draftrelay.handoff.cuda_stream import compile_cuda
+
+    arch = torch.cuda.get_device_capability()
     out = []
     for i in range(n):
         name = f"probe_{tag}_{i}"
-        src = f'extern "C" __global__ void {name}(int* p) {{ atomicAdd(p, {i + 1}); }}\n'.encode()
-        err, prog = nvrtc.nvrtcCreateProgram(src, f"{name}.cu".encode(), 0, [], [])
-        assert not err, err
-        opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
-        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        if err:
-            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"nvrtc: {err}: {log.decode(errors='replace')}")
-        _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
-        nvrtc.nvrtcDestroyProgram(prog)
-        out.append((name, np.frombuffer(cubin, dtype=np.uint8).copy()))
+        src = f'extern "C" __global__ void {name}(int* p) {{ atomicAdd(p, {i + 1}); }}\n'
+        out.append((name, compile_cuda(src, arch)))
     return out
 
 

@@ -104,6 +104,28 @@ SHAPES = {
 T_BUCKETS = (1, 2, 4, 8, PAD_LIMIT)
 
 
+def kv_bucket(need: int, max_len: int) -> int:
+    """The attention span of a static step: the smallest power of two >= need (at least 256), capped
+    at the cache length (so a long context does not get a new capture every few tokens)."""
+    kv = 256
+    while kv < need:
+        kv *= 2
+    return min(kv, max_len)
+
+
+def steady_state_keys(n_steps_list: list[int], max_batch: int, max_len: int) -> list[tuple[int, int, int, int]]:
+    """Every static-step key (requests, T bucket, n_steps, kv bucket) that a steady state with n_out in
+    n_steps_list can use: a round then sends at most n_steps + 1 tokens per request."""
+    kvs = sorted({kv_bucket(n, max_len) for n in [256 * 2**i for i in range(20)] if n <= 2 * max_len})
+    keys = []
+    for n in n_steps_list:
+        t_max = next((t for t in T_BUCKETS if t >= n + 1), PAD_LIMIT)
+        for b in range(1, max_batch + 1):
+            for t in (t for t in T_BUCKETS if t <= t_max):
+                keys += [(b, t, n, kv) for kv in kvs]
+    return keys
+
+
 class LlamaDrafter(Drafter):
     """Greedy drafting with draftrelay.model.Transformer.
 
@@ -239,13 +261,6 @@ class LlamaDrafter(Drafter):
         g.out_tok.copy_(torch.stack(out_t, 1))
         g.out_conf.copy_(torch.stack(out_c, 1))
 
-    def _kv_bucket(self, need: int) -> int:
-        """Smallest power of two >= need (at least 256), capped at the cache length."""
-        kv = 256
-        while kv < need:
-            kv *= 2
-        return min(kv, self.cache.max_len)
-
     def _get_static(self, key: tuple[int, int, int, int]):
         g = self._static.get(key)
         if g is not None:
@@ -285,20 +300,15 @@ class LlamaDrafter(Drafter):
 
     def _warm(self, n_steps_list: list[int], max_batch: int) -> int:
         before = len(self._static)
-        kvs = sorted({self._kv_bucket(n) for n in [256 * 2**i for i in range(20)] if n <= 2 * self.cache.max_len})
-        for n in n_steps_list:
-            t_max = next((t for t in T_BUCKETS if t >= n + 1), PAD_LIMIT)
-            for b in range(1, min(max_batch, self.n_rows) + 1):
-                for t in [t for t in T_BUCKETS if t <= t_max]:
-                    for kv in kvs:
-                        self._get_static((b, t, n, kv))
+        for key in steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len):
+            self._get_static(key)
         return len(self._static) - before
 
     def _run_static(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         torch, cache = self.torch, self.cache
         B = len(jobs)
         T = next(t for t in T_BUCKETS if t >= max(len(j.tokens) for j in jobs))
-        kv = self._kv_bucket(max(j.keep for j in jobs) + T + n_steps)
+        kv = kv_bucket(max(j.keep for j in jobs) + T + n_steps, self.cache.max_len)
         g = self._get_static((B, T, n_steps, kv))
         host = g.host.numpy()
         host[:] = 0

@@ -51,7 +51,15 @@ except ImportError:  # a model.py from before attend(): SDPA everywhere, as it d
 from draftrelay.p2p import EmulatedGroup, P2PError, P2PGroup
 from draftrelay.p2p.collectives import MAX_RANKS
 from draftrelay.worker.core import StepFailed
-from draftrelay.worker.drafters import PAD_LIMIT, PREFILL_CHUNK, T_BUCKETS, Drafter, Job
+from draftrelay.worker.drafters import (
+    PAD_LIMIT,
+    PREFILL_CHUNK,
+    T_BUCKETS,
+    Drafter,
+    Job,
+    kv_bucket,
+    steady_state_keys,
+)
 
 log = logging.getLogger("draftrelay.worker")
 
@@ -491,24 +499,13 @@ class TPDrafter(Drafter):
         x[B * T + B:B * T + 2 * B] = self.n_rows  # warm-up and capture write only into the scratch row
         return x
 
-    def _kv_bucket(self, need: int) -> int:
-        kv = 256
-        while kv < need:
-            kv *= 2
-        return min(kv, self.max_len)
-
     def warm(self, n_steps_list: list[int], max_batch: int) -> int:
         """As LlamaDrafter.warm: build every key a steady state with n_out in n_steps_list can use."""
         if self.mode != "graph":
             return 0
         before = len(self._static)
-        kvs = sorted({self._kv_bucket(n) for n in [256 * 2**i for i in range(20)] if n <= 2 * self.max_len})
-        for n in n_steps_list:
-            t_max = next((t for t in T_BUCKETS if t >= n + 1), PAD_LIMIT)
-            for b in range(1, min(max_batch, self.n_rows) + 1):
-                for t in [t for t in T_BUCKETS if t <= t_max]:
-                    for kv in kvs:
-                        self._get_static((b, t, n, kv))
+        for key in steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.max_len):
+            self._get_static(key)
         return len(self._static) - before
 
     def _check_group(self) -> None:
@@ -580,7 +577,7 @@ class TPDrafter(Drafter):
             short.append(j)
         B = len(short)
         T = next(t for t in T_BUCKETS if t >= max(len(j.tokens) for j in short))
-        kv = self._kv_bucket(max(j.keep for j in short) + T + n_steps)
+        kv = kv_bucket(max(j.keep for j in short) + T + n_steps, self.max_len)
         st = self._get_static((B, T, n_steps, kv))
         host = st.host.numpy()
         host[:] = 0
