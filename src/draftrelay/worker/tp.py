@@ -41,13 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draftrelay.model import ModelConfig, Transformer, apply_rope, rope_inv_freq
-
-try:  # the one-card model's attention (explicit product for few query rows, SDPA otherwise)
-    from draftrelay.model import attend
-except ImportError:  # a model.py from before attend(): SDPA everywhere, as it did then
-    def attend(qg, keys, vals, mask):
-        return F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
+from draftrelay.model import ModelConfig, Transformer, apply_rope, attend, rope_inv_freq
 from draftrelay.p2p import EmulatedGroup, P2PError, P2PGroup
 from draftrelay.p2p.collectives import MAX_RANKS
 from draftrelay.worker.core import StepFailed
