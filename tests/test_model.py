@@ -309,7 +309,7 @@ def test_bf16_keeps_fp32_rope_and_float32_logits():
 
 def test_kvcache_shape_and_errors():
     c = KVCache(small_cfg(), 3, 10)
-    assert c.k.shape == (2, 3, 10, 2, 8) and c.lengths.tolist() == [0, 0, 0]
+    assert c.k.shape == (2, 3, 2, 10, 8) and c.lengths.tolist() == [0, 0, 0]
     with pytest.raises(ValueError):
         KVCache(small_cfg(), 0, 10)
 
@@ -410,3 +410,31 @@ def test_rows_as_slice_read_in_place_equal_gathered_rows():
         torch.testing.assert_close(e.flip(0), a, atol=1e-5, rtol=1e-5)
         with pytest.raises(ValueError, match="consecutive"):
             model(toks, torch.tensor([0, 0]), c3, slice(0, 3))
+
+
+def test_decode_forward_reads_the_kv_rows_without_copying_them_again():
+    """The attention GEMMs take the gathered K/V rows as they come ([B, n_kv, L, D] in the cache's own
+    layout): the only full-size K/V tensors a decode forward writes are the gather itself, one per
+    layer for K and one for V, never a second (transpose) copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    cfg = small_cfg()
+    model = Transformer.random(cfg, seed=1)
+    B, L = 3, 64
+    cache = model.new_cache(B + 1, L)
+    kv_numel = B * cfg.n_kv_heads * L * cfg.head_dim
+    big: list[str] = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            big.extend(func.overloadpacket.__name__ for t in tree_leaves(out)  # written, not a view
+                       if isinstance(t, torch.Tensor) and t.numel() == kv_numel
+                       and t.untyped_storage().data_ptr() not in ins)
+            return out
+
+    with torch.no_grad(), Watch():
+        model(torch.zeros(B, 1, dtype=torch.long), torch.tensor([5, 9, 2]), cache, torch.tensor([3, 0, 1]), kv_len=L)
+    assert big == ["index"] * (2 * cfg.n_layers), big

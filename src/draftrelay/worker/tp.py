@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draftrelay.model import ModelConfig, Transformer, apply_rope, attend, rope_inv_freq
+from draftrelay.model import ModelConfig, Transformer, attend, rope_inv_freq, rope_qk
 from draftrelay.p2p import EmulatedGroup, P2PError, P2PGroup
 from draftrelay.p2p.collectives import MAX_RANKS
 from draftrelay.worker.core import StepFailed
@@ -264,7 +264,7 @@ class TPDrafter(Drafter):
         self.shards = [shard_model(model, world, r, devices[r]) for r in ranks]
         kv_r = cfg.n_kv_heads // world
         for s in self.shards:
-            shape = (cfg.n_layers, n_rows + 1, self.max_len, kv_r, cfg.head_dim)
+            shape = (cfg.n_layers, n_rows + 1, kv_r, self.max_len, cfg.head_dim)  # as model.KVCache
             s.k = torch.zeros(shape, device=s.device, dtype=self.dtype)
             s.v = torch.zeros(shape, device=s.device, dtype=self.dtype)
         d = cfg.hidden_size
@@ -332,12 +332,12 @@ class TPDrafter(Drafter):
             q = F.linear(h, w.wq, w.bq).view(B, T, hq, hd)
             k = F.linear(h, w.wk, w.bk).view(B, T, hk, hd)
             v = F.linear(h, w.wv, w.bv).view(B, T, hk, hd)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rope_qk(q, k, cos, sin)
             ck, cv = s.k[i], s.v[i]
-            ck[widx, pos] = k.to(ck.dtype)
-            cv[widx, pos] = v.to(cv.dtype)
-            keys = ck[rows, :kv_len].transpose(1, 2).to(q.dtype)
-            vals = cv[rows, :kv_len].transpose(1, 2).to(q.dtype)
+            ck[widx, :, pos] = k.to(ck.dtype)
+            cv[widx, :, pos] = v.to(cv.dtype)
+            keys = ck[rows, :, :kv_len].to(q.dtype)
+            vals = cv[rows, :, :kv_len].to(q.dtype)
             qg = q.transpose(1, 2).reshape(B, hk, rep * T, hd)
             o = attend(qg, keys, vals, mask)
             o = o.reshape(B, hq, T, hd).transpose(1, 2).reshape(B, T, hq * hd)

@@ -1,0 +1,83 @@
+"""Kernels per forward: how many device kernels one decode / verify forward issues, per layer.
+
+The drafter's STEP and the TP2 step on the H200 are bound by kernel count, not bytes (~2.6 µs per small
+kernel in a graph replay; docs/TP2.md, README): this counts them, deterministically and on a CPU.
+An op counts as one kernel when it writes memory: an in-place op, or an op whose output does not share
+storage with an input (views, no-op casts and reshapes of contiguous tensors launch nothing).
+
+    python benchmarks/kernel_count.py            # prints the table, writes benchmarks/results/kernel_count.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from draftrelay import model as M
+from draftrelay.worker.drafters import SHAPES
+
+
+class KernelCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        ins = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if name.endswith("_") or any(t.numel() and t.untyped_storage().data_ptr() not in ins for t in outs):
+            self.ops[name] += 1
+        return out
+
+
+def count(shape: str, n_layers: int, B: int, T: int, kv_len: int) -> collections.Counter:
+    cfg = M.ModelConfig(**{**SHAPES[shape], "n_layers": n_layers, "vocab_size": 1024}, name=shape)
+    model = M.Transformer.random(cfg, seed=0, device="cpu", dtype=torch.bfloat16)
+    cache = model.new_cache(B + 1, kv_len + T)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    start = torch.full((B,), kv_len - T, dtype=torch.long)
+    rows = torch.arange(B, 0, -1)  # scattered rows: the graph path (a gather per layer)
+    with torch.no_grad(), KernelCounter() as k:  # no_grad, not inference_mode: composite ops decompose
+
+        model(tokens, start, cache, rows, kv_len=kv_len)
+    return k.ops
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/kernel_count.json")
+    args = ap.parse_args()
+    rows = []
+    for shape in SHAPES:
+        for B, T in ((1, 1), (4, 5)):
+            one, two = count(shape, 1, B, T, 256), count(shape, 2, B, T, 256)
+            per_layer = sum(two.values()) - sum(one.values())
+            fixed = sum(one.values()) - per_layer
+            layer_ops = dict(sorted((two - one).items(), key=lambda kv: -kv[1]))
+            rows.append({"shape": shape, "requests": B, "tokens": T, "kernels_per_layer": per_layer,
+                         "kernels_outside_layers": fixed,
+                         "kernels_per_forward": fixed + per_layer * SHAPES[shape]["n_layers"],
+                         "per_layer_ops": layer_ops})
+            print(f"{shape:14} B={B} T={T}: {per_layer} kernels per layer, {fixed} outside, "
+                  f"{rows[-1]['kernels_per_forward']} per forward  {layer_ops}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"benchmark": "kernel_count", "commit": commit, "torch": torch.__version__, "rows": rows}, f,
+                  indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
