@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draftrelay.model import ModelConfig, Transformer, attend, rope_inv_freq, rope_qk
+from draftrelay.model import ModelConfig, Transformer, attend, rms_norm, rope_inv_freq, rope_qk
 from draftrelay.p2p import EmulatedGroup, P2PError, P2PGroup
 from draftrelay.p2p.collectives import MAX_RANKS
 from draftrelay.worker.core import StepFailed
@@ -161,12 +161,6 @@ def shard_model(model: Transformer, world: int, rank: int, device: torch.device 
     head = embed[v0:v1] if model.lm_head is None else rows(model.lm_head.weight, v0, v1)
     return RankShard(rank, dev, (h0, h1), (k0, k1), (c0, c1), (v0, v1), embed,
                      model.norm.weight.detach().to(dev, copy=True), head, layers, rope_inv_freq(cfg).to(dev))
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()  # exactly model.RMSNorm
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
 
 
 class StandInGroup:
@@ -328,7 +322,7 @@ class TPDrafter(Drafter):
         widx = rows[:, None]
         x = F.embedding(tokens, s.embed)
         for i, w in enumerate(s.layers):
-            h = _rms(x, w.ln1, c.rms_norm_eps)
+            h = rms_norm(x, w.ln1, c.rms_norm_eps)
             q = F.linear(h, w.wq, w.bq).view(B, T, hq, hd)
             k = F.linear(h, w.wk, w.bk).view(B, T, hk, hd)
             v = F.linear(h, w.wv, w.bv).view(B, T, hk, hd)
@@ -344,14 +338,14 @@ class TPDrafter(Drafter):
             red = g.all_reduce(r, self._partial(o, w.wo))
             yield
             x = x + red.to(act)
-            h = _rms(x, w.ln2, c.rms_norm_eps)
+            h = rms_norm(x, w.ln2, c.rms_norm_eps)
             red = g.all_reduce(r, self._partial(F.silu(F.linear(h, w.wg)) * F.linear(h, w.wu), w.wd))
             yield
             x = x + red.to(act)
         if not head:
             return None
         x = x[:, -1] if logits_at is None else x[torch.arange(B, device=dev), logits_at]
-        return F.linear(_rms(x, s.norm, c.rms_norm_eps), s.head).float()  # [B, V_r]
+        return F.linear(rms_norm(x, s.norm, c.rms_norm_eps), s.head).float()  # [B, V_r]
 
     def _step(self, r: int, st: _Static) -> Iterator[None]:
         """Rank r's whole draft step from st's input buffers into st's outputs: extension, n_steps
