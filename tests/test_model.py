@@ -250,12 +250,13 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     g = small_cfg(n_heads=4, n_kv_heads=1)
     gqa = Transformer.random(g, seed=9, std=0.1)
     mha = Transformer.random(g.replace(n_kv_heads=4), seed=0)
-    sd = gqa.state_dict()
-    for i in range(g.n_layers):
-        for p in ("k_proj", "v_proj"):
-            w = sd[f"layers.{i}.self_attn.{p}.weight"]  # [1*8, 32]
-            sd[f"layers.{i}.self_attn.{p}.weight"] = w.view(1, 8, 32).repeat(4, 1, 1).reshape(32, 32)
-    mha.load_state_dict(sd)
+    src = dict(gqa.named_hf_tensors())  # HF's tensors (the fused projections as views)
+    with torch.no_grad():
+        for name, t in mha.named_hf_tensors():
+            w = src[name]
+            if name.endswith(("k_proj.weight", "v_proj.weight")):  # [1*8, 32] -> the head repeated
+                w = w.view(1, 8, 32).repeat(4, 1, 1).reshape(32, 32)
+            t.copy_(w)
     toks = rand_tokens(11, g.vocab_size, seed=5)
     torch.testing.assert_close(full_logits(gqa, toks), full_logits(mha, toks), atol=1e-5, rtol=1e-5)
 

@@ -16,6 +16,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -303,11 +304,15 @@ def attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch
     return torch.matmul(probs, vals)
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """RoPE on q [B,T,Hq,D] and k [B,T,Hk,D] as one tensor: the same values as two apply_rope calls
-    (elementwise), in 6 kernels instead of 10."""
-    qk = apply_rope(torch.cat((q, k), dim=2), cos, sin)
-    return qk[:, :, :q.shape[2]], qk[:, :, q.shape[2]:]
+class Proj(NamedTuple):
+    """One HF projection (q_proj, gate_proj, ...) as views into our fused weight: loading, saving and
+    the TP split see HF's tensors; the forward runs one GEMM for all of them."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _rows(lin: nn.Linear, a: int, b: int) -> Proj:
+    return Proj(lin.weight[a:b], None if lin.bias is None else lin.bias[a:b])
 
 
 class Attention(nn.Module):
@@ -315,18 +320,30 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.nq, self.nk = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        self.qkv = nn.Linear(d, self.nq + 2 * self.nk, bias=cfg.qkv_bias)  # rows: q | k | v
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
+
+    @property
+    def q_proj(self) -> Proj:
+        return _rows(self.qkv, 0, self.nq)
+
+    @property
+    def k_proj(self) -> Proj:
+        return _rows(self.qkv, self.nq, self.nq + self.nk)
+
+    @property
+    def v_proj(self) -> Proj:
+        return _rows(self.qkv, self.nq + self.nk, self.nq + 2 * self.nk)
 
     def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, rows, widx, pos, kv_len: int):
         B, T, _ = x.shape
         c = self.cfg
-        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)
-        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
-        q, k = rope_qk(q, k, cos, sin)
+        qkv = self.qkv(x)
+        # q and k are neighbours in qkv: RoPE runs once over both (elementwise, the same values)
+        qk = apply_rope(qkv[..., :self.nq + self.nk].view(B, T, c.n_heads + c.n_kv_heads, c.head_dim), cos, sin)
+        q, k = qk[:, :, :c.n_heads], qk[:, :, c.n_heads:]
+        v = qkv[..., self.nq + self.nk:].view(B, T, c.n_kv_heads, c.head_dim)
         # write the new K/V into each sequence's row at its own positions, then read the rows back:
         # a contiguous run of rows (a slice) is read in place, scattered rows are gathered (a copy)
         ck, cv = cache.k[layer], cache.v[layer]  # [rows, n_kv, len, D]
@@ -348,12 +365,21 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.ni = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.ni, bias=False)  # rows: gate | up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    @property
+    def gate_proj(self) -> Proj:
+        return _rows(self.gate_up, 0, self.ni)
+
+    @property
+    def up_proj(self) -> Proj:
+        return _rows(self.gate_up, self.ni, 2 * self.ni)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.gate_up(x)
+        return self.down_proj(F.silu(gu[..., :self.ni]) * gu[..., self.ni:])
 
 
 class Block(nn.Module):
@@ -467,12 +493,30 @@ class Transformer(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------------
 
+    def named_hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Our weights under HF's module names (without the 'model.' prefix), in HF's order; the fused
+        projections as views of their rows (writing into a view writes the fused weight)."""
+        out = []
+        for name, p in self.named_parameters():
+            base, _, leaf = name.rpartition(".")
+            if base.endswith("self_attn.qkv") or base.endswith("mlp.gate_up"):
+                if leaf == "bias":
+                    continue  # emitted with the weights, in HF's order (q.weight, q.bias, k.weight, ...)
+                mod = self.get_submodule(base.rpartition(".")[0])
+                parent = base.rpartition(".")[0]
+                parts = ("q_proj", "k_proj", "v_proj") if base.endswith("qkv") else ("gate_proj", "up_proj")
+                for part in parts:
+                    proj = getattr(mod, part)
+                    out.append((f"{parent}.{part}.weight", proj.weight))
+                    if proj.bias is not None:
+                        out.append((f"{parent}.{part}.bias", proj.bias))
+            else:
+                out.append((name, p))
+        return out
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Our weights under their HF names (for writing a checkpoint)."""
-        out = {}
-        for name, t in self.state_dict().items():
-            out[name if name.startswith("lm_head.") else "model." + name] = t
-        return out
+        return {(n if n.startswith("lm_head.") else "model." + n): t.detach() for n, t in self.named_hf_tensors()}
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
@@ -486,7 +530,7 @@ class Transformer(nn.Module):
         gdev = torch.device(device) if draw_on == "device" else torch.device("cpu")
         g = torch.Generator(device=gdev).manual_seed(seed)
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in model.named_hf_tensors():  # HF's tensors in HF's order: the same draws per seed
                 if name.endswith("layernorm.weight") or name == "norm.weight":
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
@@ -510,7 +554,7 @@ class Transformer(nn.Module):
         if dtype is None:
             dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         model = model.to_empty(device=device).to(dtype)
-        wanted = {("model." + n if not n.startswith("lm_head.") else n): p for n, p in model.named_parameters()}
+        wanted = {("model." + n if not n.startswith("lm_head.") else n): p for n, p in model.named_hf_tensors()}
         loaded = set()
         for fname in files:
             try:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draftrelay.model import ModelConfig, Transformer, attend, rms_norm, rope_inv_freq, rope_qk
+from draftrelay.model import ModelConfig, Transformer, apply_rope, attend, rms_norm, rope_inv_freq
 from draftrelay.p2p import EmulatedGroup, P2PError, P2PGroup
 from draftrelay.p2p.collectives import MAX_RANKS
 from draftrelay.worker.core import StepFailed
@@ -86,16 +86,24 @@ def check_split(cfg: ModelConfig, world: int) -> None:
 class LayerShard:
     ln1: torch.Tensor
     ln2: torch.Tensor
-    wq: torch.Tensor  # [q heads of the rank * hd, d]        column-parallel (rows of the HF weight)
-    bq: torch.Tensor | None
-    wk: torch.Tensor  # [kv heads of the rank * hd, d]
-    bk: torch.Tensor | None
-    wv: torch.Tensor
-    bv: torch.Tensor | None
+    wqkv: torch.Tensor  # [(q + 2 kv heads of the rank) * hd, d]: column-parallel rows q | k | v, one GEMM
+    bqkv: torch.Tensor | None
     wo: torch.Tensor  # [d, q heads of the rank * hd]         row-parallel (columns of the HF weight)
-    wg: torch.Tensor  # [channels of the rank, d]
-    wu: torch.Tensor
+    wgu: torch.Tensor  # [2 * channels of the rank, d]: rows gate | up, one GEMM
     wd: torch.Tensor  # [d, channels of the rank]
+    nq: int  # q rows of the rank (hq * hd)
+    nk: int  # k rows (= v rows) of the rank
+    ni: int  # MLP channels of the rank
+
+    # HF's projections of the rank, as views (the shard tests compare them with the full tensors)
+    wq = property(lambda self: self.wqkv[:self.nq])
+    wk = property(lambda self: self.wqkv[self.nq:self.nq + self.nk])
+    wv = property(lambda self: self.wqkv[self.nq + self.nk:])
+    bq = property(lambda self: None if self.bqkv is None else self.bqkv[:self.nq])
+    bk = property(lambda self: None if self.bqkv is None else self.bqkv[self.nq:self.nq + self.nk])
+    bv = property(lambda self: None if self.bqkv is None else self.bqkv[self.nq + self.nk:])
+    wg = property(lambda self: self.wgu[:self.ni])
+    wu = property(lambda self: self.wgu[self.ni:])
 
 
 @dataclass
@@ -116,7 +124,8 @@ class RankShard:
 
     def nbytes(self) -> dict[str, int]:
         seen, weights = set(), 0
-        tensors = [self.embed, self.norm, self.head] + [t for ly in self.layers for t in vars(ly).values()]
+        tensors = [self.embed, self.norm, self.head] + [t for ly in self.layers for t in vars(ly).values()
+                                                         if isinstance(t, torch.Tensor)]
         for t in tensors:
             if t is not None and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
@@ -147,15 +156,16 @@ def shard_model(model: Transformer, world: int, rank: int, device: torch.device 
     layers = []
     for blk in model.layers:
         at, mlp = blk.self_attn, blk.mlp
+        q, k, v = ((at.q_proj, h0 * hd, h1 * hd), (at.k_proj, k0 * hd, k1 * hd), (at.v_proj, k0 * hd, k1 * hd))
         layers.append(LayerShard(
             ln1=blk.input_layernorm.weight.detach().to(dev, copy=True),
             ln2=blk.post_attention_layernorm.weight.detach().to(dev, copy=True),
-            wq=rows(at.q_proj.weight, h0 * hd, h1 * hd), bq=rows(at.q_proj.bias, h0 * hd, h1 * hd),
-            wk=rows(at.k_proj.weight, k0 * hd, k1 * hd), bk=rows(at.k_proj.bias, k0 * hd, k1 * hd),
-            wv=rows(at.v_proj.weight, k0 * hd, k1 * hd), bv=rows(at.v_proj.bias, k0 * hd, k1 * hd),
+            wqkv=torch.cat([rows(p.weight, a, b) for p, a, b in (q, k, v)]),
+            bqkv=None if at.qkv.bias is None else torch.cat([rows(p.bias, a, b) for p, a, b in (q, k, v)]),
             wo=cols(at.o_proj.weight, h0 * hd, h1 * hd),
-            wg=rows(mlp.gate_proj.weight, c0, c1), wu=rows(mlp.up_proj.weight, c0, c1),
+            wgu=torch.cat([rows(mlp.gate_proj.weight, c0, c1), rows(mlp.up_proj.weight, c0, c1)]),
             wd=cols(mlp.down_proj.weight, c0, c1),
+            nq=(h1 - h0) * hd, nk=(k1 - k0) * hd, ni=c1 - c0,
         ))
     embed = model.embed_tokens.weight.detach().to(dev, copy=True)
     head = embed[v0:v1] if model.lm_head is None else rows(model.lm_head.weight, v0, v1)
@@ -323,10 +333,10 @@ class TPDrafter(Drafter):
         x = F.embedding(tokens, s.embed)
         for i, w in enumerate(s.layers):
             h = rms_norm(x, w.ln1, c.rms_norm_eps)
-            q = F.linear(h, w.wq, w.bq).view(B, T, hq, hd)
-            k = F.linear(h, w.wk, w.bk).view(B, T, hk, hd)
-            v = F.linear(h, w.wv, w.bv).view(B, T, hk, hd)
-            q, k = rope_qk(q, k, cos, sin)
+            qkv = F.linear(h, w.wqkv, w.bqkv)  # as model.Attention: one GEMM, one RoPE over q | k
+            qk = apply_rope(qkv[..., :w.nq + w.nk].view(B, T, hq + hk, hd), cos, sin)
+            q, k = qk[:, :, :hq], qk[:, :, hq:]
+            v = qkv[..., w.nq + w.nk:].view(B, T, hk, hd)
             ck, cv = s.k[i], s.v[i]
             ck[widx, :, pos] = k.to(ck.dtype)
             cv[widx, :, pos] = v.to(cv.dtype)
@@ -339,7 +349,8 @@ class TPDrafter(Drafter):
             yield
             x = x + red.to(act)
             h = rms_norm(x, w.ln2, c.rms_norm_eps)
-            red = g.all_reduce(r, self._partial(F.silu(F.linear(h, w.wg)) * F.linear(h, w.wu), w.wd))
+            gu = F.linear(h, w.wgu)
+            red = g.all_reduce(r, self._partial(F.silu(gu[..., :w.ni]) * gu[..., w.ni:], w.wd))
             yield
             x = x + red.to(act)
         if not head:
