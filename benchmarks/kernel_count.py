@@ -3,7 +3,10 @@
 The drafter's STEP and the TP2 step on the H200 are bound by kernel count, not bytes (~2.6 µs per small
 kernel in a graph replay; docs/TP2.md, README): this counts them, deterministically and on a CPU.
 An op counts as one kernel when it writes memory: an in-place op, or an op whose output does not share
-storage with an input (views, no-op casts and reshapes of contiguous tensors launch nothing).
+storage with an input (views, no-op casts and reshapes of contiguous tensors launch nothing). Two
+paths: "cpu" as a CPU runs it, "gpu" with F.rms_norm as one fused kernel (torch's _fused_rms_norm on
+CUDA; a CPU decomposes it). Launch-level behaviour of a real GPU (cuBLAS splitK kernels, ...) is not
+modelled: the GPU profile is tests_gpu/worker_graph_probe.py.
 
     python benchmarks/kernel_count.py            # prints the table, writes benchmarks/results/kernel_count.json
 """
@@ -12,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -29,9 +35,12 @@ class KernelCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         name = func.overloadpacket.__name__
         ins = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -40,7 +49,25 @@ class KernelCounter(TorchDispatchMode):
         return out
 
 
-def count(shape: str, n_layers: int, B: int, T: int, kv_len: int) -> collections.Counter:
+class FusedRmsNorm(TorchFunctionMode):
+    """F.rms_norm as one kernel, as on a GPU (torch's _fused_rms_norm); a CPU decomposes it."""
+
+    def __init__(self, counter: KernelCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not F.rms_norm:
+            return func(*args, **(kwargs or {}))
+        self.counter.paused = True
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.counter.paused = False
+            self.counter.ops["rms_norm (fused)"] += 1
+
+
+def count(shape: str, n_layers: int, B: int, T: int, kv_len: int, fused_norm: bool) -> collections.Counter:
     cfg = M.ModelConfig(**{**SHAPES[shape], "n_layers": n_layers, "vocab_size": 1024}, name=shape)
     model = M.Transformer.random(cfg, seed=0, device="cpu", dtype=torch.bfloat16)
     cache = model.new_cache(B + 1, kv_len + T)
@@ -48,8 +75,8 @@ def count(shape: str, n_layers: int, B: int, T: int, kv_len: int) -> collections
     start = torch.full((B,), kv_len - T, dtype=torch.long)
     rows = torch.arange(B, 0, -1)  # scattered rows: the graph path (a gather per layer)
     with torch.no_grad(), KernelCounter() as k:  # no_grad, not inference_mode: composite ops decompose
-
-        model(tokens, start, cache, rows, kv_len=kv_len)
+        with FusedRmsNorm(k) if fused_norm else contextlib.nullcontext():
+            model(tokens, start, cache, rows, kv_len=kv_len)
     return k.ops
 
 
@@ -58,18 +85,19 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/kernel_count.json")
     args = ap.parse_args()
     rows = []
-    for shape in SHAPES:
-        for B, T in ((1, 1), (4, 5)):
-            one, two = count(shape, 1, B, T, 256), count(shape, 2, B, T, 256)
-            per_layer = sum(two.values()) - sum(one.values())
-            fixed = sum(one.values()) - per_layer
-            layer_ops = dict(sorted((two - one).items(), key=lambda kv: -kv[1]))
-            rows.append({"shape": shape, "requests": B, "tokens": T, "kernels_per_layer": per_layer,
-                         "kernels_outside_layers": fixed,
-                         "kernels_per_forward": fixed + per_layer * SHAPES[shape]["n_layers"],
-                         "per_layer_ops": layer_ops})
-            print(f"{shape:14} B={B} T={T}: {per_layer} kernels per layer, {fixed} outside, "
-                  f"{rows[-1]['kernels_per_forward']} per forward  {layer_ops}")
+    for fused_norm, where in ((False, "cpu"), (True, "gpu")):
+        for shape in SHAPES:
+            for B, T in ((1, 1), (4, 5)):
+                one, two = (count(shape, n, B, T, 256, fused_norm) for n in (1, 2))
+                per_layer = sum(two.values()) - sum(one.values())
+                fixed = sum(one.values()) - per_layer
+                layer_ops = dict(sorted((two - one).items(), key=lambda kv: -kv[1]))
+                rows.append({"path": where, "shape": shape, "requests": B, "tokens": T,
+                             "kernels_per_layer": per_layer, "kernels_outside_layers": fixed,
+                             "kernels_per_forward": fixed + per_layer * SHAPES[shape]["n_layers"],
+                             "per_layer_ops": layer_ops})
+                print(f"{where} {shape:14} B={B} T={T}: {per_layer} kernels per layer, {fixed} outside, "
+                      f"{rows[-1]['kernels_per_forward']} per forward  {layer_ops}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
