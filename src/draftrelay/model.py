@@ -278,17 +278,36 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,T,H,D]; cos/sin [B,T,1,D]. HF's rotate-half layout (the checkpoints' q/k are permuted for it)."""
+    """x [B,T,H,D]; cos and *signed* sin [B,T,1,D] from step_tables. HF's rotate-half layout (the
+    checkpoints' q/k are permuted for it): HF's (-x2) * sin is x2 * (-sin), exactly, without a neg
+    kernel per layer."""
     half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def step_tables(start_pos: torch.Tensor, T: int, kv_len: int, n_rep: int, inv_freq: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every layer of one forward shares: positions [B,T], RoPE cos and signed sin [B,T,1,D]
+    (fp32 angles, like HF), and the blocked mask [B,1,n_rep*T,L] (True: key not visible; causal over
+    each row's own positions, repeated for the n_rep query heads of a kv head)."""
+    dev = start_pos.device
+    B = start_pos.shape[0]
+    pos = start_pos[:, None] + torch.arange(T, device=dev)[None, :]
+    ang = pos.float()[..., None] * inv_freq
+    sin = ang.sin()
+    cos = torch.cat((ang, ang), dim=-1).cos().to(dtype)[:, :, None, :]
+    sin = torch.cat((-sin, sin), dim=-1).to(dtype)[:, :, None, :]
+    blocked = torch.arange(kv_len, device=dev)[None, None, :] > pos[:, :, None]  # [B, T, L]
+    blocked = blocked[:, None, None].expand(B, 1, n_rep, T, kv_len).reshape(B, 1, n_rep * T, kv_len)
+    return pos, cos, sin, blocked
 
 
 DECODE_ROWS = 64  # query rows per kv head up to which attend() takes the explicit decode path
 
 
-def attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked attention, qg [B, n_kv, R, D] over keys/vals [B, n_kv, L, D], mask [B, 1, R, L] -> [B, n_kv, R, D].
+def attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """Masked attention, qg [B, n_kv, R, D] over keys/vals [B, n_kv, L, D], blocked [B, 1, R, L] (True:
+    not visible) -> [B, n_kv, R, D].
 
     Decode and verify steps have few query rows (R = n_rep * T) and a long L. SDPA's masked CUDA
     kernel spreads its work over (batch, head, query block) only, so one row at 128K keys ran on a
@@ -297,9 +316,9 @@ def attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch
     fp32): two GEMMs that cuBLAS spreads over L, bandwidth-bound on the KV. Prefill chunks keep SDPA.
     """
     if qg.shape[-2] > DECODE_ROWS:
-        return F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
+        return F.scaled_dot_product_attention(qg, keys, vals, attn_mask=~blocked)
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * (qg.shape[-1] ** -0.5)
-    scores = scores.masked_fill(~mask, float("-inf"))  # every row sees key 0: never all -inf
+    scores = scores.masked_fill(blocked, float("-inf"))  # every row sees key 0: never all -inf
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
     return torch.matmul(probs, vals)
 
@@ -336,7 +355,7 @@ class Attention(nn.Module):
     def v_proj(self) -> Proj:
         return _rows(self.qkv, self.nq + self.nk, self.nq + 2 * self.nk)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, rows, widx, pos, kv_len: int):
+    def forward(self, x, cos, sin, blocked, cache: KVCache, layer: int, rows, widx, pos, kv_len: int):
         B, T, _ = x.shape
         c = self.cfg
         qkv = self.qkv(x)
@@ -358,7 +377,7 @@ class Attention(nn.Module):
         keys, vals = keys.to(q.dtype), vals.to(q.dtype)  # [B, n_kv, L, D]
         # GQA without repeating K/V: the n_rep query heads of one kv head become n_rep*T query rows
         qg = q.transpose(1, 2).reshape(B, c.n_kv_heads, c.n_rep * T, c.head_dim)
-        out = attend(qg, keys, vals, mask)  # [B, n_kv, n_rep*T, D]
+        out = attend(qg, keys, vals, blocked)  # [B, n_kv, n_rep*T, D]
         return self.o_proj(out.reshape(B, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(B, T, -1))
 
 
@@ -390,8 +409,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer, rows, widx, pos, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, rows, widx, pos, kv_len)
+    def forward(self, x, cos, sin, blocked, cache, layer, rows, widx, pos, kv_len):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, blocked, cache, layer, rows, widx, pos, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -464,21 +483,13 @@ class Transformer(nn.Module):
                 if s + T > cache.max_len:
                     raise ValueError(f"row {r}: positions up to {s + T} exceed the cache's max_len {cache.max_len}")
             kv_len = max(sp) + T
-        pos = start_pos[:, None] + torch.arange(T, device=dev)[None, :]  # [B,T]
         inv = self._inv_freq.get(dev)
         if inv is None:
             inv = self._inv_freq[dev] = rope_inv_freq(self.cfg).to(dev)
-        ang = pos.float()[..., None] * inv  # fp32 angles, like HF
-        ang = torch.cat((ang, ang), dim=-1)[:, :, None, :]
-        act = self.dtype
-        cos, sin = ang.cos().to(act), ang.sin().to(act)
-        # causal over each row's own positions: key j is visible to the query at position p iff j <= p
-        mask = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, L]
-        n_rep = self.cfg.n_rep  # query rows are (head-in-group, t): repeat the mask per head of a group
-        mask = mask[:, None, None].expand(B, 1, n_rep, T, kv_len).reshape(B, 1, n_rep * T, kv_len)
+        pos, cos, sin, blocked = step_tables(start_pos, T, kv_len, self.cfg.n_rep, inv, self.dtype)
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, rows, widx, pos, kv_len)
+            x = layer(x, cos, sin, blocked, cache, i, rows, widx, pos, kv_len)
         if last_only:
             x = x[:, -1:]
         elif logits_at is not None:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draftrelay.model import ModelConfig, Transformer, apply_rope, attend, rms_norm, rope_inv_freq
+from draftrelay.model import ModelConfig, Transformer, apply_rope, attend, rms_norm, rope_inv_freq, step_tables
 from draftrelay.p2p import EmulatedGroup, P2PError, P2PGroup
 from draftrelay.p2p.collectives import MAX_RANKS
 from draftrelay.worker.core import StepFailed
@@ -323,12 +323,7 @@ class TPDrafter(Drafter):
         B, T = tokens.shape
         hq, hk = s.heads[1] - s.heads[0], s.kv_heads[1] - s.kv_heads[0]
         hd, rep, act = c.head_dim, c.n_rep, self.dtype
-        pos = start[:, None] + torch.arange(T, device=dev)[None, :]
-        ang = pos.float()[..., None] * s.inv_freq
-        ang = torch.cat((ang, ang), dim=-1)[:, :, None, :]
-        cos, sin = ang.cos().to(act), ang.sin().to(act)
-        mask = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]
-        mask = mask[:, None, None].expand(B, 1, rep, T, kv_len).reshape(B, 1, rep * T, kv_len)
+        pos, cos, sin, blocked = step_tables(start, T, kv_len, rep, s.inv_freq, act)
         widx = rows[:, None]
         x = F.embedding(tokens, s.embed)
         for i, w in enumerate(s.layers):
@@ -343,7 +338,7 @@ class TPDrafter(Drafter):
             keys = ck[rows, :, :kv_len].to(q.dtype)
             vals = cv[rows, :, :kv_len].to(q.dtype)
             qg = q.transpose(1, 2).reshape(B, hk, rep * T, hd)
-            o = attend(qg, keys, vals, mask)
+            o = attend(qg, keys, vals, blocked)
             o = o.reshape(B, hq, T, hd).transpose(1, 2).reshape(B, T, hq * hd)
             red = g.all_reduce(r, self._partial(o, w.wo))
             yield
