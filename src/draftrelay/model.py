@@ -507,22 +507,19 @@ class Transformer(nn.Module):
     def named_hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Our weights under HF's module names (without the 'model.' prefix), in HF's order; the fused
         projections as views of their rows (writing into a view writes the fused weight)."""
+        fused = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
         out = []
         for name, p in self.named_parameters():
-            base, _, leaf = name.rpartition(".")
-            if base.endswith("self_attn.qkv") or base.endswith("mlp.gate_up"):
-                if leaf == "bias":
-                    continue  # emitted with the weights, in HF's order (q.weight, q.bias, k.weight, ...)
-                mod = self.get_submodule(base.rpartition(".")[0])
-                parent = base.rpartition(".")[0]
-                parts = ("q_proj", "k_proj", "v_proj") if base.endswith("qkv") else ("gate_proj", "up_proj")
-                for part in parts:
-                    proj = getattr(mod, part)
+            module, _, leaf = name.rpartition(".")  # e.g. layers.3.self_attn.qkv, weight
+            parent, _, fused_name = module.rpartition(".")
+            if fused_name not in fused:
+                out.append((name, p))
+            elif leaf == "weight":  # biases go with their weights, in HF's order (q.weight, q.bias, k...)
+                for part in fused[fused_name]:
+                    proj = getattr(self.get_submodule(parent), part)
                     out.append((f"{parent}.{part}.weight", proj.weight))
                     if proj.bias is not None:
                         out.append((f"{parent}.{part}.bias", proj.bias))
-            else:
-                out.append((name, p))
         return out
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
