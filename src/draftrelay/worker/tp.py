@@ -119,7 +119,7 @@ class RankShard:
     head: torch.Tensor  # [v1 - v0, d]: rows of the (tied or untied) head, a view of `embed` when tied
     layers: list[LayerShard]
     inv_freq: torch.Tensor
-    k: torch.Tensor | None = None  # draft KV [L, rows, len, kv heads of the rank, hd]
+    k: torch.Tensor | None = None  # draft KV [L, rows, kv heads of the rank, len, hd]
     v: torch.Tensor | None = None
 
     def nbytes(self) -> dict[str, int]:
