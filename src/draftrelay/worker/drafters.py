@@ -10,6 +10,7 @@ first n_steps - 1 drafts afterwards; the next round keeps those the client accep
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -162,13 +163,15 @@ class LlamaDrafter(Drafter):
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
                      f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}")
 
-    def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.model.device.type != "cuda":
-            return self._run(jobs, n_steps)
+    def _on_model_gpu(self):
         # the server calls from its own threads, whose current CUDA device is GPU 0 whatever the
         # model's: side streams, pools and captures must be made on the model's GPU (a capture on
         # another device's stream records an EMPTY graph, whose replays leave stale drafts behind)
-        with self.torch.cuda.device(self.model.device):
+        dev = self.model.device
+        return self.torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+    def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        with self._on_model_gpu():
             return self._run(jobs, n_steps)
 
     def warm(self, n_steps_list: list[int], max_batch: int) -> int:
@@ -177,10 +180,11 @@ class LlamaDrafter(Drafter):
         first rounds of a session do not pay for captures. Returns how many were built."""
         if self.mode == "eager":
             return 0
-        if self.model.device.type != "cuda":
-            return self._warm(n_steps_list, max_batch)
-        with self.torch.cuda.device(self.model.device):
-            return self._warm(n_steps_list, max_batch)
+        before = len(self._static)
+        with self._on_model_gpu():
+            for key in steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len):
+                self._get_static(key)
+        return len(self._static) - before
 
     def _run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         if self.mode != "eager" and jobs and n_steps >= 1 and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
@@ -297,12 +301,6 @@ class LlamaDrafter(Drafter):
                     self._static_step(g)
         self._static[key] = g
         return g
-
-    def _warm(self, n_steps_list: list[int], max_batch: int) -> int:
-        before = len(self._static)
-        for key in steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len):
-            self._get_static(key)
-        return len(self._static) - before
 
     def _run_static(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         torch, cache = self.torch, self.cache

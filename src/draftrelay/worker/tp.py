@@ -31,6 +31,7 @@ produced the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -389,10 +390,14 @@ class TPDrafter(Drafter):
 
     # ---- driving the ranks ---------------------------------------------------------------------------
 
-    def _ctx(self, r: int):
+    @contextlib.contextmanager
+    def _ctx(self, r: int) -> Iterator[None]:
+        """Rank r's device and stream current (nothing on the CPU)."""
         if self.streams[r] is None:
-            return _Null()
-        return _CudaCtx(self.shards[r].device, self.streams[r])
+            yield
+            return
+        with torch.cuda.device(self.shards[r].device), torch.cuda.stream(self.streams[r]):
+            yield
 
     def _lockstep(self, make: Callable[[int], Iterator[None]]) -> None:
         """Advance every rank's generator one collective at a time, rank 0 first."""
@@ -642,29 +647,6 @@ class TPDrafter(Drafter):
         self.group.close()
         if self._pool_threads is not None:
             self._pool_threads.shutdown()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _CudaCtx:
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream):
-        self.dev, self.stream = torch.cuda.device(device), torch.cuda.stream(stream)
-
-    def __enter__(self):
-        self.dev.__enter__()
-        self.stream.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.stream.__exit__(*exc)
-        self.dev.__exit__(*exc)
-        return False
 
 
 def _mm_f32_out_works(dev: torch.device) -> bool:
