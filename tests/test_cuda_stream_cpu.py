@@ -270,23 +270,12 @@ class FakeDriver:
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch):
+def fake_cuda(install_driver):
     """Install a FakeDriver as cuda.bindings.driver and make CPU torch look like a CUDA device."""
-    import types
-
-    import torch
 
     def install(**kw) -> FakeDriver:
         fake = FakeDriver(**kw)
-        pkg, sub = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
-        pkg.bindings, sub.driver = sub, fake.module
-        monkeypatch.setitem(sys.modules, "cuda", pkg)
-        monkeypatch.setitem(sys.modules, "cuda.bindings", sub)
-        monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake.module)
-        stream = types.SimpleNamespace(device=torch.device("cpu"), cuda_stream=0)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+        install_driver(fake.module, "fake GPU")
         return fake
 
     return install

@@ -175,11 +175,8 @@ class SimDriver(FakeDriver):
 
 
 @pytest.fixture
-def sim_cuda(monkeypatch):
+def sim_cuda(monkeypatch, install_driver):
     """Install a SimDriver as cuda.bindings.driver; CPU torch plays the device (no pinning, no streams)."""
-    import sys
-    import types
-
     import torch
 
     made: list[SimDriver] = []
@@ -187,15 +184,7 @@ def sim_cuda(monkeypatch):
     def install(**kw) -> SimDriver:
         sim = SimDriver(**kw)
         made.append(sim)
-        pkg, sub = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
-        pkg.bindings, sub.driver = sub, sim.module
-        monkeypatch.setitem(sys.modules, "cuda", pkg)
-        monkeypatch.setitem(sys.modules, "cuda.bindings", sub)
-        monkeypatch.setitem(sys.modules, "cuda.bindings.driver", sim.module)
-        stream = types.SimpleNamespace(device=torch.device("cpu"), cuda_stream=0)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "simulated GPU")
+        install_driver(sim.module, "simulated GPU")
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: sim.dev.sync())
         monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
