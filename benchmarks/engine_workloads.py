@@ -22,9 +22,7 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ import torch
 
 from draftrelay import model as M
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+from draftrelay.handoff.procinfo import machine_info
 from draftrelay.handoff.rounds import HandoffConfig, SyncRounds, open_rounds
 from draftrelay.worker.process import start_worker_process
 
@@ -50,21 +49,6 @@ DRAFTER_SHAPES = {
 # name -> (context tokens, requests, concurrent?)
 WORKLOADS = {"short": (32, 3, False), "32k": (32768, 3, False), "32k-conc3": (32768, 3, True),
              "128k": (131072, 2, False)}
-
-
-def env_info(dev: torch.device) -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
-            "cpu_count": os.cpu_count(), "device": str(dev)}
-    if dev.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(dev)
-        info["cuda"] = torch.version.cuda
-        try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,power.limit",
-                                             "--format=csv,noheader"], capture_output=True, text=True,
-                                            timeout=10).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            info["driver"] = f"unavailable: {exc}"
-    return info
 
 
 @torch.no_grad()
@@ -174,7 +158,7 @@ def main() -> int:
         return ctx_of(name) + (args.warmup + catch_up + args.steps + 4) * (args.k + 1) + 16
 
     max_row = max(row_len(name) for _, name, _, _ in plan)
-    result = {"env": env_info(dev), "args": vars(args), "workloads": {}}
+    result = {"env": {**machine_info(), "device": str(dev)}, "args": vars(args), "workloads": {}}
 
     def save() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -40,7 +38,7 @@ import numpy as np
 
 from draftrelay.handoff import native
 from draftrelay.handoff import rounds as rounds_mod
-from draftrelay.handoff.procinfo import cpu_seconds
+from draftrelay.handoff.procinfo import cpu_seconds, machine_info
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig, open_rounds
 
@@ -366,30 +364,6 @@ def run_pingpong(n: int, warmup: int) -> dict:
             "round_trip_us_p99": pct(np.array(rtt) * us, 99),
             "one_leg_us_p50_estimate": pct(np.array(rtt) * us / 2, 50)}
 
-
-def environment() -> dict:
-    import torch
-
-    env = {"python": platform.python_version(), "kernel": platform.release(), "cores": os.cpu_count(),
-           "torch": torch.__version__, "numpy": np.__version__}
-    try:
-        import cuda.bindings
-
-        env["cuda_bindings"] = cuda.bindings.__version__
-    except ImportError:
-        env["cuda_bindings"] = None
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-        env["torch_cuda"] = torch.version.cuda
-        try:
-            env["nvidia_smi"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20).stdout.strip()
-        except Exception as exc:  # noqa: BLE001
-            env["nvidia_smi"] = f"failed: {exc}"
-    return env
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20_000)
@@ -446,7 +420,7 @@ def main() -> int:
               f"{x.get('pickup_us_p50') or nan:11.1f}{x.get('round_us_mean') or nan:9.0f}"
               f"{x.get('proxy_cpu_percent') or nan:9.0f}%")
     out = {"benchmark": "handoff_cuda", "command": "python benchmarks/handoff_cuda.py " + " ".join(sys.argv[1:]),
-           "environment": environment(),
+           "environment": machine_info(),
            "targets": {"enqueue_us_p50": 15, "release_to_resume_us_p50": 5, "release_to_resume_us_p99": 10},
            "references": {"seed_engine_submit_us": [140, 362], "raw_three_memop_enqueue_us_p50_h200": 9.6,
                           "numpy_spin_release_to_resume_us_h200": [6.2, 12.7]},

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from draftrelay.handoff.procinfo import machine_info
+
 HIDDEN = 5120
 ROWS = (5, 10, 20, 40)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -216,20 +218,8 @@ def bench_baselines(timeout_s: float) -> dict:
 
 
 def env_info() -> dict:
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
-    try:
-        info["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem,power.limit", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20).stdout.strip()
-        info["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
-                                          timeout=20).stdout.strip()
-    except Exception as exc:  # noqa: BLE001
-        info["driver"] = f"unavailable: {exc}"
-    info["env"] = {k: os.environ.get(k) for k in
-                   ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")}
-    return info
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    return {**machine_info(topology=True), "nccl": nccl}
 
 
 def main() -> int:

@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from draftrelay import model as M
+from draftrelay.handoff.procinfo import machine_info
 from draftrelay.wire import Block, DrafterClient
 from draftrelay.worker.core import WorkerCore
 from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
@@ -234,19 +234,6 @@ def save_partial(current=None) -> None:
         json.dump({k: v for k, v in out.items() if k != "_path"}, f, indent=1, default=str)
 
 
-def env_info() -> dict:
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda,
-            "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}}
-    try:
-        info["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,power.limit",
-                                             "--format=csv,noheader"], capture_output=True, text=True,
-                                            timeout=20).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        info["nvidia_smi"] = str(exc)
-    return info
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
@@ -271,7 +258,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     RUN.update({"benchmark": "tp2_step", "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "command": " ".join(["python", "benchmarks/tp2_step.py"] + (argv or sys.argv[1:])),
-                "context": PROMPT, "new_tokens": NEW, "env": env_info(), "shapes": [], "_path": out})
+                "context": PROMPT, "new_tokens": NEW, "env": machine_info(), "shapes": [], "_path": out})
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         try:

@@ -16,42 +16,19 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+from draftrelay.handoff.procinfo import machine_info
 from draftrelay.wire import Block, DrafterClient
 from draftrelay.worker.process import start_worker_process
 
 
 def pct(xs, q) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q))
-
-
-def env_info(device: str) -> dict:
-    info = {"python": platform.python_version(), "platform": platform.platform(), "cpu": platform.processor(),
-            "cores": os.cpu_count(), "loadavg_1_5_15": list(os.getloadavg())}  # other work on the host skews p99
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        if device.startswith("cuda") and torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-            info["cuda"] = torch.version.cuda
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.sm",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
-            info["nvidia_smi"] = smi.stdout.strip()
-    except Exception as exc:  # environment details are best-effort
-        info["env_error"] = str(exc)
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), info["cpu"])
-    except OSError:
-        pass
-    return info
 
 
 def run_point(client: DrafterClient, n_req: int, n_out: int, accept: int, rounds: int, warmup: int,
@@ -161,7 +138,7 @@ def main(argv=None) -> int:
                 for r in runs + ([current] if current else [])]
         with open(out, "w") as f:
             json.dump({"benchmark": "wire_step", "partial": True, "model": args.model, "device": args.device,
-                       "runs": done, "failed": failed, "env": env_info(args.device)}, f, indent=1)
+                       "runs": done, "failed": failed, "env": machine_info()}, f, indent=1)
 
     for m in args.modes.split(","):
         try:
@@ -187,7 +164,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "wire_step", "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join(["python", "benchmarks/wire_step.py"] + (argv if argv is not None else sys.argv[1:])),
               "model": args.model, "device": args.device, "accept": args.accept, "prompt_len": args.prompt_len,
-              "runs": runs, "failed": failed, "parity": parity, "env": env_info(args.device)}
+              "runs": runs, "failed": failed, "parity": parity, "env": machine_info()}
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")

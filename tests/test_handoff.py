@@ -312,3 +312,20 @@ def test_close_with_a_parked_round_drains_through_the_watchdog():
 def test_region_config_errors_are_clear():
     with pytest.raises(ValueError, match="max_drafts"):
         Region.create(RegionConfig(max_drafts=0))
+
+
+def test_machine_info_names_where_a_figure_was_measured():
+    """The versions come from the installed distributions; nvidia-smi's view only where it exists, torch's
+    GPUs only where torch sees one (a CPU machine: neither)."""
+    import shutil
+
+    import torch
+
+    from draftrelay.handoff.procinfo import machine_info
+
+    info = machine_info(topology=True)
+    assert info["torch"] == torch.__version__
+    assert info["numpy"] == np.__version__ and info["cores"] == os.cpu_count()
+    assert info["python"].count(".") == 2 and len(info["loadavg_1_5_15"]) == 3
+    assert ("gpus" in info) == torch.cuda.is_available()
+    assert ("nvidia_smi" in info) == ("topology" in info) == bool(shutil.which("nvidia-smi"))

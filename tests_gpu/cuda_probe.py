@@ -39,7 +39,7 @@ import traceback
 
 import numpy as np
 
-from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
+from draftrelay.handoff.procinfo import children, fd_count, machine_info, memfd_maps
 
 STEPS = ("env", "refusal", "lazy", "lazy_round", "soak", "late", "graph", "soak_memop", "late_memop")
 STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 90, "lazy_round": 40, "soak": 70, "late": 50, "graph": 40,
@@ -101,28 +101,19 @@ def pct(a, q):
 
 
 def step_env() -> dict:
-    import platform
+    from importlib import metadata
 
     import torch
 
     from draftrelay.handoff.cuda_stream import CudaStream
     from draftrelay.handoff.region import Region, RegionConfig
 
-    out: dict = {"python": platform.python_version(), "kernel": platform.release(), "torch": torch.__version__,
-                 "torch_cuda": torch.version.cuda, "numpy": np.__version__,
-                 "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING", "(unset)")}
-    for mod in ("cuda.bindings", "triton", "cupy"):
+    out = machine_info()
+    for dist in ("triton", "cupy-cuda13x"):  # present on the GPU image; the probe does not need them
         try:
-            m = __import__(mod, fromlist=["__version__"])
-            out[mod] = getattr(m, "__version__", "?")
-        except Exception as exc:  # noqa: BLE001
-            out[mod] = f"absent ({exc})"
-    try:
-        out["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pci.bus_id", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception as exc:  # noqa: BLE001
-        out["nvidia_smi"] = f"failed: {exc}"
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
     eng = torch.cuda.Stream()
     torch.zeros(1, device="cuda")  # CUDA's own fds are opened here, before the baseline
     fds, maps = fd_count(), memfd_maps()

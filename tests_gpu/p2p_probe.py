@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import traceback
 
 import torch
 
+from draftrelay.handoff.procinfo import machine_info
 from draftrelay.p2p import (
     ERR_CANCELLED,
     ERR_EPOCH_EXHAUSTED,
@@ -56,21 +56,13 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def env_info() -> dict:
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "devices": []}
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        info["devices"].append({"name": p.name, "sms": p.multi_processor_count, "cc": f"{p.major}.{p.minor}"})
-    for key, cmd in {
-        "driver": ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit",
-                   "--format=csv,noheader"],
-        "topology": ["nvidia-smi", "topo", "-m"],
-        "nvcc": ["nvcc", "--version"],
-    }.items():
-        try:
-            info[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
-        except Exception as exc:  # noqa: BLE001 - informational only
-            info[key] = f"unavailable: {exc}"
-    info["env"] = {k: os.environ.get(k) for k in ("CUDA_MODULE_LOADING", "NCCL_NVLS_ENABLE")}
+    info = machine_info(topology=True)
+    info["devices"] = [{"name": p.name, "sms": p.multi_processor_count, "cc": f"{p.major}.{p.minor}"}
+                       for p in map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))]
+    try:
+        info["nvcc"] = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        info["nvcc"] = f"unavailable: {exc}"
     return info
 
 

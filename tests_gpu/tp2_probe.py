@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -30,6 +28,7 @@ import numpy as np
 import torch
 
 from draftrelay import model as M
+from draftrelay.handoff.procinfo import machine_info
 from draftrelay.wire import protocol as P
 from draftrelay.worker.core import StepFailed, WorkerCore
 from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
@@ -61,20 +60,6 @@ def check(name: str):
 def save() -> None:
     with open(ARGS.json, "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
-
-
-def env_info() -> dict:
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda,
-            "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
-    for key, cmd in {"driver": ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm", "--format=csv,noheader"],
-                     "topology": ["nvidia-smi", "topo", "-m"]}.items():
-        try:
-            info[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
-        except Exception as exc:  # noqa: BLE001
-            info[key] = f"unavailable: {exc}"
-    info["env"] = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}
-    return info
-
 
 def make_model(shape: str) -> M.Transformer:
     dev, dt = ("cpu", torch.float32) if ARGS.cpu_dry_run else ("cuda:0", torch.bfloat16)
@@ -265,7 +250,7 @@ def main() -> int:
     ap.add_argument("--eq-rounds", type=int, default=6, help="rounds of the bit-equality checks")
     ap.add_argument("--cpu-dry-run", action="store_true", help="run the probe's logic on CPU (emulation, 2 layers)")
     ARGS = ap.parse_args()
-    RESULTS["env"] = {} if ARGS.cpu_dry_run else env_info()
+    RESULTS["env"] = {} if ARGS.cpu_dry_run else machine_info(topology=True)
     print(json.dumps(RESULTS["env"], indent=1)[:1200], flush=True)
     if torch.cuda.device_count() < 2 and not ARGS.cpu_dry_run:
         print("needs 2 GPUs", flush=True)
