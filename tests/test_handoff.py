@@ -13,18 +13,15 @@ import pytest
 
 from draftrelay.handoff import rounds as rounds_mod
 from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
-from draftrelay.handoff.proxy import STALL_POINTS, score_round
+from draftrelay.handoff.proxy import STALL_POINTS, random_requests, score_round
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status, pack_staging
 from draftrelay.handoff.rounds import AsyncRefused, AsyncRounds, HandoffConfig, SyncRounds, open_rounds
 
 VOCAB = 5000
 
 
-def make_requests(rng: np.random.Generator, t: int, max_req: int = 4) -> list[RoundRequest]:
-    n = int(rng.integers(1, max_req + 1))
-    return [RoundRequest(int(rng.integers(0, 1000)), int(rng.integers(1, 5)), t * 3 + i,
-                         rng.integers(0, VOCAB, int(rng.integers(0, 9))).astype(np.int32),
-                         int(rng.integers(0, 7))) for i in range(n)]
+def make_requests(rng: np.random.Generator, t: int) -> list[RoundRequest]:
+    return random_requests(rng, t, VOCAB)
 
 
 def check_round(reqs: list[RoundRequest], res) -> tuple[int, int]:

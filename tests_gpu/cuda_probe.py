@@ -58,13 +58,10 @@ VOCAB = 5000
 # shared helpers (the same checks as tests/test_handoff.py)
 
 
-def make_requests(rng, t: int, max_req: int = 4):
-    from draftrelay.handoff.region import RoundRequest
+def make_requests(rng, t: int):
+    from draftrelay.handoff.proxy import random_requests
 
-    n = int(rng.integers(1, max_req + 1))
-    return [RoundRequest(int(rng.integers(0, 1000)), int(rng.integers(1, 5)), t * 3 + i,
-                         rng.integers(0, VOCAB, int(rng.integers(0, 9))).astype(np.int32),
-                         int(rng.integers(0, 7))) for i in range(n)]
+    return random_requests(rng, t, VOCAB)
 
 
 def check_round(reqs, res) -> tuple[int, int]:

@@ -76,6 +76,15 @@ def deterministic_draft(req: RoundRequest, vocab_size: int) -> tuple[np.ndarray,
     return drafts, conf
 
 
+def random_requests(rng: np.random.Generator, t: int, vocab_size: int, max_req: int = 4) -> list[RoundRequest]:
+    """Round t's requests for soaks against the built-in drafter: 1..max_req requests with random ids,
+    generations and 0-8 tokens, each asking for 0-6 drafts (the empty cases included on purpose)."""
+    n = int(rng.integers(1, max_req + 1))
+    return [RoundRequest(int(rng.integers(0, 1000)), int(rng.integers(1, 5)), t * 3 + i,
+                         rng.integers(0, vocab_size, int(rng.integers(0, 9))).astype(np.int32),
+                         int(rng.integers(0, 7))) for i in range(n)]
+
+
 def score_round(requests: list[RoundRequest], result, vocab_size: int) -> tuple[int, int]:
     """(exact drafts, wrong drafts) of a RoundResult for rounds of the built-in drafter: an OK round
     must carry each request's n_out drafts and confidences bit for bit; any other round must carry
