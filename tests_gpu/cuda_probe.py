@@ -472,6 +472,7 @@ def step_lazy() -> dict:
 def step_soak() -> dict:
     import torch
 
+    from draftrelay.handoff.proxy import score_in_flight
     from draftrelay.handoff.region import pack_staging
     from draftrelay.handoff.rounds import open_rounds
 
@@ -485,10 +486,8 @@ def step_soak() -> dict:
     pinned = [torch.zeros(L.staging_size, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
     dev = [torch.zeros(L.staging_size, dtype=torch.uint8, device="cuda") for _ in range(4)]
     rng = np.random.default_rng(1)
-    exact = wrong = 0
-    t0 = time.monotonic()
-    try:
-        pending = []
+
+    def submitted():
         for _ in range(10_000):
             t = r._t + 1  # the stream round (after the self-test's)
             reqs = make_requests(rng, t)
@@ -501,14 +500,11 @@ def step_soak() -> dict:
             else:
                 tt = r.submit(reqs)
             assert tt == t
-            pending.append((tt, reqs))
-            if len(pending) == 2:
-                tt, rq = pending.pop(0)
-                e, w = check_round(rq, r.result(tt, timeout_s=10))
-                exact, wrong = exact + e, wrong + w
-        for tt, rq in pending:
-            e, w = check_round(rq, r.result(tt, timeout_s=10))
-            exact, wrong = exact + e, wrong + w
+            yield tt, reqs
+
+    t0 = time.monotonic()
+    try:
+        exact, wrong = score_in_flight(r, submitted(), VOCAB)
         st = r.stats()
     finally:
         r.close()

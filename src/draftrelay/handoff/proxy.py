@@ -17,12 +17,13 @@ written only into a slot whose claim word tells the engine to ignore it.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,6 +100,28 @@ def score_round(requests: list[RoundRequest], result, vocab_size: int) -> tuple[
             exact += k
         else:
             wrong += max(k, 1)
+    return exact, wrong
+
+
+def score_in_flight(rounds, submitted: Iterable[tuple[int, list[RoundRequest]]], vocab_size: int,
+                    depth: int = 2, timeout_s: float = 10.0) -> tuple[int, int]:
+    """(exact drafts, wrong drafts) of the rounds `submitted` yields as (round id, requests), pulled one at
+    a time while `depth` rounds stay in flight (the engine runs two), each result scored by score_round."""
+    exact = wrong = 0
+    pending: collections.deque = collections.deque()
+
+    def settle() -> None:
+        nonlocal exact, wrong
+        t, reqs = pending.popleft()
+        e, w = score_round(reqs, rounds.result(t, timeout_s=timeout_s), vocab_size)
+        exact, wrong = exact + e, wrong + w
+
+    for item in submitted:
+        pending.append(item)
+        if len(pending) == depth:
+            settle()
+    while pending:
+        settle()
     return exact, wrong
 
 
