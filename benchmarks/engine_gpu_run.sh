@@ -3,7 +3,8 @@
 # on one GPU, and (when a second GPU is there) the table again with the worker on GPU 1.
 # Everything it produces lands in $OUT (default ./gpu-out): logs and benchmark JSON.
 #   bash benchmarks/engine_gpu_run.sh [seconds the whole script may take, default 540]
-# WORKLOADS / WORKLOADS_2GPU override the workload lists (see benchmarks/engine_workloads.py).
+# WORKLOADS / WORKLOADS_2GPU override the workload lists (see benchmarks/engine_workloads.py); SKIP_PROBES=1
+# leaves out the GPU tests and the worker probe (when an earlier call in the same session ran them).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
@@ -26,14 +27,17 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/pip.log" 2>
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 stamp "GPU probes"
-if python3 -c "import pytest" 2>/dev/null; then
+if [ "${SKIP_PROBES:-0}" = 1 ]; then
+  echo "skipped (SKIP_PROBES=1)"
+elif python3 -c "import pytest" 2>/dev/null; then
   timeout 90 python3 -m pytest -q -x -s tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 else
   timeout 90 python3 tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
-
-stamp "worker drafter: graph == eager, run() time per mode, on each GPU"
-timeout 120 python3 tests_gpu/worker_graph_probe.py --rounds 40 --out "$OUT" 2>&1 | tee "$OUT/worker_probe.log" | tail -6
+if [ "${SKIP_PROBES:-0}" != 1 ]; then
+  stamp "worker drafter: graph == eager, run() time per mode, on each GPU"
+  timeout 120 python3 tests_gpu/worker_graph_probe.py --rounds 40 --out "$OUT" 2>&1 | tee "$OUT/worker_probe.log" | tail -6
+fi
 
 if [ "$NGPU" -ge 2 ]; then
   L=$(( $(left) / 3 ))
