@@ -185,11 +185,16 @@ def main() -> int:
     result["worker"] = worker.banner
     print(worker.banner, flush=True)
     spin, nap = (50, 20) if dev.type == "cuda" else (0, 200)
+    # a worker on the engine's own GPU: park with memops (a spinning round kernel would make the GPU
+    # time-slice the two processes' contexts; see HandoffConfig.cuda_wait)
+    wd = torch.device(wdev)
+    wait = "memop" if wd.type == dev.type == "cuda" and (wd.index or 0) == (dev.index or 0) else ""
+    result["cuda_wait"] = wait or "auto"
     # sync and async rounds are open at once: two worker sessions, each reserving max_requests rows
     h = HandoffConfig(vocab_size=target.cfg.vocab_size, max_drafts=max(8, args.k), max_requests=4,
                       max_tokens=max(32768, args.max_round_tokens * 4), deadline_ms=args.deadline_ms,
                       round_budget_ms=args.deadline_ms * 0.9, spin_us=spin, nap_us=nap,
-                      backend="cuda" if dev.type == "cuda" else "emulated",
+                      backend="cuda" if dev.type == "cuda" else "emulated", cuda_wait=wait,
                       round_spec={"kind": "worker", "host": worker.host, "port": worker.port, "model_id": model_id,
                                   "n_out_max": args.k, "max_requests": 4})
     # one engine stream for every engine: the CUDA hand-off enqueues on the stream current at its start

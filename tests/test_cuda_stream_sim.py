@@ -337,3 +337,20 @@ def test_faulted_rounds_through_the_real_proxy_on_the_simulated_stream(sim_cuda,
         r.close()
     assert wrong == 0 and exact > 100 and st["rounds"] == 150
     assert st["ok"] > 100 and st["failed"] > 0  # the faults happened and were refused, not believed
+
+
+def test_handoff_config_cuda_wait_reaches_the_stream(sim_cuda):
+    """HandoffConfig.cuda_wait picks the parked stream's wait (memop for a worker on the engine's own
+    GPU); a bad value is named."""
+    from draftrelay.handoff.rounds import HandoffConfig, make_stream
+
+    sim_cuda()
+    region = Region.create(RegionConfig(4, 256, 8, 5000))
+    try:
+        st = make_stream(HandoffConfig(backend="cuda", cuda_wait="memop"), region)
+        assert st.wait_mode == "memop" and st.info["round"] == "memops" and st._round_fn is None
+        st.close()
+        with pytest.raises(ValueError, match="'spin'"):
+            make_stream(HandoffConfig(backend="cuda", cuda_wait="spin"), region)
+    finally:
+        region.close()

@@ -439,3 +439,38 @@ def test_decode_forward_reads_the_kv_rows_without_copying_them_again():
     with torch.no_grad(), Watch():
         model(torch.zeros(B, 1, dtype=torch.long), torch.tensor([5, 9, 2]), cache, torch.tensor([3, 0, 1]), kv_len=L)
     assert big == ["index"] * (2 * cfg.n_layers), big
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_split_kv_decode_attention_equals_one_gemm(monkeypatch, dtype, tol):
+    """From SPLIT_KV keys on, probs @ V runs over chunks of keys with an fp32 sum: the same attention
+    as the single GEMM (within rounding), for a cache slice read in place, a masked tail, and a length
+    that is not a multiple of the chunk; a whole decode forward agrees too."""
+    import draftrelay.model as M
+
+    monkeypatch.setattr(M, "SPLIT_CHUNK", 16)
+    g = torch.Generator().manual_seed(3)
+    B, H, R, D, Lmax = 2, 2, 6, 8, 100
+    ck, cv = (torch.randn(B + 1, H, Lmax, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(B, H, R, D, generator=g).to(dtype)
+    for L in (64, 75):
+        keys, vals = ck[1:][:, :, :L], cv[1:][:, :, :L]  # non-contiguous views, as a slice of the cache
+        blocked = torch.zeros(B, 1, R, L, dtype=torch.bool)
+        blocked[0, ..., L - 20:] = True
+        monkeypatch.setattr(M, "SPLIT_KV", 1 << 40)
+        one = M.attend(q, keys, vals, blocked)
+        monkeypatch.setattr(M, "SPLIT_KV", 32)
+        split = M.attend(q, keys, vals, blocked)
+        assert split.dtype == dtype and split.shape == one.shape
+        torch.testing.assert_close(split.float(), one.float(), atol=tol, rtol=tol)
+    cfg = small_cfg()
+    model = Transformer.random(cfg, seed=4, std=0.1)
+    toks = rand_tokens(70, cfg.vocab_size, seed=2)
+    outs = []
+    for split_kv in (1 << 40, 32):
+        monkeypatch.setattr(M, "SPLIT_KV", split_kv)
+        cache = model.new_cache(1, 80)
+        with torch.no_grad():
+            model(toks[:, :66], torch.tensor([0]), cache, torch.tensor([0]))
+            outs.append(model(toks[:, 66:], torch.tensor([66]), cache, torch.tensor([0]), kv_len=80))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

@@ -58,7 +58,9 @@ def test_greedy_identical_on_every_gpu_path(target, worker):
         replays, drains = info["graphs"][1]
         assert replays > 0 and (drains == 0) == ring
     out, info = gen(target, "sync", worker)
-    assert out == ref and info["metrics"]["mean_accepted"] > 0.5
+    why = f"{info} | worker log: {worker.log()[-1500:]}"  # first GPU run of 2026-11-29: acceptance 0.0 once
+    assert out == ref, why
+    assert info["metrics"]["mean_accepted"] > 0.5, why
     out, info = gen(target, "async", worker)
     print("async:", info["round_mode"], info["device_drafts"], info["refusal"], info["metrics"]["rounds"])
     assert info["round_mode"] == "async", info["refusal"]

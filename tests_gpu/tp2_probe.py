@@ -9,8 +9,11 @@ Checks (each pass/fail with details; exit code 1 if any failed):
   parity_vs_one_card     TP2 (graphs) vs the one-card drafter (LlamaDrafter, graphs) on the same frames,
                          4 requests x --rounds rounds, n_out 5: agreement rate, and every first mismatch of a
                          request-round classified, from both models' logits recomputed at that position: a
-                         numeric near-tie when the two tokens' logits differ, in each model, by at most
-                         tol = max(largest one-card-vs-TP2 logit difference there, 4 bf16 ulps of the logit)
+                         numeric near-tie when, with tol = max(largest one-card-vs-TP2 logit difference
+                         there, 4 bf16 ulps of the logit), the two tokens' margin is at most 2 tol in each
+                         model (each logit may move by tol, their difference by 2 tol) and tol is at most
+                         5 % of the logits' spread (rounding, not a wrong shard); the count within 1 tol is
+                         reported too (the rule until 2026-11-29, which two 1.5B mismatches exceeded)
   failure_injection      rank 1 launches nothing in a step: StepFailed within the bound, the pair is reset,
                          the next steps are right again, 3 failures in a row call on_fatal
 """
@@ -167,7 +170,7 @@ def parity_vs_one_card(model, shape: str, rounds: int) -> dict:
             mismatches.append({"round": k, "request": i, "position": p, "one_card": int(a[i, p]),
                                "tp2": int(b[i, p]), "ctx": hist[i] + a[i, :p].tolist()})
     # classify every first mismatch with both models' full logits at that position (recomputed eagerly)
-    near = other = 0
+    near = other = within_1x = 0
     details = []
     cache = model.new_cache(1, 2048)
     for m in mismatches:
@@ -181,16 +184,26 @@ def parity_vs_one_card(model, shape: str, rounds: int) -> dict:
         margin = float(l1[ta] - l1[tb])
         noise = float((l1 - l2).abs().max())
         ulp = bf16_ulp(max(abs(float(l1[ta])), abs(float(l1[tb]))))
-        tol = max(noise, 4 * ulp)  # what two computations of the same logits may differ by
-        m.update(margin=margin, margin_ulps=margin / ulp, noise=noise, tp2_margin=float(l2[tb] - l2[ta]), tol=tol)
-        m["near_tie"] = abs(margin) <= tol and abs(m["tp2_margin"]) <= tol
+        tol = max(noise, 4 * ulp)  # what one logit may differ by between the two computations
+        spread = float(l1.max() - l1.min())
+        m.update(margin=margin, margin_ulps=margin / ulp, noise=noise, tp2_margin=float(l2[tb] - l2[ta]), tol=tol,
+                 noise_over_spread=noise / max(spread, 1e-30))
+        # Each of the two logits may move by up to `tol`, so their DIFFERENCE may move by up to 2 tol: a
+        # margin within 2 tol in both models can flip by rounding alone. And the noise itself must be
+        # rounding-sized: a wrong shard or a stale KV row moves logits by their own spread, not by 5 %.
+        m["within_1x"] = abs(margin) <= tol and abs(m["tp2_margin"]) <= tol
+        m["near_tie"] = (abs(margin) <= 2 * tol and abs(m["tp2_margin"]) <= 2 * tol
+                         and m["noise_over_spread"] <= 0.05)
         near += m["near_tie"]
+        within_1x += m["within_1x"]
         other += not m["near_tie"]
         details.append(m)
     two.close()
     out = {"requests": n_req, "rounds": rounds, "request_rounds": total, "n_out": n_out,
            "agreement_rate": agree / total, "position_agreement": (pos_agree / total).round(4).tolist(),
            "first_mismatches": len(mismatches), "near_ties": near, "not_near_ties": other,
+           "near_ties_within_1x_noise": within_1x,
+           "max_noise_over_spread": max((d["noise_over_spread"] for d in details), default=0.0),
            "mismatch_details": details[:60], "replay_threads": two._pool_threads is not None,
            "settle_log": two.settle_log[:3]}
     assert total >= 400, total

@@ -303,6 +303,11 @@ def step_tables(start_pos: torch.Tensor, T: int, kv_len: int, n_rep: int, inv_fr
 
 
 DECODE_ROWS = 64  # query rows per kv head up to which attend() takes the explicit decode path
+# From SPLIT_KV keys on, the decode path's probs @ V runs as one batched GEMM over chunks of
+# SPLIT_CHUNK keys plus an fp32 sum of the partials (the split-K of flash-decoding, in plain torch).
+# Tests and benchmarks may change them (a captured graph keeps the choice it was captured with).
+SPLIT_KV = 8192
+SPLIT_CHUNK = 2048
 
 
 def attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
@@ -320,7 +325,20 @@ def attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, blocked: to
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * (qg.shape[-1] ** -0.5)
     scores = scores.masked_fill(blocked, float("-inf"))  # every row sees key 0: never all -inf
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
-    return torch.matmul(probs, vals)
+    L = vals.shape[-2]
+    if L < SPLIT_KV:
+        return torch.matmul(probs, vals)
+    # probs @ V has a tiny output (R x D per kv head) and a long reduction (L): as one GEMM it gets
+    # a handful of thread blocks per head that each stream all of L. Chunks of the reduction give
+    # every SM work; the partials (fp32-accumulated, one rounding each) are summed in fp32.
+    S = L // SPLIT_CHUNK
+    M = S * SPLIT_CHUNK
+    p = probs[..., :M].unflatten(-1, (S, SPLIT_CHUNK)).transpose(-3, -2)  # [B, n_kv, S, R, C]
+    v = vals[:, :, :M].unflatten(2, (S, SPLIT_CHUNK))  # [B, n_kv, S, C, D]
+    out = torch.matmul(p, v).float().sum(2)
+    if M < L:
+        out += torch.matmul(probs[..., M:], vals[:, :, M:]).float()
+    return out.to(vals.dtype)
 
 
 class Proj(NamedTuple):

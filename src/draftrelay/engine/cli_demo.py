@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         for mode in modes:
             h = HandoffConfig(round_spec=spec, deadline_ms=args.deadline_ms, spin_us=SPIN_NAP_US[dev.type][0],
                               nap_us=SPIN_NAP_US[dev.type][1],
-                              backend="cuda" if dev.type == "cuda" else "emulated") if mode != "off" else None
+                              backend="cuda" if dev.type == "cuda" else "emulated",
+                              cuda_wait="" if args.worker else "memop") if mode != "off" else None
             cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=len(prompts), max_len=max_len, handoff=h)
             with Engine(target.model, cfg) as eng:
                 eng.generate([ids[0]], SamplingParams(max_tokens=min(4, args.max_tokens)))  # warm-up

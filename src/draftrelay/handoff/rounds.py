@@ -76,6 +76,11 @@ class HandoffConfig:
     supervise_ms: float = 10.0
     preload: tuple = ()  # callables launching every kernel used while a stream is parked (run before round 1)
     cuda_stream: object = None  # backend "cuda": the torch.cuda.Stream to park (default: the current one)
+    # backend "cuda": how the parked stream waits (docs/CUDA_BACKEND.md). "" = $DRAFTRELAY_CUDA_WAIT or
+    # "auto" (the round kernel: fastest wake-up, holds one SM). Use "memop" when the drafter worker
+    # runs on the engine's own GPU: a kernel spinning in the engine's context makes the GPU time-slice
+    # between the two processes' contexts, and the worker's step ran at half speed (H200, 128K).
+    cuda_wait: str = ""
 
     @property
     def region_config(self) -> RegionConfig:
@@ -532,7 +537,7 @@ def make_stream(cfg: HandoffConfig, region: Region) -> StreamOps:
     if cfg.backend == "cuda":
         from .cuda_stream import CudaStream  # needs cuda-bindings and a GPU
 
-        return CudaStream(region, cfg.cuda_stream)
+        return CudaStream(region, cfg.cuda_stream, wait=cfg.cuda_wait or None)
     raise ValueError(f"unknown stream backend {cfg.backend!r} (expected 'emulated' or 'cuda')")
 
 
