@@ -23,7 +23,7 @@ import torch
 
 from draftrelay import model as M
 from draftrelay.handoff.procinfo import machine_info
-from draftrelay.worker.drafters import Job, load_drafter
+from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter, load_drafter
 
 VARIANTS = {"one_gemm": 1 << 62, "split_kv": M.SPLIT_KV}
 
@@ -59,8 +59,15 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     ctxs = sorted(int(x) for x in args.contexts.split(","))
-    d = load_drafter(args.model, device=args.device, dtype="bfloat16", n_rows=1, max_ctx=ctxs[-1] + 64,
-                     n_out_max=8, seed=0, mode="graph")
+    if args.model.startswith("random:"):  # the shape's own position limit (32K for Qwen2.5) lifted, as
+        # the engine benchmark's drafter directory does: timing does not depend on it
+        cfg = M.ModelConfig(**SHAPES[args.model[7:]], name=args.model[7:])
+        cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, ctxs[-1] + 64))
+        net = M.Transformer.random(cfg, seed=0, device=args.device, dtype=torch.bfloat16, draw_on="device")
+        d = LlamaDrafter(net, 1, ctxs[-1] + 64, 8, args.model, "", "graph")
+    else:
+        d = load_drafter(args.model, device=args.device, dtype="bfloat16", n_rows=1, max_ctx=ctxs[-1] + 64,
+                         n_out_max=8, seed=0, mode="graph")
     rng = np.random.default_rng(0)
     toks = rng.integers(0, d.vocab_size, ctxs[-1] + 1).astype(np.int32)
     res = {"benchmark": "drafter_context", "command": " ".join(["python", "benchmarks/drafter_context.py"]

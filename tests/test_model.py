@@ -474,3 +474,33 @@ def test_split_kv_decode_attention_equals_one_gemm(monkeypatch, dtype, tol):
             model(toks[:, :66], torch.tensor([0]), cache, torch.tensor([0]))
             outs.append(model(toks[:, 66:], torch.tensor([66]), cache, torch.tensor([0]), kv_len=80))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_forward_never_waits_for_the_device_stream():
+    """Host inputs (tokens, positions, rows, logits_at) go to the device as enqueued copies: a blocking
+    host-to-device copy synchronizes the stream, and in async rounds that stream is parked on the
+    round, so the verify would not be enqueued until the round ended. Checked on the meta device (any
+    non-CPU device takes the same path; on CUDA the host side is pinned first)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = Transformer.random(tiny_config(), seed=0).to("meta")
+    cache = model.new_cache(2, 32)
+    blocking: list[str] = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if (func.overloadpacket.__name__ == "_to_copy" and src is not None and src.device.type == "cpu"
+                    and kwargs.get("device") is not None and kwargs["device"].type != "cpu"
+                    and not kwargs.get("non_blocking")):
+                blocking.append(str(tuple(src.shape)))
+            return func(*args, **kwargs)
+
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([0, 0]), cache, torch.tensor([0, 1]))  # warm
+        with Watch():
+            model(torch.tensor([[7, 8], [9, 10]]), torch.tensor([3, 3]), cache, torch.tensor([1, 0]),
+                  logits_at=torch.tensor([1, 0]))
+            model(torch.tensor([[7], [9]]), torch.tensor([5, 5]), cache, slice(0, 2), kv_len=8)
+    assert blocking == [], f"blocking host-to-device copies of shapes {blocking}"

@@ -8,6 +8,8 @@ comparison is not at the mercy of bf16 near-ties between differently shaped GEMM
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -89,8 +91,27 @@ if __name__ == "__main__":  # without pytest: run the probes in order, fixtures 
     tgt = tiny_pair(device="cuda", dtype=torch.float32)[0]
     w = start_worker_process(["--model", "tiny", "--device", "cuda", "--dtype", "float32"])
     try:
-        for fn in (test_greedy_identical_on_every_gpu_path, test_async_faults_on_gpu_cost_no_tokens):
+        for fn in (test_greedy_identical_on_every_gpu_path, test_async_faults_on_gpu_cost_no_tokens,
+                   test_verify_is_enqueued_behind_a_busy_stream_without_waiting):
             fn(tgt, w)
             print("PASSED", fn.__name__, flush=True)
     finally:
         w.stop()
+
+
+def test_verify_is_enqueued_behind_a_busy_stream_without_waiting(target):
+    """The host enqueues a decode forward behind a stream that is still busy (as it is while parked on
+    a round) without waiting for it: no blocking host-to-device copy in the forward."""
+    cache = target.new_cache(2, 64)
+    with torch.no_grad():
+        target(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([0, 0]), cache, torch.tensor([0, 1]))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the current stream (a stand-in for the parked wait)
+        t0 = time.perf_counter()
+        out = target(torch.tensor([[7], [9]]), torch.tensor([3, 3]), cache, torch.tensor([1, 0]))
+        enqueue_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        total_s = time.perf_counter() - t0
+    assert out.shape[:2] == (2, 1)
+    assert total_s > 0.3, f"the sleep did not hold the stream ({total_s:.3f} s)"
+    assert enqueue_s < 0.1, f"the forward waited for the stream: enqueue took {enqueue_s:.3f} s of {total_s:.3f} s"

@@ -302,6 +302,19 @@ def step_tables(start_pos: torch.Tensor, T: int, kv_len: int, n_rep: int, inv_fr
     return pos, cos, sin, blocked
 
 
+def to_device(x, dev: torch.device) -> torch.Tensor:
+    """Host values (a list or a CPU tensor) onto `dev` without waiting for its stream. A plain
+    (blocking) host-to-device copy synchronizes the stream first; in async rounds that stream is parked
+    on the round, so the host would stop enqueuing the verify until the round ends, the very overlap
+    async rounds are for. Pinned memory and non_blocking make it an ordinary enqueued copy."""
+    t = torch.as_tensor(x)
+    if t.device == dev or t.device.type != "cpu" or dev.type == "cpu":
+        return t.to(dev)
+    if dev.type == "cuda":
+        t = t.pin_memory()  # torch keeps the pinned block alive until the copy has run
+    return t.to(dev, non_blocking=True)
+
+
 DECODE_ROWS = 64  # query rows per kv head up to which attend() takes the explicit decode path
 # From SPLIT_KV keys on, the decode path's probs @ V runs as one batched GEMM over chunks of
 # SPLIT_CHUNK keys plus an fp32 sum of the partials (the split-K of flash-decoding, in plain torch).
@@ -470,7 +483,7 @@ class Transformer(nn.Module):
         """
         dev = self.device
         eager = kv_len is None
-        tokens = torch.as_tensor(tokens, device=dev)
+        tokens = to_device(tokens, dev)
         B, T = tokens.shape
         if isinstance(rows, slice):
             if rows.stop - rows.start != B or rows.step not in (None, 1):
@@ -482,11 +495,11 @@ class Transformer(nn.Module):
                 rows = slice(rw[0], rw[0] + len(rw))
         if eager:
             sp = torch.as_tensor(start_pos).tolist()
-        start_pos = torch.as_tensor(start_pos, device=dev).long()
+        start_pos = to_device(start_pos, dev).long()
         if isinstance(rows, slice):
             widx = torch.arange(B, device=dev)[:, None]
         else:
-            rows = torch.as_tensor(rows, device=dev).long()
+            rows = to_device(rows, dev).long()
             widx = rows[:, None]
         if eager:
             if len(sp) != B or len(rw) != B:
@@ -511,7 +524,7 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         elif logits_at is not None:
-            x = x[torch.arange(B, device=dev), torch.as_tensor(logits_at, device=dev)][:, None]
+            x = x[torch.arange(B, device=dev), to_device(logits_at, dev)][:, None]
         x = self.norm(x)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, w).float()

@@ -38,7 +38,7 @@ import torch
 
 from draftrelay.handoff.region import RoundRequest, RoundResult, Status
 from draftrelay.handoff.rounds import HandoffConfig, SyncRounds, open_rounds
-from draftrelay.model import Transformer
+from draftrelay.model import Transformer, to_device
 
 from .sampling import accept_greedy, accept_sampled, probs_from_logits, sample_from
 
@@ -479,7 +479,7 @@ class Engine:
             tokens[:, 0] = torch.tensor(pending, dtype=torch.long)
             return g.run(tokens, start, rows, device_drafts=dd), dd
         tokens = torch.empty(B, T, dtype=torch.long, device=self.device)
-        tokens[:, 0] = torch.tensor(pending, dtype=torch.long).to(self.device, non_blocking=True)
+        tokens[:, 0] = to_device(torch.tensor(pending, dtype=torch.long), self.device)
         tokens[:, 1:] = dd
         return self.model(tokens, start, self.cache, rows), dd
 
