@@ -85,20 +85,6 @@ def test_async_faults_on_gpu_cost_no_tokens(target, worker):
     assert m["rounds"]["watchdog"] > 0 and m["rounds"]["failed"] > 0
 
 
-if __name__ == "__main__":  # without pytest: run the probes in order, fixtures by hand
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
-    tgt = tiny_pair(device="cuda", dtype=torch.float32)[0]
-    w = start_worker_process(["--model", "tiny", "--device", "cuda", "--dtype", "float32"])
-    try:
-        for fn in (test_greedy_identical_on_every_gpu_path, test_async_faults_on_gpu_cost_no_tokens,
-                   test_verify_is_enqueued_behind_a_busy_stream_without_waiting):
-            fn(tgt, w)
-            print("PASSED", fn.__name__, flush=True)
-    finally:
-        w.stop()
-
-
 def test_verify_is_enqueued_behind_a_busy_stream_without_waiting(target):
     """The host enqueues a decode forward behind a stream that is still busy (as it is while parked on
     a round) without waiting for it: no blocking host-to-device copy in the forward."""
@@ -115,3 +101,17 @@ def test_verify_is_enqueued_behind_a_busy_stream_without_waiting(target):
     assert out.shape[:2] == (2, 1)
     assert total_s > 0.3, f"the sleep did not hold the stream ({total_s:.3f} s)"
     assert enqueue_s < 0.1, f"the forward waited for the stream: enqueue took {enqueue_s:.3f} s of {total_s:.3f} s"
+
+
+if __name__ == "__main__":  # without pytest: run the probes in order, fixtures by hand
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    tgt = tiny_pair(device="cuda", dtype=torch.float32)[0]
+    w = start_worker_process(["--model", "tiny", "--device", "cuda", "--dtype", "float32"])
+    try:
+        for fn in (test_greedy_identical_on_every_gpu_path, test_async_faults_on_gpu_cost_no_tokens,
+                   test_verify_is_enqueued_behind_a_busy_stream_without_waiting):
+            fn(tgt, w)
+            print("PASSED", fn.__name__, flush=True)
+    finally:
+        w.stop()
