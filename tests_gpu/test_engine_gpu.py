@@ -109,9 +109,10 @@ if __name__ == "__main__":  # without pytest: run the probes in order, fixtures 
     tgt = tiny_pair(device="cuda", dtype=torch.float32)[0]
     w = start_worker_process(["--model", "tiny", "--device", "cuda", "--dtype", "float32"])
     try:
-        for fn in (test_greedy_identical_on_every_gpu_path, test_async_faults_on_gpu_cost_no_tokens,
-                   test_verify_is_enqueued_behind_a_busy_stream_without_waiting):
-            fn(tgt, w)
+        for fn, args in ((test_greedy_identical_on_every_gpu_path, (tgt, w)),
+                         (test_async_faults_on_gpu_cost_no_tokens, (tgt, w)),
+                         (test_verify_is_enqueued_behind_a_busy_stream_without_waiting, (tgt,))):
+            fn(*args)
             print("PASSED", fn.__name__, flush=True)
     finally:
         w.stop()
