@@ -32,8 +32,9 @@ import torch
 
 from draftrelay import model as M
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+from draftrelay.engine.loading import handoff_config
 from draftrelay.handoff.procinfo import machine_info
-from draftrelay.handoff.rounds import HandoffConfig, SyncRounds, open_rounds
+from draftrelay.handoff.rounds import SyncRounds, open_rounds
 from draftrelay.worker.process import start_worker_process
 
 TARGET_SHAPES = {  # Qwen2.5-7B with the 0.5B's vocabulary (the handshake requires the same one)
@@ -184,19 +185,15 @@ def main() -> int:
                                   timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
     result["worker"] = worker.banner
     print(worker.banner, flush=True)
-    spin, nap = (50, 20) if dev.type == "cuda" else (0, 200)
-    # a worker on the engine's own GPU: park with memops (a spinning round kernel would make the GPU
-    # time-slice the two processes' contexts; see HandoffConfig.cuda_wait)
     wd = torch.device(wdev)
-    wait = "memop" if wd.type == dev.type == "cuda" and (wd.index or 0) == (dev.index or 0) else ""
-    result["cuda_wait"] = wait or "auto"
+    same_gpu = wd.type == dev.type and (wd.index or 0) == (dev.index or 0)
     # sync and async rounds are open at once: two worker sessions, each reserving max_requests rows
-    h = HandoffConfig(vocab_size=target.cfg.vocab_size, max_drafts=max(8, args.k), max_requests=4,
-                      max_tokens=max(32768, args.max_round_tokens * 4), deadline_ms=args.deadline_ms,
-                      round_budget_ms=args.deadline_ms * 0.9, spin_us=spin, nap_us=nap,
-                      backend="cuda" if dev.type == "cuda" else "emulated", cuda_wait=wait,
-                      round_spec={"kind": "worker", "host": worker.host, "port": worker.port, "model_id": model_id,
-                                  "n_out_max": args.k, "max_requests": 4})
+    spec = {"kind": "worker", "host": worker.host, "port": worker.port, "model_id": model_id,
+            "n_out_max": args.k, "max_requests": 4}
+    h = handoff_config(spec, dev, args.deadline_ms, same_gpu, vocab_size=target.cfg.vocab_size,
+                       max_drafts=max(8, args.k), max_requests=4, max_tokens=max(32768, args.max_round_tokens * 4),
+                       round_budget_ms=args.deadline_ms * 0.9)
+    result["cuda_wait"] = h.cuda_wait or "auto"
     # one engine stream for every engine: the CUDA hand-off enqueues on the stream current at its start
     stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
     rounds: dict = {}

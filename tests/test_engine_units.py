@@ -78,3 +78,15 @@ def test_decode_graph_bookkeeping_emulated_on_cpu():
             # moved from the 32 bucket to the 64 one, and none needed the whole row
             assert list(used[3]) == [16, 32, 64, 96]
             assert used[3][32] > 0 and used[3][64] > 0 and used[3][96] == 0
+
+
+def test_handoff_config_parks_with_memops_only_for_a_worker_on_the_engine_gpu():
+    from draftrelay.engine.loading import handoff_config
+
+    spec = {"kind": "worker", "host": "127.0.0.1", "port": 1}
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    local, remote = handoff_config(spec, gpu, 50.0, True), handoff_config(spec, gpu, 50.0, False)
+    assert (local.backend, local.cuda_wait, remote.cuda_wait) == ("cuda", "memop", "")
+    on_cpu = handoff_config(spec, cpu, 50.0, True, max_requests=4)
+    assert (on_cpu.backend, on_cpu.cuda_wait, on_cpu.max_requests, on_cpu.nap_us) == ("emulated", "", 4, 200)
+    assert local.round_spec is spec and local.deadline_ms == 50.0 and (local.spin_us, local.nap_us) == (50, 20)

@@ -15,11 +15,6 @@ import json
 import sys
 import time
 
-# Waits of the proxy and the emulated stream: (spin, nap) in µs. On a GPU the stream's wait costs no
-# CPU and the proxy may spin briefly; on a small CPU-only machine every polling thread competes with
-# the target's own compute, so the emulated hand-off naps longer between polls.
-SPIN_NAP_US = {"cuda": (50, 20), "cpu": (0, 200)}
-
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -53,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from draftrelay.handoff.rounds import HandoffConfig
     from draftrelay.model import ModelError
 
     from . import loading as L
@@ -98,10 +92,7 @@ def run(args: argparse.Namespace) -> int:
         results: dict[str, dict] = {}
         outputs: dict[str, list[list[int]]] = {}
         for mode in modes:
-            h = HandoffConfig(round_spec=spec, deadline_ms=args.deadline_ms, spin_us=SPIN_NAP_US[dev.type][0],
-                              nap_us=SPIN_NAP_US[dev.type][1],
-                              backend="cuda" if dev.type == "cuda" else "emulated",
-                              cuda_wait="" if args.worker else "memop") if mode != "off" else None
+            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker) if mode != "off" else None
             cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=len(prompts), max_len=max_len, handoff=h)
             with Engine(target.model, cfg) as eng:
                 eng.generate([ids[0]], SamplingParams(max_tokens=min(4, args.max_tokens)))  # warm-up

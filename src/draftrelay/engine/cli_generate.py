@@ -70,11 +70,9 @@ def run(args: argparse.Namespace) -> int:
         print("draftrelay generate: --slot-ring needs --graphs", file=sys.stderr)
         return 2
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    from draftrelay.handoff.rounds import HandoffConfig
     from draftrelay.model import ModelError
 
     from . import loading as L
-    from .cli_demo import SPIN_NAP_US
     from .engine import Engine, EngineConfig, SamplingParams
 
     try:
@@ -108,11 +106,7 @@ def run(args: argparse.Namespace) -> int:
             if why:
                 print(f"draftrelay generate: the worker refused us: {why}", file=sys.stderr)
                 return 1
-            spin, nap = SPIN_NAP_US[dev.type]
-            # the local worker shares the engine's GPU: park with memops (HandoffConfig.cuda_wait)
-            h = HandoffConfig(round_spec=spec, deadline_ms=args.deadline_ms, spin_us=spin, nap_us=nap,
-                              backend="cuda" if dev.type == "cuda" else "emulated",
-                              cuda_wait="" if args.worker else "memop")
+            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker)
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=1, max_len=max_len, handoff=h,
                            graphs=args.graphs, slot_ring=args.slot_ring)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -122,6 +122,23 @@ def worker_spec(host: str, port: int, model_id: str, tokenizer_hash: str, n_draf
             "tokenizer_hash": tokenizer_hash, "n_out_max": max(1, n_draft), "max_requests": max_requests}
 
 
+# Waits of the proxy and the emulated stream: (spin, nap) in µs. On a GPU the stream's wait costs no
+# CPU and the proxy may spin briefly; on a small CPU-only machine every polling thread competes with
+# the target's own compute, so the emulated hand-off naps longer between polls.
+SPIN_NAP_US = {"cuda": (50, 20), "cpu": (0, 200)}
+
+
+def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_shares_gpu: bool, **fields):
+    """The hand-off for rounds to the worker `spec`: the CUDA stream on a GPU, the emulated one on a
+    CPU. A worker on the engine's own GPU gets memop parking (HandoffConfig.cuda_wait says why)."""
+    from draftrelay.handoff.rounds import HandoffConfig
+
+    spin, nap = SPIN_NAP_US["cuda" if device.type == "cuda" else "cpu"]
+    return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,
+                         backend="cuda" if device.type == "cuda" else "emulated",
+                         cuda_wait="memop" if worker_shares_gpu and device.type == "cuda" else "", **fields)
+
+
 def check_worker(spec: dict, timeout_s: float = 5.0) -> str:
     """Handshake once with the worker the spec names; '' if it accepts us, else why not."""
     from draftrelay.wire.client import WireError
