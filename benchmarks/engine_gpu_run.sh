@@ -26,15 +26,15 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/pip.log" 2>
 } | tee "$OUT/env.txt"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
-stamp "GPU probes"
 if [ "${SKIP_PROBES:-0}" = 1 ]; then
-  echo "skipped (SKIP_PROBES=1)"
-elif python3 -c "import pytest" 2>/dev/null; then
-  timeout 90 python3 -m pytest -q -x -s tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  stamp "GPU probes and worker probe skipped (SKIP_PROBES=1)"
 else
-  timeout 90 python3 tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-fi
-if [ "${SKIP_PROBES:-0}" != 1 ]; then
+  stamp "GPU probes"
+  if python3 -c "import pytest" 2>/dev/null; then
+    timeout 90 python3 -m pytest -q -x -s tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  else
+    timeout 90 python3 tests_gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  fi
   stamp "worker drafter: graph == eager, run() time per mode, on each GPU"
   timeout 120 python3 tests_gpu/worker_graph_probe.py --rounds 40 --out "$OUT" 2>&1 | tee "$OUT/worker_probe.log" | tail -6
 fi

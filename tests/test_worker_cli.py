@@ -30,10 +30,23 @@ def run_cli(*args, timeout=60):
     (["--max-frame", "10"], "--max-frame 10"),
     (["--model", "/no/such/dir"], "/no/such/dir"),
     (["--model", "random:nope"], "unknown shape 'nope'"),
+    (["--tp", "0"], "--tp 0: must be 1-8"),
+    (["--tp", "9"], "--tp 9: must be 1-8"),
+    (["--tp", "2", "--model", "test"], "--tp needs a Llama-family model"),
+    (["--tp", "3", "--tp-mode", "emulate", "--device", "cpu"], "n_kv_heads 2 is not divisible by tp 3"),
+    (["--tp", "2", "--tp-mode", "emulate", "--device", "cpu", "--mode", "graph"], "CUDA graphs need"),
+    (["--tp", "2", "--tp-mode", "bogus"], "invalid choice: 'bogus'"),
+    (["--tp", "x"], "invalid int value: 'x'"),
 ])
 def test_bad_arguments_are_named(args, words):
     out = run_cli(*args)
     assert out.returncode == 2 and words in out.stderr, out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs a machine with fewer than 2 GPUs")
+def test_tp_pair_without_two_gpus_is_named():
+    out = run_cli("--tp", "2")
+    assert out.returncode == 2 and "needs 2 CUDA devices" in out.stderr and "emulate" in out.stderr, out.stderr
 
 
 def test_bad_model_dir_is_named(tmp_path):

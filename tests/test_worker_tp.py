@@ -1,12 +1,9 @@
 """The tensor-parallel drafter (worker/tp.py) on CPU: the split is exact, the emulated ranks equal the
 one-card drafter within rounding (the unsplit code bit for bit) and themselves bit for bit across runs,
-a failed collective fails the STEP loudly (INTERNAL) and the worker exits after 3 in a row, bad --tp
-values are named. The real pair (P2PGroup on two GPUs) runs in tests_gpu/tp2_probe.py."""
+a failed collective fails the STEP loudly (INTERNAL) and the worker exits after 3 in a row (bad --tp
+values: tests/test_worker_cli.py). The real pair (P2PGroup on two GPUs) runs in tests_gpu/tp2_probe.py."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -261,31 +258,3 @@ def test_worker_process_tp2_emulate_serves_then_exits_after_three_failed_steps()
         assert "exiting for a restart" in w.log() and "3 in a row" in w.log()
     finally:
         w.stop()
-
-
-# ---- the command line -----------------------------------------------------------------------------------
-
-
-def run_cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "draftrelay.cli", "worker", *args], capture_output=True,
-                          text=True, timeout=timeout)
-
-
-@pytest.mark.parametrize("args,words", [
-    (["--tp", "0"], "--tp 0: must be 1-8"),
-    (["--tp", "9"], "--tp 9: must be 1-8"),
-    (["--tp", "2", "--model", "test"], "--tp needs a Llama-family model"),
-    (["--tp", "3", "--tp-mode", "emulate", "--device", "cpu"], "n_kv_heads 2 is not divisible by tp 3"),
-    (["--tp", "2", "--tp-mode", "emulate", "--device", "cpu", "--mode", "graph"], "CUDA graphs need"),
-    (["--tp", "2", "--tp-mode", "bogus"], "invalid choice: 'bogus'"),
-    (["--tp", "x"], "invalid int value: 'x'"),
-])
-def test_bad_tp_values_are_named(args, words):
-    out = run_cli(*args)
-    assert out.returncode == 2 and words in out.stderr, out.stderr
-
-
-@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs a machine with fewer than 2 GPUs")
-def test_pair_without_two_gpus_is_named():
-    out = run_cli("--tp", "2")
-    assert out.returncode == 2 and "needs 2 CUDA devices" in out.stderr and "emulate" in out.stderr, out.stderr
