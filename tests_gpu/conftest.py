@@ -2,8 +2,9 @@
 
 `backend`: the stream backend a hand-off scenario runs on. `emulated` runs anywhere (the CPU tests'
 own backend); `cuda` is the CUDA backend on its default round path (the round kernel where it builds
-and passes its check) and `cuda-memop` the same backend on the memop path (DRAFTRELAY_CUDA_WAIT=memop).
-Both CUDA params skip, saying why, where there is no GPU or no cuda-bindings.
+and passes its check); `cuda-memop`, the same backend on the memop path (DRAFTRELAY_CUDA_WAIT=memop),
+for the tests that do not narrow the params to emulated | cuda. The CUDA params skip, saying why,
+where there is no GPU or no cuda-bindings.
 
 `out_dir`: where probes write their JSON (`--out DIR`, default a temporary directory). With `--out`, the
 session also writes DIR/tests_gpu.json: every test's outcome, duration and skip reason.
@@ -82,19 +83,34 @@ def pytest_runtest_logreport(report) -> None:
         elif report.failed:
             entry["error"] = str(report.longrepr)[-2000:]
         _REPORTS.append(entry)
+        _write(_OUT[0] if _OUT else "")
+
+
+_OUT: list[str] = []
+_MACHINE: dict = {}
+
+
+def pytest_configure(config) -> None:
+    _OUT.append(config.getoption("--out"))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    given = session.config.getoption("--out")
+    _write(session.config.getoption("--out"), final=True)
+
+
+def _write(given: str, final: bool = False) -> None:
+    """DIR/tests_gpu.json, rewritten after every test (a run cut short still leaves what it did)."""
     if not given or not _REPORTS:
         return
-    from draftrelay.handoff.procinfo import machine_info
+    if not _MACHINE:
+        from draftrelay.handoff.procinfo import machine_info
 
+        _MACHINE.update(machine_info())
     os.makedirs(given, exist_ok=True)
     counts: dict[str, int] = {}
     for r in _REPORTS:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     with open(os.path.join(given, "tests_gpu.json"), "w") as f:
         json.dump({"command": "python3 -m pytest -q tests_gpu --out " + given,
-                   "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
-                   "counts": counts, "tests": _REPORTS}, f, indent=1, default=str)
+                   "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": _MACHINE,
+                   "complete": final, "counts": counts, "tests": _REPORTS}, f, indent=1, default=str)
