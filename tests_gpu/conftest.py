@@ -88,10 +88,12 @@ def pytest_runtest_logreport(report) -> None:
 
 _OUT: list[str] = []
 _MACHINE: dict = {}
+_ARGS: list[str] = []
 
 
 def pytest_configure(config) -> None:
     _OUT.append(config.getoption("--out"))
+    _ARGS.extend(config.invocation_params.args)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -111,6 +113,6 @@ def _write(given: str, final: bool = False) -> None:
     for r in _REPORTS:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     with open(os.path.join(given, "tests_gpu.json"), "w") as f:
-        json.dump({"command": "python3 -m pytest -q tests_gpu --out " + given,
+        json.dump({"command": "python3 -m pytest " + " ".join(_ARGS),
                    "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": _MACHINE,
                    "complete": final, "counts": counts, "tests": _REPORTS}, f, indent=1, default=str)
