@@ -234,3 +234,21 @@ def test_the_unfenced_measurement_build_is_separate_and_accepts_its_mode(tmp_pat
     assert ctx is not None
     lib.p2p_ctx_free(ctx)
     assert native.load("sm_90").p2p_ctx_new(0, 1, 2, 64, 512, 4096, 10**9, bases, None, 51) is None
+
+
+def test_kernels_cu_numbers_match_the_python_protocol_and_carry_no_unsafe_mode():
+    # the error and mode bits are written twice (kernels.cu, protocol.py): they must agree, and the
+    # production file implements exactly the protocol's modes (the unfenced one lives in benchmarks/)
+    import re
+
+    from draftrelay.p2p import protocol
+
+    text = native.SOURCE.read_text()
+    defines = {m[0]: int(m[1]) for m in re.findall(r"#define ((?:ERR|M)_[A-Z_]+) (\d+)u", text)}
+    for name, value in defines.items():
+        assert getattr(protocol, name) == value, name
+    python_modes = {k for k in dir(protocol) if re.fullmatch(r"M_[A-Z_]+", k)}
+    assert {k for k in defines if k.startswith("M_")} == python_modes
+    assert {v for k, v in defines.items() if k.startswith("ERR_")} == set(protocol.ERR_NAMES)  # every bit named
+    assert "M_FLAG_RELAXED" not in text and "st_relaxed_sys(c.flags" not in text
+    assert protocol.DEFAULT_MODE & ~sum(getattr(protocol, k) for k in python_modes) == 0

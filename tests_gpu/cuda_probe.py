@@ -874,7 +874,7 @@ def summary_line(step: str, r: dict) -> str:
     if "error" in r and step != "lazy":
         return f"ERROR {r['error']}"
     if step == "env":
-        return f"{r.get('nvidia_smi')} torch {r.get('torch')} cuda-bindings {r.get('cuda.bindings')}"
+        return f"{r.get('nvidia_smi')} torch {r.get('torch')} cuda-bindings {r.get('cuda_bindings')}"
     if step == "refusal":
         return "; ".join(f"{k}: {'clean' if v['clean'] and not v['registered_left'] else 'LEAK'}"
                          for k, v in r["cases"].items())
