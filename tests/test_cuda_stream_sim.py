@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from draftrelay.handoff import cuda_stream as cs
-from draftrelay.handoff.proxy import score_round
+from draftrelay.testing import score_round
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, open_rounds
 from test_cuda_stream_cpu import FakeDriver, cfg

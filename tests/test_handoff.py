@@ -14,7 +14,7 @@ import pytest
 
 from draftrelay.handoff import rounds as rounds_mod
 from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
-from draftrelay.handoff.proxy import STALL_POINTS, random_requests, score_in_flight, score_round
+from draftrelay.testing import STALL_POINTS, random_requests, score_in_flight, score_round
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status, pack_staging
 from draftrelay.handoff.rounds import AsyncRefused, AsyncRounds, HandoffConfig, SyncRounds, open_rounds
 
@@ -71,7 +71,7 @@ def test_clean_rounds_are_exact_and_counted():
 
 def test_score_in_flight_keeps_depth_rounds_in_flight_and_scores_each_once():
     """Results are asked for only once `depth` rounds are out, oldest first, and a wrong draft counts."""
-    from draftrelay.handoff.proxy import deterministic_draft
+    from draftrelay.testing import deterministic_draft
 
     asked: list[tuple[int, int]] = []  # (round asked for, rounds submitted so far)
     submitted = 0

@@ -59,14 +59,14 @@ VOCAB = 5000
 
 
 def make_requests(rng, t: int):
-    from draftrelay.handoff.proxy import random_requests
+    from draftrelay.testing import random_requests
 
     return random_requests(rng, t, VOCAB)
 
 
 def check_round(reqs, res) -> tuple[int, int]:
     """(exact drafts, wrong drafts); a failed round must carry zero drafts (else it counts as wrong)."""
-    from draftrelay.handoff.proxy import score_round
+    from draftrelay.testing import score_round
 
     return score_round(reqs, res, VOCAB)
 
@@ -472,7 +472,7 @@ def step_lazy() -> dict:
 def step_soak() -> dict:
     import torch
 
-    from draftrelay.handoff.proxy import score_in_flight
+    from draftrelay.testing import score_in_flight
     from draftrelay.handoff.region import pack_staging
     from draftrelay.handoff.rounds import open_rounds
 
@@ -518,7 +518,7 @@ def step_soak() -> dict:
 def step_late() -> dict:
     import torch
 
-    from draftrelay.handoff.proxy import STALL_POINTS
+    from draftrelay.testing import STALL_POINTS
     from draftrelay.handoff.region import Status
     from draftrelay.handoff.rounds import open_rounds
 
@@ -586,7 +586,7 @@ def step_graph() -> dict:
 
     from draftrelay.handoff import native
     from draftrelay.handoff.cuda_stream import CudaStream
-    from draftrelay.handoff.proxy import deterministic_draft
+    from draftrelay.testing import deterministic_draft
     from draftrelay.handoff.region import (
         Region,
         RegionConfig,
@@ -866,7 +866,7 @@ def set_value(driver, params, t: int) -> None:
 def proxy_round_fixed_slot(region, L, t: int, replay: int, delay_s: float, log: list, vocab: int) -> None:
     """For graph (b): the captured copies always use slot 1 (round 1's), while the words count t."""
     from draftrelay.handoff import native
-    from draftrelay.handoff.proxy import deterministic_draft
+    from draftrelay.testing import deterministic_draft
     from draftrelay.handoff.region import Status, W, unpack_staging, write_reply
 
     if native.wait_geq32(region.word_addr(W.GATHERED), t, 100, 20, 5_000_000) != 0:
