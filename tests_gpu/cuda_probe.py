@@ -472,9 +472,9 @@ def step_lazy() -> dict:
 def step_soak() -> dict:
     import torch
 
-    from draftrelay.testing import score_in_flight
     from draftrelay.handoff.region import pack_staging
     from draftrelay.handoff.rounds import open_rounds
+    from draftrelay.testing import score_in_flight
 
     faults = dict(seed=7, p_delay=0.004, delay_ms=35, p_exception=0.02, p_disconnect=0.02, p_timeout=0.01,
                   p_bad_reply=0.01, p_corrupt=0.01, p_stall=0.006, stall_ms=35)
@@ -518,9 +518,9 @@ def step_soak() -> dict:
 def step_late() -> dict:
     import torch
 
-    from draftrelay.testing import STALL_POINTS
     from draftrelay.handoff.region import Status
     from draftrelay.handoff.rounds import open_rounds
+    from draftrelay.testing import STALL_POINTS
 
     out: dict = {}
     eng = torch.cuda.Stream()
@@ -586,7 +586,6 @@ def step_graph() -> dict:
 
     from draftrelay.handoff import native
     from draftrelay.handoff.cuda_stream import CudaStream
-    from draftrelay.testing import deterministic_draft
     from draftrelay.handoff.region import (
         Region,
         RegionConfig,
@@ -598,6 +597,7 @@ def step_graph() -> dict:
         unpack_staging,
         write_reply,
     )
+    from draftrelay.testing import deterministic_draft
 
     region = Region.create(RegionConfig(4, 256, 8, VOCAB))
     L = region.layout
@@ -866,8 +866,8 @@ def set_value(driver, params, t: int) -> None:
 def proxy_round_fixed_slot(region, L, t: int, replay: int, delay_s: float, log: list, vocab: int) -> None:
     """For graph (b): the captured copies always use slot 1 (round 1's), while the words count t."""
     from draftrelay.handoff import native
-    from draftrelay.testing import deterministic_draft
     from draftrelay.handoff.region import Status, W, unpack_staging, write_reply
+    from draftrelay.testing import deterministic_draft
 
     if native.wait_geq32(region.word_addr(W.GATHERED), t, 100, 20, 5_000_000) != 0:
         log.append("never gathered")
