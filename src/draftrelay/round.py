@@ -131,8 +131,9 @@ class Rounds(Protocol):
     refusal: str  # why async was refused ("" when it was not)
 
     @property
-    def capacity(self) -> int:
-        """Blocks one round may carry (the engine's requests plus END blocks)."""
+    def capacity(self) -> int | None:
+        """Blocks one round may carry (the engine's requests plus END blocks); None: no limit of
+        its own (the engine then sends at most as many blocks as it has KV rows)."""
         ...
 
     @property
