@@ -10,7 +10,7 @@ For every request: one prefill (TTFT), then the same prefilled KV is decoded in 
 cover the drafter catching up on a long context, in bounded rounds), then `--steps` timed steps.
 Reported per request: the direct per-step timer p50 (engine step wall time; with random weights
 nearly nothing is accepted, so this is the cost of one speculative step), and the median split of
-a step into submit / wait / verify / host (see engine.Engine.timing).
+a step into submit / wait / verify / host (see engine/metrics.py).
 
     python benchmarks/engine_workloads.py                       # GPU defaults (H200-sized)
     python benchmarks/engine_workloads.py --device cpu --target tiny --drafter tiny --ctx-scale 1024 --steps 8

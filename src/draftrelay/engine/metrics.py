@@ -7,11 +7,9 @@ logits on the host (on a GPU: launches + whatever did not overlap); host = the r
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -30,14 +28,18 @@ class StepClock:
         self.timing = timing
         self.t0 = time.perf_counter()
         self.parts = {"submit": 0.0, "wait": 0.0, "verify": 0.0}
+        self._name, self._t = "", 0.0
 
-    @contextlib.contextmanager
-    def part(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.parts[name] += time.perf_counter() - t0
+    def part(self, name: str) -> StepClock:
+        self._name = name
+        return self
+
+    # a plain context manager (not contextlib's generator one): a few microseconds less per part
+    def __enter__(self) -> None:
+        self._t = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.parts[self._name] += time.perf_counter() - self._t
 
     def stop(self, batch: list[Request]) -> None:
         dt = time.perf_counter() - self.t0
