@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from draftrelay.handoff import cuda_stream as cs
-from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, W, pack_staging
+from draftrelay.handoff.region import Region, RegionConfig, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, open_rounds
+from draftrelay.round import RoundRequest
 from draftrelay.testing import score_round
 from test_cuda_stream_cpu import FakeDriver, cfg
 

@@ -14,8 +14,9 @@ import pytest
 
 from draftrelay.handoff import rounds as rounds_mod
 from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
-from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status, pack_staging
+from draftrelay.handoff.region import Region, RegionConfig, pack_staging
 from draftrelay.handoff.rounds import AsyncRefused, AsyncRounds, HandoffConfig, SyncRounds, open_rounds
+from draftrelay.round import RoundRequest, Status
 from draftrelay.testing import STALL_POINTS, random_requests, score_in_flight, score_round
 
 VOCAB = 5000
