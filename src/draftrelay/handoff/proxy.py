@@ -35,6 +35,7 @@ from .region import (
     FLAG_SELFTEST,
     Counter,
     DescriptorError,
+    Layout,
     ProxyState,
     Region,
     RegionError,
@@ -45,6 +46,24 @@ from .region import (
 
 # ---------------------------------------------------------------------------------------------
 # The serving loop
+
+
+def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_fn: RoundFn, budget_s: float):
+    """Round t's reply from a private copy of its staging: parse it, run the round function (the
+    built-in one for the engine's self-test rounds), check the output. Returns (status, counts,
+    drafts, conf); every failure is a status with no drafts (None)."""
+    cfg = L.cfg
+    try:
+        flags, requests = unpack_staging(L, private, t)
+        fn = selftest_fn if flags & FLAG_SELFTEST else round_fn
+        out = fn(t, requests, budget_s)
+        return (Status.OK, *check_drafts(out, requests, cfg.vocab_size, cfg.max_drafts))
+    except DescriptorError:
+        return Status.BAD_DESC, None, None, None
+    except RoundFailure as f:
+        return f.status, None, None, None
+    except Exception:
+        return Status.EXCEPTION, None, None, None
 
 
 def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int = 20,
@@ -94,20 +113,7 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
             t = native.load32(a_gathered)
             continue
         count(Counter.ROUNDS)
-        status, counts, drafts, conf = Status.OK, None, None, None
-        try:
-            flags, requests = unpack_staging(L, private, t)
-            fn = selftest_fn if flags & FLAG_SELFTEST else round_fn
-            out = fn(t, requests, round_budget_s)
-            counts, drafts, conf = check_drafts(out, requests, cfg.vocab_size, cfg.max_drafts)
-        except DescriptorError:
-            status = Status.BAD_DESC
-        except RoundFailure as f:
-            status = f.status
-        except Exception:
-            status = Status.EXCEPTION
-        if status != Status.OK:
-            counts = drafts = conf = None
+        status, counts, drafts, conf = answer(L, private, t, selftest_fn, round_fn, round_budget_s)
         # The GPU acknowledged round t-2 before it staged t (stream order); re-check, bounded.
         native.wait_geq32(a_consumed, t - 2, 0, 50, 200_000, a_stop)
         stall(point, fault, "write")

@@ -12,13 +12,8 @@ falls back to sync rounds.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter as Tally
@@ -32,10 +27,10 @@ from draftrelay.testing import deterministic_draft
 from draftrelay.wire.roundfn import make_round_fn
 
 from . import native
+from .proxy_process import AsyncRefused, ProxyProcess
 from .region import (
     FLAG_SELFTEST,
     Layout,
-    ProxyState,
     Region,
     RegionConfig,
     W,
@@ -45,10 +40,6 @@ from .region import (
 from .stream import EmulatedStream, StreamOps, StreamStuck
 
 log = logging.getLogger("draftrelay")
-
-
-class AsyncRefused(RuntimeError):
-    """Async rounds could not start (raised only with strict=True; otherwise recorded)."""
 
 
 @dataclass
@@ -71,6 +62,7 @@ class HandoffConfig:
     strict: bool = False
     round_spec: dict = field(default_factory=lambda: {"kind": "builtin"})
     proxy_audit: str = ""  # file the proxy writes its loaded modules to (tests)
+    proxy_python: str = ""  # the interpreter that runs the proxy ("": this process's, sys.executable)
     # recovery (see AsyncRounds._judge / _recover)
     max_respawns: int = 3
     respawn_reset_s: float = 3600.0  # an hour without a loss restores the respawn budget
@@ -169,69 +161,6 @@ class SyncRounds:
             close()
 
 
-class ProxyProcess:
-    """The proxy child: spawn with the region's fd, stop with a word, kill if it won't."""
-
-    def __init__(self, region: Region, spec: dict, audit: str = "") -> None:
-        self.region = region
-        self._err = tempfile.TemporaryFile(prefix="draftrelay-proxy-")
-        cmd = [sys.executable, "-m", "draftrelay.handoff.proxy", "--fd", str(region.fd), "--spec",
-               json.dumps(spec)]
-        if audit:
-            cmd += ["--audit", audit]
-        env = dict(os.environ)
-        env.pop("PYTHONSTARTUP", None)
-        try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(region.fd,), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=self._err, env=env)
-        except BaseException:
-            self._err.close()
-            raise
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stderr_tail(self, n: int = 800) -> str:
-        try:
-            self._err.seek(0)
-            return self._err.read().decode(errors="replace")[-n:].strip()
-        except (OSError, ValueError):
-            return ""
-
-    def wait_ready(self, timeout_s: float) -> None:
-        a_state = self.region.word_addr(W.PROXY_STATE)
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            state = native.load32(a_state)
-            if state == ProxyState.READY:
-                return
-            rc = self.proc.poll()
-            if rc is not None or state == ProxyState.FAILED:
-                raise AsyncRefused(f"proxy exited during start (code {rc}): {self.stderr_tail()}")
-            time.sleep(0.005)
-        raise AsyncRefused(f"proxy not ready after {timeout_s:.1f} s")
-
-    def stop(self, timeout_s: float = 1.0) -> None:
-        """Ask politely through the STOP word, then SIGKILL; always reaps."""
-        if self.proc.poll() is None and not self.region.closed:
-            native.store32(self.region.word_addr(W.STOP), 1)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
-        self._err.close()
-
-
 class PendingRound(NamedTuple):
     """A round on the stream, not yet decoded: its reply lands in reply buffer `slot`."""
 
@@ -296,13 +225,22 @@ class AsyncRounds:
         self._off = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
         self._dst = [self.stream.new_reply_buffer() for _ in (0, 1)]
         self.device_replies = self.stream.name == "cuda"
-        self.proxy = ProxyProcess(self.region, cfg.proxy_spec(), cfg.proxy_audit)
-        self.proxy.wait_ready(cfg.proxy_start_timeout_s)
+        self.proxy = self._spawn_proxy()
         self.state = "live"
         self._selftest()
         self._mark = self._progress()
         self._supervisor = threading.Thread(target=self._supervise, name="draftrelay-supervisor", daemon=True)
         self._supervisor.start()
+
+    def _spawn_proxy(self) -> ProxyProcess:
+        c = self.cfg
+        proxy = ProxyProcess(self.region, c.proxy_spec(), c.proxy_audit, python=c.proxy_python or sys.executable)
+        try:
+            proxy.wait_ready(c.proxy_start_timeout_s)
+        except BaseException:
+            proxy.kill()
+            raise
+        return proxy
 
     def _selftest(self) -> None:
         """Rounds through the real mechanism, checked bit for bit. A wrong draft refuses async at
@@ -476,8 +414,7 @@ class AsyncRounds:
         self._t = 0
         event["respawn_ns"] = native.now_ns()
         try:
-            self.proxy = ProxyProcess(self.region, self.cfg.proxy_spec(), self.cfg.proxy_audit)
-            self.proxy.wait_ready(self.cfg.proxy_start_timeout_s)
+            self.proxy = self._spawn_proxy()
         except Exception as exc:
             self._go_target_only(f"respawn failed: {exc}")
             return
