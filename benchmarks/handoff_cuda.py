@@ -103,16 +103,16 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
             ev = None
             if mode == "round":
                 p0 = time.perf_counter_ns()
-                r.submit(src=src, n_out=n_out)
+                rid = r.submit(src=src, n_out=n_out)
                 p1 = time.perf_counter_ns()
                 m = 0
-                ev = r._pending[t & 1].event
+                ev = r.pending(rid).event
             elif mode == "round-host":  # the engine's own path: requests packed on the host, staged from there
                 p0 = time.perf_counter_ns()
-                r.submit(reqs)
+                rid = r.submit(reqs)
                 p1 = time.perf_counter_ns()
                 m = 0
-                ev = r._pending[t & 1].event
+                ev = r.pending(rid).event
             elif mode == "ops":  # the round's ops one by one, each timed (reaches into the backend: bench only)
                 r._t = t
                 s, dst = t & 1, r._dst[t & 1]
