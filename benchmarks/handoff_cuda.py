@@ -37,7 +37,6 @@ import time
 import numpy as np
 
 from draftrelay.handoff import native
-from draftrelay.handoff import rounds as rounds_mod
 from draftrelay.handoff.procinfo import cpu_seconds, machine_info
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig, open_rounds
@@ -62,17 +61,9 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     else:  # the emulated stream spins like a GPU would poll (it has a core of its own on this machine)
         kw.update(stream_spin_us=10_000_000, stream_nap_us=0)
     cfg = HandoffConfig(vocab_size=32000, max_requests=4, max_tokens=512, max_drafts=8, spin_us=spin_us,
-                        nap_us=nap_us, deadline_ms=200, backend=backend, strict=True, **kw)
-    real_make = rounds_mod.make_stream
-    if backend == "cuda":
-        from draftrelay.handoff.cuda_stream import CudaStream
-
-        rounds_mod.make_stream = lambda c, region: CudaStream(region, c.cuda_stream, fast=fast, wait=wait,
-                                                              batch=batch)
-    try:
-        r = open_rounds(cfg)
-    finally:
-        rounds_mod.make_stream = real_make
+                        nap_us=nap_us, deadline_ms=200, backend=backend, strict=True, cuda_wait=wait or "",
+                        cuda_fast_calls=fast, cuda_batch_memops=batch, **kw)
+    r = open_rounds(cfg)
     assert isinstance(r, AsyncRounds)
     info = getattr(r.stream, "info", {})
     calls = "ctypes" if info.get("fast_calls") else ("bindings" if backend == "cuda" else "-")
@@ -112,16 +103,16 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
             ev = None
             if mode == "round":
                 p0 = time.perf_counter_ns()
-                r.submit(src=src, n_out=n_out)
+                rid = r.submit(src=src, n_out=n_out)
                 p1 = time.perf_counter_ns()
                 m = 0
-                ev = r._pending[t & 1][3]
+                ev = r.pending(rid).event
             elif mode == "round-host":  # the engine's own path: requests packed on the host, staged from there
                 p0 = time.perf_counter_ns()
-                r.submit(reqs)
+                rid = r.submit(reqs)
                 p1 = time.perf_counter_ns()
                 m = 0
-                ev = r._pending[t & 1][3]
+                ev = r.pending(rid).event
             elif mode == "ops":  # the round's ops one by one, each timed (reaches into the backend: bench only)
                 r._t = t
                 s, dst = t & 1, r._dst[t & 1]

@@ -23,9 +23,10 @@ import pytest
 from draftrelay import cudabuild
 from draftrelay.handoff import cuda_driver, cuda_kernels
 from draftrelay.handoff import cuda_stream as cs
-from draftrelay.handoff.proxy import score_round
-from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, W, pack_staging
+from draftrelay.handoff.region import Region, RegionConfig, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, open_rounds
+from draftrelay.round import RoundRequest
+from draftrelay.testing import score_round
 from test_cuda_stream_cpu import FakeDriver, cfg
 
 WAIT_FN, ROUND_FN = 0x5151, 0x7171

@@ -62,14 +62,14 @@ VOCAB = 5000
 
 
 def make_requests(rng, t: int):
-    from draftrelay.handoff.proxy import random_requests
+    from draftrelay.testing import random_requests
 
     return random_requests(rng, t, VOCAB)
 
 
 def check_round(reqs, res) -> tuple[int, int]:
     """(exact drafts, wrong drafts); a failed round must carry zero drafts (else it counts as wrong)."""
-    from draftrelay.handoff.proxy import score_round
+    from draftrelay.testing import score_round
 
     return score_round(reqs, res, VOCAB)
 
@@ -475,9 +475,9 @@ def step_lazy() -> dict:
 def step_soak() -> dict:
     import torch
 
-    from draftrelay.handoff.proxy import score_in_flight
     from draftrelay.handoff.region import pack_staging
     from draftrelay.handoff.rounds import open_rounds
+    from draftrelay.testing import score_in_flight
 
     faults = dict(seed=7, p_delay=0.004, delay_ms=35, p_exception=0.02, p_disconnect=0.02, p_timeout=0.01,
                   p_bad_reply=0.01, p_corrupt=0.01, p_stall=0.006, stall_ms=35)
@@ -544,7 +544,6 @@ def step_graph() -> dict:
 
     from draftrelay.handoff import native
     from draftrelay.handoff.cuda_stream import CudaStream
-    from draftrelay.handoff.proxy import deterministic_draft
     from draftrelay.handoff.region import (
         Region,
         RegionConfig,
@@ -556,6 +555,7 @@ def step_graph() -> dict:
         unpack_staging,
         write_reply,
     )
+    from draftrelay.testing import deterministic_draft
 
     region = Region.create(RegionConfig(4, 256, 8, VOCAB))
     L = region.layout
@@ -824,8 +824,8 @@ def set_value(driver, params, t: int) -> None:
 def proxy_round_fixed_slot(region, L, t: int, replay: int, delay_s: float, log: list, vocab: int) -> None:
     """For graph (b): the captured copies always use slot 1 (round 1's), while the words count t."""
     from draftrelay.handoff import native
-    from draftrelay.handoff.proxy import deterministic_draft
     from draftrelay.handoff.region import Status, W, unpack_staging, write_reply
+    from draftrelay.testing import deterministic_draft
 
     if native.wait_geq32(region.word_addr(W.GATHERED), t, 100, 20, 5_000_000) != 0:
         log.append("never gathered")
