@@ -268,7 +268,8 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
         q, ck, cv, rows, start, out, acc, ml, T, H,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=BLOCK_N, SINGLE=single,
-        IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // BLOCK_N if _INTERPRETED else 0, num_warps=warps, num_stages=2)
+        IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // BLOCK_N if _INTERPRETED else 0,
+        num_warps=warps, num_stages=2)
     if not single:
         _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D,
                                           num_warps=warps)
