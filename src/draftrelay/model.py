@@ -532,29 +532,26 @@ def mlp_act(h: torch.Tensor, w: LayerWeights, st: StepState) -> torch.Tensor:
 RowLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
-            v: torch.Tensor, st: StepState, eps: float, row_linear: RowLinear = F.linear,
-            final_norm: torch.Tensor | None = None, head: torch.Tensor | None = None,
-            last_only: bool = False, logits_at: torch.Tensor | None = None,
-            ) -> Generator[None, None, torch.Tensor | None]:
-    """The decoder stack, a generator that yields after each row-parallel product (o_proj, down_proj).
+def attn_half(x: torch.Tensor, red: torch.Tensor | None, w: LayerWeights, st: StepState, ck: torch.Tensor,
+              cv: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first half: the previous product `red` added to the residual stream x, the input norm,
+    attention -> (x, the input of o_proj)."""
+    x, h = add_norm(x, red, w.ln1, eps, st)
+    return x, attention(h, w, st, ck, cv)
 
-    row_linear(x, w) computes those products: F.linear on one card; a tensor-parallel rank passes its
-    partial product followed by the all-reduce (and its caller launches the peers between yields).
-    Returns fp32 logits [B, T, V] of `head` (or [B, 1, V] with last_only / logits_at [B]), or None
-    without a head (prefill chunks that only extend the cache). k / v: the caches [L, rows, n_kv, len, D].
-    """
-    x = F.embedding(tokens, embed)
-    red = None
-    for i, w in enumerate(layers):
-        x, h = add_norm(x, red, w.ln1, eps, st)
-        red = row_linear(attention(h, w, st, k[i], v[i]), w.wo)
-        yield
-        x, h = add_norm(x, red, w.ln2, eps, st)
-        red = row_linear(mlp_act(h, w, st), w.wd)
-        yield
-    if head is None:
-        return None
+
+def mlp_half(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's second half: o_proj's product added, the post-attention norm, SwiGLU -> (x, the input
+    of down_proj)."""
+    x, h = add_norm(x, red, w.ln2, eps, st)
+    return x, mlp_act(h, w, st)
+
+
+def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: torch.Tensor, head: torch.Tensor,
+                eps: float, last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    """The last product added, the positions wanted picked, the final norm and the head -> fp32 logits
+    [B, T, V] ([B, 1, V] with last_only or logits_at [B])."""
     x = x + red.to(x.dtype)
     if last_only:
         x = x[:, -1:]
@@ -567,8 +564,42 @@ def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWei
     return F.linear(x, head).float()
 
 
-def run_to_end(gen: Generator[None, None, torch.Tensor | None]) -> torch.Tensor | None:
-    """Drive a decoder generator with nothing to interleave (one card): its return value."""
+def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
+            v: torch.Tensor, st: StepState, eps: float, final_norm: torch.Tensor, head: torch.Tensor,
+            last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder stack on one card: embedding, the layers (k / v: caches [L, rows, n_kv, len, D]), the
+    head. `decoder_steps` is the same stack for a tensor-parallel rank."""
+    x, red = F.embedding(tokens, embed), None
+    for i, w in enumerate(layers):
+        x, o = attn_half(x, red, w, st, k[i], v[i], eps)
+        red = F.linear(o, w.wo)
+        x, a = mlp_half(x, red, w, st, eps)
+        red = F.linear(a, w.wd)
+    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at)
+
+
+def decoder_steps(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
+                  v: torch.Tensor, st: StepState, eps: float, row_linear: RowLinear,
+                  final_norm: torch.Tensor, head: torch.Tensor | None, last_only: bool = False,
+                  logits_at: torch.Tensor | None = None) -> Generator[None, None, torch.Tensor | None]:
+    """`decoder` for one tensor-parallel rank: a generator that yields after each row-parallel product
+    (its caller launches the peers' ops in between). row_linear(x, w): the rank's partial product of
+    o_proj / down_proj, all-reduced. head None: no head (prefill chunks that only extend the cache)."""
+    x, red = F.embedding(tokens, embed), None
+    for i, w in enumerate(layers):
+        x, o = attn_half(x, red, w, st, k[i], v[i], eps)
+        red = row_linear(o, w.wo)
+        yield
+        x, a = mlp_half(x, red, w, st, eps)
+        red = row_linear(a, w.wd)
+        yield
+    if head is None:
+        return None
+    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at)
+
+
+def run_to_end(gen: Generator[None, None, object]) -> object:
+    """Drive a generator with nothing to interleave: its return value."""
     while True:
         try:
             next(gen)
@@ -660,9 +691,8 @@ class Transformer(nn.Module):
         st = step_state(start_pos, T, kv_len, rows, self.cfg.n_rep, inv, self.dtype, self.fast_path())
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits_at = None if logits_at is None else to_device(logits_at, dev)
-        logits = run_to_end(decoder(tokens, self.embed_tokens.weight, self.layer_weights(), cache.k, cache.v, st,
-                                    self.cfg.rms_norm_eps, final_norm=self.norm.weight, head=w,
-                                    last_only=last_only, logits_at=logits_at))
+        logits = decoder(tokens, self.embed_tokens.weight, self.layer_weights(), cache.k, cache.v, st,
+                         self.cfg.rms_norm_eps, self.norm.weight, w, last_only, logits_at)
         if eager:
             for s, r in zip(sp, rw, strict=True):
                 cache.lengths[r] = s + T

@@ -73,4 +73,4 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
                       float("-inf"))
     p = torch.softmax(s, dim=-1).to(q.dtype).float()
     o = torch.matmul(p, vals)  # [B, n_kv, rep*T, D]
-    return o.view(B, n_kv, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype)
+    return o.view(B, n_kv, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype).contiguous()

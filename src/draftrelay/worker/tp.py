@@ -42,7 +42,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draftrelay.model import LayerWeights, ModelConfig, Transformer, decoder, rope_inv_freq, step_state
+from draftrelay.capture import GraphCapture, kv_bucket
+from draftrelay.model import (
+    LayerWeights,
+    ModelConfig,
+    Transformer,
+    decoder_steps,
+    rope_inv_freq,
+    run_to_end,
+    step_state,
+)
 from draftrelay.p2p import EmulatedGroup, P2PError, P2PGroup
 from draftrelay.p2p.collectives import MAX_RANKS
 from draftrelay.worker.core import StepFailed
@@ -52,7 +61,6 @@ from draftrelay.worker.drafters import (
     T_BUCKETS,
     Drafter,
     Job,
-    kv_bucket,
     steady_state_keys,
 )
 
@@ -297,7 +305,7 @@ class TPDrafter(Drafter):
             self.streams = [torch.cuda.Stream(device=devices[0])] * len(ranks)
         self.f32_partials = self.dtype == torch.float32 or (cuda and _mm_f32_out_works(self.shards[0].device))
         self._static: dict[tuple, _Static] = {}
-        self._pools: list = []
+        self._captures: list[GraphCapture] = []
         self._pool_threads = (ThreadPoolExecutor(world - 1, thread_name_prefix="tp-launch")
                               if tp_mode == "pair" and mode == "graph" else None)
         self.settle_log: list[dict] = []
@@ -324,7 +332,7 @@ class TPDrafter(Drafter):
         return F.linear(x, w)  # no fp32-output GEMM here: bf16 partials (summed in fp32, rounded once)
 
     def _forward(self, r: int, tokens, start, rows, kv_len: int, logits_at=None, head: bool = True):
-        """Rank r's share of Transformer.forward: the same decoder (model.decoder) with this rank's
+        """Rank r's share of Transformer.forward: the same layers (model.decoder_steps) with this rank's
         weight slices, its partial products all-reduced (static: nothing syncs). Returns fp32 logits of
         the rank's vocabulary columns [B, V_r] at logits_at (or the last position), or None (head=False)."""
         s, c = self.shards[r], self.cfg
@@ -333,9 +341,8 @@ class TPDrafter(Drafter):
             return self.group.all_reduce(r, self._partial(x, w))
 
         st = step_state(start, tokens.shape[1], kv_len, rows, c.n_rep, s.inv_freq, self.dtype, self.fast)
-        out = yield from decoder(tokens, s.embed, s.weights, s.k, s.v, st, c.rms_norm_eps, row_linear,
-                                 final_norm=s.norm, head=s.head if head else None,
-                                 last_only=logits_at is None, logits_at=logits_at)
+        out = yield from decoder_steps(tokens, s.embed, s.weights, s.k, s.v, st, c.rms_norm_eps, row_linear,
+                                       s.norm, s.head if head else None, logits_at is None, logits_at)
         return None if out is None else out[:, 0]  # [B, V_r]
 
     def _step(self, r: int, st: _Static) -> Iterator[None]:
@@ -416,18 +423,12 @@ class TPDrafter(Drafter):
                 for s in self.streams:
                     s.synchronize()
                 self._check_group()
-                if not self._pools:
-                    for s in self.shards:
-                        with torch.cuda.device(s.device):
-                            self._pools.append(torch.cuda.graph_pool_handle())
+                if not self._captures:  # each rank captures on (and replays from) its own stream
+                    self._captures = [GraphCapture(s.device, self.streams[r]) for r, s in enumerate(self.shards)]
                 try:
-                    for r, s in enumerate(self.shards):  # capture records one rank alone: no partner needed
-                        with torch.cuda.device(s.device):
-                            gr = torch.cuda.CUDAGraph()
-                            with torch.cuda.graph(gr, pool=self._pools[r], stream=self.streams[r]):
-                                for _ in self._step(r, st):
-                                    pass
-                            st.graphs.append(gr)
+                    for r in range(len(self.shards)):  # capture records one rank alone: no partner needed
+                        gr, _ = self._captures[r].capture(lambda r=r: run_to_end(self._step(r, st)))
+                        st.graphs.append(gr)
                 except Exception:  # serve in lockstep without graphs rather than fail every round
                     log.exception("tp%d: CUDA graph capture failed; the drafter falls back to static mode", self.world)
                     st.graphs = []
