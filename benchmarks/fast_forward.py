@@ -69,10 +69,11 @@ def kernel_count(fn) -> dict:
                 and "memset" not in e.name.lower():
             n += 1
             dev_us += e.device_time
-            key = e.name[:60]
-            names[key] = names.get(key, 0) + 1
-    top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
-    return {"kernels": n, "device_us": round(dev_us, 1), "top": top}
+            c, t = names.get(e.name[:70], (0, 0.0))
+            names[e.name[:70]] = (c + 1, t + e.device_time)
+    top = sorted(names.items(), key=lambda kv: -kv[1][1])[:14]
+    return {"kernels": n, "device_us": round(dev_us, 1),
+            "top_by_time": [(k, c, round(t, 1)) for k, (c, t) in top]}  # name, count, us
 
 
 def copy_bandwidth(dev) -> float:
@@ -86,6 +87,34 @@ def copy_bandwidth(dev) -> float:
 
 def gbps(nbytes: int, t: dict) -> dict:
     return {k: round(nbytes / (v["p50_ms"] / 1e3) / 1e9, 1) for k, v in t.items()}
+
+
+def gemm_section(dev, out) -> None:
+    """cuBLAS (F.linear) on the layer GEMMs of both shapes at M = 1 and 5 rows: achieved GB/s of the
+    weight read (8 distinct weights in turn, so the 60 MB L2 does not serve the repeats)."""
+    shapes = {"0.5b qkv": (896, 1152), "0.5b o": (896, 896), "0.5b gate_up": (896, 9728), "0.5b down": (4864, 896),
+              "0.5b head": (896, 151936), "7b qkv": (3584, 4608), "7b o": (3584, 3584),
+              "7b gate_up": (3584, 37888), "7b down": (18944, 3584), "7b head": (3584, 151936)}
+    rows = []
+    for name, (k, n) in shapes.items():
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2 if n * k > 1e8 else 8)]
+        for m in (1, 5):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            g = torch.cuda.CUDAGraph()
+            torch.nn.functional.linear(x, ws[0])
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                for _ in range(5):
+                    for w in ws:
+                        torch.nn.functional.linear(x, w)
+            g.replay()
+            ts = [timed(g.replay) for _ in range(10)]
+            per = float(np.median(ts)) / (5 * len(ws))
+            rows.append({"gemm": name, "M": m, "us": round(per * 1e6, 2),
+                         "GBps": round(n * k * 2 / per / 1e9, 1)})
+        del ws
+    out["gemm_cublas"] = rows
+    print("cuBLAS GEMM GB/s: " + ", ".join(f"{r['gemm']} M{r['M']} {r['GBps']}" for r in rows), flush=True)
 
 
 def weight_bytes(model: M.Transformer) -> int:
@@ -267,7 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip the HF column past this many seconds")
-    ap.add_argument("--sections", default="drafter,target")
+    ap.add_argument("--sections", default="gemm,drafter,target")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "fast_forward.json"))
     args = ap.parse_args(argv)
@@ -291,6 +320,8 @@ def main(argv=None) -> int:
         try:
             if sec == "drafter":
                 drafter_section(dev, ctxs, args.iters, out)
+            elif sec == "gemm":
+                gemm_section(dev, out)
             elif sec == "target":
                 target_section(dev, ctxs, args.iters, out, not args.no_compile, not args.no_hf, args.budget_s, t_start)
         except Exception as exc:

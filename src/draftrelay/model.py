@@ -445,8 +445,8 @@ class StepState:
     kv_len: int
     start: torch.Tensor  # [B] int64 on the device
     rows: slice | torch.Tensor  # cache rows: a slice is read in place, a tensor gathered
-    widx: torch.Tensor  # [B, 1] write index of each row (into the slice, or the cache)
-    pos: torch.Tensor  # [B, T]
+    widx: torch.Tensor | None  # [B, 1] write index of each row (into the slice, or the cache); plain path
+    pos: torch.Tensor | None  # [B, T]; plain path
     inv_freq: torch.Tensor
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # cos, sin, blocked (plain attention)
     kernels: object | None  # draftrelay.kernels backend module (fast path), or None (plain path)
@@ -458,7 +458,6 @@ def step_state(start: torch.Tensor, T: int, kv_len: int, rows: slice | torch.Ten
                inv_freq: torch.Tensor, dtype: torch.dtype, fast: bool) -> StepState:
     dev = start.device
     B = start.shape[0]
-    widx = torch.arange(B, device=dev)[:, None] if isinstance(rows, slice) else rows[:, None]
     kern = rows_t = None
     fast_attn = False
     if fast:
@@ -466,12 +465,12 @@ def step_state(start: torch.Tensor, T: int, kv_len: int, rows: slice | torch.Ten
         kern = kernels.backend(dev)
         rows_t = torch.arange(rows.start, rows.stop, device=dev) if isinstance(rows, slice) else rows
         fast_attn = n_rep * T <= DECODE_ROWS
-    if fast_attn:
-        pos = start[:, None] + torch.arange(T, device=dev)[None, :]
-        tables = None
+    if fast_attn:  # the kernels take the positions from start: no tables, masks or write indices
+        pos = widx = tables = None
     else:
         pos, cos, sin, blocked = step_tables(start, T, kv_len, n_rep, inv_freq, dtype)
         tables = (cos, sin, blocked)
+        widx = torch.arange(B, device=dev)[:, None] if isinstance(rows, slice) else rows[:, None]
     return StepState(B, T, kv_len, start, rows, widx, pos, inv_freq, tables, kern, rows_t, fast_attn)
 
 
