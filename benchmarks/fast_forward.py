@@ -25,6 +25,7 @@ import torch
 from draftrelay import model as M
 from draftrelay.engine.graphs import DecodeGraphs
 from draftrelay.handoff.procinfo import machine_info
+from draftrelay.kernels import triton_ops
 from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
 
 TARGET_7B = dict(vocab_size=151936, hidden_size=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
@@ -89,6 +90,16 @@ def gbps(nbytes: int, t: dict) -> dict:
     return {k: round(nbytes / (v["p50_ms"] / 1e3) / 1e9, 1) for k, v in t.items()}
 
 
+GEMV_DEFAULT = triton_ops.GEMV_MAX_BYTES
+
+
+def fast_path(model: M.Transformer, fast) -> None:
+    """True: the fused kernels (the default policy); "nogemv": the same without the norm + GEMV
+    fusion (cuBLAS for every product); False: the plain forward."""
+    model.fast = bool(fast)
+    triton_ops.GEMV_MAX_BYTES = 0 if fast == "nogemv" else GEMV_DEFAULT
+
+
 def gemm_section(dev, out) -> None:
     """cuBLAS (F.linear) on the layer GEMMs of both shapes at M = 1 and 5 rows: achieved GB/s of the
     weight read (8 distinct weights in turn, so the 60 MB L2 does not serve the repeats)."""
@@ -110,11 +121,26 @@ def gemm_section(dev, out) -> None:
             g.replay()
             ts = [timed(g.replay) for _ in range(10)]
             per = float(np.median(ts)) / (5 * len(ws))
-            rows.append({"gemm": name, "M": m, "us": round(per * 1e6, 2),
-                         "GBps": round(n * k * 2 / per / 1e9, 1)})
+            row = {"gemm": name, "M": m, "us": round(per * 1e6, 2), "GBps": round(n * k * 2 / per / 1e9, 1)}
+            try:  # the fused norm + GEMV on the same weights (the norm included in its time)
+                nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
+                triton_ops.norm_linear(x, None, nw, 1e-6, ws[0], None)
+                torch.cuda.synchronize()
+                g2 = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g2):
+                    for _ in range(5):
+                        for w in ws:
+                            triton_ops.norm_linear(x, None, nw, 1e-6, w, None)
+                g2.replay()
+                per2 = float(np.median([timed(g2.replay) for _ in range(10)])) / (5 * len(ws))
+                row.update(triton_us=round(per2 * 1e6, 2), triton_GBps=round(n * k * 2 / per2 / 1e9, 1))
+            except Exception as exc:
+                row["triton_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
         del ws
     out["gemm_cublas"] = rows
-    print("cuBLAS GEMM GB/s: " + ", ".join(f"{r['gemm']} M{r['M']} {r['GBps']}" for r in rows), flush=True)
+    print("GEMM GB/s cuBLAS / norm+GEMV: " + ", ".join(f"{r['gemm']} M{r['M']} {r['GBps']}/{r.get('triton_GBps')}"
+                                                       for r in rows), flush=True)
 
 
 def weight_bytes(model: M.Transformer) -> int:
@@ -131,7 +157,7 @@ def drafter_section(dev, ctxs, iters, out) -> None:
     max_ctx = max(ctxs) + 64
     n_out = 4
     variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast": ("graph", True),
-                "eager_fast": ("eager", True)}
+                "graphs_fast_nogemv": ("graph", "nogemv"), "eager_fast": ("eager", True)}
     drafters = {k: LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m) for k, (m, _) in variants.items()}
     wb = weight_bytes(model)
     res = out.setdefault("drafter_0p5b", {"weight_bytes": wb, "n_out": n_out, "rows": []})
@@ -147,7 +173,7 @@ def drafter_section(dev, ctxs, iters, out) -> None:
         for B in (1, 4):
             def step(d, fast, B=B, ctx=ctx):
                 def go():
-                    model.fast = fast
+                    fast_path(model, fast)
                     for r in range(B):
                         d.cache.lengths[r] = ctx
                     d.run([Job(r, ctx, np.array([17 + r], np.int32)) for r in range(B)], n_out)
@@ -158,7 +184,8 @@ def drafter_section(dev, ctxs, iters, out) -> None:
             kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)
             row["bytes_per_step"] = n_out * wb + kv_read
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
-            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast")}
+            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast", "graphs_fast_nogemv")}
+            fast_path(model, True)
             res["rows"].append(row)
             print(f"drafter 0.5B ctx {ctx} B={B}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
                   + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}",
@@ -180,12 +207,12 @@ def target_section(dev, ctxs, iters, out, with_compile: bool, with_hf: bool, bud
     res = out.setdefault("target_7b", {"weight_bytes": wb, "rows": []})
     graphs = {}
     for T in (1, 5):
-        for fast in (False, True):
-            model.fast = fast
+        for fast in (False, True, "nogemv"):
+            fast_path(model, fast)
             t0 = time.perf_counter()
             graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
-            res.setdefault("capture_s", {})[f"T{T}_{'fast' if fast else 'plain'}"] = round(time.perf_counter() - t0, 2)
-    model.fast = None
+            res.setdefault("capture_s", {})[f"T{T}_{fast}"] = round(time.perf_counter() - t0, 2)
+    fast_path(model, True)
     compiled = {}
     if with_compile:
         try:
@@ -215,7 +242,7 @@ def target_section(dev, ctxs, iters, out, with_compile: bool, with_hf: bool, bud
 
             def eager(fast, T=T, ctx=ctx, toks_h=toks_h):
                 def go():
-                    model.fast = fast
+                    fast_path(model, fast)
                     cache.lengths[0] = ctx
                     with torch.inference_mode():
                         model(toks_h, torch.tensor([ctx]), cache, torch.tensor([0]))
@@ -228,7 +255,7 @@ def target_section(dev, ctxs, iters, out, with_compile: bool, with_hf: bool, bud
                 return go
 
             fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast": graph(True),
-                   "eager_fast": eager(True)}
+                   "graphs_fast_nogemv": graph("nogemv"), "eager_fast": eager(True)}
             if T in compiled and ctx < 1024 - 8:
                 st_d, rw_d = torch.tensor([ctx], device=dev), torch.tensor([0], device=dev)
                 def comp(T=T, st_d=st_d, rw_d=rw_d, toks_d=toks_d):
@@ -239,7 +266,8 @@ def target_section(dev, ctxs, iters, out, with_compile: bool, with_hf: bool, bud
             row = {"context": ctx, "tokens": T, "step": t,
                    "bytes_per_step": wb + (ctx + T) * kv_bytes_per_token(cfg)}
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
-            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast")}
+            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast", "graphs_fast_nogemv")}
+            fast_path(model, True)
             res["rows"].append(row)
             print(f"target 7B ctx {ctx} T={T}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
                   + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}",

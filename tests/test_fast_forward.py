@@ -44,6 +44,11 @@ def test_each_kernel_definition_equals_the_plain_ops(dtype, tol):
     ref_x = x + d.to(dtype)
     assert torch.equal(xo, ref_x)
     torch.testing.assert_close(h.float(), M.rms_norm(ref_x, w, 1e-6).float(), atol=tol, rtol=tol)
+    wl, bl = torch.randn(24, 40, generator=g).to(dtype), torch.randn(24, generator=g).to(dtype)
+    xo2, y = R.norm_linear(x, d, w, 1e-6, wl, bl)
+    assert torch.equal(xo2, ref_x) and R.use_norm_linear(15, wl)
+    torch.testing.assert_close(y.float(), torch.nn.functional.linear(M.rms_norm(ref_x, w, 1e-6), wl, bl).float(),
+                               atol=4 * tol, rtol=4 * tol)
     gu = torch.randn(2, 3, 96, generator=g).to(dtype)
     torch.testing.assert_close(R.silu_mul(gu).float(), (torch.nn.functional.silu(gu[..., :48]) * gu[..., 48:]).float(),
                                atol=tol, rtol=tol)
@@ -100,10 +105,12 @@ def test_fast_forward_logits_within_bf16_of_plain_and_greedy_equal_in_fp32():
     b, _ = _decode_run(fast, prompt, 6, k=5)
     spread = a.float().std().item()
     assert (a - b).abs().max().item() <= 0.05 * spread + 1e-2, ((a - b).abs().max(), spread)  # bf16 rounding
-    target, _ = tiny_pair(seed % 1000)
+    # greedy tokens: the built-in tiny target in fp32 and a fixed prompt (a fresh random one could land on
+    # an exact near-tie, where 1e-7 of summation order picks the other token legitimately)
+    target, _ = tiny_pair()
     fast_t = copy.deepcopy(target)
     fast_t.fast = True
-    prompt = torch.randint(0, 256, (1, 12))
+    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
     la, ta = _decode_run(target, prompt, 24)
     lb, tb = _decode_run(fast_t, prompt, 24)
     assert ta == tb

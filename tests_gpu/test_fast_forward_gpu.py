@@ -52,6 +52,12 @@ def test_kernels_equal_their_definitions(H, HK, D, T, kv, starts):
     for delta in (None, dl, dl.to(bf)):
         a, b = K.add_rms_norm(x, delta, w, 1e-6), R.add_rms_norm(x, delta, w, 1e-6)
         assert torch.equal(a[0], b[0]) and rel(a[1], b[1]) < 4e-3
+    for n_out, b in ((1152, True), (9728, False), (4608, True)):
+        wt = (torch.randn(n_out, 896, device=DEV, generator=g) * 0.05).to(bf)
+        bias = torch.randn(n_out, device=DEV, generator=g).to(bf) if b else None
+        for delta in (None, dl):
+            a, r = K.norm_linear(x, delta, w, 1e-6, wt, bias), R.norm_linear(x, delta, w, 1e-6, wt, bias)
+            assert torch.equal(a[0], r[0]) and rel(a[1], r[1]) < 1e-2, rel(a[1], r[1])
     gu = torch.randn(B, T, 2 * 4864, device=DEV, generator=g).to(bf)
     assert rel(K.silu_mul(gu), R.silu_mul(gu)) < 4e-3
     inv = (1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV).float() / D)))
@@ -87,8 +93,12 @@ def _forward_hidden_and_logits(model, cache, toks, start, kv):
     return hid, lg
 
 
+@pytest.mark.parametrize("gemv", [True, False])
 @pytest.mark.parametrize("T", [1, 5])
-def test_fast_forward_error_vs_float64_within_bf16_bounds(T):
+def test_fast_forward_error_vs_float64_within_bf16_bounds(T, gemv, monkeypatch):
+    from draftrelay.kernels import triton_ops
+    if not gemv:
+        monkeypatch.setattr(triton_ops, "GEMV_MAX_BYTES", 0)
     cfg = M.ModelConfig(**{**SHAPES["qwen2.5-0.5b"], "n_layers": 6, "vocab_size": 8192,
                            "tie_word_embeddings": False}, name="0.5b-6L")
     seed = int.from_bytes(os.urandom(2), "little")
@@ -108,7 +118,7 @@ def test_fast_forward_error_vs_float64_within_bf16_bounds(T):
         out[name] = _forward_hidden_and_logits(m, cache, toks[:, ctx:], torch.tensor([ctx], device=DEV), 4096)
     errs = {k: {"hidden": rel(out[k][0], out["f64"][0]), "logits": rel(out[k][1], out["f64"][1])}
             for k in ("plain", "fast")}
-    REPORT.setdefault("f64", []).append({"T": T, **errs})
+    REPORT.setdefault("f64", []).append({"T": T, "gemv": gemv, **errs})
     for what in ("hidden", "logits"):
         assert errs["fast"][what] < 3e-2, errs  # bf16 operands over 6 layers: a few 1e-3 expected
         assert errs["fast"][what] <= 2 * errs["plain"][what] + 2e-3, errs

@@ -474,13 +474,12 @@ def step_state(start: torch.Tensor, T: int, kv_len: int, rows: slice | torch.Ten
     return StepState(B, T, kv_len, start, rows, widx, pos, inv_freq, tables, kern, rows_t, fast_attn)
 
 
-def attention(h: torch.Tensor, w: LayerWeights, st: StepState, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
-    """h [B, T, d] -> the attention heads' outputs [B, T, n_heads * D] (before o_proj), writing the T new
-    K/V into the layer's cache ck / cv ([rows, n_kv, len, D]) at their positions."""
+def attention(qkv: torch.Tensor, w: LayerWeights, st: StepState, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
+    """qkv [B, T, (n_heads + 2 n_kv) * D] -> the attention heads' outputs [B, T, n_heads * D] (before
+    o_proj), writing the T new K/V into the layer's cache ck / cv ([rows, n_kv, len, D]) at their positions."""
     B, T = st.B, st.T
     H, HK = w.n_heads, w.n_kv
     D = ck.shape[-1]
-    qkv = F.linear(h, w.wqkv, w.bqkv)
     if st.fast_attn:
         K = st.kernels
         q = K.rope_kv_write(qkv, st.start, st.inv_freq, H, HK, ck, cv, st.rows_t)
@@ -508,6 +507,17 @@ def attention(h: torch.Tensor, w: LayerWeights, st: StepState, ck: torch.Tensor,
     return out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, -1)
 
 
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, w: torch.Tensor,
+                b: torch.Tensor | None, st: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, add_norm's output @ w^T + b): on the fast path one kernel for decode and verify rows
+    (the norm computed where the product reads it), else add_norm then the GEMM."""
+    K = st.kernels
+    if K is not None and K.use_norm_linear(st.B * st.T, w):
+        return K.norm_linear(x, delta, weight, eps, w, b)
+    x, h = add_norm(x, delta, weight, eps, st)
+    return x, F.linear(h, w, b)
+
+
 def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
              st: StepState) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta) * weight): the residual add and the next norm (one fused kernel on
@@ -519,9 +529,8 @@ def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, 
     return x, rms_norm(x, weight, eps)
 
 
-def mlp_act(h: torch.Tensor, w: LayerWeights, st: StepState) -> torch.Tensor:
-    """SwiGLU's activations silu(gate) * up (before down_proj)."""
-    gu = F.linear(h, w.wgu)
+def mlp_act(gu: torch.Tensor, st: StepState) -> torch.Tensor:
+    """SwiGLU's activations silu(gate) * up from the gate|up product (before down_proj)."""
     if st.kernels is not None:
         return st.kernels.silu_mul(gu)
     n = gu.shape[-1] // 2
@@ -535,16 +544,16 @@ def attn_half(x: torch.Tensor, red: torch.Tensor | None, w: LayerWeights, st: St
               cv: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's first half: the previous product `red` added to the residual stream x, the input norm,
     attention -> (x, the input of o_proj)."""
-    x, h = add_norm(x, red, w.ln1, eps, st)
-    return x, attention(h, w, st, ck, cv)
+    x, qkv = norm_linear(x, red, w.ln1, eps, w.wqkv, w.bqkv, st)
+    return x, attention(qkv, w, st, ck, cv)
 
 
 def mlp_half(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's second half: o_proj's product added, the post-attention norm, SwiGLU -> (x, the input
     of down_proj)."""
-    x, h = add_norm(x, red, w.ln2, eps, st)
-    return x, mlp_act(h, w, st)
+    x, gu = norm_linear(x, red, w.ln2, eps, w.wgu, None, st)
+    return x, mlp_act(gu, st)
 
 
 def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: torch.Tensor, head: torch.Tensor,

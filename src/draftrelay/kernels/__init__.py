@@ -5,6 +5,8 @@ where Triton imports, `reference` everywhere else (the CPU runs the fast forward
 plain-torch definitions: the same function, not faster). Both modules define
 
     add_rms_norm(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta) * weight)
+    norm_linear(x, delta, weight, eps, w, b) -> (x + delta, add_rms_norm's output @ w^T + b)
+    use_norm_linear(rows, w) -> whether the forward takes norm_linear for that product
     silu_mul(gu) -> silu(gate) * up
     rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows) -> q rotated (k, v into the cache)
     decode_attention(q, ck, cv, rows, start, kv_len) -> causal GQA attention over the cache rows

@@ -23,6 +23,19 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return x, (normed.float() * weight.float()).to(x.dtype)
 
 
+def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
+    """Whether the forward fuses the norm into the next product (always here: the same function)."""
+    return True
+
+
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
+                b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, add_rms_norm's normed rows @ w^T + b): the norm and the product that reads it; the
+    product accumulates in fp32 and rounds once (as a GEMM with its bias)."""
+    x, h = add_rms_norm(x, delta, norm_w, eps)
+    return x, torch.nn.functional.linear(h, w, b)
+
+
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """gu [..., 2n] (rows gate | up of one GEMM) -> silu(gate) * up [..., n]; silu rounded first, as
     F.silu(gate) * up rounds."""

@@ -5,6 +5,8 @@ each instead of the plain forward's several per op.
   silu_mul          SiLU(gate) * up of the fused gate|up GEMM's output              (plain: 2)
   rope_kv_write     RoPE of q and k from positions (angles in-kernel), k and v stored (plain: ~12 with
                     into the cache rows at their positions, q written head-major      the step's tables)
+  norm_linear       add_rms_norm fused into the GEMV that reads its output (q|k|v, gate|up) for
+                    decode and verify rows, where the weight is small enough (GEMV_MAX_BYTES)
   decode_attention  flash-decoding: each program streams one key chunk of one (row, kv head) once, for
                     all n_rep * T query rows of that kv head (GQA without repeating K/V), online
                     softmax in fp32; long contexts split over many programs whose partials one combine
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))
 BLOCK_N = 64  # keys per tile of the attention loop
 SINGLE_MAX = 1024  # up to this many keys one program per (row, kv head) reads them all: no combine launch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -50,6 +52,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, N, eps,
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()  # rows are indexed as row * N (no-ops for the forward's own tensors)
+    delta = None if delta is None else delta.contiguous()
     N = x.shape[-1]
     rows = x.numel() // N
     h = torch.empty_like(x)
@@ -73,6 +77,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    gu = gu.contiguous()
     n = gu.shape[-1] // 2
     rows = gu.numel() // (2 * n)
     out = torch.empty(*gu.shape[:-1], n, device=gu.device, dtype=gu.dtype)
@@ -228,6 +233,84 @@ def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split: tl.constexpr,
     h = g * REP + r // T
     qo = ((b * T + t).to(tl.int64) * H + h) * D
     tl.store(o_ptr + qo[:, None] + d[None, :], (A / L[:, None]).to(o_ptr.dtype.element_ty), mask=rvalid[:, None])
+
+
+@triton.jit
+def _norm_linear_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, out_ptr, M, N, eps,
+                        K: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """out[M, N] = rms_norm(x + delta) * nw @ W[N, K]^T (+ b); program 0 also writes x + delta. Every
+    program recomputes the (tiny) normalised rows, then streams its BLOCK_N rows of W once."""
+    pid = tl.program_id(0)
+    m = tl.arange(0, M_PAD)
+    mm = m < M
+    rows = m.to(tl.int64)[:, None] * K
+    ss = tl.zeros([M_PAD], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        msk = mm[:, None] & (kk < K)[None, :]
+        xv = tl.load(x_ptr + rows + kk[None, :], mask=msk, other=0.0)
+        if HAS_DELTA:
+            dv = tl.load(d_ptr + rows + kk[None, :], mask=msk, other=0.0)
+            xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
+            if pid == 0:
+                tl.store(xo_ptr + rows + kk[None, :], xv, mask=msk)
+        xf = xv.to(tl.float32)
+        ss += tl.sum(xf * xf, 1)
+    rstd = 1.0 / tl.sqrt(ss / K + eps)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < K
+        msk = mm[:, None] & km[None, :]
+        xv = tl.load(x_ptr + rows + kk[None, :], mask=msk, other=0.0)
+        if HAS_DELTA:
+            dv = tl.load(d_ptr + rows + kk[None, :], mask=msk, other=0.0)
+            xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
+        normed = (xv.to(tl.float32) * rstd[:, None]).to(xv.dtype)
+        nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
+        h = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xv.dtype)
+        wt = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(h, tl.trans(wt), input_precision="ieee")
+        else:
+            acc += tl.dot(h, tl.trans(wt))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mm[:, None] & nm[None, :])
+
+
+# the fused norm + GEMV is used up to this many rows and this many weight bytes (beyond, cuBLAS's GEMM
+# reads a large weight faster than this simple kernel): set by benchmarks/fast_forward.py's measurement
+GEMV_MAX_ROWS = 16
+GEMV_MAX_BYTES = 64 << 20
+
+
+def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
+    return rows <= GEMV_MAX_ROWS and w.numel() * w.element_size() <= GEMV_MAX_BYTES
+
+
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
+                b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    delta = None if delta is None else delta.contiguous()
+    K = x.shape[-1]
+    M = x.numel() // K
+    N = w.shape[0]
+    if not w.is_contiguous():
+        raise ValueError("norm_linear: the weight must be contiguous")
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    xo = torch.empty_like(x) if delta is not None else x
+    BLOCK_N = 16 if N <= 16384 else 32
+    _norm_linear_kernel[(triton.cdiv(N, BLOCK_N),)](
+        x, delta if delta is not None else x, norm_w, xo, w, b if b is not None else w, out, M, N, eps,
+        K=K, M_PAD=max(16, triton.next_power_of_2(M)), BLOCK_N=BLOCK_N, BLOCK_K=128,
+        HAS_DELTA=delta is not None, HAS_BIAS=b is not None, IEEE=x.dtype == torch.float32,
+        num_warps=4, num_stages=3)
+    return xo, out
 
 
 @functools.lru_cache(maxsize=8)
