@@ -6,7 +6,8 @@ each instead of the plain forward's several per op.
   rope_kv_write     RoPE of q and k from positions (angles in-kernel), k and v stored (plain: ~12 with
                     into the cache rows at their positions, q written head-major      the step's tables)
   norm_linear       add_rms_norm fused into the GEMV that reads its output (q|k|v, gate|up) for
-                    decode and verify rows, where the weight is small enough (GEMV_MAX_BYTES)
+                    decode and verify rows, where the weight is small enough (GEMV_MAX_BYTES; off:
+                    slower than cuBLAS here, see there)
   decode_attention  flash-decoding: each program streams one key chunk of one (row, kv head) once, for
                     all n_rep * T query rows of that kv head (GQA without repeating K/V), online
                     softmax in fp32; long contexts split over many programs whose partials one combine
@@ -283,10 +284,12 @@ def _norm_linear_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, out_ptr, M, 
              mask=mm[:, None] & nm[None, :])
 
 
-# the fused norm + GEMV is used up to this many rows and this many weight bytes (beyond, cuBLAS's GEMM
-# reads a large weight faster than this simple kernel): set by benchmarks/fast_forward.py's measurement
+# the fused norm + GEMV is used up to this many rows and this many weight bytes. 0: never, because on the
+# H200 cuBLAS's GEMM (plus the separate add_rms_norm launch) was faster at every layer shape of the 0.5B
+# and 7B models (benchmarks/fast_forward.py, "gemm_cublas": e.g. 0.5B down 7.5 us against 41.8 us, 7B
+# gate_up 74.0 us against 98.5 us), and the forward with it was 0.7-0.8 ms slower per step
 GEMV_MAX_ROWS = 16
-GEMV_MAX_BYTES = 64 << 20
+GEMV_MAX_BYTES = 0
 
 
 def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
