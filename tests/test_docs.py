@@ -170,6 +170,26 @@ def test_doc_links_resolve(doc):
     assert broken_links(doc.read_text(), doc) == [], f"{doc.name} has links to nothing"
 
 
+# Development history belongs in commit messages; the docs describe the present.
+HISTORY_RE = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bissue #?\d+|\bcommit [0-9a-f]{7,40}\b|\bsecond run\b|"
+                        r"\bsuperseded\b|\bprevious (?:build|session|run)\b|\b(?:first|second|last) (?:GPU )?session\b",
+                        re.IGNORECASE)
+
+
+def test_history_scanner():
+    text = ("measured 2026-11-29; see issue 6; commit 15c4fd7; the second run; superseded; the previous build;\n"
+            "in the first GPU session; not known to this session; the path issues 27 kernels; seeded weights")
+    assert [m.group(0) for m in HISTORY_RE.finditer(text)] == [
+        "2026-11-29", "issue 6", "commit 15c4fd7", "second run", "superseded", "previous build",
+        "first GPU session"]
+
+
+@pytest.mark.parametrize("doc", doc_files(), ids=lambda p: p.name)
+def test_doc_has_no_development_history(doc):
+    hits = [m.group(0) for m in HISTORY_RE.finditer(doc.read_text())]
+    assert hits == [], f"{doc.name} tells history"
+
+
 def test_every_kept_result_is_cited():
     """benchmarks/results/ holds the current result of each benchmark: a file no doc cites is a
     superseded run (git keeps it) or an uncited claim."""
