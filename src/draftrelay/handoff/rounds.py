@@ -81,6 +81,9 @@ class HandoffConfig:
     # runs on the engine's own GPU: a kernel spinning in the engine's context makes the GPU time-slice
     # between the two processes' contexts, and the worker's step ran at half speed (H200, 128K).
     cuda_wait: str = ""
+    # the worker's shared secret (wire/security.py): sent as the handshake's HMAC, given to the proxy
+    # child through its environment (never its command line); "" = $DRAFTRELAY_SECRET or none
+    secret: str = field(default="", repr=False)
 
     @property
     def region_config(self) -> RegionConfig:
@@ -91,6 +94,8 @@ class HandoffConfig:
         spec.setdefault("vocab_size", self.vocab_size)
         spec.update(spin_us=self.spin_us, nap_us=self.nap_us, heartbeat_us=int(self.heartbeat_ms * 1000),
                     round_budget_s=self.round_budget_ms / 1000)
+        if self.secret:
+            spec["secret"] = self.secret
         return spec
 
 
@@ -161,12 +166,16 @@ class ProxyProcess:
     def __init__(self, region: Region, spec: dict, audit: str = "") -> None:
         self.region = region
         self._err = tempfile.TemporaryFile(prefix="draftrelay-proxy-")
+        spec = dict(spec)
+        secret = spec.pop("secret", "")  # argv is world-readable (/proc/PID/cmdline), the environment is not
         cmd = [sys.executable, "-m", "draftrelay.handoff.proxy", "--fd", str(region.fd), "--spec",
-               json.dumps(spec)]
+               json.dumps(spec), "--parent-pid", str(os.getpid())]
         if audit:
             cmd += ["--audit", audit]
         env = dict(os.environ)
         env.pop("PYTHONSTARTUP", None)
+        if secret:
+            env["DRAFTRELAY_SECRET"] = secret
         try:
             self.proc = subprocess.Popen(cmd, pass_fds=(region.fd,), stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=self._err, env=env)
