@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "keeps the connection, not the rows)")
     p.add_argument("--prefill-slice-ms", type=float, default=0.0,
                    help="drafter time one prefill slice may take while other sessions wait (0: about one "
-                        "ordinary STEP)")
+                        "ordinary STEP; -1: never slice)")
     p.add_argument("--max-ctx", type=int, default=4096, help="longest context per request, in tokens")
     p.add_argument("--n-out-max", type=int, default=8, help="most drafts per block (1-64)")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle session expires")
@@ -101,8 +101,8 @@ def _check(args: argparse.Namespace) -> str | None:
     for name in ("idle_timeout", "handshake_timeout", "frame_timeout", "row_lease", "log_every"):
         if not getattr(args, name) > 0 or not math.isfinite(getattr(args, name)):
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be a positive number"
-    if not 0 <= args.prefill_slice_ms < math.inf:
-        return f"--prefill-slice-ms {args.prefill_slice_ms}: must be 0 (auto) or a positive number"
+    if not math.isfinite(args.prefill_slice_ms):
+        return f"--prefill-slice-ms {args.prefill_slice_ms}: must be 0 (auto), a positive number or -1 (off)"
     if args.threads < 0:
         return f"--threads {args.threads}: must be 0 or more"
     if not 1 <= args.tp <= 8:

@@ -8,7 +8,8 @@ Fair share between sessions (docs/CONTRACT.md §2):
 - rows: a session may reserve at most `max_requests` rows (half the pool by default), and a session
   that sent no STEP for `row_lease` seconds loses its rows (and its connection: SESSION_EXPIRED) as
   soon as a new session needs them; PING keeps a connection open, not its rows.
-- compute: a frame's long prefills (first-round prompts) run in slices of about `prefill_slice_ms`,
+- compute: a frame's long prefills (first-round prompts) run in slices of about `prefill_slice_ms`
+  (default: the median time of recent ordinary STEPs; at least 16 tokens),
   and the lock is handed to the next waiting session between slices, so one session's 8 x 4,000-token
   frame delays another session's STEP by one slice, not by the whole frame.
 """
@@ -116,7 +117,8 @@ class StepResult:
     worker_us: int
 
 
-MIN_SLICE_TOKENS = 16  # a prefill slice always makes this much progress
+LONG_EXTENSION = 16  # a frame extending some request by more tokens than this is a prefill: it is sliced
+MIN_SLICE_TOKENS = 16  # progress per slice even where one forward costs more than the budget
 MAX_SLICE_TOKENS = 512
 
 
@@ -126,7 +128,7 @@ class WorkerCore:
         """max_requests: rows one session may reserve (None: half the pool, at least 1). row_lease: seconds
         without a STEP after which a session's rows may be reclaimed for a new session. prefill_slice_ms:
         the drafter time one prefill slice may take while other sessions exist (0: the median time of
-        recent ordinary STEPs, so a waiting STEP is delayed by about one of its own)."""
+        recent ordinary STEPs, so a waiting STEP is delayed by about one of its own; negative: no slicing)."""
         self.drafter = drafter
         self.max_requests = max(1, drafter.n_rows // 2) if max_requests is None else max_requests
         self.idle_timeout, self.max_frame = idle_timeout, max_frame
@@ -168,7 +170,7 @@ class WorkerCore:
             if len(self.free_rows) < h.max_requests:
                 raise Refusal(P.OVER_CAPACITY, f"max_requests {h.max_requests}: only {len(self.free_rows)} of "
                                                f"{d.n_rows} draft-KV rows free (other sessions hold the rest and "
-                                               f"sent a STEP within the last {self.row_lease:g} s)")
+                                               f"sent a STEP within the row lease, {self.row_lease:g} s)")
             rows = [self.free_rows.pop() for _ in range(h.max_requests)]
             sid = 0
             while sid == 0 or sid in self.sessions:
@@ -238,8 +240,8 @@ class WorkerCore:
             with self.lock:
                 if s.closed:
                     raise Refusal(P.SESSION_EXPIRED, "this session's rows were reclaimed")
-                long = any(len(b.tokens) > MIN_SLICE_TOKENS for b in blocks)
-                if long and len(self.sessions) > 1:
+                long = any(len(b.tokens) > LONG_EXTENSION for b in blocks)
+                if long and len(self.sessions) > 1 and self.prefill_slice_ms >= 0:
                     frame = self._plan_frame(s, blocks)
                 else:
                     t0 = time.perf_counter()
@@ -259,15 +261,17 @@ class WorkerCore:
         if not self._step_times:
             return 0.002
         times = sorted(self._step_times)
+        # one ordinary STEP: a STEP arriving during a slice waits at most about its own cost (p99 ~2x, median
+        # ~1.5x what it costs alone), and the prefill still gets half the drafter while others are active
         return max(2e-4, times[len(times) // 2])
 
     def _prefill_in_slices(self, s: Session, frame) -> None:
-        """Extend every long job of a planned frame up to its last MIN_SLICE_TOKENS tokens, one slice per
-        lock hold (the lock goes to the next waiting session in between)."""
+        """Extend every long job of a planned frame up to its last token, one slice per lock hold (the lock
+        goes to the next waiting session in between); the frame's final step then drafts as usual."""
         planned = frame[1]
         for _, _, _, _, _, job in planned:
-            while len(job.tokens) > MIN_SLICE_TOKENS:
-                n = int(min(len(job.tokens) - MIN_SLICE_TOKENS, max(MIN_SLICE_TOKENS, self._slice_tokens)))
+            while len(job.tokens) > LONG_EXTENSION:
+                n = int(min(len(job.tokens) - 1, max(MIN_SLICE_TOKENS, self._slice_tokens)))
                 with self.lock:
                     if frame[2] is not None:
                         return  # the drafter failed on an earlier slice
@@ -281,9 +285,10 @@ class WorkerCore:
                     self.stats["prefill_slices"] += 1
                 job.keep += n
                 job.tokens = job.tokens[n:]
-                # next slice: as many tokens as fit the budget at this slice's rate (within 0.5x-2x)
+                # next slice: as many tokens as fit the budget at this slice's rate; growing by at most 1.5x a
+                # slice (attention makes the cost superlinear in the slice's length at long contexts)
                 want = n * self._slice_budget_s() / max(dt, 1e-6)
-                self._slice_tokens = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, min(2 * n, max(n / 2, want))))
+                self._slice_tokens = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, min(1.5 * n, want)))
 
     def _step(self, s: Session, blocks: list[P.Block]) -> StepResult:
         return self._finish_frame(s, blocks, self._plan_frame(s, blocks))

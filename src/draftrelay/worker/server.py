@@ -244,8 +244,10 @@ class WorkerServer:
             raise _Closed() from None
         return buf, ftype, seq, memoryview(buf)[P.HEADER_SIZE:P.HEADER_SIZE + length]
 
-    def _authenticate(self, conn: _Conn, buf: bytearray, hello: bytes, seq: int, deadline: float) -> bytearray:
-        """CHALLENGE, then the AUTH frame must carry the HMAC; Refusal (AUTH_REQUIRED / AUTH_FAILED) if not."""
+    def _authenticate(self, conn: _Conn, buf: bytearray, hello: bytes, seq: int,
+                      deadline: float) -> tuple[bytearray, int]:
+        """CHALLENGE, then the AUTH frame must carry the HMAC; Refusal (AUTH_REQUIRED / AUTH_FAILED) if not.
+        Returns the buffer and the AUTH's seq (HELLO_OK answers the AUTH)."""
         nonce = security.new_nonce()
         self._send(conn, P.CHALLENGE, nonce, seq)
         try:
@@ -259,7 +261,7 @@ class WorkerServer:
         if len(payload) != security.MAC_SIZE or not security.verify_mac(self.secret, nonce, hello, payload):
             self.stats["auth_failures"] += 1
             raise Refusal(P.AUTH_FAILED, "wrong shared secret (the AUTH HMAC does not match)")
-        return buf
+        return buf, seq
 
     def _on_evict(self, conn: _Conn, msg: str) -> None:
         self.stats["expired"] += 1
@@ -299,7 +301,7 @@ class WorkerServer:
                 hello_bytes = bytes(payload)
                 hello = P.Hello.decode(hello_bytes)
                 if self.secret is not None:
-                    buf = self._authenticate(conn, buf, hello_bytes, seq, deadline)
+                    buf, seq = self._authenticate(conn, buf, hello_bytes, seq, deadline)
                 session, ok = self.core.open_session(hello)
             except (P.FrameError, Refusal) as exc:
                 self.stats["bad_frames"] += isinstance(exc, P.FrameError)
