@@ -2,7 +2,8 @@
 
 The flooder sends frames of `--prompts` x `--prompt-len`-token first-round prompts (a new set of
 requests every frame, as engines admitting long requests do); the victim runs steady-state rounds
-(1 request, `--n-out` drafts, 3 accepted tokens per round). Both run against one real worker
+(1 request, `--n-out` drafts, 3 accepted tokens per round; its STEPs are first timed alone, the
+host's own noise floor). Both run against one real worker
 process, first with prefill slicing off (`--prefill-slice-ms -1`, the old behaviour: a frame holds
 the drafter for all its prompts), then on (the default), side by side in one run. Prints the
 victim's STEP round trip p50 / p99 / max and p99 / p50 for each, and writes JSON.
@@ -35,9 +36,13 @@ def measure(worker_args: list[str], prompts: int, prompt_len: int, victim_steps:
         rng = np.random.default_rng(0)
         ctx = 8
         r = victim.step([Block(1, 0, 0, rng.integers(0, vocab, ctx).astype(np.int32), n_out)])
-        for _ in range(warmup):  # the victim's ordinary STEPs (also the worker's slice budget)
+        alone = []
+        for k in range(warmup + victim_steps):  # the victim alone: the host's own noise floor
             toks = np.concatenate([r[0].drafts[:2], rng.integers(0, vocab, 1)]).astype(np.int32)
+            t0 = time.perf_counter()
             r = victim.step([Block(1, 0, ctx, toks, n_out)])
+            if k >= warmup:
+                alone.append(time.perf_counter() - t0)
             ctx += 3
         stop = threading.Event()
         frames: list[float] = []
@@ -59,7 +64,7 @@ def measure(worker_args: list[str], prompts: int, prompt_len: int, victim_steps:
         rtt = []
         for _ in range(victim_steps):
             toks = np.concatenate([r[0].drafts[:2], rng.integers(0, vocab, 1)]).astype(np.int32)
-            if ctx + 3 + n_out >= 4000:
+            if ctx + 3 + n_out >= 2000:
                 ctx = 8  # restart the request before the context ends (generation 0 -> position 0 rewind)
                 toks = rng.integers(0, vocab, ctx).astype(np.int32)
                 r = victim.step([Block(1, 0, 0, toks, n_out)])
@@ -72,10 +77,12 @@ def measure(worker_args: list[str], prompts: int, prompt_len: int, victim_steps:
         th.join(timeout=300)
         victim.close()
         flood.close()
-    ms = np.asarray(rtt) * 1e3
+    ms, ms0 = np.asarray(rtt) * 1e3, np.asarray(alone) * 1e3
     p50, p99 = float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
+    a50, a99 = float(np.percentile(ms0, 50)), float(np.percentile(ms0, 99))
     return {"victim_steps": len(rtt), "p50_ms": p50, "p99_ms": p99, "max_ms": float(ms.max()),
-            "p99_over_p50": p99 / p50, "flood_frames": len(frames),
+            "p99_over_p50": p99 / p50, "alone_p50_ms": a50, "alone_p99_ms": a99, "alone_p99_over_p50": a99 / a50,
+            "flood_frames": len(frames),
             "flood_frame_s_median": float(np.median(frames)) if frames else None}
 
 
@@ -102,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                            args.n_out, vocab)
         m = runs[sl]
         print(f"  {name:24} victim STEP p50 {m['p50_ms']:.2f} ms  p99 {m['p99_ms']:.2f} ms  max {m['max_ms']:.1f} ms"
-              f"  p99/p50 {m['p99_over_p50']:.2f}  ({m['victim_steps']} steps, {m['flood_frames']} flood frames)")
+              f"  p99/p50 {m['p99_over_p50']:.2f}  ({m['victim_steps']} steps, {m['flood_frames']} flood frames; "
+              f"alone: p50 {m['alone_p50_ms']:.2f} p99 {m['alone_p99_ms']:.2f} ms, p99/p50 "
+              f"{m['alone_p99_over_p50']:.2f})")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "worker_fairness.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -316,8 +316,9 @@ def test_a_long_prefill_yields_to_another_sessions_step_between_slices():
 def test_other_sessions_step_p99_within_twice_the_median_under_a_prompt_flood():
     """8 x 4,000-token first-round prompts per frame from one session (the tiny drafter on this CPU), a
     second session's steady STEPs: their p99 stays within 2x their median. (benchmarks/worker_fairness.py
-    measures it with slicing off and on side by side.) A host this test shares with other work can
-    stall a thread for milliseconds, so the claim gets three tries."""
+    measures it with slicing off and on side by side.) A host busy with other work stalls threads for
+    milliseconds: the claim gets three tries, and is not judged where the victim's STEPs alone already
+    spread past 1.5x (the host's noise, not the worker's scheduling)."""
     pytest.importorskip("torch")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     try:
@@ -332,6 +333,9 @@ def test_other_sessions_step_p99_within_twice_the_median_under_a_prompt_flood():
         tries.append(m)
         if m["p99_over_p50"] <= 2.0:
             break
+    if all(m["alone_p99_over_p50"] > 1.5 for m in tries):
+        pytest.skip(f"host too noisy to judge: the victim alone spreads p99/p50 "
+                    f"{[round(m['alone_p99_over_p50'], 2) for m in tries]}")
     assert tries[-1]["p99_over_p50"] <= 2.0, tries
 
 

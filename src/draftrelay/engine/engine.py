@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import statistics
 import time
 from collections import Counter, deque
@@ -52,6 +53,19 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field (NaN or inf would silently break sampling and acceptance:
+        min(1, nan) keeps every draft)."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
 
 
 @dataclass
@@ -253,10 +267,11 @@ class Engine:
             raise ValueError("prompt is empty: at least one token is needed")
         if min(prompt) < 0 or max(prompt) >= self.vocab:
             raise ValueError(f"prompt token outside the vocabulary [0, {self.vocab})")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        params.validate()  # fields may have been changed after construction
+        ctx = self.model.cfg.max_position_embeddings
+        if len(prompt) + params.max_tokens > ctx:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{len(prompt) + params.max_tokens} exceeds the model's context of {ctx} positions")
         need = len(prompt) + params.max_tokens + self.cfg.n_draft + 1
         if need > self.cfg.max_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) + drafts "

@@ -74,6 +74,16 @@ def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: floa
     with os.fdopen(fd, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
                                 env={**os.environ, **(env or {})})
+    try:
+        return _wait_banner(proc, cmd, host, timeout, log_path)
+    except BaseException:  # SIGTERM / Ctrl-C while the child starts: it must not outlive us
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5.0)
+        raise
+
+
+def _wait_banner(proc: subprocess.Popen, cmd: list[str], host: str, timeout: float, log_path: str) -> WorkerProcess:
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
