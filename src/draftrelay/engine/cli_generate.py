@@ -200,7 +200,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                     mode = "off"
         if mode != "off":
             spec = L.worker_spec(host, port, L.drafter_model_id(args.drafter) if not args.worker else "",
-                                 target.tokenizer_hash, args.k, 8)
+                                 target.tokenizer_hash, args.k, 1)  # one request: ask for one row
             spec["vocab_size"] = target.model.cfg.vocab_size  # a drafter of another vocabulary is refused now
             if args.worker:
                 spec.update({"secret_file": args.secret_file} if args.secret_file else {})
