@@ -18,11 +18,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-from draftrelay.wire import Block, DrafterClient, WireDisconnected, WireRefused, WireRemoteError
+from draftrelay.wire import Block, DrafterClient, WireDisconnected, WireRefused, WireRemoteError, security
 from draftrelay.wire import protocol as P
-from draftrelay.wire import security
-from draftrelay.worker.core import WorkerCore
 from draftrelay.worker import drafters
+from draftrelay.worker.core import WorkerCore
 from draftrelay.worker.drafters import Job
 from draftrelay.worker.server import WorkerServer
 

@@ -26,12 +26,12 @@ from draftrelay.handoff.region import RoundRequest, Status
 from draftrelay.wire import protocol as P
 from draftrelay.wire.client import (
     DrafterClient,
-    security_from_spec,
     WireBadReply,
     WireBreakerOpen,
     WireDisconnected,
     WireError,
     WireTimeout,
+    security_from_spec,
 )
 
 
