@@ -375,6 +375,8 @@ def test_second_worker_on_a_held_gpu_is_refused(tmp_path, monkeypatch):
         assert gpulock.holder(uuid) == first.pid
         out = worker_cli("--port", "0", "--test-gpu-uuid", uuid)
         assert out.returncode == 2 and f"PID {first.pid}" in out.stderr
+        out = worker_cli("--gpu-status", "--test-gpu-uuid", uuid, timeout=20)  # inspecting never blocks
+        assert out.returncode == 0 and f"{uuid}: held by PID {first.pid}" in out.stdout
         with start_worker_process(["--model", "test", "--test-gpu-uuid", uuid, "--share-gpu"],
                                   timeout=60) as second:
             assert second.alive() and gpulock.holder(uuid) == first.pid

@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default="", metavar="PEM", help="the private key of --tls-cert")
     p.add_argument("--share-gpu", action="store_true",
                    help="run even if another draftrelay worker holds this GPU's lock")
+    p.add_argument("--gpu-status", action="store_true",
+                   help="print which PID holds the lock of --device's GPU(s) and exit (never waits, takes nothing)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve the worker's counters (Prometheus) on --metrics-host:PORT")
     p.add_argument("--metrics-host", default="127.0.0.1")
@@ -156,6 +158,14 @@ def run(args: argparse.Namespace) -> int:
     from draftrelay.worker import gpulock
 
     tp_used = args.tp > 1 or args.tp_mode != "auto"
+    if args.gpu_status:
+        uuids = [args.test_gpu_uuid] if args.test_gpu_uuid else gpulock.gpu_uuids(device)
+        for u in uuids:
+            pid = gpulock.holder(u)
+            print(f"{u}: " + ("free" if pid is None else f"held by PID {pid}" if pid else "held"))
+        if not uuids:
+            print(f"{device}: no GPU")
+        return 0
     try:  # before the model loads: a second worker on a held GPU must not allocate anything there
         if args.test_gpu_uuid:
             uuids = [args.test_gpu_uuid]
