@@ -330,12 +330,13 @@ def test_other_sessions_step_p99_within_twice_the_median_under_a_prompt_flood():
     for _ in range(3):
         m = worker_fairness.measure(base, prompts=8, prompt_len=4000, victim_steps=100, n_out=4, vocab=256)
         tries.append(m)
-        if m["p99_over_p50"] <= 2.0:
+        if m["alone_p99_over_p50"] <= 1.5 and m["p99_over_p50"] <= 2.0:
             break
-    if all(m["alone_p99_over_p50"] > 1.5 for m in tries):
+    judged = [m for m in tries if m["alone_p99_over_p50"] <= 1.5]
+    if not judged:
         pytest.skip(f"host too noisy to judge: the victim alone spreads p99/p50 "
                     f"{[round(m['alone_p99_over_p50'], 2) for m in tries]}")
-    assert tries[-1]["p99_over_p50"] <= 2.0, tries
+    assert any(m["p99_over_p50"] <= 2.0 for m in judged), tries
 
 
 # ---- GPU ownership ------------------------------------------------------------------------------------

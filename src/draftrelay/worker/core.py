@@ -164,20 +164,30 @@ class WorkerCore:
             raise Refusal(P.OVER_LIMITS, f"n_out_max {h.n_out_max}: worker allows 1..{d.n_out_max}")
         if not 1 <= h.max_requests <= self.max_requests:
             raise Refusal(P.OVER_LIMITS, f"max_requests {h.max_requests}: worker allows 1..{self.max_requests}")
-        with self.lock:
-            if len(self.free_rows) < h.max_requests:
-                self._reclaim(h.max_requests - len(self.free_rows))
-            if len(self.free_rows) < h.max_requests:
-                raise Refusal(P.OVER_CAPACITY, f"max_requests {h.max_requests}: only {len(self.free_rows)} of "
-                                               f"{d.n_rows} draft-KV rows free (other sessions hold the rest and "
-                                               f"sent a STEP within the row lease, {self.row_lease:g} s)")
-            rows = [self.free_rows.pop() for _ in range(h.max_requests)]
-            sid = 0
-            while sid == 0 or sid in self.sessions:
-                sid = secrets.randbits(64)
-            s = Session(sid, h.max_requests, h.n_out_max, h.client_name, rows)
-            self.sessions[sid] = s
-            self.stats["sessions_opened"] += 1
+        evicted: list[tuple[Session, str]] = []
+        try:
+            with self.lock:
+                if len(self.free_rows) < h.max_requests:
+                    evicted = self._reclaim(h.max_requests - len(self.free_rows))
+                return self._open(h, d)
+        finally:
+            for victim, msg in evicted:  # outside the lock: telling a peer may block on its socket
+                if victim.on_evict is not None:
+                    victim.on_evict(msg)
+
+    def _open(self, h: P.Hello, d: Drafter) -> tuple[Session, P.HelloOk]:
+        """Reserve the rows and make the session (under the lock)."""
+        if len(self.free_rows) < h.max_requests:
+            raise Refusal(P.OVER_CAPACITY, f"max_requests {h.max_requests}: only {len(self.free_rows)} of "
+                                           f"{d.n_rows} draft-KV rows free (other sessions hold the rest and "
+                                           f"sent a STEP within the row lease, {self.row_lease:g} s)")
+        rows = [self.free_rows.pop() for _ in range(h.max_requests)]
+        sid = 0
+        while sid == 0 or sid in self.sessions:
+            sid = secrets.randbits(64)
+        s = Session(sid, h.max_requests, h.n_out_max, h.client_name, rows)
+        self.sessions[sid] = s
+        self.stats["sessions_opened"] += 1
         ok = P.HelloOk(sid, P.VERSION, h.max_requests, d.n_out_max, d.vocab_size, d.max_ctx, self.max_frame,
                        int(self.idle_timeout * 1000), d.model_id, d.tokenizer_hash, d.info[:P.MAX_STR])
         return s, ok
@@ -196,14 +206,16 @@ class WorkerCore:
         self.stats["sessions_closed"] += 1
         return True
 
-    def _reclaim(self, need: int) -> None:
+    def _reclaim(self, need: int) -> list[tuple[Session, str]]:
         """Free at least `need` rows from sessions idle past the row lease, least recently active first
-        (under the lock). Their connections are told SESSION_EXPIRED and closed by the server."""
+        (under the lock). Returns them with the reason: the caller has the server tell them SESSION_EXPIRED
+        and close their connections."""
         now = time.monotonic()
         idle = sorted((s.last_step, s.id) for s in self.sessions.values()
                       if not s.busy and now - s.last_step >= self.row_lease)
         if sum(len(self.sessions[sid].free_rows) + len(self.sessions[sid].requests) for _, sid in idle) < need:
-            return  # reclaiming cannot make room: leave everyone's rows alone
+            return []  # reclaiming cannot make room: leave everyone's rows alone
+        out = []
         for last, sid in idle:
             s = self.sessions[sid]
             held = len(s.free_rows) + len(s.requests)
@@ -212,10 +224,10 @@ class WorkerCore:
             self.stats["sessions_reclaimed"] += 1
             msg = f"no STEP for {now - last:.1f} s (row lease {self.row_lease:g} s): its rows went to a new session"
             log.warning("session %016x (%s) reclaimed: %s", sid, s.client_name, msg)
-            if s.on_evict is not None:
-                s.on_evict(msg)
+            out.append((s, msg))
             if need <= 0:
                 break
+        return out
 
     # ---- STEP ----------------------------------------------------------------------------------
 
