@@ -174,7 +174,7 @@ def test_default_quota_leaves_rows_for_a_second_client():
 
 
 def test_idle_sessions_lose_their_rows_to_a_new_session_ping_does_not_keep_them():
-    core = WorkerCore(drafters.TestDrafter(n_rows=4), max_requests=2, row_lease=0.3)
+    core = WorkerCore(drafters.TestDrafter(n_rows=4), max_requests=2, row_lease=0.6, capacity_wait=0.1)
     srv = serve(core)
     host, port = srv.address
     try:
@@ -186,7 +186,7 @@ def test_idle_sessions_lose_their_rows_to_a_new_session_ping_does_not_keep_them(
         with pytest.raises(WireRefused) as e:  # both hold their rows and stepped just now
             c.connect()
         assert e.value.code == P.OVER_CAPACITY and "row lease" in e.value.message
-        end = time.monotonic() + 0.5
+        end = time.monotonic() + 0.8
         while time.monotonic() < end:  # a only pings; b keeps stepping
             a.ping()
             b.step([blk(1, 0, [1])])  # a rewind to position 0: a STEP all the same
@@ -202,6 +202,22 @@ def test_idle_sessions_lose_their_rows_to_a_new_session_ping_does_not_keep_them(
     finally:
         srv.stop()
     assert len(core.free_rows) == 4
+
+
+def test_a_reconnect_right_after_close_finds_its_rows():
+    """BYE and a new HELLO race (the old session's thread frees its rows once it reads the BYE): the new
+    HELLO waits up to capacity_wait for them instead of being refused OVER_CAPACITY."""
+    core = WorkerCore(drafters.TestDrafter(n_rows=2), max_requests=2)
+    srv = serve(core)
+    host, port = srv.address
+    try:
+        for _ in range(30):
+            c = DrafterClient(host, port, max_requests=2, timeout=3.0)
+            c.connect()
+            c.close()
+        assert core.stats["sessions_opened"] == 30
+    finally:
+        srv.stop()
 
 
 def test_connections_per_peer_are_bounded():

@@ -124,7 +124,8 @@ MAX_SLICE_TOKENS = 512
 
 class WorkerCore:
     def __init__(self, drafter: Drafter, max_requests: int | None = None, idle_timeout: float = 60.0,
-                 max_frame: int = 4 << 20, row_lease: float = 10.0, prefill_slice_ms: float = 0.0):
+                 max_frame: int = 4 << 20, row_lease: float = 10.0, prefill_slice_ms: float = 0.0,
+                 capacity_wait: float = 0.5):
         """max_requests: rows one session may reserve (None: half the pool, at least 1). row_lease: seconds
         without a STEP after which a session's rows may be reclaimed for a new session. prefill_slice_ms:
         the drafter time one prefill slice may take while other sessions exist (0: the median time of
@@ -132,7 +133,9 @@ class WorkerCore:
         self.drafter = drafter
         self.max_requests = max(1, drafter.n_rows // 2) if max_requests is None else max_requests
         self.idle_timeout, self.max_frame = idle_timeout, max_frame
-        self.row_lease, self.prefill_slice_ms = row_lease, prefill_slice_ms
+        self.row_lease, self.prefill_slice_ms, self.capacity_wait = row_lease, prefill_slice_ms, capacity_wait
+        self._freed = threading.Condition()  # notified when a session's rows come back
+        self._freed_count = 0
         self.lock = FairLock()
         self.free_rows = list(range(drafter.n_rows))
         self.sessions: dict[int, Session] = {}
@@ -164,16 +167,25 @@ class WorkerCore:
             raise Refusal(P.OVER_LIMITS, f"n_out_max {h.n_out_max}: worker allows 1..{d.n_out_max}")
         if not 1 <= h.max_requests <= self.max_requests:
             raise Refusal(P.OVER_LIMITS, f"max_requests {h.max_requests}: worker allows 1..{self.max_requests}")
-        evicted: list[tuple[Session, str]] = []
-        try:
-            with self.lock:
-                if len(self.free_rows) < h.max_requests:
-                    evicted = self._reclaim(h.max_requests - len(self.free_rows))
-                return self._open(h, d)
-        finally:
-            for victim, msg in evicted:  # outside the lock: telling a peer may block on its socket
-                if victim.on_evict is not None:
-                    victim.on_evict(msg)
+        # a client reconnecting right after closing races its old session's thread, which frees the rows
+        # once it sees the close: a HELLO short of rows waits up to capacity_wait for rows to come free
+        deadline = time.monotonic() + self.capacity_wait
+        while True:
+            evicted: list[tuple[Session, str]] = []
+            try:
+                with self.lock:
+                    if len(self.free_rows) < h.max_requests:
+                        evicted = self._reclaim(h.max_requests - len(self.free_rows))
+                    if len(self.free_rows) >= h.max_requests or time.monotonic() >= deadline:
+                        return self._open(h, d)
+                    seen = self._freed_count
+            finally:
+                for victim, msg in evicted:  # outside the lock: telling a peer may block on its socket
+                    if victim.on_evict is not None:
+                        victim.on_evict(msg)
+            with self._freed:
+                self._freed.wait_for(lambda seen=seen: self._freed_count != seen,
+                                     max(0.0, deadline - time.monotonic()))
 
     def _open(self, h: P.Hello, d: Drafter) -> tuple[Session, P.HelloOk]:
         """Reserve the rows and make the session (under the lock)."""
@@ -204,6 +216,9 @@ class WorkerCore:
         self.free_rows.extend(r.row for r in s.requests.values())
         s.free_rows, s.requests = [], {}
         self.stats["sessions_closed"] += 1
+        with self._freed:
+            self._freed_count += 1
+            self._freed.notify_all()
         return True
 
     def _reclaim(self, need: int) -> list[tuple[Session, str]]:
