@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=4000)
     ap.add_argument("--victim-steps", type=int, default=300)
+    ap.add_argument("--off-steps", type=int, default=40,
+                    help="victim STEPs timed with slicing off (each may wait a whole flood frame)")
     ap.add_argument("--n-out", type=int, default=4)
     ap.add_argument("--slice-ms", default="-1,0", help="comma list of --prefill-slice-ms values to compare")
     ap.add_argument("--out", default="")
@@ -105,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     for sl in args.slice_ms.split(","):
         name = "slicing off" if float(sl) < 0 else f"slicing on ({'auto' if float(sl) == 0 else sl + ' ms'})"
         print(f"{name} ...", file=sys.stderr, flush=True)
-        runs[sl] = measure(base + ["--prefill-slice-ms", sl], args.prompts, args.prompt_len, args.victim_steps,
-                           args.n_out, vocab)
+        runs[sl] = measure(base + ["--prefill-slice-ms", sl], args.prompts, args.prompt_len,
+                           args.off_steps if float(sl) < 0 else args.victim_steps, args.n_out, vocab)
         m = runs[sl]
         print(f"  {name:24} victim STEP p50 {m['p50_ms']:.2f} ms  p99 {m['p99_ms']:.2f} ms  max {m['max_ms']:.1f} ms"
               f"  p99/p50 {m['p99_over_p50']:.2f}  ({m['victim_steps']} steps, {m['flood_frames']} flood frames; "

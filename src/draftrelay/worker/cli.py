@@ -205,9 +205,6 @@ def run(args: argparse.Namespace) -> int:
         if hasattr(drafter, "warm"):
             drafter.warm([n for n in steps if 1 <= n <= args.n_out_max], args.warm_batch)
     per_session = min(args.max_requests, args.rows) if args.max_requests else max(1, args.rows // 2)
-    # connection threads need the GIL to read a frame while another thread drives the drafter (whose
-    # small-op forwards hold it between kernels): hand it over every 0.5 ms instead of every 5 ms
-    sys.setswitchinterval(0.0005)
     core = WorkerCore(drafter, max_requests=per_session, idle_timeout=args.idle_timeout, max_frame=args.max_frame,
                       row_lease=args.row_lease, prefill_slice_ms=args.prefill_slice_ms)
     try:

@@ -119,7 +119,7 @@ class StepResult:
 
 LONG_EXTENSION = 16  # a frame extending some request by more tokens than this is a prefill: it is sliced
 MIN_SLICE_TOKENS = 16  # progress per slice even where one forward costs more than the budget
-MAX_SLICE_TOKENS = 512
+MAX_SLICE_TOKENS = 256
 
 
 class WorkerCore:
@@ -312,10 +312,10 @@ class WorkerCore:
                     self.stats["prefill_slices"] += 1
                 job.keep += n
                 job.tokens = job.tokens[n:]
-                # next slice: as many tokens as fit the budget at this slice's rate; growing by at most 1.5x a
-                # slice (attention makes the cost superlinear in the slice's length at long contexts)
+                # next slice: as many tokens as fit the budget at this slice's rate; growing by at most 1.25x a
+                # slice (attention makes the cost grow with the position and superlinearly with the length)
                 want = n * self._slice_budget_s() / max(dt, 1e-6)
-                self._slice_tokens = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, min(1.5 * n, want)))
+                self._slice_tokens = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, min(1.25 * n, want)))
 
     def _step(self, s: Session, blocks: list[P.Block]) -> StepResult:
         return self._finish_frame(s, blocks, self._plan_frame(s, blocks))
