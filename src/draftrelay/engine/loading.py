@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from draftrelay import model as M
+from draftrelay.checkpoint import hf
 from draftrelay.wire.protocol import tokenizer_hash_of_dir
 
 
@@ -77,7 +78,7 @@ def load_target(spec: str, device: torch.device) -> Target:
         return Target(target, ByteTokenizer(), (), M.TINY_TOKENIZER_ID, "tiny-target")
     if not os.path.isdir(spec):
         raise M.ModelError(f"--model {spec!r}: not 'tiny' and not an existing model directory")
-    model = M.Transformer.from_hf_dir(spec, device=device, dtype=dtype)
+    model = hf.load_hf_dir(spec, device=device, dtype=dtype)
     return Target(model, HFTokenizer(spec), _eos_ids(spec), tokenizer_hash_of_dir(spec),
                   os.path.basename(os.path.abspath(spec)))
 

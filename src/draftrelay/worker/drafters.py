@@ -339,6 +339,7 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     import torch
 
     from draftrelay import model as M
+    from draftrelay.checkpoint import hf
 
     dev = torch.device(device)
     if mode == "auto":
@@ -361,6 +362,6 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "", mode)
     if not os.path.isdir(spec):
         raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', nor an existing directory")
-    net = M.Transformer.from_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype)
+    net = hf.load_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype)
     mid = model_id or os.path.basename(os.path.abspath(spec))
     return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode)
