@@ -54,10 +54,10 @@ def test_hf_qwen2_style_bias_and_extra_tensors(tmp_path):
 
 
 def test_hf_config_defaults_and_head_dim(tmp_path):
-    cfg = config_from_dict({"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+    cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
                                     "num_attention_heads": 8, "intermediate_size": 100})
     assert cfg.n_kv_heads == 8 and cfg.head_dim == 8 and cfg.rope_scaling is None
-    cfg2 = config_from_dict({"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+    cfg2 = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
                                      "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
                                      "intermediate_size": 100, "rope_scaling": {"rope_type": "default"}})
     assert cfg2.n_kv_heads == 2 and cfg2.head_dim == 16 and cfg2.rope_scaling is None
@@ -126,12 +126,12 @@ def test_errors_tensors(tmp_path):
 
 def test_transformers5_rope_parameters_are_read():
     cfg = config_from_dict({
-        "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "model_type": "llama", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
         "intermediate_size": 100, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 8192}})
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
-    plain = config_from_dict({"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+    plain = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
                                       "num_attention_heads": 4, "intermediate_size": 100,
                                       "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
     assert plain.rope_theta == 1e6 and plain.rope_scaling is None
@@ -170,3 +170,54 @@ def test_logits_equal_huggingface_transformers(tmp_path, kind):
     with torch.no_grad():
         ref = hf(toks).logits.float()
     torch.testing.assert_close(full_logits(ours, toks), ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- refusals: what the decoder would run wrong -------------------------------------------------------
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"model_type": "gemma2"}, "model_type 'gemma2' is not supported"),
+    ({"model_type": ...}, "model_type None is not supported"),
+    ({"architectures": ["Qwen3ForCausalLM"]}, "architecture.*Qwen3ForCausalLM.*not supported"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding-window attention \\(sliding_window=4096\\)"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding-window attention"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "'longrope' is not supported"),
+])
+def test_refuses_configs_it_would_run_wrong(tmp_path, over, match):
+    _write_cfg(tmp_path, **over)
+    with pytest.raises(ModelError, match=match):
+        read_config(tmp_path)
+
+
+def test_accepts_windows_that_are_off(tmp_path):
+    _write_cfg(tmp_path, model_type="qwen2", use_sliding_window=False, sliding_window=32768,
+               architectures=["Qwen2ForCausalLM"])
+    assert read_config(tmp_path).qkv_bias
+    _write_cfg(tmp_path, model_type="mistral", sliding_window=None)
+    assert not read_config(tmp_path).qkv_bias
+
+
+def test_refuses_tensors_the_model_does_not_use(tmp_path):
+    """A Qwen3 checkpoint read as Qwen2 would drop its q/k norms (logits off by up to 0.48): refused."""
+    model = Transformer.random(small_cfg(), seed=1)
+    save_hf_dir(model, tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    save_file({**sd, "model.layers.0.self_attn.q_norm.weight": torch.ones(8),
+               "model.layers.0.self_attn.k_norm.weight": torch.ones(8)}, tmp_path / "model.safetensors")
+    with pytest.raises(ModelError, match="does not use: model.layers.0.self_attn.k_norm.weight, model.layers.0.se"):
+        load_hf_dir(tmp_path)
+
+
+def test_tied_head_copy_must_equal_the_embedding(tmp_path):
+    model = Transformer.random(small_cfg(tie_word_embeddings=True), seed=1)
+    save_hf_dir(model, tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    emb = sd["model.embed_tokens.weight"]
+    save_file({**sd, "lm_head.weight": emb.clone()}, tmp_path / "model.safetensors")
+    toks = rand_tokens(8, 97)
+    assert torch.equal(full_logits(load_hf_dir(tmp_path), toks), full_logits(model, toks))
+    save_file({**sd, "lm_head.weight": emb + 1}, tmp_path / "model.safetensors")
+    with pytest.raises(ModelError, match="'lm_head.weight' differs from the embedding"):
+        load_hf_dir(tmp_path)

@@ -14,9 +14,13 @@ import torch
 
 from draftrelay.model import ModelConfig, ModelError, Transformer
 
+# The HF model types the decoder runs: plain Llama, Qwen2 (q/k/v bias), Mistral (without its window).
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
 
 def config_from_dict(cfg: dict, where: str = "config.json") -> ModelConfig:
-    """An HF config.json's fields -> ModelConfig."""
+    """An HF config.json's fields -> ModelConfig; refuses (by name) what the decoder would run wrong."""
 
     def need(key: str, typ: type = int):
         if key not in cfg:
@@ -28,11 +32,19 @@ def config_from_dict(cfg: dict, where: str = "config.json") -> ModelConfig:
             raise ModelError(f"{where}: field '{key}' must be {typ.__name__}, got {val!r}")
         return typ(val)
 
+    mtype = cfg.get("model_type")
+    if mtype not in MODEL_TYPES:
+        raise ModelError(f"{where}: model_type {mtype!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
+    archs = cfg.get("architectures") or []
+    unknown = [a for a in archs if a not in ARCHITECTURES]
+    if not isinstance(archs, list) or unknown:
+        raise ModelError(f"{where}: architecture(s) {unknown or archs!r} not supported "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    _refuse_sliding_window(cfg, mtype, where)
     hidden = need("hidden_size")
     n_heads = need("num_attention_heads")
     n_kv = cfg.get("num_key_value_heads") or n_heads
     head_dim = cfg.get("head_dim") or (hidden // n_heads if n_heads else 0)
-    mtype = cfg.get("model_type", "")
     if cfg.get("mlp_bias"):
         raise ModelError(f"{where}: 'mlp_bias: true' is not supported")
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
@@ -73,6 +85,21 @@ def config_from_dict(cfg: dict, where: str = "config.json") -> ModelConfig:
         raise ModelError(f"{where}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise ModelError(f"{where}: invalid value: {exc}") from None
+
+
+def _refuse_sliding_window(cfg: dict, mtype: str, where: str) -> None:
+    """Sliding-window attention is not implemented: a config that turns it on is refused. Qwen2 configs
+    carry a window size with `use_sliding_window: false` (off); Mistral's is on whenever it is set."""
+    window = cfg.get("sliding_window")
+    if mtype == "qwen2":
+        on = bool(cfg.get("use_sliding_window", False)) and window is not None
+    else:
+        on = window is not None
+    if on:
+        raise ModelError(f"{where}: sliding-window attention (sliding_window={window!r}) is not supported")
+    if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
+        raise ModelError(f"{where}: layer_types other than 'full_attention' (sliding-window layers) "
+                         "are not supported")
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -130,9 +157,14 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+# Checkpoint tensors that carry nothing the model lacks: RoPE frequencies it computes itself.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
 def load_hf_dir(path: str | os.PathLike, device: torch.device | str = "cpu",
                 dtype: torch.dtype | None = None) -> Transformer:
-    """config.json + safetensors (single file or sharded with model.safetensors.index.json)."""
+    """config.json + safetensors (single file or sharded with model.safetensors.index.json). Every
+    checkpoint tensor must be consumed: one the model has no place for is refused by name."""
     from safetensors import safe_open
 
     path = os.fspath(path)
@@ -141,20 +173,30 @@ def load_hf_dir(path: str | os.PathLike, device: torch.device | str = "cpu",
     model = empty_model(cfg, device, dtype or default_dtype(device))
     wanted = {hf_name(n): p for n, p in model.named_hf_tensors()}
     loaded: set[str] = set()
+    tied_head: str | None = None  # a tied model's checkpoint may hold a copy of the embedding as lm_head
     for fname in files:
         try:
             with safe_open(fname, framework="pt", device="cpu") as f:
                 keys = list(f.keys())
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelError(f"{fname}: cannot read safetensors: {exc}") from None
+        unused = [k for k in keys if k not in wanted and not k.endswith(IGNORED_SUFFIXES)]
+        if cfg.tie_word_embeddings and "lm_head.weight" in unused:
+            unused.remove("lm_head.weight")
+            tied_head = fname
+        if unused:
+            more = f" (and {len(unused) - 3} more)" if len(unused) > 3 else ""
+            raise ModelError(f"{fname}: tensor(s) the model does not use: {', '.join(unused[:3])}{more}")
         for key in keys:
-            if key in wanted:  # else e.g. rotary_emb.inv_freq, or lm_head.weight of a tied model
+            if key in wanted:
                 _copy_tensor(fname, key, wanted[key])
                 loaded.add(key)
     missing = sorted(set(wanted) - loaded)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelError(f"{path}: missing tensor(s) {', '.join(missing[:3])}{more}")
+    if tied_head is not None:
+        _check_tied_head(tied_head, model)
     return model.eval()
 
 
@@ -173,6 +215,16 @@ def _copy_tensor(fname: str, key: str, dst: torch.Tensor) -> None:
                          f"expected {tuple(dst.shape)} from config.json")
     with torch.no_grad():
         dst.copy_(t)
+
+
+def _check_tied_head(fname: str, model: Transformer) -> None:
+    """A tied model uses the embedding as its head; a different lm_head in the checkpoint would be lost."""
+    emb = model.embed_tokens.weight
+    head = torch.empty_like(emb)
+    _copy_tensor(fname, "lm_head.weight", head)
+    if not torch.equal(head, emb):
+        raise ModelError(f"{fname}: tensor 'lm_head.weight' differs from the embedding of a model with "
+                         "tie_word_embeddings: true (the head would be lost)")
 
 
 def _weight_files(path: str) -> list[str]:
