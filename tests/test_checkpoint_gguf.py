@@ -23,7 +23,7 @@ from test_model import full_logits, rand_tokens
 def cfg_for(arch: str, **kw) -> ModelConfig:
     base = dict(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                 intermediate_size=96, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                max_position_embeddings=512, qkv_bias=arch == "qwen2")
+                max_position_embeddings=512, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
     base.update(kw)
     return ModelConfig(**base)
 
@@ -40,7 +40,7 @@ def model_for(arch: str, seed: int = 0, **kw) -> Transformer:
 QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_weights_equal_the_gguf_reference_dequantization(tmp_path, arch, qtype):
     model = model_for(arch, tie_word_embeddings=qtype == Q.Q8_0)
@@ -87,7 +87,7 @@ def test_slices_of_large_tensors_equal_one_pass(tmp_path, monkeypatch):
         assert torch.equal(sliced[name], t), name
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
 def test_logits_equal_the_same_model_from_safetensors(tmp_path, arch, qtype):
     """The GGUF model and an HF checkpoint of the weights it holds (dequantized by gguf itself) give the
@@ -147,12 +147,12 @@ def test_refuses_unknown_architecture(tmp_path):
 
 
 def test_refuses_tensors_the_model_does_not_use(tmp_path):
-    """A Qwen3-style file (q/k norms) loaded without them would run with wrong logits: refused by name."""
+    """Tensors the decoder has no place for would be dropped and the logits be wrong: refused by name."""
     model = model_for("qwen2")
     path = tmp_path / "m.gguf"
-    write_gguf(model, path, "qwen2", extra={"blk.0.attn_q_norm.weight": np.ones(16),
-                                            "blk.0.attn_k_norm.weight": np.ones(16)})
-    with pytest.raises(ModelError, match="does not use: blk.0.attn_q_norm.weight, blk.0.attn_k_norm.weight"):
+    write_gguf(model, path, "qwen2", extra={"blk.0.attn_output.bias": np.ones(64),
+                                            "blk.1.attn_q_norm.weight": np.ones(16)})
+    with pytest.raises(ModelError, match="does not use: blk.0.attn_output.bias, blk.1.attn_q_norm.weight"):
         G.load_gguf(path)
     write_gguf(model, path, "qwen2", extra={"rope_freqs.weight": np.ones(8)})
     with pytest.raises(ModelError, match="rope_freqs.weight.*llama3-style"):
@@ -248,10 +248,10 @@ def test_hf_tensor_names_match_the_gguf_mapping():
     """Every parameter has exactly one GGUF name (the inverse of our_name)."""
     from gguf_files import gguf_name
 
-    m = model_for("qwen2")
+    m = model_for("qwen3", qkv_bias=True)
     names = [n for n, _ in m.named_hf_tensors()]
     assert [G.our_name(gguf_name(n)) for n in names] == names
-    assert G.our_name("blk.0.attn_q_norm.weight") is None and G.our_name("rope_freqs.weight") is None
+    assert G.our_name("rope_freqs.weight") is None and G.our_name("blk.0.attn_output.bias") not in names
     assert hf_name("lm_head.weight") == "lm_head.weight"
 
 

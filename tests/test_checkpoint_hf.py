@@ -137,7 +137,7 @@ def test_transformers5_rope_parameters_are_read():
     assert plain.rope_theta == 1e6 and plain.rope_scaling is None
 
 
-@pytest.mark.parametrize("kind", ["llama3-gqa-untied", "qwen2-bias-tied"])
+@pytest.mark.parametrize("kind", ["llama3-gqa-untied", "qwen2-bias-tied", "qwen3-qknorm-tied"])
 def test_logits_equal_huggingface_transformers(tmp_path, kind):
     """Our model on checkpoints written by transformers itself (not in CI: transformers is not a dependency;
     this runs where transformers is installed, e.g. the GPU machine's image)."""
@@ -152,9 +152,15 @@ def test_logits_equal_huggingface_transformers(tmp_path, kind):
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 32}
         theta, tie = 500000.0, False
-    else:
+    elif kind.startswith("qwen2"):
         Config, Model = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
         rope, theta, tie = None, 1000000.0, True
+    else:
+        if not hasattr(transformers, "Qwen3Config"):
+            pytest.skip("this transformers has no Qwen3")
+        Config, Model = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
+        rope, theta, tie = None, 1000000.0, True
+        common["head_dim"] = 24  # Qwen3 states head_dim; here not hidden / heads
     if "rope_parameters" in inspect.signature(Config.__init__).parameters:
         extra = {"rope_parameters": {"rope_type": "default", **(rope or {}), "rope_theta": theta}}
     else:
@@ -166,6 +172,7 @@ def test_logits_equal_huggingface_transformers(tmp_path, kind):
     hf.save_pretrained(tmp_path, safe_serialization=True)
     ours = load_hf_dir(tmp_path)
     assert ours.cfg.qkv_bias == kind.startswith("qwen2") and ours.cfg.tie_word_embeddings == tie
+    assert ours.cfg.qk_norm == kind.startswith("qwen3")
     toks = rand_tokens(150, 120, seed=2)  # past original_max_position_embeddings: the llama3 scaling matters
     with torch.no_grad():
         ref = hf(toks).logits.float()

@@ -47,6 +47,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     qkv_bias: bool = False  # Qwen2 checkpoints carry biases on q/k/v (not on o)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +77,8 @@ class ModelConfig:
         d, h, kv, hd, i, v = (self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
                               self.intermediate_size, self.vocab_size)
         per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * i + 2 * d
+        if self.qk_norm:
+            per_layer += 2 * hd
         if self.qkv_bias:
             per_layer += h * hd + 2 * kv * hd
         return v * d * (1 if self.tie_word_embeddings else 2) + self.n_layers * per_layer + d
@@ -281,6 +284,8 @@ class Attention(nn.Module):
         self.nq, self.nk = cfg.n_heads * hd, cfg.n_kv_heads * hd
         self.qkv = nn.Linear(d, self.nq + 2 * self.nk, bias=cfg.qkv_bias)  # rows: q | k | v
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
 
     @property
     def q_proj(self) -> Proj:
@@ -299,7 +304,10 @@ class Attention(nn.Module):
         c = self.cfg
         qkv = self.qkv(x)
         # q and k are neighbours in qkv: RoPE runs once over both (elementwise, the same values)
-        qk = apply_rope(qkv[..., :self.nq + self.nk].view(B, T, c.n_heads + c.n_kv_heads, c.head_dim), cos, sin)
+        qk = qkv[..., :self.nq + self.nk].view(B, T, c.n_heads + c.n_kv_heads, c.head_dim)
+        if c.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :, :c.n_heads]), self.k_norm(qk[:, :, c.n_heads:])), dim=2)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :, :c.n_heads], qk[:, :, c.n_heads:]
         v = qkv[..., self.nq + self.nk:].view(B, T, c.n_kv_heads, c.head_dim)
         # write the new K/V into each sequence's row at its own positions, then read the rows back:
@@ -474,7 +482,7 @@ class Transformer(nn.Module):
         g = torch.Generator(device=gdev).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_hf_tensors():  # HF's tensors in HF's order: the same draws per seed
-                if name.endswith("layernorm.weight") or name == "norm.weight":
+                if name.endswith(("layernorm.weight", "_norm.weight")) or name == "norm.weight":
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
                     p.zero_()

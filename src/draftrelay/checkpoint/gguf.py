@@ -1,7 +1,7 @@
 """GGUF checkpoints: config from the file's metadata, tensors dequantized by the `gguf` package's own
 dequantizer (every quant type it implements) into the model's compute dtype, and the tokenizer fields.
 
-Architectures: llama and qwen2. Whatever the decoder cannot run faithfully is refused by name: another
+Architectures: llama, qwen2 and qwen3. Whatever the decoder cannot run faithfully is refused by name: another
 architecture, a tensor the model has no place for (the decoder would silently ignore it), rope scalings
 other than linear, sliding-window attention, partial rotary dims.
 
@@ -26,7 +26,7 @@ from draftrelay.checkpoint.hf import default_dtype, empty_model
 from draftrelay.checkpoint.tokenizer import GGUFVocab
 from draftrelay.model import ModelConfig, ModelError, Transformer
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SLICE_ELEMENTS = 1 << 20  # values dequantized per step (a few MB of temporaries)
 
 # GGUF tensor names (llama.cpp's) -> ours (HF's module names without 'model.')
@@ -35,7 +35,7 @@ GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight"
 BLOCK_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
+               "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
 def our_name(gguf_name: str) -> str | None:
@@ -170,7 +170,8 @@ def config_from_meta(meta: dict, tensors: dict[str, TensorInfo], where: str) -> 
             rope_theta=_f32(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
             rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings="output.weight" not in tensors, max_position_embeddings=ctx,
-            qkv_bias="blk.0.attn_q.bias" in tensors, name=str(meta.get("general.name", "") or arch))
+            qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors,
+            name=str(meta.get("general.name", "") or arch))
     except ModelError as exc:
         raise ModelError(f"{where}: {exc}") from None
 

@@ -14,9 +14,10 @@ import torch
 
 from draftrelay.model import ModelConfig, ModelError, Transformer
 
-# The HF model types the decoder runs: plain Llama, Qwen2 (q/k/v bias), Mistral (without its window).
-MODEL_TYPES = ("llama", "qwen2", "mistral")
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# The HF model types the decoder runs: plain Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral
+# (without its window).
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 def config_from_dict(cfg: dict, where: str = "config.json") -> ModelConfig:
@@ -49,7 +50,7 @@ def config_from_dict(cfg: dict, where: str = "config.json") -> ModelConfig:
         raise ModelError(f"{where}: 'mlp_bias: true' is not supported")
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ModelError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU/silu only)")
-    if cfg.get("attention_bias") and mtype != "qwen2":
+    if cfg.get("attention_bias") and mtype != "qwen2":  # Qwen2's q/k/v biases are implied by its type
         raise ModelError(f"{where}: 'attention_bias: true' (bias on o_proj) is not supported")
     scaling = cfg.get("rope_scaling")
     rope_theta = cfg.get("rope_theta", 10000.0)
@@ -79,6 +80,7 @@ def config_from_dict(cfg: dict, where: str = "config.json") -> ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             qkv_bias=mtype == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=mtype == "qwen3",
             name=str(cfg.get("_name_or_path", "") or mtype),
         )
     except ModelError as exc:
@@ -88,10 +90,10 @@ def config_from_dict(cfg: dict, where: str = "config.json") -> ModelConfig:
 
 
 def _refuse_sliding_window(cfg: dict, mtype: str, where: str) -> None:
-    """Sliding-window attention is not implemented: a config that turns it on is refused. Qwen2 configs
+    """Sliding-window attention is not implemented: a config that turns it on is refused. Qwen2/3 configs
     carry a window size with `use_sliding_window: false` (off); Mistral's is on whenever it is set."""
     window = cfg.get("sliding_window")
-    if mtype == "qwen2":
+    if mtype in ("qwen2", "qwen3"):
         on = bool(cfg.get("use_sliding_window", False)) and window is not None
     else:
         on = window is not None
@@ -125,7 +127,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 def config_to_dict(cfg: ModelConfig) -> dict:
     """ModelConfig -> the fields of an HF config.json (model_type qwen2 when q/k/v carry biases)."""
     return {
-        "model_type": "qwen2" if cfg.qkv_bias else "llama",
+        "model_type": "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
