@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from draftrelay.model import ModelConfig, Transformer, save_hf_dir
+from draftrelay.checkpoint.hf import save_hf_dir
+from draftrelay.model import ModelConfig, Transformer
 from draftrelay.wire import Block, DrafterClient, WireRefused
 from draftrelay.wire import protocol as P
 from draftrelay.worker.process import start_worker_process
@@ -50,7 +51,7 @@ def test_tp_pair_without_two_gpus_is_named():
 
 
 def test_bad_model_dir_is_named(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
     out = run_cli("--model", str(tmp_path))
     assert out.returncode == 2 and "missing field 'hidden_size'" in out.stderr, out.stderr
 
