@@ -314,6 +314,85 @@ def save_pair_member(net: M.Transformer, path: str, tokenizer_json: str, eos_id:
     return os.path.getsize(os.path.join(path, "model.safetensors"))
 
 
+@torch.no_grad()
+def greedy_batch(net: M.Transformer, prompts: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """[B, P] prompts (equal lengths) -> [B, P + n_tokens], greedy, with the engine's cached forward."""
+    B, P = prompts.shape
+    cache = net.new_cache(B, P + n_tokens + 1)
+    rows = torch.arange(B)
+    logits = net(prompts, torch.zeros(B, dtype=torch.long), cache, rows, last_only=True)
+    seq = prompts
+    for _ in range(n_tokens):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        logits = net(nxt, torch.full((B,), seq.shape[1], dtype=torch.long), cache, rows)
+        seq = torch.cat([seq, nxt], dim=1)
+    return seq
+
+
+def refine(args, log) -> int:
+    """On-policy distillation of one trained drafter: the target continues random corpus windows
+    greedily (what the demo asks of it), the drafter learns the target's distribution along those
+    continuations, and most of all its argmax (greedy acceptance is argmax agreement). Runs on a CPU."""
+    src = args.refine
+    target = M.Transformer.from_hf_dir(os.path.join(src, "target"), dtype=torch.float32).eval()
+    drafter = M.Transformer.from_hf_dir(os.path.join(src, args.refine_drafter), dtype=torch.float32).train()
+    from tokenizers import Tokenizer
+
+    with open(os.path.join(src, "target", "tokenizer.json")) as f:
+        tok_json = f.read()
+    tok = Tokenizer.from_str(tok_json)
+    eos_id = tok.token_to_id(EOS)
+    files = corpus_files(args.corpus, int(args.max_corpus_mb * 1e6))
+    ids = encode_corpus(tok, read_texts(files), eos_id)
+    before = estimate_acceptance(target, drafter, tok, DEMO_PROMPTS, 64, 4)
+    log(f"refine {src}/{args.refine_drafter}: {len(ids) / 1e6:.2f}M corpus tokens; acceptance before "
+        f"{before['mean_accepted']:.2f} drafts per round (k=4)")
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.refine_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(args.seed)
+    t_start = time.perf_counter()
+    rounds = steps = 0
+    P, N = args.refine_prompt, args.refine_tokens
+    while time.perf_counter() - t_start < args.time_budget_s:
+        starts = torch.randint(0, len(ids) - P - 1, (args.batch,), generator=g)
+        prompts = ids[starts[:, None] + torch.arange(P)].long()
+        seq = greedy_batch(target, prompts, N)
+        with torch.no_grad():
+            teacher = train_logits(target, seq[:, :-1])[:, P - 1:]
+        y = seq[:, P:]
+        for _ in range(args.refine_reuse):  # a generated batch is costly (the target's decode): learn it twice
+            progress = (time.perf_counter() - t_start) / args.time_budget_s
+            for gr in opt.param_groups:
+                gr["lr"] = args.refine_lr * (1 - 0.9 * min(1.0, progress))
+            loss = kd_loss(train_logits(drafter, seq[:, :-1])[:, P - 1:], teacher, y, 1.0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+            steps += 1
+        rounds += 1
+        if rounds % 10 == 0:
+            log(f"refine batch {rounds}: loss {float(loss.detach()):.3f}, "
+                f"{rounds * args.batch * N / 1e3:.0f}K on-policy tokens")
+    after = estimate_acceptance(target, drafter, tok, DEMO_PROMPTS, 64, 4)
+    log(f"acceptance after {rounds} generated batches ({steps} steps): {after['mean_accepted']:.2f} drafts per round, "
+        f"by position {' '.join(f'{v:.2f}' for v in after['accept_rate_by_pos'])}")
+    os.makedirs(args.out, exist_ok=True)
+    if os.path.abspath(args.out) != os.path.abspath(src):
+        save_pair_member(target, os.path.join(args.out, "target"), tok_json, eos_id)
+    save_pair_member(drafter, os.path.join(args.out, "drafter"), tok_json, eos_id)
+    info_path = os.path.join(src, "TRAINING.json")
+    info = json.load(open(info_path)) if os.path.isfile(info_path) else {}
+    info["refine"] = {"drafter": args.refine_drafter, "device": "cpu", "torch": torch.__version__,
+                      "python": sys.version.split()[0], "seconds": args.time_budget_s, "generated_batches": rounds,
+                      "steps": steps, "batch": args.batch, "prompt_tokens": P, "generated_tokens": N,
+                      "lr": args.refine_lr, "acceptance_before": before, "acceptance_after": after}
+    info["estimated_acceptance_shipped"] = after
+    with open(os.path.join(args.out, "TRAINING.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    log(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory (target/, drafter/, TRAINING.json)")
@@ -336,6 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every-s", type=float, default=20.0, help="validation interval")
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--refine", default="", metavar="DIR",
+                    help="instead of training: on-policy distillation of DIR/<--refine-drafter> against DIR/target "
+                         "for --time-budget-s, written to OUT/drafter (OUT/target copied)")
+    ap.add_argument("--refine-drafter", default="drafter", help="which drafter directory of DIR to refine")
+    ap.add_argument("--refine-prompt", type=int, default=24, help="corpus tokens each generated sequence starts from")
+    ap.add_argument("--refine-tokens", type=int, default=96, help="tokens the target generates per sequence")
+    ap.add_argument("--refine-reuse", type=int, default=2, help="drafter steps per generated batch")
+    ap.add_argument("--refine-lr", type=float, default=1e-3)
     args = ap.parse_args(argv)
     drafter_shapes = args.drafter or [parse_shape("layers=1,hidden=128,heads=2,kv=2,ffn=384")]
     if args.vocab < 300 or args.seq < 16 or args.batch < 1 or args.time_budget_s <= 0:
@@ -351,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
+
+    if args.refine:
+        return refine(args, log)
 
     files = corpus_files(args.corpus, int(args.max_corpus_mb * 1e6))
     texts = read_texts(files)
