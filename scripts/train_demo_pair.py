@@ -382,10 +382,10 @@ def refine(args, log) -> int:
     save_pair_member(drafter, os.path.join(args.out, "drafter"), tok_json, eos_id)
     info_path = os.path.join(src, "TRAINING.json")
     info = json.load(open(info_path)) if os.path.isfile(info_path) else {}
-    info["refine"] = {"drafter": args.refine_drafter, "device": "cpu", "torch": torch.__version__,
+    info.setdefault("refine", []).append({"drafter": args.refine_drafter, "device": "cpu", "torch": torch.__version__,
                       "python": sys.version.split()[0], "seconds": args.time_budget_s, "generated_batches": rounds,
                       "steps": steps, "batch": args.batch, "prompt_tokens": P, "generated_tokens": N,
-                      "lr": args.refine_lr, "acceptance_before": before, "acceptance_after": after}
+                      "lr": args.refine_lr, "acceptance_before": before, "acceptance_after": after})
     info["estimated_acceptance_shipped"] = after
     with open(os.path.join(args.out, "TRAINING.json"), "w") as f:
         json.dump(info, f, indent=1)
