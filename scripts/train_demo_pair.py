@@ -38,9 +38,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from draftrelay import model as M  # noqa: E402  (the repo's own source tree first)
+from draftrelay.engine.cli_demo import DEFAULT_PROMPTS as DEMO_PROMPTS  # noqa: E402  (acceptance is estimated on them)
 
 EOS = "<|endoftext|>"
-DEMO_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\n\ndef list_files(path):"]
 SHAPE_KEYS = ("layers", "hidden", "heads", "kv", "ffn")
 
 
