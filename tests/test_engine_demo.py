@@ -10,9 +10,10 @@ from draftrelay import cli
 
 
 def test_demo_runs_end_to_end_and_prints_the_table(tmp_path):
+    """The random tiny pair (the shipped demo pair has its own test, tests/test_demo_pair.py)."""
     out_json = tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-m", "draftrelay.cli", "demo", "--device", "cpu", "--json", str(out_json)],
-                          capture_output=True, text=True, timeout=170)
+    proc = subprocess.run([sys.executable, "-m", "draftrelay.cli", "demo", "--model", "tiny", "--max-tokens", "48",
+                           "--device", "cpu", "--json", str(out_json)], capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "identical in off, sync, async: yes" in out

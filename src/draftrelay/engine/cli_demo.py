@@ -1,36 +1,41 @@
 """`draftrelay demo`: a local drafter worker + the proxy on loopback, the same prompts decoded in
 off, sync and async round modes, outputs and a side-by-side table.
 
-With no arguments it uses the built-in tiny pair (a 4-layer target and a 1-layer drafter made from
-its first layer, random weights: the text is arbitrary bytes, but it is the same text in every mode,
-and the drafter agrees with the target often enough to show what speculation does). It runs on a
-CPU in well under a minute and uses the GPU when there is one. `--model DIR --drafter DIR` serve
-real checkpoints (Llama-family HF directories with the same tokenizer).
+With no arguments it uses the demo pair shipped in the package (`draftrelay.demo_pair`): a small
+Python code model (24 layers) and a one-layer drafter an eighth of its size, trained on CPython's
+standard library: the continuations of the code prompts read as Python and the drafter's guesses are
+often right.
+`--model tiny` runs the built-in random tiny pair instead (arbitrary bytes, the unit tests' pair).
+It runs on a CPU in well under a minute and uses the GPU when there is one. `--model DIR --drafter
+DIR` serve real checkpoints (Llama-family HF directories with the same tokenizer).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 DEFAULT_PROMPTS = [
-    "The capital of France is",
     "def fibonacci(n):",
-    "Speculative decoding works by",
+    "class Stack:\n    def __init__(self):",
+    "import os\n\n\ndef list_files(path):",
 ]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny",
-                   help="target: 'tiny' (built-in), a local HF model directory or a .gguf file")
-    p.add_argument("--drafter", default="tiny",
-                   help="drafter for the local worker: 'tiny', a local HF directory or a .gguf file")
+    p.add_argument("--model", default="demo",
+                   help="target: 'demo' (the shipped code pair), 'tiny' (random, built-in), a local HF directory "
+                        "or a .gguf file")
+    p.add_argument("--drafter", default="",
+                   help="drafter for the local worker: 'demo', 'tiny', a local HF directory or a .gguf file "
+                        "(default: the pair of --model; needed with --model DIR)")
     p.add_argument("--worker", default="", metavar="HOST:PORT",
                    help="use a running `draftrelay worker` instead of starting one")
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: three built-in)")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     p.add_argument("--k", type=int, default=4, help="drafts per request per round")
     p.add_argument("--modes", default="off,sync,async", help="comma-separated subset of off,sync,async")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs identical across modes)")
@@ -61,9 +66,12 @@ def run(args: argparse.Namespace) -> int:
 
     t_start = time.perf_counter()
     try:
+        model, drafter = pair_specs(args.model, args.drafter, bool(args.worker))
         dev = L.pick_device(args.device)
         host, port = L.parse_hostport(args.worker) if args.worker else ("", 0)
-        target = L.load_target(args.model, dev)
+        target = L.load_target(model, dev)
+        if args.model == "demo":
+            target.name = "demo-target"
     except (ValueError, ModelError, OSError) as exc:
         print(f"draftrelay demo: {exc}", file=sys.stderr)
         return 2
@@ -74,22 +82,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     max_len = max(len(x) for x in ids) + args.max_tokens + args.k + 8
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop_token_ids=target.stop_ids)
+    shown = args.worker or drafter_label(args.drafter or args.model)
     print(f"draftrelay demo: target {target.name} ({target.model.cfg.n_params() / 1e6:.2f}M params) on {dev}, "
-          f"drafter {args.drafter if not args.worker else args.worker}, k={args.k}, {len(prompts)} prompts x "
-          f"{args.max_tokens} tokens")
+          f"drafter {shown}, k={args.k}, {len(prompts)} prompts x {args.max_tokens} tokens")
 
     worker = None
     try:
         if any(m != "off" for m in modes):
             if not args.worker:
                 try:
-                    worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, len(prompts))
+                    worker = L.start_local_worker(drafter, dev, args.k, max_len + 64, len(prompts))
                 except RuntimeError as exc:
                     print(f"draftrelay demo: the local worker did not start: {exc}", file=sys.stderr)
                     return 1
                 host, port = worker.host, worker.port
                 print(f"  worker: {worker.banner}")
-            spec = L.worker_spec(host, port, L.drafter_model_id(args.drafter) if not args.worker else "",
+            spec = L.worker_spec(host, port, L.drafter_model_id(drafter) if not args.worker else "",
                                  target.tokenizer_hash, args.k, max(8, len(prompts)))
             spec["vocab_size"] = target.model.cfg.vocab_size  # a drafter of another vocabulary is refused now
             why = L.check_worker(spec)
@@ -117,8 +125,7 @@ def run(args: argparse.Namespace) -> int:
     first = modes[0]
     print("\noutputs:")
     for i, p in enumerate(prompts):
-        text = target.tokenizer.decode(outputs[first][i])
-        print(f"  {p!r}\n      -> {L.printable(text, 100)}")
+        print(format_output(i + 1, p, target.tokenizer.decode(outputs[first][i])))
     exact = target.model.dtype == torch.float32  # bf16: differently shaped GEMMs may round differently
     same = all(outputs[m] == outputs[first] for m in modes)
     if len(modes) > 1 and args.temperature == 0:
@@ -135,6 +142,35 @@ def run(args: argparse.Namespace) -> int:
     if len(modes) > 1 and args.temperature == 0 and exact and not same:
         return 1
     return 0
+
+
+def pair_specs(model: str, drafter: str, remote_worker: bool) -> tuple[str, str]:
+    """(target spec, drafter spec) for the loaders: 'demo' becomes the shipped pair's directories,
+    an empty --drafter the pair of --model (a directory target needs its drafter named)."""
+    if model == "demo" or drafter == "demo":
+        from draftrelay import demo_pair
+
+        tdir, ddir = demo_pair.paths()
+    if not drafter and model in ("demo", "tiny"):
+        drafter = model
+    elif not drafter and not remote_worker and os.path.isdir(model):
+        raise ValueError(f"--model {model!r}: name its drafter with --drafter DIR ('demo' and 'tiny' bring "
+                         "their own)")
+    return (tdir if model == "demo" else model), (ddir if drafter == "demo" else drafter)
+
+
+def drafter_label(spec: str) -> str:
+    return "demo-drafter" if spec == "demo" else spec
+
+
+def format_output(n: int, prompt: str, text: str, width: int = 100) -> str:
+    """One prompt's result as the code it is: the prompt quoted, then prompt + continuation line by
+    line, indented (characters a terminal would act on escaped, long lines cut)."""
+    from .loading import printable
+
+    lines = [f"  [{n}] prompt {prompt!r}"]
+    lines += ["      " + printable(line, width) for line in (prompt + text).split("\n")]
+    return "\n".join(lines)
 
 
 def format_table(results: dict[str, dict]) -> str:
