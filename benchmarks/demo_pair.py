@@ -25,14 +25,14 @@ import time
 import torch
 
 from draftrelay import demo_pair
-from draftrelay import model as M
+from draftrelay.checkpoint.hf import load_hf_dir
 from draftrelay.handoff.procinfo import machine_info
 
 
 def forward_costs(iters: int, k: int, rows: int = 3, ctx: int = 48) -> dict:
     tdir, ddir = demo_pair.paths()
-    target = M.Transformer.from_hf_dir(tdir, device="cpu", dtype=torch.float32)
-    drafter = M.Transformer.from_hf_dir(ddir, device="cpu", dtype=torch.float32)
+    target = load_hf_dir(tdir, device="cpu", dtype=torch.float32)
+    drafter = load_hf_dir(ddir, device="cpu", dtype=torch.float32)
     threads = torch.get_num_threads()
     caches = {"target": target.new_cache(rows, ctx + k + 2), "drafter": drafter.new_cache(rows, ctx + k + 2)}
     r = torch.arange(rows)

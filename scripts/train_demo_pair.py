@@ -38,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from draftrelay import model as M  # noqa: E402  (the repo's own source tree first)
+from draftrelay.checkpoint.hf import load_hf_dir, save_hf_dir  # noqa: E402
 from draftrelay.engine.cli_demo import DEFAULT_PROMPTS as DEMO_PROMPTS  # noqa: E402  (acceptance is estimated on them)
 
 EOS = "<|endoftext|>"
@@ -301,7 +302,7 @@ def estimate_acceptance(target, drafter, tok, prompts: list[str], n_tokens: int,
 def save_pair_member(net: M.Transformer, path: str, tokenizer_json: str, eos_id: int) -> int:
     """bf16 weights in the HF layout; returns the weight file's size."""
     store = copy.deepcopy(net).to(device="cpu", dtype=torch.bfloat16).eval()
-    M.save_hf_dir(store, path)
+    save_hf_dir(store, path)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
@@ -334,8 +335,8 @@ def refine(args, log) -> int:
     greedily (what the demo asks of it), the drafter learns the target's distribution along those
     continuations, and most of all its argmax (greedy acceptance is argmax agreement). Runs on a CPU."""
     src = args.refine
-    target = M.Transformer.from_hf_dir(os.path.join(src, "target"), dtype=torch.float32).eval()
-    drafter = M.Transformer.from_hf_dir(os.path.join(src, args.refine_drafter), dtype=torch.float32).train()
+    target = load_hf_dir(os.path.join(src, "target"), dtype=torch.float32).eval()
+    drafter = load_hf_dir(os.path.join(src, args.refine_drafter), dtype=torch.float32).train()
     from tokenizers import Tokenizer
 
     with open(os.path.join(src, "target", "tokenizer.json")) as f:
@@ -575,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         name = "drafter" if i == 0 else f"drafter-{i}"
         sizes[name] = save_pair_member(d, os.path.join(args.out, name), tok_json, eos_id)
     # the saved files, read back by the engine's loader, still compute what was trained
-    reloaded = M.Transformer.from_hf_dir(os.path.join(args.out, "target"), device="cpu", dtype=torch.float32)
+    reloaded = load_hf_dir(os.path.join(args.out, "target"), device="cpu", dtype=torch.float32)
     err = check_forward_matches(reloaded, vocab)
     if err > 1e-3:
         raise SystemExit(f"train_demo_pair: the saved target disagrees with the training forward ({err:.2e})")

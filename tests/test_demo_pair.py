@@ -32,7 +32,7 @@ def test_the_pair_is_complete_and_within_its_size_budget():
 
 
 def test_the_tokenizer_round_trips_text():
-    tok = L.HFTokenizer(demo_pair.TARGET_DIR)
+    tok = L.HFTokenizer.from_dir(demo_pair.TARGET_DIR)
     samples = ["def fibonacci(n):\n    if n < 2:\n        return n\n",
                "\tx = {'a': [1, 2.5e-3]}  # tabs, braces\r\n",
                "naïve = 'Grüße, 東京 🐍'\n", "", "   \n\n  trailing   "]

@@ -75,7 +75,8 @@ def _hf_pair(tmp_path, drafter_vocab: int):
     """A tiny target and a drafter of `drafter_vocab` tokens, both with the same tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from draftrelay.model import ModelConfig, Transformer, save_hf_dir, tiny_pair
+    from draftrelay.checkpoint.hf import save_hf_dir
+    from draftrelay.model import ModelConfig, Transformer, tiny_pair
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
