@@ -50,6 +50,7 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
+    top_p: float = 1.0  # nucleus sampling (1: off)
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
 
@@ -257,6 +258,8 @@ class Engine:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         if params.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"top_p must be within (0, 1], got {params.top_p}")
         need = len(prompt) + params.max_tokens + self.cfg.n_draft + 1
         if need > self.cfg.max_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) + drafts "
@@ -313,13 +316,19 @@ class Engine:
         return new
 
     def cancel(self, req: Request, keep_row: bool = False) -> None:
-        """Stop a running request; keep_row leaves its KV row reserved (for resume)."""
-        self.running.remove(req)
+        """Stop a waiting or running request. The row is freed and the drafter told to forget the
+        request (an END with the next round), unless keep_row leaves both reserved (for resume)."""
         req.done, req.finish_reason = True, req.finish_reason or "cancelled"
+        if any(r is req for r in self.waiting):  # not prefilled yet: holds no row
+            self.waiting.remove(req)
+            return
+        self.running.remove(req)
         if not keep_row:
             self.cache.reset(req.row)
             self.free_rows.append(req.row)
             self.free_rows.sort()
+            if self.rounds is not None and req.synced:
+                self._ends.append(RoundRequest(req.id, req.generation, req.synced, np.zeros(0, np.int32), 0))
 
     def release_row(self, row: int) -> None:
         self.cache.reset(row)
@@ -354,7 +363,7 @@ class Engine:
         p = req.params
         if p.temperature <= 0:
             return int(torch.argmax(logits))
-        return sample_from(probs_from_logits(logits, p.temperature, p.top_k), req.gen)
+        return sample_from(probs_from_logits(logits, p.temperature, p.top_k, p.top_p), req.gen)
 
     def _emit(self, req: Request, tokens: list[int]) -> None:
         """Append tokens, stopping at a stop token or max_tokens (the rest is dropped)."""
@@ -439,7 +448,8 @@ class Engine:
             if greedy[i]:
                 kept, nxt = accept_greedy(argmax[i][:len(d) + 1], d)
             else:
-                p = probs_from_logits(logits[i, :len(d) + 1], r.params.temperature, r.params.top_k)
+                p = probs_from_logits(logits[i, :len(d) + 1], r.params.temperature, r.params.top_k,
+                                      r.params.top_p)
                 kept, nxt = accept_sampled(p, d, r.gen)
             # roll the KV back to the accepted length: pending + kept drafts are now in the cache
             self._set_kv_len(r.row, int(start[i]) + 1 + kept)
