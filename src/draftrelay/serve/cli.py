@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -55,6 +56,10 @@ def _check(args: argparse.Namespace) -> str:
     return ""
 
 
+def _exit_on_term(signum, frame):
+    raise SystemExit(0)
+
+
 def read_api_key(path: str) -> str:
     try:
         with open(path) as f:
@@ -89,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if why:
         print(f"draftrelay serve: {why}", file=sys.stderr)
         return 2
+    # SIGTERM ends the server cleanly: the engine, its proxy and the local worker are stopped
+    signal.signal(signal.SIGTERM, _exit_on_term)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
@@ -165,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
             server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                                    timeout_graceful_shutdown=3))
             sched.start()
+            # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again once it is done:
+            # it must then find a handler that lets the cleanup below run
+            signal.signal(signal.SIGTERM, lambda *a: None)
             try:
                 server.run(sockets=[sock])
             finally:
