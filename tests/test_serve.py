@@ -72,9 +72,12 @@ class Server:
                 pass
         return out
 
-    def stop(self) -> int:
-        kids = self.children()
+    def terminate(self) -> None:
+        self.kids = self.children()
         self.proc.terminate()
+
+    def stop(self) -> int:
+        kids = self.kids
         try:
             rc = self.proc.wait(20)
         except subprocess.TimeoutExpired:
@@ -116,6 +119,8 @@ def servers():
         gen_out, _ = gen_proc.communicate(timeout=120)
         yield {**s, "core": core, "generate": gen_out.rstrip("\n")}
     finally:
+        for srv in s.values():  # all at once: each takes a few seconds to stop its engine and children
+            srv.terminate()
         rcs = {name: srv.stop() for name, srv in s.items()}
         wsrv.stop()
         os.unlink(f.name)

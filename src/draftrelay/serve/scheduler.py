@@ -8,8 +8,8 @@ finishes, hits a stop string, or its client goes away. A cancelled request's KV 
 once and the drafter is told to forget it (an END with the next round). What a step produced goes
 back to each job's asyncio queue through the event loop's thread-safe call.
 
-Admission is bounded: at most `max_queue` requests may wait for a row (in the inbox or in the
-engine's waiting queue); one more is refused with 429 before it costs anything.
+Admission is bounded: at most max_batch requests run and `max_queue` wait for a row (in the inbox
+or the engine's waiting queue); one more is refused with 429 before it costs anything.
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ class Job:
     seen_hits: list[int] = field(default_factory=list)
 
     def push(self, ev: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the event loop is closed (shutting down): nobody is listening
+            pass
 
 
 def usage_of(job: Job) -> dict:
@@ -86,6 +89,7 @@ class Scheduler:
         self.cancels: deque[Job] = deque()
         self.jobs: dict[int, Job] = {}  # engine request id -> job, while in the engine
         self.n_waiting = 0  # jobs without a KV row (inbox + engine's waiting queue)
+        self.n_in = 0  # jobs submitted and not finished
         self.n_running = 0
         self.rows_free = engine.cfg.max_batch
         self.handoff: dict = {"mode": "off"}  # the last snapshot of rounds.stats() (thread: scheduler)
@@ -109,12 +113,13 @@ class Scheduler:
         with self.cv:
             if self._stop:
                 raise ApiError(503, "the server is shutting down", etype="server_error", code="shutting_down")
-            if self.n_waiting >= self.max_queue:
+            if self.n_in >= self.engine.cfg.max_batch + self.max_queue:
                 self.metrics.labels(self.metrics.request_rejected, "queue_full").inc()
                 raise ApiError(429, f"the queue is full: {self.n_waiting} requests are waiting for one of "
                                     f"{self.engine.cfg.max_batch} KV rows (--max-queue {self.max_queue}); "
                                     "retry later", etype="server_overloaded", code="queue_full")
             self.n_waiting += 1
+            self.n_in += 1
             self.inbox.append(job)
             self.cv.notify()
 
@@ -160,12 +165,12 @@ class Scheduler:
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:
-            self._count_waiting(-1)
+            self._count_waiting(-1, -1)
             return
         try:
             req = self.engine.add_request(job.gen.prompt_ids, job.gen.params)
         except ValueError as exc:  # parse_request checks the same limits: this is a safety net
-            self._count_waiting(-1)
+            self._count_waiting(-1, -1)
             job.finished = True
             job.push(Event("error", error=ApiError(400, str(exc))))
             return
@@ -190,6 +195,7 @@ class Scheduler:
     def _end(self, job: Job, reason: str) -> None:
         job.finished = True
         self.jobs.pop(job.req.id, None)
+        self._count_waiting(0, -1)
         m = self.metrics
         m.labels(m.request_success, reason).inc()
         m.labels(m.e2e).observe(time.perf_counter() - job.t_arrive)
@@ -258,14 +264,15 @@ class Scheduler:
             job.push(Event("error", error=err))
         with self.cv:
             left, self.inbox = list(self.inbox), deque()
-            self.n_waiting = 0
+            self.n_waiting = self.n_in = 0
         for job in left:
             job.finished = True
             job.push(Event("error", error=err))
 
-    def _count_waiting(self, d: int) -> None:
+    def _count_waiting(self, d: int, d_in: int = 0) -> None:
         with self.cv:
             self.n_waiting += d
+            self.n_in += d_in
 
     def _snapshot(self) -> None:
         eng = self.engine
