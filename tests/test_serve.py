@@ -268,8 +268,15 @@ def test_disconnect_frees_rows_and_full_queue_429(servers):
     # the drafter was told to forget them: later rounds carried their ENDs
     complete(srv, PROMPTS[3], 8)
     assert not held & _worker_rids(core)
+    # a client of a non-streamed request that gives up (times out) is cancelled the same way
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while _health(srv)["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _health(srv)["kv_rows_free"] == 2
     m = httpx.get(srv.url + "/metrics", timeout=10).text
-    assert re.search(r'draftrelay_request_success_total\{finished_reason="abort",model_name="tiny-target"\} 2\.0', m)
+    assert re.search(r'draftrelay_request_success_total\{finished_reason="abort",model_name="tiny-target"\} 3\.0', m)
     assert re.search(r'draftrelay_request_rejected_total\{model_name="tiny-target",reason="queue_full"\} 1\.0', m)
 
 

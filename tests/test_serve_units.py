@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -187,8 +188,11 @@ def test_scheduler_batches_cancels_and_bounds_the_queue():
     sched.start()
     try:
         asyncio.run(main())
+        deadline = time.monotonic() + 10  # the thread publishes its counts after the step it is in
+        while sched.status()["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         st = sched.status()
-        assert st["running"] == 0 and st["waiting"] == 0
+        assert st["running"] == 0 and st["waiting"] == 0 and st["kv_rows_free"] == 2
     finally:
         sched.stop()
     assert eng.free_rows == [0, 1]

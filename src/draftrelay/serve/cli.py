@@ -11,11 +11,13 @@ http://HOST:PORT` on stderr says it accepts requests (`--port 0` picks a free po
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=4, help="drafts per round")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
+    p.add_argument("--max-round-tokens", type=int, default=4096,
+                   help="prompt tokens one round sends the drafter (a longer prompt catches up over several)")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up (first requests are then slower)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -51,9 +55,47 @@ def _check(args: argparse.Namespace) -> str:
         return f"--port must be within [0, 65535], got {args.port}"
     if not 0 <= args.k <= 16:
         return f"--k must be within [0, 16], got {args.k}"
+    if args.max_round_tokens < 1:
+        return f"--max-round-tokens must be >= 1, got {args.max_round_tokens}"
     if not args.deadline_ms > 0:
         return f"--deadline-ms must be > 0, got {args.deadline_ms}"
     return ""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, made with protocol IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY)
+    only on sockets whose proto says TCP, and socket.create_server leaves it 0. With Nagle on, a
+    response's second small write waits for the client's delayed ACK: +40 ms on every request
+    after the first on a kept-alive connection."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      proto=socket.IPPROTO_TCP)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def self_request(host: str, port: int, api_key: str, timeout: float = 60.0) -> str:
+    """One streamed completion against this server (the first request through the HTTP stack,
+    routing, the thread pool and the SSE path is then not a client's). '' on success, else why."""
+    import urllib.request
+
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    url = f"http://{'[' + local + ']' if ':' in local else local}:{port}/v1/completions"
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "stream": True}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=timeout) as r:
+            text = r.read().decode()
+    except OSError as exc:
+        return str(exc)
+    return "" if "data: [DONE]" in text else f"unexpected answer {text[:200]!r}"
 
 
 def _exit_on_term(signum, frame):
@@ -125,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ModelError, OSError, TemplateError) as exc:
         say(str(exc))
         return 2
+    if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        say(f"warning: listening on {args.host} without --api-key-file: anyone who reaches it may use it")
     name = args.served_model_name or target.name
     max_len = max_model_len + args.k + 1  # the engine's row also holds the last verify's drafts
     worker = None
@@ -147,9 +191,9 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker)
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
-                           graphs=args.graphs)
+                           graphs=args.graphs, max_round_tokens=args.max_round_tokens)
         try:
-            sock = socket.create_server((args.host, args.port))
+            sock = listen(args.host, args.port)
         except OSError as exc:
             say(f"cannot listen on {args.host}:{args.port}: {exc.strerror}")
             return 1
@@ -160,14 +204,22 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_warmup:
                 w = warm_up(eng, max_model_len)
                 say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
-                    f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})")
+                    f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})"
+                    + ("" if w["rounds_healthy"] else "; rounds to the drafter still fail (decoding target-only "
+                       "until they succeed)"))
             sched = None
             metrics = ServeMetrics(name, lambda: sched.handoff if sched else {"mode": "off"})
             sched = Scheduler(eng, metrics, args.max_queue)
             lim = Limits(name, max_model_len, eng.vocab, target.stop_ids, target.tokenizer.encode, render_chat)
-            ready = lambda: say(f"listening on http://{args.host}:{bound} (model {name!r}, mode "  # noqa: E731
-                                f"{eng.round_mode}, max batch {args.max_batch}, context {max_model_len}, "
-                                f"chat template: {template_from})")
+            def announce() -> None:
+                why = "" if args.no_warmup else self_request(args.host, bound, api_key)
+                say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}, max batch "
+                    f"{args.max_batch}, context {max_model_len}, chat template: {template_from})"
+                    + (f"; warning: the start-up request failed: {why}" if why else ""))
+
+            # the announcement waits for one request through the whole HTTP path, served once
+            # uvicorn accepts (after this start-up hook returns)
+            ready = lambda: threading.Thread(target=announce, name="announce", daemon=True).start()  # noqa: E731
             app = build_app(sched, lim, metrics, target.tokenizer.decode, api_key, on_ready=ready)
             server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                                    timeout_graceful_shutdown=3))

@@ -291,11 +291,12 @@ class Scheduler:
             self._t_handoff = now
 
 
-def warm_up(engine: Engine, max_model_len: int) -> dict:
+def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0) -> dict:
     """Run every path a first request can take before the server accepts one: prefill of a short
     and of a long prompt (several chunks), decode steps of width 1 and verify steps of width k+1 at
     batch sizes 1 and several, the drafter's catch-up rounds on a prompt longer than one round
-    carries (where the context allows one), greedy and sampled acceptance. Returns what ran."""
+    carries (where the context allows one), greedy and sampled acceptance; then until a round
+    succeeds again (at most settle_s). Returns what ran."""
     cfg, V = engine.cfg, engine.vocab
     k = cfg.n_draft
 
@@ -312,7 +313,17 @@ def warm_up(engine: Engine, max_model_len: int) -> dict:
     engine.generate([prompt(8, 1)], short)  # batch of one: what a first lone request does
     batch = [(prompt(24, 2), short), (prompt(16, 3), sampled), (prompt(long_len, 4), longp)]
     engine.generate([p for p, _ in batch], [s for _, s in batch])
+    # A slow drafter (a loaded CPU) may have missed deadlines on the long prompt and opened the
+    # worker client's breaker; the server is ready once a round succeeds again.
+    healthy = engine.rounds is None
+    t_settle = time.perf_counter()
+    while not healthy and time.perf_counter() - t_settle < settle_s:
+        (r,) = engine.generate([prompt(8, 5)], short)
+        healthy = r.rounds.get("ok", 0) > 0 and not r.rounds.get("failed", 0) and not r.rounds.get("watchdog", 0)
+        if not healthy:
+            time.sleep(0.2)
     done = {"seconds": time.perf_counter() - t0, "long_prompt": long_len,
-            "catch_up_rounds": long_len > cfg.max_round_tokens and engine.rounds is not None}
+            "catch_up_rounds": long_len > cfg.max_round_tokens and engine.rounds is not None,
+            "rounds_healthy": healthy}
     engine.reset_metrics()
     return done
