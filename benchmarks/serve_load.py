@@ -140,6 +140,8 @@ async def ttft_first_vs_warm(url: str, ctx: int, repeats: int) -> dict:
     long_len = max(16, ctx - 16)
     cases = {"short": "Hello there, how are you?", "long": [(i * 7 + 3) % 200 + 32 for i in range(long_len)]}
     async with httpx.AsyncClient(timeout=600) as client:
+        for _ in range(2):  # the client's own first-use costs (connection, lazy imports) are not the server's
+            await client.get(url + "/health")
         for name, pr in cases.items():
             # one output token: the request's whole time is its TTFT (no text held back for a
             # partial character), as a client sees it

@@ -120,7 +120,8 @@ def _chat_encoder(target, model_spec: str):
 
     from .chat import compile_template, find_template
 
-    src, where, bos, eos = find_template(target.model, model_spec if os.path.isdir(model_spec) else None)
+    holder = target if getattr(target, "chat_template", None) else target.model  # a loader sets either
+    src, where, bos, eos = find_template(holder, model_spec if os.path.isdir(model_spec) else None)
     render = compile_template(src, bos, eos)
     tok = target.tokenizer
     if isinstance(tok, L.HFTokenizer):

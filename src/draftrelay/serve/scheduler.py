@@ -300,25 +300,29 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0) -> dict:
     cfg, V = engine.cfg, engine.vocab
     k = cfg.n_draft
 
-    def prompt(n: int, salt: int) -> list[int]:
-        return [(i * 7919 + salt * 104729 + 13) % V for i in range(n)]
+    def prompt(n: int, salt: int) -> list[int]:  # at least one token of output must fit
+        return [(i * 7919 + salt * 104729 + 13) % V for i in range(max(1, min(n, max_model_len - 1)))]
 
-    short = SamplingParams(max_tokens=2 * k + 4)
+    def params(p: list[int], n: int, **kw) -> SamplingParams:
+        return SamplingParams(max_tokens=max(1, min(n, max_model_len - len(p))), **kw)
+
     catchup = max(2 * cfg.prefill_chunk + 3, cfg.max_round_tokens + 17)
     long_len = max(1, min(catchup, max_model_len - (2 * k + 8)))
     rounds_to_sync = -(-long_len // cfg.max_round_tokens)
-    longp = SamplingParams(max_tokens=max(1, min(rounds_to_sync + 2 * k + 2, max_model_len - long_len)))
-    sampled = SamplingParams(max_tokens=2 * k + 4, temperature=0.8, top_k=20, top_p=0.9, seed=1)
     t0 = time.perf_counter()
-    engine.generate([prompt(8, 1)], short)  # batch of one: what a first lone request does
-    batch = [(prompt(24, 2), short), (prompt(16, 3), sampled), (prompt(long_len, 4), longp)]
+    lone = prompt(8, 1)
+    engine.generate([lone], params(lone, 2 * k + 4))  # batch of one: what a first lone request does
+    a, b, c = prompt(24, 2), prompt(16, 3), prompt(long_len, 4)
+    batch = [(a, params(a, 2 * k + 4)),
+             (b, params(b, 2 * k + 4, temperature=0.8, top_k=20, top_p=0.9, seed=1)),
+             (c, params(c, rounds_to_sync + 2 * k + 2))]
     engine.generate([p for p, _ in batch], [s for _, s in batch])
     # A slow drafter (a loaded CPU) may have missed deadlines on the long prompt and opened the
     # worker client's breaker; the server is ready once a round succeeds again.
     healthy = engine.rounds is None
     t_settle = time.perf_counter()
     while not healthy and time.perf_counter() - t_settle < settle_s:
-        (r,) = engine.generate([prompt(8, 5)], short)
+        (r,) = engine.generate([lone], params(lone, 2 * k + 4))
         healthy = r.rounds.get("ok", 0) > 0 and not r.rounds.get("failed", 0) and not r.rounds.get("watchdog", 0)
         if not healthy:
             time.sleep(0.2)
