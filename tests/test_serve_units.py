@@ -196,3 +196,32 @@ def test_scheduler_batches_cancels_and_bounds_the_queue():
     finally:
         sched.stop()
     assert eng.free_rows == [0, 1]
+
+
+def test_serve_flags_refused_by_name(tmp_path):
+    import argparse
+    import subprocess
+    import sys
+
+    from draftrelay.serve import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    for flags, words in [(["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"),
+                         (["--port", "70000"], "--port"), (["--k", "17"], "--k"),
+                         (["--deadline-ms", "0"], "--deadline-ms"),
+                         (["--max-round-tokens", "0"], "--max-round-tokens")]:
+        assert cli._check(p.parse_args(flags)).startswith(words)
+    assert cli._check(p.parse_args([])) == ""
+    empty, spaced, good = tmp_path / "e", tmp_path / "s", tmp_path / "g"
+    empty.write_text("\n")
+    spaced.write_text("a b\n")
+    good.write_text(" k3y \n")
+    for f, words in [(empty, "holds nothing"), (spaced, "whitespace"), (tmp_path / "missing", "No such file")]:
+        with pytest.raises(ValueError, match=words):
+            cli.read_api_key(str(f))
+    assert cli.read_api_key(str(good)) == "k3y"
+    # through the command: a context beyond the model's is refused with both numbers, exit 2
+    r = subprocess.run([sys.executable, "-m", "draftrelay", "serve", "--mode", "off", "--max-model-len", "99999",
+                        "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--max-model-len 99999 exceeds the model's context of 4096" in r.stderr
