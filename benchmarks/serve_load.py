@@ -135,6 +135,19 @@ async def load_level(url: str, conc: int, n_req: int, max_tokens: int) -> dict:
             "tokens_per_chunk": tokens / max(1, len(gaps) + len(res))}
 
 
+async def ttft_sum(client: httpx.AsyncClient, url: str) -> float:
+    text = (await client.get(url + "/metrics")).text
+    m = re.search(r"^draftrelay_time_to_first_token_seconds_sum\{[^}]*\} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def timed(client: httpx.AsyncClient, url: str, prompt) -> tuple[float, float]:
+    """(the client's time for a 1-token request, the server's own TTFT of it from /metrics)."""
+    before = await ttft_sum(client, url)
+    e2e = (await stream_one(client, url, prompt, 1))["e2e_s"]
+    return e2e, await ttft_sum(client, url) - before
+
+
 async def ttft_first_vs_warm(url: str, ctx: int, repeats: int) -> dict:
     out = {}
     long_len = max(16, ctx - 16)
@@ -142,12 +155,14 @@ async def ttft_first_vs_warm(url: str, ctx: int, repeats: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         for _ in range(2):  # the client's own first-use costs (connection, lazy imports) are not the server's
             await client.get(url + "/health")
+            await client.get(url + "/metrics")
         for name, pr in cases.items():
             # one output token: the request's whole time is its TTFT (no text held back for a
             # partial character), as a client sees it
-            first = (await stream_one(client, url, pr, 1))["e2e_s"]
-            warm = [(await stream_one(client, url, pr, 1))["e2e_s"] for _ in range(repeats)]
+            first, first_srv = await timed(client, url, pr)
+            warm, warm_srv = zip(*[await timed(client, url, pr) for _ in range(repeats)], strict=True)
             out[name] = {"prompt_tokens": len(pr) if isinstance(pr, list) else len(pr.encode()),
+                         "first_server_ms": 1e3 * first_srv, "warm_server_ms_median": 1e3 * statistics.median(warm_srv),
                          "first_ms": 1e3 * first, "warm_ms_median": 1e3 * statistics.median(warm),
                          "warm_ms_min": 1e3 * min(warm), "warm_ms_max": 1e3 * max(warm),
                          "first_over_warm": first / statistics.median(warm)}
@@ -192,9 +207,10 @@ def main() -> int:
         finally:
             srv.stop()
         t = row["ttft_first_vs_warm"]
-        print(f"{mode:5s} TTFT first/warm: short {t['short']['first_ms']:.1f}/{t['short']['warm_ms_median']:.1f} ms, "
-              f"long ({t['long']['prompt_tokens']}) {t['long']['first_ms']:.1f}/{t['long']['warm_ms_median']:.1f} ms",
-              flush=True)
+        print(f"{mode:5s} TTFT first/warm: short {t['short']['first_ms']:.1f}/{t['short']['warm_ms_median']:.1f} ms "
+              f"(server {t['short']['first_server_ms']:.1f}/{t['short']['warm_server_ms_median']:.1f}), "
+              f"long ({t['long']['prompt_tokens']}) {t['long']['first_ms']:.1f}/{t['long']['warm_ms_median']:.1f} ms "
+              f"(server {t['long']['first_server_ms']:.1f}/{t['long']['warm_server_ms_median']:.1f})", flush=True)
         if mode in args.cold_modes.split(","):
             cold = Server(args, mode, warmup=False)
             try:

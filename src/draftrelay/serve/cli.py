@@ -82,20 +82,26 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def self_request(host: str, port: int, api_key: str, timeout: float = 60.0) -> str:
-    """One streamed completion against this server (the first request through the HTTP stack,
-    routing, the thread pool and the SSE path is then not a client's). '' on success, else why."""
+    """One streamed completion and one streamed chat completion against this server (the first
+    request through the HTTP stack, routing, tokenizer, chat template, thread pool and SSE path is
+    then not a client's). '' on success, else why."""
     import urllib.request
 
     local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    url = f"http://{'[' + local + ']' if ':' in local else local}:{port}/v1/completions"
-    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "stream": True}).encode()
+    base = f"http://{'[' + local + ']' if ':' in local else local}:{port}/v1/"
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=timeout) as r:
-            text = r.read().decode()
-    except OSError as exc:
-        return str(exc)
-    return "" if "data: [DONE]" in text else f"unexpected answer {text[:200]!r}"
+    for path, body in (("completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "stream": True}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+                                             "temperature": 0, "stream": True})):
+        req = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                text = r.read().decode()
+        except OSError as exc:
+            return f"{path}: {exc}"
+        if "data: [DONE]" not in text:
+            return f"{path}: unexpected answer {text[:200]!r}"
+    return ""
 
 
 def _exit_on_term(signum, frame):
