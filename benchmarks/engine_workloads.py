@@ -10,7 +10,7 @@ For every request: one prefill (TTFT), then the same prefilled KV is decoded in 
 cover the drafter catching up on a long context, in bounded rounds), then `--steps` timed steps.
 Reported per request: the direct per-step timer p50 (engine step wall time; with random weights
 nearly nothing is accepted, so this is the cost of one speculative step), and the median split of
-a step into submit / wait / verify / host (see engine.Engine.timing).
+a step into submit / wait / verify / host (see engine/metrics.py).
 
     python benchmarks/engine_workloads.py                       # GPU defaults (H200-sized)
     python benchmarks/engine_workloads.py --device cpu --target tiny --drafter tiny --ctx-scale 1024 --steps 8
@@ -102,7 +102,7 @@ def run_group(eng: Engine, prompts: list[list[int]], modes: dict, warmup: int, s
         t = {k2: v[-steps:] for k2, v in eng.timing.items()}
         out["modes"][name] = {
             "round_mode": eng.round_mode,
-            "refusal": getattr(rounds, "refusal", "") if rounds is not None else "",
+            "refusal": rounds.refusal if rounds is not None else "",
             "step_p50_ms": [1e3 * p50(r.step_s[-steps:]) for r in live],
             "parts_p50_ms": {k2: 1e3 * p50(v) for k2, v in t.items()},
             "tokens_per_step": [(len(r.output) - 1) / len(r.step_s) for r in live],
@@ -201,7 +201,7 @@ def main() -> int:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for m in modes:
                 rounds[m] = None if m == "off" else (SyncRounds(h) if m == "sync" else open_rounds(h))
-        result["async_refusal"] = getattr(rounds.get("async"), "refusal", "")
+        result["async_refusal"] = rounds["async"].refusal if rounds.get("async") is not None else ""
         gen = torch.Generator().manual_seed(0)
         V = target.cfg.vocab_size
         for label, name, graphs, ring in plan:
@@ -229,8 +229,7 @@ def main() -> int:
                 result["workloads"][label] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             finally:
                 if eng is not None:
-                    eng.rounds = None  # the rounds are shared: the benchmark closes them
-                    eng.close()
+                    eng.close()  # the rounds came in through set_rounds: the benchmark closes them below
                 del eng
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
@@ -241,8 +240,7 @@ def main() -> int:
     finally:
         for r in rounds.values():
             if r is not None:
-                r.close()
-                getattr(getattr(r, "_fn", None), "close", lambda: None)()
+                r.close()  # a worker session included
         result["worker_log_tail"] = worker.log()[-3000:]  # e.g. a graph capture that fell back to eager
         worker.stop()
     result["wall_s"] = time.perf_counter() - t_start

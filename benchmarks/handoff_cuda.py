@@ -23,7 +23,7 @@ the stream parked: the GPU's own wake-up; memop wait, polling wait kernel, round
 `pingpong`: a resident one-warp kernel answering each host store with its own store (the bus round
 trip; half of it estimates one leg, e.g. the ack leg inside release -> ack).
 
-    python benchmarks/handoff_cuda.py [--rounds 20000] [--out benchmarks/results/handoff_cuda.json]
+    python benchmarks/handoff_cuda.py [--rounds 20000] [--out benchmarks/results]   # -> DIR/handoff_cuda.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import time
 import numpy as np
 
 from draftrelay.handoff import native
-from draftrelay.handoff import rounds as rounds_mod
 from draftrelay.handoff.procinfo import cpu_seconds, machine_info
 from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig, open_rounds
@@ -62,17 +61,9 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
     else:  # the emulated stream spins like a GPU would poll (it has a core of its own on this machine)
         kw.update(stream_spin_us=10_000_000, stream_nap_us=0)
     cfg = HandoffConfig(vocab_size=32000, max_requests=4, max_tokens=512, max_drafts=8, spin_us=spin_us,
-                        nap_us=nap_us, deadline_ms=200, backend=backend, strict=True, **kw)
-    real_make = rounds_mod.make_stream
-    if backend == "cuda":
-        from draftrelay.handoff.cuda_stream import CudaStream
-
-        rounds_mod.make_stream = lambda c, region: CudaStream(region, c.cuda_stream, fast=fast, wait=wait,
-                                                              batch=batch)
-    try:
-        r = open_rounds(cfg)
-    finally:
-        rounds_mod.make_stream = real_make
+                        nap_us=nap_us, deadline_ms=200, backend=backend, strict=True, cuda_wait=wait or "",
+                        cuda_fast_calls=fast, cuda_batch_memops=batch, **kw)
+    r = open_rounds(cfg)
     assert isinstance(r, AsyncRounds)
     info = getattr(r.stream, "info", {})
     calls = "ctypes" if info.get("fast_calls") else ("bindings" if backend == "cuda" else "-")
@@ -112,16 +103,16 @@ def run(backend: str, mode: str, proxy: str, n_rounds: int, warmup: int, fast: b
             ev = None
             if mode == "round":
                 p0 = time.perf_counter_ns()
-                r.submit(src=src, n_out=n_out)
+                rid = r.submit(src=src, n_out=n_out)
                 p1 = time.perf_counter_ns()
                 m = 0
-                ev = r._pending[t & 1][3]
+                ev = r.pending(rid).event
             elif mode == "round-host":  # the engine's own path: requests packed on the host, staged from there
                 p0 = time.perf_counter_ns()
-                r.submit(reqs)
+                rid = r.submit(reqs)
                 p1 = time.perf_counter_ns()
                 m = 0
-                ev = r._pending[t & 1][3]
+                ev = r.pending(rid).event
             elif mode == "ops":  # the round's ops one by one, each timed (reaches into the backend: bench only)
                 r._t = t
                 s, dst = t & 1, r._dst[t & 1]
@@ -332,10 +323,10 @@ def run_pingpong(n: int, warmup: int) -> dict:
     import torch
     from cuda.bindings import driver
 
-    from draftrelay.handoff.cuda_stream import compile_cuda
+    from draftrelay.cudabuild import nvrtc_cubin
 
     torch.zeros(1, device="cuda")
-    cubin = compile_cuda(PINGPONG_CU, torch.cuda.get_device_capability())
+    cubin = nvrtc_cubin(PINGPONG_CU, torch.cuda.get_device_capability())
     err, mod = driver.cuModuleLoadData(cubin.ctypes.data)
     assert not err, err
     err, fn = driver.cuModuleGetFunction(mod, b"draftrelay_pingpong")
@@ -368,7 +359,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20_000)
     ap.add_argument("--warmup", type=int, default=500)
-    ap.add_argument("--out", default="benchmarks/results/handoff_cuda.json")
+    ap.add_argument("--out", default="benchmarks/results", help="directory for handoff_cuda.json")
     ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-stream rows")
     args = ap.parse_args()
     # (backend, mode, proxy, fast calls, wait, batched memops): "auto" is the default (the round kernel);
@@ -425,14 +416,15 @@ def main() -> int:
            "references": {"seed_engine_submit_us": [140, 362], "raw_three_memop_enqueue_us_p50_h200": 9.6,
                           "numpy_spin_release_to_resume_us_h200": [6.2, 12.7]},
            "results": rows, "errors": errors, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "handoff_cuda.json")
+    with open(path, "w") as f:
         json.dump(out, f, indent=2)
     for x in rows:
         for k in ("op_us_p50", "op_us_p50_batched"):
             if k in x:
                 print(f"per-op enqueue p50 µs ({k}):", json.dumps(x[k]))
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
     return 0
 
 

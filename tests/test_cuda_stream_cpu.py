@@ -16,9 +16,10 @@ import pytest
 from draftrelay.handoff import cli as selftest_cli
 from draftrelay.handoff import rounds as rounds_mod
 from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
-from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status
+from draftrelay.handoff.region import Region, RegionConfig
 from draftrelay.handoff.rounds import AsyncRefused, AsyncRounds, HandoffConfig, SyncRounds, open_rounds
 from draftrelay.handoff.stream import StreamStuck
+from draftrelay.round import RoundRequest, Status
 
 
 def cuda_usable() -> bool:

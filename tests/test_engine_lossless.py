@@ -168,17 +168,18 @@ def test_gpu_draft_path_logic_on_the_emulated_stream(pair, reference, worker, gr
         if graphs:
             eng.graphs = {T: DecodeGraphs(target, eng.cache, 4, T, ring=True, capture=False) for T in (1, 5)}
         used = []
+        rounds, host_buffer = eng.rounds, eng.rounds.reply_device_buffer
 
-        def reply_bytes(rid):
-            for slot, p in eng.rounds._pending.items():
-                if p[0] == rid:
-                    p[3].wait(10.0)  # a GPU would order this on the stream instead
-                    used.append(rid)
-                    return torch.from_numpy(eng.rounds._dst[slot])
-            return None
+        def reply_bytes(rid):  # the emulated stream's reply copy stands in for the device buffer
+            p = rounds.pending(rid)
+            if p is None:
+                return None
+            p.event.wait(10.0)  # a GPU would order this on the stream instead
+            used.append(rid)
+            return torch.from_numpy(host_buffer(rid))
 
-        eng.device_drafts = True
-        eng._reply_device_buffer = reply_bytes
+        rounds.device_replies = True
+        rounds.reply_device_buffer = reply_bytes
         reqs = eng.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         m = eng.metrics(reqs)["total"]
     assert [r.output for r in reqs] == reference

@@ -11,8 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from draftrelay.handoff.proxy import RoundFailure
-from draftrelay.handoff.region import RoundRequest, Status
+from draftrelay.round import RoundFailure, RoundRequest, Status
 from draftrelay.wire.roundfn import worker_round_fn
 from draftrelay.worker import drafters
 from draftrelay.worker.core import WorkerCore

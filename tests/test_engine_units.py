@@ -7,7 +7,8 @@ import torch
 
 from draftrelay.engine.engine import drafts_from_reply
 from draftrelay.engine.graphs import _pow2_sizes
-from draftrelay.handoff.region import Layout, RegionConfig, Status, decode_reply, write_reply
+from draftrelay.handoff.region import Layout, RegionConfig, decode_reply, write_reply
+from draftrelay.round import Status
 
 
 def test_drafts_from_reply_reads_what_decode_reply_reads():

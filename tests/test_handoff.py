@@ -12,11 +12,11 @@ import types
 import numpy as np
 import pytest
 
-from draftrelay.handoff import rounds as rounds_mod
 from draftrelay.handoff.procinfo import children, fd_count, memfd_maps
-from draftrelay.handoff.proxy import STALL_POINTS, random_requests, score_in_flight, score_round
-from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status, pack_staging
+from draftrelay.handoff.region import Region, RegionConfig, pack_staging
 from draftrelay.handoff.rounds import AsyncRefused, AsyncRounds, HandoffConfig, SyncRounds, open_rounds
+from draftrelay.round import RoundRequest, Status
+from draftrelay.testing import STALL_POINTS, random_requests, score_in_flight, score_round
 
 VOCAB = 5000
 
@@ -71,7 +71,7 @@ def test_clean_rounds_are_exact_and_counted():
 
 def test_score_in_flight_keeps_depth_rounds_in_flight_and_scores_each_once():
     """Results are asked for only once `depth` rounds are out, oldest first, and a wrong draft counts."""
-    from draftrelay.handoff.proxy import deterministic_draft
+    from draftrelay.testing import deterministic_draft
 
     asked: list[tuple[int, int]] = []  # (round asked for, rounds submitted so far)
     submitted = 0
@@ -199,14 +199,12 @@ def _refusal_case(case: str, monkeypatch, tmp_path) -> HandoffConfig:
         monkeypatch.setattr(os, "memfd_create", no_memfd)
         return cfg()
     if case == "proxy_exits":
-        monkeypatch.setattr(rounds_mod.sys, "executable", "/bin/false")
-        return cfg()
+        return cfg(proxy_python="/bin/false")
     if case == "proxy_never_ready":
         script = tmp_path / "hang.sh"
         script.write_text("#!/bin/sh\nexec sleep 30\n")
         script.chmod(0o755)
-        monkeypatch.setattr(rounds_mod.sys, "executable", str(script))
-        return cfg(proxy_start_timeout_s=1.0)
+        return cfg(proxy_start_timeout_s=1.0, proxy_python=str(script))
     if case == "proxy_slow":
         return cfg(proxy_start_timeout_s=0.001)
     if case == "selftest":
@@ -246,11 +244,9 @@ def test_ctrl_c_during_start_cleans_up_and_stays_ctrl_c(monkeypatch):
     assert fd_count() == fds and memfd_maps() == maps and children() <= kids
 
 
-def test_refusal_reasons_name_the_cause(monkeypatch):
-    monkeypatch.setattr(rounds_mod.sys, "executable", "/bin/false")
-    r = open_rounds(cfg())
+def test_refusal_reasons_name_the_cause():
+    r = open_rounds(cfg(proxy_python="/bin/false"))
     assert "proxy exited during start (code 1)" in r.refusal
-    monkeypatch.undo()
     with pytest.raises(ValueError, match="nonsense"):  # a bad round spec is a config error, not a refusal
         open_rounds(cfg(round_spec={"kind": "nonsense"}))
     r = open_rounds(cfg(round_spec={"kind": "builtin", "faults": {"p_corrupt": 1.0, "in_selftest": True}}))

@@ -10,8 +10,9 @@ import time
 import numpy as np
 
 from draftrelay.handoff import drills, native
-from draftrelay.handoff.region import Region, RegionConfig, RoundRequest, Status, W
+from draftrelay.handoff.region import Region, RegionConfig, W
 from draftrelay.handoff.rounds import HandoffConfig, open_rounds
+from draftrelay.round import RoundRequest, Status
 
 
 def args(**kw) -> argparse.Namespace:

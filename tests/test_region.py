@@ -16,14 +16,13 @@ from draftrelay.handoff.region import (
     Region,
     RegionConfig,
     RegionError,
-    RoundRequest,
-    Status,
     W,
     decode_reply,
     pack_staging,
     unpack_staging,
     write_reply,
 )
+from draftrelay.round import RoundRequest, Status
 
 CFG = RegionConfig(max_requests=4, max_tokens=64, max_drafts=5, vocab_size=1000)
 

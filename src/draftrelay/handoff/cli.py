@@ -18,8 +18,9 @@ import time
 
 import numpy as np
 
-from .proxy import deterministic_draft
-from .region import RoundRequest
+from draftrelay.round import RoundRequest
+from draftrelay.testing import deterministic_draft
+
 from .rounds import AsyncRefused, HandoffConfig, open_rounds
 
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from draftrelay.round import RoundRequest
+from draftrelay.testing import score_round
+
 from . import native
 from .procinfo import children_states, memfd_fds, proc_state
-from .proxy import score_round
-from .region import RoundRequest
 from .rounds import AsyncRounds, HandoffConfig, open_rounds
 
 

@@ -105,7 +105,8 @@ def run(args) -> int:
         return 2
     import numpy as np
 
-    from .region import RoundRequest
+    from draftrelay.round import RoundRequest
+
     from .rounds import HandoffConfig, open_rounds
 
     rounds = open_rounds(HandoffConfig(vocab_size=32000, max_requests=4, max_tokens=256, backend=args.backend))

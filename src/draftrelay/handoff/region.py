@@ -15,7 +15,8 @@ The claim word sits at the start of each reply slot so one copy brings it to the
 with the reply: the engine believes a reply only when the claim says the proxy published round t
 (claim == 2t); the watchdog claims with 2t + 1, and nobody can claim a round twice.
 
-This module is numpy-only: the proxy process imports it.
+The round records themselves (RoundRequest, RoundResult, Status) are draftrelay.round's; this module
+lays them out in the region. It is numpy-only: the proxy process imports it.
 """
 
 from __future__ import annotations
@@ -29,28 +30,13 @@ from enum import IntEnum
 
 import numpy as np
 
+from draftrelay.round import RoundRequest, RoundResult, Status
+
 MAGIC = 0x594C5244  # "DRLY"
 VERSION = 1
 LINE = 64
 
 _HEADER = struct.Struct("<IIQIIII")  # magic, version, total_size, max_requests, max_tokens, max_drafts, vocab
-
-
-class Status(IntEnum):
-    """Round outcome, as written in a reply (or derived by the engine when it refuses one)."""
-
-    NONE = 0
-    OK = 1
-    WATCHDOG = 2  # the watchdog claimed the round: zero drafts
-    TIMEOUT = 3
-    DISCONNECT = 4
-    BAD_REPLY = 5  # the worker's reply, or the reply slot itself, failed validation
-    EXCEPTION = 6
-    BREAKER = 7  # circuit breaker open: failing fast
-    BAD_DESC = 8  # the proxy refused the round's descriptor
-    ENQUEUE = 9  # could not send the request
-    STALE = 10  # the reply slot did not belong to this round (engine-side verdict)
-    UNAVAILABLE = 11  # no proxy / async off for this round
 
 
 class W(IntEnum):
@@ -288,17 +274,6 @@ class Region:
 # Round records
 
 
-@dataclass
-class RoundRequest:
-    """One request's block in a round: what the drafter needs to extend its KV and draft."""
-
-    req_id: int
-    generation: int
-    position: int  # position of tokens[0] in the request's sequence
-    tokens: np.ndarray  # int32: tokens accepted since the last round (the prompt on the first)
-    n_out: int
-
-
 def pack_staging(layout: Layout, t: int, requests: list[RoundRequest], flags: int = 0,
                  out: np.ndarray | None = None) -> np.ndarray:
     """Lay a round out as staging bytes (what the engine's gather produces on the device)."""
@@ -350,22 +325,6 @@ def unpack_staging(layout: Layout, buf: np.ndarray, expect_round: int) -> tuple[
         out.append(RoundRequest(int(rec["req_id"]), int(rec["generation"]), int(rec["position"]),
                                 toks[off:off + k].copy(), n_out))
     return flags, out
-
-
-@dataclass
-class RoundResult:
-    """What the engine uses from round t. counts[i] == 0 for every request unless status is OK."""
-
-    round: int
-    status: Status
-    counts: np.ndarray  # int32 [n_req]
-    drafts: np.ndarray  # int32 [n_req, max_drafts]; only drafts[i, :counts[i]] are meaningful
-    conf: np.ndarray  # float32 [n_req, max_drafts]
-    detail: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == Status.OK
 
 
 def write_reply(layout: Layout, buf: np.ndarray, t: int, status: Status, counts: np.ndarray | None,

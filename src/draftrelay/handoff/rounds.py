@@ -1,5 +1,5 @@
 """Engine-side rounds: `open_rounds(cfg)` gives the engine async rounds (the hand-off) or, when async
-is refused, sync rounds with the reason recorded. Both have the same interface:
+is refused, sync rounds with the reason recorded. Both implement draftrelay.round.Rounds:
 
     t = rounds.submit(requests)      # async: enqueue the round's stream ops and return at once
     res = rounds.result(t)           # RoundResult: drafts, or zero drafts and why
@@ -12,30 +12,27 @@ falls back to sync rounds.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from draftrelay.round import RoundFailure, RoundRequest, RoundResult, Status, check_drafts, zero_result
+from draftrelay.testing import deterministic_draft
+from draftrelay.wire.roundfn import make_round_fn
+
 from . import native
-from .proxy import RoundFailure, check_drafts, deterministic_draft, make_round_fn
+from .proxy_process import AsyncRefused, ProxyProcess
 from .region import (
     FLAG_SELFTEST,
-    ProxyState,
+    Layout,
     Region,
     RegionConfig,
-    RoundRequest,
-    RoundResult,
-    Status,
     W,
     decode_reply,
     pack_staging,
@@ -43,10 +40,6 @@ from .region import (
 from .stream import EmulatedStream, StreamOps, StreamStuck
 
 log = logging.getLogger("draftrelay")
-
-
-class AsyncRefused(RuntimeError):
-    """Async rounds could not start (raised only with strict=True; otherwise recorded)."""
 
 
 @dataclass
@@ -69,6 +62,7 @@ class HandoffConfig:
     strict: bool = False
     round_spec: dict = field(default_factory=lambda: {"kind": "builtin"})
     proxy_audit: str = ""  # file the proxy writes its loaded modules to (tests)
+    proxy_python: str = ""  # the interpreter that runs the proxy ("": this process's, sys.executable)
     # recovery (see AsyncRounds._judge / _recover)
     max_respawns: int = 3
     respawn_reset_s: float = 3600.0  # an hour without a loss restores the respawn budget
@@ -81,6 +75,10 @@ class HandoffConfig:
     # runs on the engine's own GPU: a kernel spinning in the engine's context makes the GPU time-slice
     # between the two processes' contexts, and the worker's step ran at half speed (H200, 128K).
     cuda_wait: str = ""
+    # backend "cuda": driver calls through the ctypes fast path (drops the GIL per call) and the
+    # batched [write gathered, wait released] memop; off only to measure what each one is worth
+    cuda_fast_calls: bool = True
+    cuda_batch_memops: bool = True
 
     @property
     def region_config(self) -> RegionConfig:
@@ -116,6 +114,8 @@ class SyncRounds:
     """The baseline: the engine's own thread runs the round function (and waits on the network)."""
 
     mode = "sync"
+    device_replies = False
+    reply_layout = None
 
     def __init__(self, cfg: HandoffConfig, refusal: str = "") -> None:
         self.cfg = cfg
@@ -136,10 +136,16 @@ class SyncRounds:
             res = RoundResult(t, Status.OK, counts, drafts, conf)
         except Exception as exc:
             st = exc.status if isinstance(exc, RoundFailure) else Status.EXCEPTION
-            res = RoundResult(t, st, np.zeros(n, np.int32), np.zeros((n, cfg.max_drafts), np.int32),
-                              np.zeros((n, cfg.max_drafts), np.float32), str(exc))
+            res = zero_result(t, n, cfg.max_drafts, st, str(exc))
         self._results[t] = res
         return t
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.max_requests
+
+    def reply_device_buffer(self, t: int) -> None:
+        return None  # the round ran on this thread: its drafts are on the host
 
     def result(self, t: int, timeout_s: float | None = None) -> RoundResult:
         res = self._results.pop(t)
@@ -155,67 +161,13 @@ class SyncRounds:
             close()
 
 
-class ProxyProcess:
-    """The proxy child: spawn with the region's fd, stop with a word, kill if it won't."""
+class PendingRound(NamedTuple):
+    """A round on the stream, not yet decoded: its reply lands in reply buffer `slot`."""
 
-    def __init__(self, region: Region, spec: dict, audit: str = "") -> None:
-        self.region = region
-        self._err = tempfile.TemporaryFile(prefix="draftrelay-proxy-")
-        cmd = [sys.executable, "-m", "draftrelay.handoff.proxy", "--fd", str(region.fd), "--spec",
-               json.dumps(spec)]
-        if audit:
-            cmd += ["--audit", audit]
-        env = dict(os.environ)
-        env.pop("PYTHONSTARTUP", None)
-        try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(region.fd,), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=self._err, env=env)
-        except BaseException:
-            self._err.close()
-            raise
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stderr_tail(self, n: int = 800) -> str:
-        try:
-            self._err.seek(0)
-            return self._err.read().decode(errors="replace")[-n:].strip()
-        except (OSError, ValueError):
-            return ""
-
-    def wait_ready(self, timeout_s: float) -> None:
-        a_state = self.region.word_addr(W.PROXY_STATE)
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            state = native.load32(a_state)
-            if state == ProxyState.READY:
-                return
-            rc = self.proc.poll()
-            if rc is not None or state == ProxyState.FAILED:
-                raise AsyncRefused(f"proxy exited during start (code {rc}): {self.stderr_tail()}")
-            time.sleep(0.005)
-        raise AsyncRefused(f"proxy not ready after {timeout_s:.1f} s")
-
-    def stop(self, timeout_s: float = 1.0) -> None:
-        """Ask politely through the STOP word, then SIGKILL; always reaps."""
-        if self.proc.poll() is None and not self.region.closed:
-            native.store32(self.region.word_addr(W.STOP), 1)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
-        self._err.close()
+    rid: int  # the id the engine holds
+    t: int  # the stream's round number
+    n_out: np.ndarray  # int32 drafts asked per request (what decode_reply checks counts against)
+    event: Any  # set once the stream has passed the round (reply copied, consumed written)
 
 
 class AsyncRounds:
@@ -240,10 +192,11 @@ class AsyncRounds:
         self._lock = threading.Lock()  # submit vs. the supervisor's state changes
         self._rid = 0
         self._t = 0
-        self._pending: dict[int, tuple] = {}  # slot -> (rid, t, n_out, event)
+        self._pending: dict[int, PendingRound] = {}  # by slot
         self._results: dict[int, RoundResult] = {}
         self._stats = _Stats()
         self._dst: list = []
+        self.device_replies = False  # set at start: true on the CUDA backend
         self._last_submit_ns = 0
         self.on_resume = None  # host callback run on the stream right after the wait (benchmarks)
         # recovery
@@ -271,13 +224,23 @@ class AsyncRounds:
         self.stream.preload(cfg.preload)  # before any round is armed, the self-test's included
         self._off = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
         self._dst = [self.stream.new_reply_buffer() for _ in (0, 1)]
-        self.proxy = ProxyProcess(self.region, cfg.proxy_spec(), cfg.proxy_audit)
-        self.proxy.wait_ready(cfg.proxy_start_timeout_s)
+        self.device_replies = self.stream.name == "cuda"
+        self.proxy = self._spawn_proxy()
         self.state = "live"
         self._selftest()
         self._mark = self._progress()
         self._supervisor = threading.Thread(target=self._supervise, name="draftrelay-supervisor", daemon=True)
         self._supervisor.start()
+
+    def _spawn_proxy(self) -> ProxyProcess:
+        c = self.cfg
+        proxy = ProxyProcess(self.region, c.proxy_spec(), c.proxy_audit, python=c.proxy_python or sys.executable)
+        try:
+            proxy.wait_ready(c.proxy_start_timeout_s)
+        except BaseException:
+            proxy.kill()
+            raise
+        return proxy
 
     def _selftest(self) -> None:
         """Rounds through the real mechanism, checked bit for bit. A wrong draft refuses async at
@@ -307,20 +270,20 @@ class AsyncRounds:
         with self._lock:
             if self.state != "live":
                 n = len(requests) if requests is not None else len(n_out)
-                self._results[rid] = _zero_result(rid, n, self.cfg.max_drafts, Status.UNAVAILABLE,
-                                                  f"proxy {self.state}")
+                self._results[rid] = zero_result(rid, n, self.cfg.max_drafts, Status.UNAVAILABLE,
+                                                 f"proxy {self.state}")
                 self.target_only_rounds += 1
                 return rid
             t = self._t + 1
             s = t & 1
             if s in self._pending:  # the slot's previous round must be decoded before its buffer is reused
-                self._collect(self._pending[s][0], None)
+                self._collect(self._pending[s].rid, None)
             self._t = t
             if src is None:
                 src = pack_staging(self.region.layout, t, requests, flags)
                 n_out = np.array([r.n_out for r in requests], np.int32)
             ev = self.stream.enqueue_round(s, t, src, self._dst[s], self._off, self.on_resume)
-            self._pending[s] = (rid, t, np.asarray(n_out, np.int32), ev)
+            self._pending[s] = PendingRound(rid, t, np.asarray(n_out, np.int32), ev)
         # time.monotonic_ns (CLOCK_MONOTONIC, like the native clock) because it keeps the GIL: a ctypes
         # call here would hand the GIL to the just-woken stream thread and bill its work to submit()
         self._last_submit_ns = time.monotonic_ns()
@@ -330,26 +293,40 @@ class AsyncRounds:
     def next_stream_round(self) -> int:
         return self._t + 1
 
+    def _slot_of(self, rid: int) -> int | None:
+        return next((s for s, p in self._pending.items() if p.rid == rid), None)
+
+    def pending(self, rid: int) -> PendingRound | None:
+        """Round `rid` while it is on the stream and not yet decoded; None otherwise."""
+        slot = self._slot_of(rid)
+        return None if slot is None else self._pending[slot]
+
     def _collect(self, rid: int, timeout_s: float | None) -> None:
-        slot = next((s for s, p in self._pending.items() if p[0] == rid), None)
+        slot = self._slot_of(rid)
         if slot is None:
             raise KeyError(f"round {rid} was never submitted or was already collected")
-        _, t, n_out, ev = self._pending[slot]
-        if not ev.wait(timeout_s):
+        p = self._pending[slot]
+        if not p.event.wait(timeout_s):
             raise TimeoutError(f"round {rid} not finished on the stream after {timeout_s} s")
         del self._pending[slot]
         buf = self.stream.host_bytes(self._dst[slot])
-        res = decode_reply(self.region.layout, buf, t, n_out)
+        res = decode_reply(self.region.layout, buf, p.t, p.n_out)
         res.round = rid
         self._results[rid] = res
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.max_requests
+
+    @property
+    def reply_layout(self) -> Layout | None:
+        return None if self.region is None else self.region.layout
 
     def reply_device_buffer(self, rid: int):
         """The engine-side buffer (a device buffer on the CUDA backend) that round `rid`'s reply is
         copied into; None when the round is not on the stream (target-only while recovering)."""
-        for slot, p in self._pending.items():
-            if p[0] == rid:
-                return getattr(self._dst[slot], "dev", self._dst[slot])
-        return None
+        slot = self._slot_of(rid)
+        return None if slot is None else getattr(self._dst[slot], "dev", self._dst[slot])
 
     def result(self, rid: int, timeout_s: float | None = None) -> RoundResult:
         if rid not in self._results:
@@ -437,8 +414,7 @@ class AsyncRounds:
         self._t = 0
         event["respawn_ns"] = native.now_ns()
         try:
-            self.proxy = ProxyProcess(self.region, self.cfg.proxy_spec(), self.cfg.proxy_audit)
-            self.proxy.wait_ready(self.cfg.proxy_start_timeout_s)
+            self.proxy = self._spawn_proxy()
         except Exception as exc:
             self._go_target_only(f"respawn failed: {exc}")
             return
@@ -526,18 +502,14 @@ class AsyncRounds:
             self.region = None
 
 
-def _zero_result(rid: int, n: int, max_drafts: int, status: Status, detail: str) -> RoundResult:
-    return RoundResult(rid, status, np.zeros(n, np.int32), np.zeros((n, max_drafts), np.int32),
-                       np.zeros((n, max_drafts), np.float32), detail)
-
-
 def make_stream(cfg: HandoffConfig, region: Region) -> StreamOps:
     if cfg.backend == "emulated":
         return EmulatedStream(region, cfg.stream_spin_us, cfg.stream_nap_us)
     if cfg.backend == "cuda":
         from .cuda_stream import CudaStream  # needs cuda-bindings and a GPU
 
-        return CudaStream(region, cfg.cuda_stream, wait=cfg.cuda_wait or None)
+        return CudaStream(region, cfg.cuda_stream, wait=cfg.cuda_wait or None, fast=cfg.cuda_fast_calls,
+                          batch=cfg.cuda_batch_memops)
     raise ValueError(f"unknown stream backend {cfg.backend!r} (expected 'emulated' or 'cuda')")
 
 
@@ -569,4 +541,4 @@ def open_rounds(cfg: HandoffConfig) -> AsyncRounds | SyncRounds:
         return SyncRounds(cfg, refusal=reason)
 
 
-__all__ = ["AsyncRefused", "AsyncRounds", "HandoffConfig", "SyncRounds", "open_rounds"]
+__all__ = ["AsyncRefused", "AsyncRounds", "HandoffConfig", "PendingRound", "SyncRounds", "open_rounds"]

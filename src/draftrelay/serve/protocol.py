@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from draftrelay.engine.engine import SamplingParams
+from draftrelay.engine.request import SamplingParams
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM more)
 MAX_STOP_LEN = 256

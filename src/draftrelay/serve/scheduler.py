@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftrelay.engine.engine import Engine, Request, SamplingParams
+from draftrelay.engine.engine import Engine
+from draftrelay.engine.request import Request, SamplingParams
 
 from .metrics import ServeMetrics
 from .protocol import ApiError, GenRequest

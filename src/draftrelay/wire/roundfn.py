@@ -1,7 +1,11 @@
-"""The round function the proxy runs against a remote drafter worker: numpy + the wire client only.
+"""The round functions a proxy (or a sync engine) runs, built from a JSON-able spec: numpy + the wire
+client only.
+
+`make_round_fn(spec)` is the one factory: kind "builtin" (the deterministic drafter, draftrelay.testing)
+or "worker" (a remote drafter worker), optionally wrapped in a fault plan (spec["faults"]).
 
 `worker_round_fn(spec)` returns fn(t, requests, budget_s) -> [(drafts int32, conf float32)] per
-request, as handoff.proxy expects. One round is one STEP frame; every way it can fail becomes a
+request (a draftrelay.round.RoundFn). One round is one STEP frame; every way it can fail becomes a
 RoundFailure with the matching status, so the proxy releases the stream with zero drafts:
 
   WireTimeout -> TIMEOUT      WireDisconnected -> DISCONNECT     WireBreakerOpen -> BREAKER
@@ -21,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from draftrelay.handoff.proxy import RoundFailure, RoundFn
-from draftrelay.handoff.region import RoundRequest, Status
+from draftrelay.round import RoundFailure, RoundFn, RoundRequest, Status
+from draftrelay.testing import FaultPlan, builtin_round_fn, faulty
 from draftrelay.wire import protocol as P
 from draftrelay.wire.client import (
     DrafterClient,
@@ -32,13 +36,6 @@ from draftrelay.wire.client import (
     WireError,
     WireTimeout,
 )
-
-
-def _failure_class() -> type[RoundFailure]:
-    """The RoundFailure the proxy loop catches (proxy.py runs its package module's main, so it is
-    the one imported here)."""
-    return RoundFailure
-
 
 _EMPTY_I = np.zeros(0, np.int32)
 _EMPTY_F = np.zeros(0, np.float32)
@@ -71,7 +68,6 @@ class WorkerRoundFn:
 
     def __init__(self, client: DrafterClient) -> None:
         self.client = client
-        self.failure = _failure_class()
 
     @property
     def reconnects(self) -> int:
@@ -89,17 +85,17 @@ class WorkerRoundFn:
             blocks = to_blocks(requests)
             reply = self.client.step(blocks, timeout=budget_s)
         except WireTimeout as exc:
-            raise self.failure(Status.TIMEOUT, str(exc)) from None
+            raise RoundFailure(Status.TIMEOUT, str(exc)) from None
         except WireBreakerOpen as exc:
-            raise self.failure(Status.BREAKER, str(exc)) from None
+            raise RoundFailure(Status.BREAKER, str(exc)) from None
         except WireDisconnected as exc:
-            raise self.failure(Status.DISCONNECT, str(exc)) from None
+            raise RoundFailure(Status.DISCONNECT, str(exc)) from None
         except WireBadReply as exc:
-            raise self.failure(Status.BAD_REPLY, str(exc)) from None
+            raise RoundFailure(Status.BAD_REPLY, str(exc)) from None
         except WireError as exc:  # WireRemoteError: an ERROR frame instead of a reply
-            raise self.failure(Status.BAD_REPLY, str(exc)) from None
+            raise RoundFailure(Status.BAD_REPLY, str(exc)) from None
         except (ValueError, OverflowError) as exc:  # a block that cannot be encoded
-            raise self.failure(Status.ENQUEUE, str(exc)) from None
+            raise RoundFailure(Status.ENQUEUE, str(exc)) from None
         out = []
         for i in range(len(requests)):
             st, n = int(reply.status[i]), int(reply.counts[i])
@@ -112,3 +108,19 @@ class WorkerRoundFn:
 
 def worker_round_fn(spec: dict, client: DrafterClient | None = None) -> RoundFn:
     return WorkerRoundFn(client or client_from_spec(spec))
+
+
+def make_round_fn(spec: dict) -> RoundFn:
+    """Build the round function a proxy (or a sync engine) runs, from a JSON-able spec."""
+    kind = spec.get("kind", "builtin")
+    vocab = int(spec["vocab_size"])
+    if kind == "builtin":
+        fn = builtin_round_fn(vocab)
+    elif kind == "worker":
+        fn = worker_round_fn(spec)
+    else:
+        raise ValueError(f"unknown round function kind {kind!r} (expected 'builtin' or 'worker')")
+    faults = spec.get("faults")
+    if faults:
+        fn = faulty(fn, FaultPlan(**faults), vocab)
+    return fn
