@@ -43,8 +43,12 @@ def run(args: argparse.Namespace) -> int:
     if bad or not modes:
         print(f"draftrelay demo: --modes {args.modes!r}: each must be off, sync or async", file=sys.stderr)
         return 2
-    if args.max_tokens < 1 or not 0 <= args.k <= 16 or args.temperature < 0:
-        print("draftrelay demo: need --max-tokens >= 1, 0 <= --k <= 16, --temperature >= 0", file=sys.stderr)
+    from .cli_generate import check_flags
+
+    bad = check_flags(args)  # one message per bad flag
+    for line in bad:
+        print(f"draftrelay demo: {line}", file=sys.stderr)
+    if bad:
         return 2
     import torch
 
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  worker: {worker.banner}")
             spec = L.worker_spec(host, port, L.drafter_model_id(args.drafter) if not args.worker else "",
                                  target.tokenizer_hash, args.k, max(8, len(prompts)))
+            spec["vocab_size"] = target.model.cfg.vocab_size  # a drafter of another vocabulary is refused now
             why = L.check_worker(spec)
             if why:
                 print(f"draftrelay demo: the worker refused us: {why}", file=sys.stderr)
