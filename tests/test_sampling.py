@@ -52,6 +52,43 @@ def test_probs_from_logits_temperature_and_top_k():
     assert p2[0] == 0 and p2[3] == 0 and torch.isclose(p2.sum(), torch.tensor(1.0))
 
 
+
+def test_probs_from_logits_top_p_keeps_the_nucleus():
+    # probabilities 0.5, 0.3, 0.15, 0.05 (sorted order 2, 0, 3, 1)
+    p = torch.tensor([0.3, 0.05, 0.5, 0.15])
+    logits = torch.log(p)
+    for top_p, kept in [(0.5, [2]), (0.51, [2, 0]), (0.8, [2, 0]), (0.81, [2, 0, 3]), (0.95, [2, 0, 3]),
+                        (0.96, [0, 1, 2, 3]), (1e-6, [2])]:
+        q = probs_from_logits(logits, 1.0, top_p=top_p)
+        assert sorted(torch.nonzero(q).flatten().tolist()) == sorted(kept), top_p
+        assert torch.allclose(q[kept], p[kept] / p[kept].sum())
+    # rows of a verify batch are filtered independently, and top_k applies first
+    two = probs_from_logits(torch.stack([logits, logits.flip(0)]), 1.0, top_k=3, top_p=0.6)
+    assert torch.nonzero(two[0]).flatten().tolist() == [0, 2]
+    assert torch.nonzero(two[1]).flatten().tolist() == [1, 3]
+    assert torch.allclose(two.sum(-1), torch.ones(2))
+
+
+def test_engine_samples_within_top_p():
+    # the nucleus of the tiny target at temperature 3: every sampled token must lie in it
+    from draftrelay import model as M
+    from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+
+    target, _ = M.tiny_pair(M.TINY_SEED)
+    eng = Engine(target, EngineConfig(mode="off", max_batch=1, max_len=64))
+    prompt = [5, 6, 7]
+    with torch.inference_mode():
+        cache = target.new_cache(1, 64)
+        logits = target(torch.tensor([prompt]), torch.tensor([0]), cache, torch.tensor([0]))[0, -1]
+    nucleus = set(torch.nonzero(probs_from_logits(logits, 3.0, top_p=0.5)).flatten().tolist())
+    assert 4 < len(nucleus) < 32  # a real cut: the full distribution has 256 tokens
+    firsts = {eng.generate([prompt], SamplingParams(max_tokens=1, temperature=3.0, top_p=0.5, seed=s))[0].output[0]
+              for s in range(40)}
+    assert firsts <= nucleus and len(firsts) > 1
+    with pytest.raises(ValueError, match="top_p"):
+        eng.add_request(prompt, SamplingParams(top_p=0.0))
+
+
 V = 6
 P = torch.tensor([[0.10, 0.35, 0.05, 0.25, 0.15, 0.10],  # position 0
                   [0.30, 0.05, 0.20, 0.10, 0.25, 0.10],  # position 1

@@ -17,6 +17,7 @@ import threading
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("draftrelay.engine.cli_demo", "run the built-in demo: local worker + proxy, off/sync/async side by side"),
     "generate": ("draftrelay.engine.cli_generate", "generate text for one prompt with chosen models and mode"),
+    "serve": ("draftrelay.serve.cli", "serve the target over an OpenAI-compatible HTTP API (continuous batching)"),
     "worker": ("draftrelay.worker.cli", "serve a remote drafter over TCP"),
     "selftest": ("draftrelay.handoff.cli", "run the hand-off self-test (emulated stream, or CUDA with --backend cuda)"),
     "drill": ("draftrelay.handoff.drills", "run fault drills (kill, stop, idle, slow, soak, freeze) on live rounds"),

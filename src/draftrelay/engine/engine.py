@@ -267,7 +267,7 @@ class Engine:
         C = self.cfg.prefill_chunk
         for c0 in range(0, len(req.prompt), C):  # chunked: bounded activation memory for long prompts
             logits = self.model(toks[c0:c0 + C][None], torch.tensor([c0]), self.cache, rows, last_only=True)
-        first = first_token(req.params.temperature, req.params.top_k, logits[0, -1], req.gen)
+        first = first_token(req.params.temperature, req.params.top_k, logits[0, -1], req.gen, req.params.top_p)
         req.t_first = time.perf_counter()
         self.running.append(req)
         req.emit([first])
@@ -303,7 +303,7 @@ class Engine:
         for i, r in enumerate(batch):
             d = v.drafts[i]
             am = v.argmax[i] if v.argmax is not None else None
-            kept, nxt = accept(r.params.temperature, r.params.top_k, v.logits[i], am, d, r.gen)
+            kept, nxt = accept(r.params.temperature, r.params.top_k, v.logits[i], am, d, r.gen, r.params.top_p)
             self.kv.set_len(r.row, int(inp.start[i]) + 1 + kept)  # pending + kept drafts are now in the cache
             record_round(r, res, plan.wanted[i], len(d), kept)
             r.emit(d[:kept] + [nxt])

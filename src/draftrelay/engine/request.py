@@ -17,6 +17,7 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
+    top_p: float = 1.0  # nucleus sampling (1: off)
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
 
@@ -32,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be a number within (0, 1], got {self.top_p!r}")
 
 
 @dataclass

@@ -24,13 +24,23 @@ from __future__ import annotations
 import torch
 
 
-def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0) -> torch.Tensor:
-    """Target distribution p for sampling: softmax(logits / T), optionally restricted to the top_k."""
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Target distribution p for sampling: softmax(logits / T), optionally restricted to the top_k,
+    then to the nucleus: the most likely tokens whose mass reaches top_p (at least one token).
+    The acceptance rules use this p, so speculative output follows the restricted distribution."""
     x = logits.float() / temperature
     if top_k and top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    return torch.softmax(x, dim=-1)
+    p = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sp, idx = torch.sort(p, dim=-1, descending=True)
+        # drop a token when the mass of the tokens ranked above it already reaches top_p
+        drop = (torch.cumsum(sp, dim=-1) - sp) >= top_p
+        drop[..., 0] = False
+        p = p.scatter(-1, idx, sp.masked_fill(drop, 0.0))
+        p = p / p.sum(dim=-1, keepdim=True)
+    return p
 
 
 def sample_from(probs: torch.Tensor, gen: torch.Generator | None) -> int:
@@ -73,16 +83,17 @@ def accept_sampled(p: torch.Tensor, drafts: list[int], gen: torch.Generator | No
 
 
 def accept(temperature: float, top_k: int, logits: torch.Tensor, argmax: list[int] | None, drafts: list[int],
-           gen: torch.Generator | None) -> tuple[int, int]:
+           gen: torch.Generator | None, top_p: float = 1.0) -> tuple[int, int]:
     """One request's verdict on its verified drafts: (drafts kept, the next token).
     logits: [>= len(drafts) + 1, V] at the verified positions; argmax: their argmax (greedy)."""
     if temperature <= 0:
         return accept_greedy(argmax[:len(drafts) + 1], drafts)
-    return accept_sampled(probs_from_logits(logits[:len(drafts) + 1], temperature, top_k), drafts, gen)
+    return accept_sampled(probs_from_logits(logits[:len(drafts) + 1], temperature, top_k, top_p), drafts, gen)
 
 
-def first_token(temperature: float, top_k: int, logits: torch.Tensor, gen: torch.Generator | None) -> int:
+def first_token(temperature: float, top_k: int, logits: torch.Tensor, gen: torch.Generator | None,
+                top_p: float = 1.0) -> int:
     """The token after a prefill, from the last position's logits."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    return sample_from(probs_from_logits(logits, temperature, top_k), gen)
+    return sample_from(probs_from_logits(logits, temperature, top_k, top_p), gen)

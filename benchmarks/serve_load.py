@@ -1,0 +1,234 @@
+"""Load test of `draftrelay serve`: streaming clients at concurrency 1, 4, 16, per round mode.
+
+For each mode (side by side in one run) a server process starts on loopback; then
+  * first-request TTFT against a warm one: the first request after start, then the same request
+    again (median of 5), at a short prompt and at the longest the context allows, one output token
+    each (the server started with and without its warm-up, `--cold-modes`);
+  * load: at each concurrency C, `--requests` (default 2 C, at least 8) streaming requests of
+    fixed prompts, at most C in flight, greedy, `--max-tokens` each.
+Per level: output tokens/s (all completion tokens over the level's wall time), TTFT p50/p99 (to
+the first chunk with text: a partial UTF-8 character is held back until complete),
+inter-token latency p50/p99 (gaps between a stream's chunks: one chunk per engine step, which
+carries 1 + accepted drafts tokens), TPOT (e2e - TTFT over tokens - 1), acceptance (accepted /
+draft tokens, from the usage of each response). JSON under benchmarks/results/.
+
+    python benchmarks/serve_load.py                                       # CPU, tiny pair
+    python benchmarks/serve_load.py --model DIR --drafter DIR --device cuda --max-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+from draftrelay.handoff.procinfo import machine_info
+
+_LISTEN = re.compile(r"listening on (http://[\d.]+:\d+)")
+SEEDS = ["Once upon a time", "The quick brown fox jumps over", "In the beginning", "Speculative decoding is",
+         "def fibonacci(n):", "A remote drafter runs on", "Dear colleagues, ", "The weather today"]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"{SEEDS[i % len(SEEDS)]} [{i}]" for i in range(n)]
+
+
+class Server:
+    def __init__(self, args, mode: str, warmup: bool) -> None:
+        fd, self.log_path = tempfile.mkstemp(prefix="serve-load-", suffix=".log")
+        cmd = [sys.executable, "-m", "draftrelay", "serve", "--port", "0", "--mode", mode, "--model", args.model,
+               "--drafter", args.drafter, "--device", args.device, "--max-batch", str(args.max_batch),
+               "--max-queue", "256", "--k", str(args.k), *(["--max-model-len", str(args.max_model_len)]
+                                                        if args.max_model_len else []),
+               *(["--max-round-tokens", str(args.max_round_tokens)] if args.max_round_tokens else []),
+               *([] if warmup else ["--no-warmup"])]
+        with os.fdopen(fd, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+        self.t_start = time.perf_counter()
+        deadline = time.monotonic() + 300
+        self.url = ""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with open(self.log_path, errors="replace") as f:
+                m = _LISTEN.search(f.read())
+            if m:
+                self.url = m.group(1)
+                break
+            time.sleep(0.05)
+        self.start_s = time.perf_counter() - self.t_start
+        if not self.url:
+            self.stop()
+            raise RuntimeError(f"server ({mode}) did not start")
+        self.ctx = httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self.log_path)
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, prompt, max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    times, usage = [], None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            if ev["choices"] and ev["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    t1 = time.perf_counter()
+    n = usage["completion_tokens"]
+    ttft = times[0] - t0 if times else t1 - t0
+    return {"ttft_s": ttft, "e2e_s": t1 - t0, "gaps_s": list(np.diff(times)), "tokens": n,
+            "tpot_s": (t1 - t0 - ttft) / (n - 1) if n > 1 else 0.0, "spec": usage["spec_decode"]}
+
+
+def p(xs, q) -> float:
+    return float(np.percentile(xs, q)) * 1e3 if len(xs) else 0.0
+
+
+async def load_level(url: str, conc: int, n_req: int, max_tokens: int) -> dict:
+    sem = asyncio.Semaphore(conc)
+    limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def one(pr):
+            async with sem:
+                return await stream_one(client, url, pr, max_tokens)
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(pr) for pr in prompts(n_req)))
+        wall = time.perf_counter() - t0
+    ttft = [r["ttft_s"] for r in res]
+    gaps = [g for r in res for g in r["gaps_s"]]
+    drafted = sum(r["spec"]["num_draft_tokens"] for r in res)
+    accepted = sum(r["spec"]["num_accepted_tokens"] for r in res)
+    steps = sum(r["spec"]["num_drafts"] for r in res)
+    tokens = sum(r["tokens"] for r in res)
+    return {"concurrency": conc, "requests": n_req, "wall_s": wall, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / wall, "ttft_ms_p50": p(ttft, 50), "ttft_ms_p99": p(ttft, 99),
+            "itl_ms_p50": p(gaps, 50), "itl_ms_p99": p(gaps, 99),
+            "tpot_ms_mean": 1e3 * statistics.mean(r["tpot_s"] for r in res),
+            "e2e_ms_p50": p([r["e2e_s"] for r in res], 50),
+            "acceptance": accepted / drafted if drafted else 0.0,
+            "accepted_per_draft_step": accepted / steps if steps else 0.0,
+            "tokens_per_chunk": tokens / max(1, len(gaps) + len(res))}
+
+
+async def ttft_sum(client: httpx.AsyncClient, url: str) -> float:
+    text = (await client.get(url + "/metrics")).text
+    m = re.search(r"^draftrelay_time_to_first_token_seconds_sum\{[^}]*\} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def timed(client: httpx.AsyncClient, url: str, prompt) -> tuple[float, float]:
+    """(the client's time for a 1-token request, the server's own TTFT of it from /metrics)."""
+    before = await ttft_sum(client, url)
+    e2e = (await stream_one(client, url, prompt, 1))["e2e_s"]
+    return e2e, await ttft_sum(client, url) - before
+
+
+async def ttft_first_vs_warm(url: str, ctx: int, repeats: int) -> dict:
+    out = {}
+    long_len = max(16, ctx - 16)
+    cases = {"short": "Hello there, how are you?", "long": [(i * 7 + 3) % 200 + 32 for i in range(long_len)]}
+    async with httpx.AsyncClient(timeout=600) as client:
+        for _ in range(2):  # the client's own first-use costs (connection, lazy imports) are not the server's
+            await client.get(url + "/health")
+            await client.get(url + "/metrics")
+        for name, pr in cases.items():
+            # one output token: the request's whole time is its TTFT (no text held back for a
+            # partial character), as a client sees it
+            first, first_srv = await timed(client, url, pr)
+            warm, warm_srv = zip(*[await timed(client, url, pr) for _ in range(repeats)], strict=True)
+            out[name] = {"prompt_tokens": len(pr) if isinstance(pr, list) else len(pr.encode()),
+                         "first_server_ms": 1e3 * first_srv, "warm_server_ms_median": 1e3 * statistics.median(warm_srv),
+                         "first_ms": 1e3 * first, "warm_ms_median": 1e3 * statistics.median(warm),
+                         "warm_ms_min": 1e3 * min(warm), "warm_ms_max": 1e3 * max(warm),
+                         "first_over_warm": first / statistics.median(warm)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--drafter", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--modes", default="off,sync,async")
+    ap.add_argument("--cold-modes", default="async", help="modes also started without warm-up (TTFT only)")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (0: max(8, 2 x concurrency))")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=0)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-round-tokens", type=int, default=0, help="passed to the server (0: its default)")
+    ap.add_argument("--ttft-repeats", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "serve_load_cpu.json"))
+    args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "argv": sys.argv[1:], "machine": machine_info(), "modes": {}}
+    for mode in modes:
+        srv = Server(args, mode, warmup=True)
+        try:
+            row = {"start_s": srv.start_s, "context": srv.ctx,
+                   "ttft_first_vs_warm": asyncio.run(ttft_first_vs_warm(srv.url, srv.ctx, args.ttft_repeats)),
+                   "levels": []}
+            for c in levels:
+                n = args.requests or max(8, 2 * c)
+                lv = asyncio.run(load_level(srv.url, c, n, args.max_tokens))
+                row["levels"].append(lv)
+                print(f"{mode:5s} c={c:2d}: {lv['output_tokens_per_s']:7.1f} tok/s  TTFT p50/p99 "
+                      f"{lv['ttft_ms_p50']:7.1f}/{lv['ttft_ms_p99']:7.1f} ms  ITL p50/p99 {lv['itl_ms_p50']:6.1f}/"
+                      f"{lv['itl_ms_p99']:6.1f} ms  TPOT {lv['tpot_ms_mean']:5.1f} ms  acceptance "
+                      f"{lv['acceptance']:.2f} ({lv['accepted_per_draft_step']:.2f}/step)", flush=True)
+        finally:
+            srv.stop()
+        t = row["ttft_first_vs_warm"]
+        print(f"{mode:5s} TTFT first/warm: short {t['short']['first_ms']:.1f}/{t['short']['warm_ms_median']:.1f} ms "
+              f"(server {t['short']['first_server_ms']:.1f}/{t['short']['warm_server_ms_median']:.1f}), "
+              f"long ({t['long']['prompt_tokens']}) {t['long']['first_ms']:.1f}/{t['long']['warm_ms_median']:.1f} ms "
+              f"(server {t['long']['first_server_ms']:.1f}/{t['long']['warm_server_ms_median']:.1f})", flush=True)
+        if mode in args.cold_modes.split(","):
+            cold = Server(args, mode, warmup=False)
+            try:
+                row["ttft_first_vs_warm_no_warmup"] = t = asyncio.run(
+                    ttft_first_vs_warm(cold.url, cold.ctx, args.ttft_repeats))
+                row["start_s_no_warmup"] = cold.start_s
+            finally:
+                cold.stop()
+            print(f"{mode:5s} without warm-up, TTFT first/warm: short {t['short']['first_ms']:.1f}/"
+                  f"{t['short']['warm_ms_median']:.1f} ms, long {t['long']['first_ms']:.1f}/"
+                  f"{t['long']['warm_ms_median']:.1f} ms", flush=True)
+        result["modes"][mode] = row
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

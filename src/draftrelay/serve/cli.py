@@ -1,0 +1,246 @@
+"""`draftrelay serve`: the OpenAI-compatible server.
+
+    draftrelay serve --model tiny --mode async --port 8000
+    draftrelay serve --model DIR --worker 10.0.0.2:18627 --api-key-file key.txt --max-batch 8
+
+Loads the target, starts a local drafter worker unless `--worker` names a running one (modes sync
+and async), warms every path up, then serves on uvicorn. The line `draftrelay serve: listening on
+http://HOST:PORT` on stderr says it accepts requests (`--port 0` picks a free port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="target: 'tiny' (built-in) or a local HF model directory")
+    p.add_argument("--drafter", default="tiny", help="drafter of the local worker: 'tiny' or a local HF directory")
+    p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
+    p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
+    p.add_argument("--api-key-file", default="", metavar="F",
+                   help="a file holding the API key clients must send as 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default="", help="the model's name in the API (default: the model's)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (target KV rows)")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="prompt + output tokens per request (default: the model's context)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
+    p.add_argument("--k", type=int, default=4, help="drafts per round")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
+    p.add_argument("--max-round-tokens", type=int, default=4096,
+                   help="prompt tokens one round sends the drafter (a longer prompt catches up over several)")
+    p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up (first requests are then slower)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _check(args: argparse.Namespace) -> str:
+    if args.max_batch < 1:
+        return f"--max-batch must be >= 1, got {args.max_batch}"
+    if args.max_queue < 0:
+        return f"--max-queue must be >= 0, got {args.max_queue}"
+    if args.max_model_len < 0:
+        return f"--max-model-len must be >= 1 (0: the model's context), got {args.max_model_len}"
+    if not 0 <= args.port < 65536:
+        return f"--port must be within [0, 65535], got {args.port}"
+    if not 0 <= args.k <= 16:
+        return f"--k must be within [0, 16], got {args.k}"
+    if args.max_round_tokens < 1:
+        return f"--max-round-tokens must be >= 1, got {args.max_round_tokens}"
+    if not args.deadline_ms > 0:
+        return f"--deadline-ms must be > 0, got {args.deadline_ms}"
+    return ""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, made with protocol IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY)
+    only on sockets whose proto says TCP, and socket.create_server leaves it 0. With Nagle on, a
+    response's second small write waits for the client's delayed ACK: +40 ms on every request
+    after the first on a kept-alive connection."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      proto=socket.IPPROTO_TCP)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def self_request(host: str, port: int, api_key: str, timeout: float = 60.0) -> str:
+    """One streamed completion and one streamed chat completion against this server (the first
+    request through the HTTP stack, routing, tokenizer, chat template, thread pool and SSE path is
+    then not a client's). '' on success, else why."""
+    import urllib.request
+
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    base = f"http://{'[' + local + ']' if ':' in local else local}:{port}/v1/"
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    for path, body in (("completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "stream": True}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+                                             "temperature": 0, "stream": True})):
+        req = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                text = r.read().decode()
+        except OSError as exc:
+            return f"{path}: {exc}"
+        if "data: [DONE]" not in text:
+            return f"{path}: unexpected answer {text[:200]!r}"
+    return ""
+
+
+def _exit_on_term(signum, frame):
+    raise SystemExit(0)
+
+
+def read_api_key(path: str) -> str:
+    try:
+        with open(path) as f:
+            key = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {path}: {exc.strerror}") from None
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"--api-key-file {path}: the file must hold one key (no spaces), it holds "
+                         f"{'nothing' if not key else 'whitespace inside the key'}")
+    return key
+
+
+def _chat_encoder(target, model_spec: str):
+    """messages -> prompt ids, and where the template came from."""
+    from draftrelay.engine import loading as L
+
+    from .chat import compile_template, find_template
+
+    holder = target if getattr(target, "chat_template", None) else target.model  # a loader sets either
+    src, where, bos, eos = find_template(holder, model_spec if os.path.isdir(model_spec) else None)
+    render = compile_template(src, bos, eos)
+    tok = target.tokenizer
+    if isinstance(tok, L.HFTokenizer):
+        def encode(text: str) -> list[int]:  # the template wrote the special tokens itself
+            return tok.tok.encode(text, add_special_tokens=False).ids
+    else:
+        encode = tok.encode
+    return (lambda msgs: encode(render(msgs))), where
+
+
+def run(args: argparse.Namespace) -> int:
+    why = _check(args)
+    if why:
+        print(f"draftrelay serve: {why}", file=sys.stderr)
+        return 2
+    # SIGTERM ends the server cleanly: the engine, its proxy and the local worker are stopped
+    signal.signal(signal.SIGTERM, _exit_on_term)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvicorn
+
+    from draftrelay.engine import loading as L
+    from draftrelay.engine.engine import Engine, EngineConfig
+    from draftrelay.model import ModelError
+
+    from .app import build_app
+    from .chat import TemplateError
+    from .metrics import ServeMetrics
+    from .protocol import Limits
+    from .scheduler import Scheduler, warm_up
+
+    say = lambda msg: print(f"draftrelay serve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        api_key = read_api_key(args.api_key_file) if args.api_key_file else ""
+        dev = L.pick_device(args.device)
+        if args.graphs and dev.type != "cuda":
+            raise ValueError("--graphs needs a CUDA device")
+        host, port = L.parse_hostport(args.worker) if args.worker else ("", 0)
+        target = L.load_target(args.model, dev)
+        ctx = target.model.cfg.max_position_embeddings
+        if args.max_model_len > ctx:
+            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context of {ctx}")
+        max_model_len = args.max_model_len or ctx
+        render_chat, template_from = _chat_encoder(target, args.model)
+    except (ValueError, ModelError, OSError, TemplateError) as exc:
+        say(str(exc))
+        return 2
+    if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        say(f"warning: listening on {args.host} without --api-key-file: anyone who reaches it may use it")
+    name = args.served_model_name or target.name
+    max_len = max_model_len + args.k + 1  # the engine's row also holds the last verify's drafts
+    worker = None
+    sock = None
+    try:
+        h = None
+        if args.mode != "off":
+            if not args.worker:
+                try:
+                    worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch)
+                except RuntimeError as exc:
+                    say(f"the local worker did not start: {exc}")
+                    return 1
+                host, port = worker.host, worker.port
+            spec = L.worker_spec(host, port, L.drafter_model_id(args.drafter) if not args.worker else "",
+                                 target.tokenizer_hash, args.k, args.max_batch)
+            why = L.check_worker(spec)
+            if why:
+                say(f"the worker refused us: {why}")
+                return 1
+            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker)
+        cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
+                           graphs=args.graphs, max_round_tokens=args.max_round_tokens)
+        try:
+            sock = listen(args.host, args.port)
+        except OSError as exc:
+            say(f"cannot listen on {args.host}:{args.port}: {exc.strerror}")
+            return 1
+        bound = sock.getsockname()[1]
+        with Engine(target.model, cfg) as eng:
+            if eng.rounds is not None and eng.rounds.refusal:
+                say(f"async refused, serving sync rounds: {eng.rounds.refusal}")
+            if not args.no_warmup:
+                w = warm_up(eng, max_model_len)
+                say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
+                    f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})"
+                    + ("" if w["rounds_healthy"] else "; rounds to the drafter still fail (decoding target-only "
+                       "until they succeed)"))
+            sched = None
+            metrics = ServeMetrics(name, lambda: sched.handoff if sched else {"mode": "off"})
+            sched = Scheduler(eng, metrics, args.max_queue)
+            lim = Limits(name, max_model_len, eng.vocab, target.stop_ids, target.tokenizer.encode, render_chat)
+            def announce() -> None:
+                why = "" if args.no_warmup else self_request(args.host, bound, api_key)
+                say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}, max batch "
+                    f"{args.max_batch}, context {max_model_len}, chat template: {template_from})"
+                    + (f"; warning: the start-up request failed: {why}" if why else ""))
+
+            # the announcement waits for one request through the whole HTTP path, served once
+            # uvicorn accepts (after this start-up hook returns)
+            ready = lambda: threading.Thread(target=announce, name="announce", daemon=True).start()  # noqa: E731
+            app = build_app(sched, lim, metrics, target.tokenizer.decode, api_key, on_ready=ready)
+            server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                                   timeout_graceful_shutdown=3))
+            sched.start()
+            # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again once it is done:
+            # it must then find a handler that lets the cleanup below run
+            signal.signal(signal.SIGTERM, lambda *a: None)
+            try:
+                server.run(sockets=[sock])
+            finally:
+                sched.stop()
+    finally:
+        if sock is not None:
+            sock.close()
+        if worker is not None:
+            worker.stop()
+    return 0

@@ -1,0 +1,334 @@
+"""Continuous batching: the engine's step loop on one thread, requests joining and leaving it.
+
+The engine is not thread-safe and does not need to be: only the scheduler thread touches it. The
+HTTP side hands jobs in (`submit`) and asks for cancellations (`cancel`) through a locked inbox;
+the thread takes them at a step boundary, so a request joins the running batch at the next step
+(prefilled into a free KV row, its first token sent right after its prefill) and leaves it when it
+finishes, hits a stop string, or its client goes away. A cancelled request's KV row is freed at
+once and the drafter is told to forget it (an END with the next round). What a step produced goes
+back to each job's asyncio queue through the event loop's thread-safe call.
+
+Admission is bounded: at most max_batch requests run and `max_queue` wait for a row (in the inbox
+or the engine's waiting queue); one more is refused with 429 before it costs anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from draftrelay.engine.engine import Engine
+from draftrelay.engine.request import Request, SamplingParams
+
+from .metrics import ServeMetrics
+from .protocol import ApiError, GenRequest
+from .textstream import TextStream
+
+log = logging.getLogger("draftrelay.serve")
+
+SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class Event:
+    kind: str  # "text" | "done" | "error"
+    text: str = ""
+    finish_reason: str = ""
+    usage: dict | None = None
+    error: ApiError | None = None
+
+
+@dataclass
+class Job:
+    gen: GenRequest
+    loop: asyncio.AbstractEventLoop
+    stream: TextStream
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    t_arrive: float = field(default_factory=time.perf_counter)
+    req: Request | None = None
+    cancelled: bool = False
+    finished: bool = False
+    n_seen: int = 0  # output tokens handled
+    t_last: float = 0.0
+    # spec-decode figures already counted into the metrics
+    seen_steps: int = 0
+    seen_tries: int = 0
+    seen_hits: list[int] = field(default_factory=list)
+
+    def push(self, ev: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the event loop is closed (shutting down): nobody is listening
+            pass
+
+
+def usage_of(job: Job) -> dict:
+    """OpenAI usage plus this request's speculative figures (vLLM's spec-decode quantities)."""
+    r = job.req
+    prompt = len(job.gen.prompt_ids)
+    out = len(r.output) if r is not None else 0
+    spec = {"num_drafts": len(r.kept) if r else 0,
+            "num_draft_tokens": sum(r.pos_tries) if r else 0,
+            "num_accepted_tokens": sum(r.kept) if r else 0,
+            "num_accepted_tokens_per_pos": list(r.pos_hits) if r else [],
+            "rounds": {k: r.rounds.get(k, 0) for k in ("ok", "failed", "watchdog", "target_only")} if r
+            else {"ok": 0, "failed": 0, "watchdog": 0, "target_only": 0}}
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out, "spec_decode": spec}
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, metrics: ServeMetrics, max_queue: int) -> None:
+        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self.cv = threading.Condition()
+        self.inbox: deque[Job] = deque()
+        self.cancels: deque[Job] = deque()
+        self.jobs: dict[int, Job] = {}  # engine request id -> job, while in the engine
+        self.n_waiting = 0  # jobs without a KV row (inbox + engine's waiting queue)
+        self.n_in = 0  # jobs submitted and not finished
+        self.n_running = 0
+        self.rows_free = engine.cfg.max_batch
+        self.handoff: dict = {"mode": "off"}  # the last snapshot of rounds.stats() (thread: scheduler)
+        self._t_handoff = 0.0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="draftrelay-engine", daemon=True)
+        self._snapshot()
+
+    # -- the HTTP side --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self.cv:
+            self._stop = True
+            self.cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        with self.cv:
+            if self._stop:
+                raise ApiError(503, "the server is shutting down", etype="server_error", code="shutting_down")
+            if self.n_in >= self.engine.cfg.max_batch + self.max_queue:
+                self.metrics.labels(self.metrics.request_rejected, "queue_full").inc()
+                raise ApiError(429, f"the queue is full: {self.n_waiting} requests are waiting for one of "
+                                    f"{self.engine.cfg.max_batch} KV rows (--max-queue {self.max_queue}); "
+                                    "retry later", etype="server_overloaded", code="queue_full")
+            self.n_waiting += 1
+            self.n_in += 1
+            self.inbox.append(job)
+            self.cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: stop the request at the next step boundary."""
+        with self.cv:
+            if not job.finished:
+                self.cancels.append(job)
+                self.cv.notify()
+
+    def status(self) -> dict:
+        with self.cv:
+            return {"running": self.n_running, "waiting": self.n_waiting, "kv_rows_free": self.rows_free,
+                    "kv_rows": self.engine.cfg.max_batch}
+
+    # -- the engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self.cv:
+                while not (self.inbox or self.cancels or self._stop or eng.has_work()):
+                    self.cv.wait()
+                if self._stop:
+                    break
+                new, self.inbox = list(self.inbox), deque()
+                gone, self.cancels = list(self.cancels), deque()
+            for job in new:
+                self._admit(job)
+            for job in gone:
+                self._cancel(job, "abort")
+            try:
+                if eng.waiting and eng.free_rows:
+                    eng.prefill_waiting()  # the first token goes out now, not after the next decode step
+                    self._harvest()
+                if eng.running:
+                    eng.step()
+                    self._harvest()
+            except Exception:
+                log.exception("engine step failed: the running requests are ended with an error")
+                self._fail_all(ApiError(500, "the engine failed on this request's step", etype="server_error"))
+            self._snapshot()
+        self._fail_all(ApiError(503, "the server is shutting down", etype="server_error", code="shutting_down"))
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled:
+            self._count_waiting(-1, -1)
+            return
+        try:
+            req = self.engine.add_request(job.gen.prompt_ids, job.gen.params)
+        except ValueError as exc:  # parse_request checks the same limits: this is a safety net
+            self._count_waiting(-1, -1)
+            job.finished = True
+            job.push(Event("error", error=ApiError(400, str(exc))))
+            return
+        if job.gen.seeded and job.gen.params.temperature > 0:
+            # the engine seeds by (seed, request id); a client's seed must give the same sample
+            # whatever ran before it, so the generator is seeded by the seed alone
+            req.gen = torch.Generator(device=self.engine.device).manual_seed(job.gen.params.seed & SEED_MASK)
+        job.req = req
+        self.jobs[req.id] = job
+
+    def _cancel(self, job: Job, reason: str) -> None:
+        if job.finished:
+            return
+        if job.req is None:  # still in the inbox of this very iteration: _admit skips it
+            job.cancelled = True
+            return
+        if job.req.row < 0:
+            self._count_waiting(-1)
+        self.engine.cancel(job.req)
+        self._end(job, reason)
+
+    def _end(self, job: Job, reason: str) -> None:
+        job.finished = True
+        self.jobs.pop(job.req.id, None)
+        self._count_waiting(0, -1)
+        m = self.metrics
+        m.labels(m.request_success, reason).inc()
+        m.labels(m.e2e).observe(time.perf_counter() - job.t_arrive)
+        job.push(Event("done", finish_reason=reason, usage=usage_of(job)))
+
+    def _harvest(self) -> None:
+        """Hand each job what the last prefill or step produced; end the finished ones."""
+        eng, m = self.engine, self.metrics
+        now = time.perf_counter()
+        for job in list(self.jobs.values()):
+            r = job.req
+            if r.row >= 0 and job.n_seen == 0 and r.output:
+                self._count_waiting(-1)
+                m.labels(m.prompt_tokens).inc(len(r.prompt))
+            n = len(r.output)
+            if n == job.n_seen and not r.done:
+                continue
+            new = r.output[job.n_seen:n]
+            m.labels(m.generation_tokens).inc(len(new))
+            if job.n_seen == 0:
+                m.labels(m.ttft).observe(now - job.t_arrive)
+            elif new:
+                m.labels(m.itl).observe(now - job.t_last)
+            job.n_seen, job.t_last = n, now
+            self._count_spec(job)
+            if r.done and r.finish_reason == "stop" and new and new[-1] in r.params.stop_token_ids:
+                new = new[:-1]  # the end-of-sequence token is not part of the text
+            text = job.stream.add(new, final=r.done)
+            if text:
+                job.push(Event("text", text))
+            if job.stream.stopped and not r.done:
+                eng.cancel(r)  # a stop string: the row is freed now, the drafter forgets it
+                r.finish_reason = "stop"
+            if r.done:
+                self._end(job, "stop" if job.stream.stopped else r.finish_reason)
+        eng.finished.clear()  # the jobs hold their requests; the engine need not keep them
+        if len(eng.timing["step"]) > 10_000:  # a server runs for ever: bound the step timers
+            eng.reset_metrics()
+
+    def _count_spec(self, job: Job) -> None:
+        """Add what the request's last step verified and accepted to the spec-decode counters."""
+        r, m = job.req, self.metrics
+        new_steps = r.kept[job.seen_steps:]
+        if new_steps:
+            m.labels(m.num_drafts).inc(len(new_steps))
+            m.labels(m.num_accepted).inc(sum(new_steps))
+            job.seen_steps = len(r.kept)
+        tries = sum(r.pos_tries)
+        if tries > job.seen_tries:
+            m.labels(m.num_draft_tokens).inc(tries - job.seen_tries)
+            job.seen_tries = tries
+        for j, hits in enumerate(r.pos_hits):
+            old = job.seen_hits[j] if j < len(job.seen_hits) else 0
+            if hits > old:
+                m.labels(m.accepted_per_pos, str(j)).inc(hits - old)
+        job.seen_hits = list(r.pos_hits)
+
+    def _fail_all(self, err: ApiError) -> None:
+        for job in list(self.jobs.values()):
+            try:
+                self.engine.cancel(job.req)
+            except ValueError:
+                pass
+            job.finished = True
+            self.jobs.pop(job.req.id, None)
+            job.push(Event("error", error=err))
+        with self.cv:
+            left, self.inbox = list(self.inbox), deque()
+            self.n_waiting = self.n_in = 0
+        for job in left:
+            job.finished = True
+            job.push(Event("error", error=err))
+
+    def _count_waiting(self, d: int, d_in: int = 0) -> None:
+        with self.cv:
+            self.n_waiting += d
+            self.n_in += d_in
+
+    def _snapshot(self) -> None:
+        eng = self.engine
+        running = len(eng.running)
+        with self.cv:
+            self.n_running, self.rows_free = running, len(eng.free_rows)
+            waiting = self.n_waiting
+        m = self.metrics
+        m.labels(m.running).set(running)
+        m.labels(m.waiting).set(waiting)
+        m.labels(m.rows_free).set(len(eng.free_rows))
+        now = time.perf_counter()
+        # the hand-off counters for /metrics, read here (the engine's thread) at most 4 times a second
+        if eng.rounds is not None and (now - self._t_handoff > 0.25 or not eng.has_work()):
+            self.handoff = eng.rounds.stats()
+            self._t_handoff = now
+
+
+def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0) -> dict:
+    """Run every path a first request can take before the server accepts one: prefill of a short
+    and of a long prompt (several chunks), decode steps of width 1 and verify steps of width k+1 at
+    batch sizes 1 and several, the drafter's catch-up rounds on a prompt longer than one round
+    carries (where the context allows one), greedy and sampled acceptance; then until a round
+    succeeds again (at most settle_s). Returns what ran."""
+    cfg, V = engine.cfg, engine.vocab
+    k = cfg.n_draft
+
+    def prompt(n: int, salt: int) -> list[int]:  # at least one token of output must fit
+        return [(i * 7919 + salt * 104729 + 13) % V for i in range(max(1, min(n, max_model_len - 1)))]
+
+    def params(p: list[int], n: int, **kw) -> SamplingParams:
+        return SamplingParams(max_tokens=max(1, min(n, max_model_len - len(p))), **kw)
+
+    catchup = max(2 * cfg.prefill_chunk + 3, cfg.max_round_tokens + 17)
+    long_len = max(1, min(catchup, max_model_len - (2 * k + 8)))
+    rounds_to_sync = -(-long_len // cfg.max_round_tokens)
+    t0 = time.perf_counter()
+    lone = prompt(8, 1)
+    engine.generate([lone], params(lone, 2 * k + 4))  # batch of one: what a first lone request does
+    a, b, c = prompt(24, 2), prompt(16, 3), prompt(long_len, 4)
+    batch = [(a, params(a, 2 * k + 4)),
+             (b, params(b, 2 * k + 4, temperature=0.8, top_k=20, top_p=0.9, seed=1)),
+             (c, params(c, rounds_to_sync + 2 * k + 2))]
+    engine.generate([p for p, _ in batch], [s for _, s in batch])
+    # A slow drafter (a loaded CPU) may have missed deadlines on the long prompt and opened the
+    # worker client's breaker; the server is ready once a round succeeds again.
+    healthy = engine.rounds is None
+    t_settle = time.perf_counter()
+    while not healthy and time.perf_counter() - t_settle < settle_s:
+        (r,) = engine.generate([lone], params(lone, 2 * k + 4))
+        healthy = r.rounds.get("ok", 0) > 0 and not r.rounds.get("failed", 0) and not r.rounds.get("watchdog", 0)
+        if not healthy:
+            time.sleep(0.2)
+    done = {"seconds": time.perf_counter() - t0, "long_prompt": long_len,
+            "catch_up_rounds": long_len > cfg.max_round_tokens and engine.rounds is not None,
+            "rounds_healthy": healthy}
+    engine.reset_metrics()
+    return done

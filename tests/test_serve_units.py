@@ -1,0 +1,227 @@
+"""The server's parts without a server: request checks, chat templates, text deltas and stop
+strings, the engine's cancel (row and drafter END), the scheduler's continuous batching."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+
+from draftrelay.engine.loading import ByteTokenizer
+from draftrelay.serve.chat import CHATML, TemplateError, compile_template, find_template
+from draftrelay.serve.protocol import ApiError, Limits, parse_json, parse_request
+from draftrelay.serve.textstream import TextStream
+
+TOK = ByteTokenizer()
+
+
+def lim(**kw) -> Limits:
+    return Limits("m", 64, 256, (0,), TOK.encode, **kw)
+
+
+def test_parse_request_defaults_and_fields():
+    g = parse_request({"prompt": "hi", "max_tokens": 5, "temperature": 0, "stop": "x", "seed": 3,
+                       "stop_token_ids": [7]}, "completion", lim())
+    assert g.prompt_ids == [104, 105] and g.params.max_tokens == 5 and g.params.temperature == 0
+    assert g.stop == ("x",) and g.params.stop_token_ids == (0, 7) and g.seeded and g.params.seed == 3
+    g = parse_request({"prompt": [[1, 2, 3]]}, "completion", lim())  # a batch of one
+    assert g.prompt_ids == [1, 2, 3] and g.params.max_tokens == 16 and g.params.temperature == 1.0
+    assert not g.seeded
+    g = parse_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}, "chat",
+                      lim(render_chat=lambda m: TOK.encode(m[0]["content"] * 10)))
+    assert g.prompt_ids == [97] * 10 and g.params.max_tokens == 54  # chat: the rest of the context
+
+
+@pytest.mark.parametrize("body,kind,param", [
+    ({"prompt": "x", "max_tokens": 64}, "completion", "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "completion", "max_tokens"),
+    ({"prompt": "x", "temperature": float("inf")}, "completion", "temperature"),
+    ({"prompt": "x", "temperature": True}, "completion", "temperature"),
+    ({"prompt": "x", "top_k": -2}, "completion", "top_k"),
+    ({"prompt": "x", "stop": [""]}, "completion", "stop"),
+    ({"prompt": "x", "stop": [300]}, "completion", "stop"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "completion", "stop_token_ids"),
+    ({"prompt": "x", "stream": "yes"}, "completion", "stream"),
+    ({"prompt": "x", "best_of": 2}, "completion", "best_of"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "completion", "presence_penalty"),
+    ({"prompt": ""}, "completion", "prompt"),
+    ({"messages": []}, "chat", "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "chat", "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100}, "chat", "max_completion_tokens"),
+])
+def test_parse_request_refusals_name_the_field(body, kind, param):
+    with pytest.raises(ApiError) as e:
+        parse_request(body, kind, lim(render_chat=lambda m: [1]))
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(param)
+
+
+def test_parse_json_refusals():
+    for raw in (b"{", b"\xff\xfe", b'"a string"'):
+        with pytest.raises(ApiError) as e:
+            parse_json(raw)
+        assert e.value.status == 400 and "JSON" in e.value.message
+    assert parse_json(b'{"a": 1}') == {"a": 1}
+
+
+def test_chat_template_sources_and_rendering(tmp_path):
+    class Target:
+        chat_template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+        bos_token = "<s>"
+
+    src, where, bos, eos = find_template(Target(), None)
+    assert where == "the model file" and bos == "<s>"
+    assert compile_template(src, bos, eos)([{"role": "user", "content": "hi"}]) == "<s>[user]hi"
+    # tokenizer_config.json: a list of named templates, the default one used, token dicts accepted
+    cfg = {"chat_template": [{"name": "tool_use", "template": "T"},
+                             {"name": "default", "template": "D{{ eos_token }}"}],
+           "eos_token": {"content": "</s>"}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    src, where, bos, eos = find_template(object(), str(tmp_path))
+    assert src == "D{{ eos_token }}" and eos == "</s>" and where.endswith("tokenizer_config.json")
+    assert compile_template(src, bos, eos)([]) == "D</s>"
+    src, where, _, _ = find_template(object(), None)
+    assert src == CHATML and "ChatML" in where
+    r = compile_template(CHATML)
+    assert r([{"role": "user", "content": "x"}]) == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(TemplateError, match="no system"):
+        compile_template("{{ raise_exception('no system') }}")([])
+    with pytest.raises(TemplateError, match="compile"):
+        compile_template("{% for %}")
+
+
+def test_textstream_holds_partial_characters_and_finds_stops():
+    ids = list("héllo wörld".encode())
+    ts, out = TextStream(TOK.decode), []
+    for t in ids:  # one byte at a time: a half character is never sent
+        out.append(ts.add([t]))
+    out.append(ts.add([], final=True))
+    assert "".join(out) == "héllo wörld" and all("\ufffd" not in x for x in out)
+    # a stop string spanning two deltas: nothing of it (or after it) is sent
+    ts, out = TextStream(TOK.decode, ("lo w",)), []
+    for chunk in (b"hel", b"l", b"o ", b"wor", b"ld"):
+        out.append(ts.add(list(chunk)))
+    assert "".join(out) == "hel" and ts.stopped and ts.add(list(b"more"), final=True) == ""
+    # invalid bytes stay replacement characters, the same as decoding everything at once
+    raw = [0xE6, 0xAF, 65, 0x80, 66, 0xE6]
+    ts = TextStream(TOK.decode)
+    got = "".join(ts.add([t]) for t in raw) + ts.add([], final=True)
+    assert got == TOK.decode(raw)
+
+
+def test_engine_cancel_frees_the_row_and_ends_the_drafter():
+    from draftrelay import model as M
+    from draftrelay.engine.engine import Engine, EngineConfig, LocalRounds, SamplingParams
+
+    blocks = []
+
+    def fn(t, reqs, budget):
+        blocks.append([(r.req_id, len(r.tokens), r.n_out) for r in reqs])
+        return [(np.full(r.n_out, 7, np.int32), np.ones(r.n_out, np.float32)) for r in reqs]
+
+    target, _ = M.tiny_pair(M.TINY_SEED)
+    eng = Engine(target, EngineConfig(mode="sync", max_batch=2, max_len=64), rounds=LocalRounds(fn))
+    a, b, w = (eng.add_request(p, SamplingParams(max_tokens=20)) for p in ([1, 2, 3], [4, 5], [6]))
+    eng.step()  # a and b are prefilled and decoded (their first round); w waits for a row
+    assert eng.free_rows == [] and eng.waiting[0] is w
+    eng.cancel(w)  # a waiting request holds no row: it only leaves the queue
+    assert not eng.waiting and w.done and w.finish_reason == "cancelled"
+    row = a.row
+    eng.cancel(a)
+    assert eng.free_rows == [row] and eng.running == [b] and a.finish_reason == "cancelled"
+    eng.step()
+    assert (a.id, 0, 0) in blocks[-1]  # the next round told the drafter to forget a (END)
+    assert all(rid != w.id for blk in blocks for rid, _, _ in blk)  # w never reached the drafter
+    while eng.has_work():
+        eng.step()
+    assert b.done and b.finish_reason == "length" and eng.free_rows == [0, 1]
+
+
+def test_scheduler_batches_cancels_and_bounds_the_queue():
+    from draftrelay import model as M
+    from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+    from draftrelay.serve.metrics import ServeMetrics
+    from draftrelay.serve.protocol import GenRequest
+    from draftrelay.serve.scheduler import Job, Scheduler
+
+    target, _ = M.tiny_pair(M.TINY_SEED)
+    eng = Engine(target, EngineConfig(mode="off", max_batch=2, max_len=128))
+    sched = Scheduler(eng, ServeMetrics("m", lambda: {"mode": "off"}), max_queue=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def job(n, prompt):
+            g = GenRequest("completion", prompt, SamplingParams(max_tokens=n, temperature=0), False)
+            return Job(g, loop, TextStream(TOK.decode))
+
+        async def drain(j):
+            text = []
+            while True:
+                ev = await asyncio.wait_for(j.events.get(), 30)
+                if ev.kind == "text":
+                    text.append(ev.text)
+                elif ev.kind == "done":
+                    return "".join(text), ev.finish_reason, ev.usage
+
+        alone = job(12, [1, 2, 3])
+        sched.submit(alone)
+        ref = await drain(alone)
+        long1, long2, short, extra = job(100, [9]), job(100, [8]), job(12, [1, 2, 3]), job(5, [4])
+        for j in (long1, long2):
+            sched.submit(j)
+        await asyncio.wait_for(long1.events.get(), 30)
+        await asyncio.wait_for(long2.events.get(), 30)
+        sched.submit(short)  # both rows busy: it waits, and the queue (1) is now full
+        with pytest.raises(ApiError) as e:
+            sched.submit(extra)
+        assert e.value.status == 429
+        sched.cancel(long1)
+        got = await drain(short)  # joins the batch in long1's row, beside long2
+        assert got[:2] == ref[:2] and got[2]["completion_tokens"] == 12
+        assert (await drain(long1))[1] == "abort"
+        sched.cancel(long2)
+        await drain(long2)
+
+    sched.start()
+    try:
+        asyncio.run(main())
+        deadline = time.monotonic() + 10  # the thread publishes its counts after the step it is in
+        while sched.status()["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = sched.status()
+        assert st["running"] == 0 and st["waiting"] == 0 and st["kv_rows_free"] == 2
+    finally:
+        sched.stop()
+    assert eng.free_rows == [0, 1]
+
+
+def test_serve_flags_refused_by_name(tmp_path):
+    import argparse
+    import subprocess
+    import sys
+
+    from draftrelay.serve import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    for flags, words in [(["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"),
+                         (["--port", "70000"], "--port"), (["--k", "17"], "--k"),
+                         (["--deadline-ms", "0"], "--deadline-ms"),
+                         (["--max-round-tokens", "0"], "--max-round-tokens")]:
+        assert cli._check(p.parse_args(flags)).startswith(words)
+    assert cli._check(p.parse_args([])) == ""
+    empty, spaced, good = tmp_path / "e", tmp_path / "s", tmp_path / "g"
+    empty.write_text("\n")
+    spaced.write_text("a b\n")
+    good.write_text(" k3y \n")
+    for f, words in [(empty, "holds nothing"), (spaced, "whitespace"), (tmp_path / "missing", "No such file")]:
+        with pytest.raises(ValueError, match=words):
+            cli.read_api_key(str(f))
+    assert cli.read_api_key(str(good)) == "k3y"
+    # through the command: a context beyond the model's is refused with both numbers, exit 2
+    r = subprocess.run([sys.executable, "-m", "draftrelay", "serve", "--mode", "off", "--max-model-len", "99999",
+                        "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--max-model-len 99999 exceeds the model's context of 4096" in r.stderr
