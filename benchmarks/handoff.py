@@ -7,7 +7,7 @@ default) and a nap-only one (50 µs naps), side by side in one run:
     right after its wait returns (same CLOCK_MONOTONIC, both processes)
   - the proxy process's CPU use (utime + stime over wall time)
 
-    python benchmarks/handoff.py [--rounds 20000] [--out benchmarks/results/handoff_emulated.json]
+    python benchmarks/handoff.py [--rounds 20000] [--out benchmarks/results]   # -> DIR/handoff_emulated.json
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def run(mode: str, n_rounds: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20_000)
-    ap.add_argument("--out", default="benchmarks/results/handoff_emulated.json")
+    ap.add_argument("--out", default="benchmarks/results", help="directory for handoff_emulated.json")
     args = ap.parse_args()
     rows = []
     for mode in ("spin", "nap", "nap-only"):
@@ -100,10 +100,11 @@ def main() -> int:
                        "python": platform.python_version(), "numpy": np.__version__},
            "seed_reference": {"engine_submit_us_p50": 140, "engine_submit_us_p99": 362},
            "results": rows, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "handoff_emulated.json")
+    with open(path, "w") as f:
         json.dump(out, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
     return 0
 
 

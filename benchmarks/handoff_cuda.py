@@ -23,7 +23,7 @@ the stream parked: the GPU's own wake-up; memop wait, polling wait kernel, round
 `pingpong`: a resident one-warp kernel answering each host store with its own store (the bus round
 trip; half of it estimates one leg, e.g. the ack leg inside release -> ack).
 
-    python benchmarks/handoff_cuda.py [--rounds 20000] [--out benchmarks/results/handoff_cuda.json]
+    python benchmarks/handoff_cuda.py [--rounds 20000] [--out benchmarks/results]   # -> DIR/handoff_cuda.json
 """
 
 from __future__ import annotations
@@ -323,10 +323,10 @@ def run_pingpong(n: int, warmup: int) -> dict:
     import torch
     from cuda.bindings import driver
 
-    from draftrelay.handoff.cuda_stream import compile_cuda
+    from draftrelay.cudabuild import nvrtc_cubin
 
     torch.zeros(1, device="cuda")
-    cubin = compile_cuda(PINGPONG_CU, torch.cuda.get_device_capability())
+    cubin = nvrtc_cubin(PINGPONG_CU, torch.cuda.get_device_capability())
     err, mod = driver.cuModuleLoadData(cubin.ctypes.data)
     assert not err, err
     err, fn = driver.cuModuleGetFunction(mod, b"draftrelay_pingpong")
@@ -359,7 +359,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20_000)
     ap.add_argument("--warmup", type=int, default=500)
-    ap.add_argument("--out", default="benchmarks/results/handoff_cuda.json")
+    ap.add_argument("--out", default="benchmarks/results", help="directory for handoff_cuda.json")
     ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-stream rows")
     args = ap.parse_args()
     # (backend, mode, proxy, fast calls, wait, batched memops): "auto" is the default (the round kernel);
@@ -416,14 +416,15 @@ def main() -> int:
            "references": {"seed_engine_submit_us": [140, 362], "raw_three_memop_enqueue_us_p50_h200": 9.6,
                           "numpy_spin_release_to_resume_us_h200": [6.2, 12.7]},
            "results": rows, "errors": errors, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "handoff_cuda.json")
+    with open(path, "w") as f:
         json.dump(out, f, indent=2)
     for x in rows:
         for k in ("op_us_p50", "op_us_p50_batched"):
             if k in x:
                 print(f"per-op enqueue p50 µs ({k}):", json.dumps(x[k]))
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Per-op latency of draftrelay.p2p's all-reduce and argmax exchange against NCCL and torch symmetric memory.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-        python benchmarks/p2p_allreduce.py --json benchmarks/results/p2p_allreduce.json
+        python benchmarks/p2p_allreduce.py [--out benchmarks/results]   # -> DIR/p2p_allreduce.json
 
 Everything is graph-captured: each graph holds K back-to-back collectives, the per-op figure is the
 median over trials of (elapsed of R replays) / (R * K) on rank 0's CUDA events. Ours runs from one
@@ -9,6 +9,8 @@ controller process (rank 1's graph replayed, then rank 0's); the baselines run i
 per GPU (spawned here, same sizes, same K and R) so the numbers come from one run, side by side.
 Shapes: 5/10/20/40 rows x 5120, fp32 and bf16 (the drafter's activations); argmax exchange of 1-40 rows.
 Floors: an empty kernel node (launch), our all-reduce of 0 elements (launch + flag round trip).
+Modes with bit 32 (e.g. 51) run the measurement build benchmarks/p2p_unfenced.cu (flags without the
+release fence: unsafe, only to price the fence); the package's own kernels refuse that bit.
 """
 
 from __future__ import annotations
@@ -118,12 +120,21 @@ def _bench_group(group, key: str, out: dict, with_extras: bool) -> None:
             print(f"ours argmax rows={rows} top2={top2}: {us:.2f} us", flush=True)
 
 
+M_FLAG_RELAXED = 32  # only in benchmarks/p2p_unfenced.cu
+
+
 def bench_ours(blocks_list: list[int], modes: list[int]) -> dict:
+    from pathlib import Path
+
     from draftrelay.p2p import P2PGroup
+
+    class UnfencedGroup(P2PGroup):
+        kernels = Path(__file__).resolve().parent / "p2p_unfenced.cu"
 
     out: dict = {"all_reduce": {}, "argmax": {}, "floors": {}}
     for n, (mode, blocks) in enumerate((m, b) for m in modes for b in blocks_list):
-        group = P2PGroup([0, 1], blocks=blocks, timeout_ms=2000, mode=mode)
+        cls = UnfencedGroup if mode & M_FLAG_RELAXED else P2PGroup
+        group = cls([0, 1], blocks=blocks, timeout_ms=2000, mode=mode)
         _bench_group(group, f"m{mode}_b{blocks}", out, with_extras=n == 0)
         group.close()
     return out
@@ -224,7 +235,7 @@ def env_info() -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="benchmarks/results/p2p_allreduce.json")
+    ap.add_argument("--out", default="benchmarks/results", help="directory for p2p_allreduce.json")
     ap.add_argument("--blocks", default="64", help="grid sizes of ours to sweep (comma list; first = extras)")
     ap.add_argument("--modes", default="", help="protocol modes of ours to sweep (comma list; default: DEFAULT_MODE)")
     ap.add_argument("--no-baselines", action="store_true")
@@ -248,14 +259,15 @@ def main() -> int:
         return 2
     t0 = time.monotonic()
     result = {"env": env_info(), "K": K, "R": R, "trials": TRIALS, "hidden": HIDDEN}
-    from draftrelay.p2p.collectives import DEFAULT_MODE
+    from draftrelay.p2p import DEFAULT_MODE
 
     modes = [int(m) for m in args.modes.split(",")] if args.modes else [DEFAULT_MODE]
     result["ours"] = bench_ours([int(b) for b in args.blocks.split(",")], modes)
     result["baselines"] = {} if args.no_baselines else bench_baselines(args.baseline_timeout)
     result["wall_s"] = round(time.monotonic() - t0, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "p2p_allreduce.json")
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
     base = result["baselines"]
     keys = [f"{d}_{r}" for d in DTYPES for r in ROWS]
@@ -272,7 +284,7 @@ def main() -> int:
     print("floors:", result["ours"]["floors"])
     if base.get("error") or base.get("errors"):
         print("baseline errors:", base.get("error") or base.get("errors"))
-    print(f"wrote {args.json}")
+    print(f"wrote {path}")
     return 0
 
 

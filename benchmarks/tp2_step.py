@@ -13,7 +13,8 @@ loopback TCP (in-process server + the numpy client, rewinding to the same contex
 Memory: torch allocations per card after building (weights + KV rows) and after the graphs, plus the
 P2P state (plain cudaMalloc, outside torch).
 
-    python benchmarks/tp2_step.py [--shapes qwen2.5-0.5b,qwen2.5-1.5b] [--iters 200] [--budget-s 240]
+    python benchmarks/tp2_step.py [--shapes qwen2.5-0.5b,qwen2.5-1.5b] [--iters 200] [--budget-s 240] \
+        [--out benchmarks/results]     # -> DIR/tp2_step.json (other shapes: DIR/tp2_step_<shapes>.json)
 """
 
 from __future__ import annotations
@@ -244,7 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--max-ctx", type=int, default=2048)
     ap.add_argument("--budget-s", type=float, default=0.0, help="stop starting new points after this (0: none)")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                    help="directory for the result JSON")
     args = ap.parse_args(argv)
     args.requests = [int(x) for x in args.requests.split(",")]
     args.n_out = [int(x) for x in args.n_out.split(",")]
@@ -254,8 +256,8 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + args.budget_s if args.budget_s > 0 else float("inf")
     default = args.shapes == "qwen2.5-0.5b,qwen2.5-1.5b"
     name = "tp2_step.json" if default else f"tp2_step_{args.shapes.replace(',', '_')}.json"
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.join(args.out, name)
     RUN.update({"benchmark": "tp2_step", "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "command": " ".join(["python", "benchmarks/tp2_step.py"] + (argv or sys.argv[1:])),
                 "context": PROMPT, "new_tokens": NEW, "env": machine_info(), "shapes": [], "_path": out})

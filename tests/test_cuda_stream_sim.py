@@ -20,6 +20,8 @@ import time
 import numpy as np
 import pytest
 
+from draftrelay import cudabuild
+from draftrelay.handoff import cuda_driver, cuda_kernels
 from draftrelay.handoff import cuda_stream as cs
 from draftrelay.handoff.region import Region, RegionConfig, W, pack_staging
 from draftrelay.handoff.rounds import AsyncRounds, open_rounds
@@ -86,7 +88,7 @@ class SimDriver(FakeDriver):
         import enum
 
         self.dev = SimDevice()
-        self.rounds: list[cs._RoundArgs] = []  # the round kernel's parameter at each launch
+        self.rounds: list[cuda_kernels.RoundArgs] = []  # the round kernel's parameter at each launch
         m, ok = self.module, (self.R.CUDA_SUCCESS,)
         m.cuGetProcAddress = self._proc
         m.cuModuleLoadData = lambda p: (self.R.CUDA_SUCCESS, 99)
@@ -122,7 +124,8 @@ class SimDriver(FakeDriver):
         def launch(fn, gx, gy, gz, bx, by, bz, shmem, s, kp, extra):
             if fn == ROUND_FN:
                 ptr = ctypes.c_void_p.from_address(kp).value  # kernelParams[0]: the struct, copied now
-                a = cs._RoundArgs.from_buffer_copy(ctypes.string_at(ptr, ctypes.sizeof(cs._RoundArgs)))
+                size = ctypes.sizeof(cuda_kernels.RoundArgs)
+                a = cuda_kernels.RoundArgs.from_buffer_copy(ctypes.string_at(ptr, size))
                 self.rounds.append(a)
                 d.submit(("round", a.t), self._round_kernel, a)
                 return 0
@@ -131,9 +134,9 @@ class SimDriver(FakeDriver):
         def batch(s, count, params, flags):
             ops = []
             for i in range(count):
-                base = params + i * cs._MEMOP_SIZE
-                ops.append((u32(base).value, ctypes.c_uint64.from_address(base + cs._MEMOP_ADDR).value,
-                            u32(base + cs._MEMOP_VALUE).value, u32(base + cs._MEMOP_FLAGS).value))
+                base = params + i * cuda_driver.MEMOP_SIZE
+                ops.append((u32(base).value, ctypes.c_uint64.from_address(base + cuda_driver.MEMOP_ADDR).value,
+                            u32(base + cuda_driver.MEMOP_VALUE).value, u32(base + cuda_driver.MEMOP_FLAGS).value))
             d.submit(("batch", *ops), self._batch, ops)
             return 0
 
@@ -141,7 +144,7 @@ class SimDriver(FakeDriver):
                 "cuMemcpyHtoDAsync": copy("h2d"), "cuEventRecord": record, "cuEventQuery": query,
                 "cuLaunchKernel": launch}
         self._cbs = {name: ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(impl[name])
-                     for name, argtypes in cs._FAST.items()}
+                     for name, argtypes in cuda_driver.FAST.items()}
         self._cbs["cuStreamBatchMemOp"] = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint,
                                                            ctypes.c_void_p, ctypes.c_uint)(batch)
 
@@ -156,8 +159,8 @@ class SimDriver(FakeDriver):
             elif op == 1:
                 self.dev.wait_until(addr, value)
 
-    def _round_kernel(self, a: cs._RoundArgs) -> None:
-        """The steps of draftrelay_round (cuda_stream._ROUND_CU), one after the other."""
+    def _round_kernel(self, a: cuda_kernels.RoundArgs) -> None:
+        """The steps of draftrelay_round (handoff/round_kernel.cu), one after the other."""
         t = a.t or (u32(a.counter).value + 1) & 0xFFFFFFFF
         s = t & 1
         n = a.nbytes
@@ -192,7 +195,7 @@ def sim_cuda(monkeypatch, install_driver):
         for name in ("empty", "zeros"):
             real = getattr(torch, name)
             monkeypatch.setattr(torch, name, lambda *a, pin_memory=False, _real=real, **k: _real(*a, **k))
-        monkeypatch.setattr(cs, "compile_cuda", lambda source, arch: np.zeros(16, np.uint8))
+        monkeypatch.setattr(cudabuild, "nvrtc_cubin", lambda source, arch: np.zeros(16, np.uint8))
         return sim
 
     yield install
@@ -280,7 +283,7 @@ def test_auto_falls_back_to_memops_with_the_reason_and_kernel_refuses(sim_cuda, 
     def no_nvrtc(source, arch):
         raise RuntimeError("libnvrtc not found")
 
-    monkeypatch.setattr(cs, "compile_cuda", no_nvrtc)
+    monkeypatch.setattr(cudabuild, "nvrtc_cubin", no_nvrtc)
     region = Region.create(RegionConfig(4, 256, 8, 5000))
     try:
         st = cs.CudaStream(region)

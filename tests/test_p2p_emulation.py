@@ -204,7 +204,7 @@ def test_kernels_build_load_and_host_side_abi(tmp_path, monkeypatch):
     # builds the real .so (no GPU needed to compile or dlopen it), checks every bound symbol exists and
     # the host-only entry points: state size arithmetic and the context's argument refusal
     monkeypatch.setenv("DRAFTRELAY_P2P_BUILD", str(tmp_path))
-    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_libs", {})
     lib = native.load("sm_90")
     assert lib.p2p_state_bytes(2, 64, 4096) == 256 + 2048 + 1024 + 256 + 2 * 2 * 64 * 4096
     bases = (ctypes.c_void_p * 2)(0x10000, 0x20000)
@@ -214,4 +214,41 @@ def test_kernels_build_load_and_host_side_abi(tmp_path, monkeypatch):
     assert ctx is not None
     lib.p2p_ctx_free(ctx)
     assert native.build("sm_90") == native.build("sm_90")  # cached by source hash
-    monkeypatch.setattr(native, "_lib", None)
+    # the production build has no unfenced-flag mode: a mode bit it does not implement is refused
+    assert lib.p2p_ctx_new(0, 1, 2, 64, 512, 4096, 10**9, bases, None, 32) is None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed here (the GPU probe builds it there)")
+def test_the_unfenced_measurement_build_is_separate_and_accepts_its_mode(tmp_path, monkeypatch):
+    # benchmarks/p2p_unfenced.cu includes kernels.cu and adds mode bit 32 (unsafe, only to price the fence):
+    # it builds to its own library, which accepts that bit, while the production library refuses it
+    from pathlib import Path
+
+    monkeypatch.setenv("DRAFTRELAY_P2P_BUILD", str(tmp_path))
+    monkeypatch.setattr(native, "_libs", {})
+    unfenced = Path(__file__).resolve().parents[1] / "benchmarks" / "p2p_unfenced.cu"
+    assert native.build("sm_90", unfenced) != native.build("sm_90")
+    lib = native.load("sm_90", unfenced)
+    bases = (ctypes.c_void_p * 2)(0x10000, 0x20000)
+    ctx = lib.p2p_ctx_new(0, 1, 2, 64, 512, 4096, 10**9, bases, None, 51)
+    assert ctx is not None
+    lib.p2p_ctx_free(ctx)
+    assert native.load("sm_90").p2p_ctx_new(0, 1, 2, 64, 512, 4096, 10**9, bases, None, 51) is None
+
+
+def test_kernels_cu_numbers_match_the_python_protocol_and_carry_no_unsafe_mode():
+    # the error and mode bits are written twice (kernels.cu, protocol.py): they must agree, and the
+    # production file implements exactly the protocol's modes (the unfenced one lives in benchmarks/)
+    import re
+
+    from draftrelay.p2p import protocol
+
+    text = native.SOURCE.read_text()
+    defines = {m[0]: int(m[1]) for m in re.findall(r"#define ((?:ERR|M)_[A-Z_]+) (\d+)u", text)}
+    for name, value in defines.items():
+        assert getattr(protocol, name) == value, name
+    python_modes = {k for k in dir(protocol) if re.fullmatch(r"M_[A-Z_]+", k)}
+    assert {k for k in defines if k.startswith("M_")} == python_modes
+    assert {v for k, v in defines.items() if k.startswith("ERR_")} == set(protocol.ERR_NAMES)  # every bit named
+    assert "M_FLAG_RELAXED" not in text and "st_relaxed_sys(c.flags" not in text
+    assert protocol.DEFAULT_MODE & ~sum(getattr(protocol, k) for k in python_modes) == 0

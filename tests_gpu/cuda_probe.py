@@ -1,11 +1,11 @@
-"""GPU probes of the CUDA stream backend (issue 3), one command, JSON out. Needs a CUDA GPU, torch and
-cuda-bindings; never collected by CI.
+"""GPU probes of the CUDA stream backend, JSON out. Needs a CUDA GPU, torch and cuda-bindings.
 
-    python tests_gpu/cuda_probe.py --out DIR [--steps env,refusal,lazy,lazy_round,soak,late,graph,...]
+    python tests_gpu/cuda_probe.py --out DIR [--steps env,refusal,lazy,lazy_round,soak,graph,soak_memop]
+    python3 -m pytest -q tests_gpu/test_cuda_probe.py [--out DIR]         # the same steps as tests
 
 Each step runs in its own Python process under a timeout (a fresh process is also a fresh CUDA module
-state, which the lazy-loading step needs), writes DIR/probe_<step>.json, and the parent prints a table
-and writes DIR/cuda_probe.json. Steps:
+state, which the lazy-loading step needs); the results land in DIR/handoff_cuda_probe.json and the
+command prints a table. Steps:
 
   env      device, driver, package versions, device attributes the backend checks
   refusal  refusal paths on the real driver: region already registered, no host-pointer use
@@ -16,13 +16,16 @@ and writes DIR/cuda_probe.json. Steps:
            process releases the flag after a bound so the probe ends) vs the CUDA-free proxy process
            (30 of 30 rounds exact); plus controls
   lazy_round  lazy's main case (30 parked rounds, a fresh module each) on the default round path
-  soak     10,000 faulted rounds through the real proxy process on the CUDA stream: 0 wrong drafts
-  late     the late proxy at every stall point: 12 of 12 stalled rounds exact each
+  soak     10,000 faulted rounds through the real proxy process on the CUDA stream, two of three rounds
+           staged from a device tensor (the engine's gather): 0 wrong drafts
   graph    CUDA graphs: (a) D2H, write and wait nodes, host reset between replays; (b) the same with the
            memop node values updated in the executable graph per replay; (c) the round kernel taking t
            from the device counter: one graph replayed as 20 consecutive rounds, no update, no reset
-  soak_memop, late_memop  soak and late on the memop path (DRAFTRELAY_CUDA_WAIT=memop); soak and late
-           run the default (the round kernel where it is available)
+  soak_memop  soak on the memop path (DRAFTRELAY_CUDA_WAIT=memop); soak runs the default (the round
+           kernel where it is available)
+
+The late-proxy, host-staged soak, refusal and drill scenarios of the CPU tests run on this backend too:
+tests_gpu/test_handoff_scenarios.py.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ import numpy as np
 
 from draftrelay.handoff.procinfo import children, fd_count, machine_info, memfd_maps
 
-STEPS = ("env", "refusal", "lazy", "lazy_round", "soak", "late", "graph", "soak_memop", "late_memop")
-STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 90, "lazy_round": 40, "soak": 70, "late": 50, "graph": 40,
-                  "soak_memop": 70, "late_memop": 50}
+STEPS = ("env", "refusal", "lazy", "lazy_round", "soak", "graph", "soak_memop")
+STEP_TIMEOUT_S = {"env": 30, "refusal": 50, "lazy": 90, "lazy_round": 40, "soak": 70, "graph": 40, "soak_memop": 70}
+RESULT = "handoff_cuda_probe.json"
 _CHECKPOINT = ""  # the step's JSON path: long steps write partial results there as they go
 
 
@@ -242,14 +245,14 @@ def nvrtc_cubins(n: int, tag: str) -> list[tuple[str, np.ndarray]]:
     """n tiny kernels, each its own module (distinct name and constant), compiled ahead of time."""
     import torch
 
-    from draftrelay.handoff.cuda_stream import compile_cuda
+    from draftrelay.cudabuild import nvrtc_cubin
 
     arch = torch.cuda.get_device_capability()
     out = []
     for i in range(n):
         name = f"probe_{tag}_{i}"
         src = f'extern "C" __global__ void {name}(int* p) {{ atomicAdd(p, {i + 1}); }}\n'
-        out.append((name, compile_cuda(src, arch)))
+        out.append((name, nvrtc_cubin(src, arch)))
     return out
 
 
@@ -515,55 +518,10 @@ def step_soak() -> dict:
             "stats": st, "pass": bool(ok and exact > 10_000)}
 
 
-def step_late() -> dict:
-    import torch
-
-    from draftrelay.handoff.region import Status
-    from draftrelay.handoff.rounds import open_rounds
-    from draftrelay.testing import STALL_POINTS
-
-    out: dict = {}
-    eng = torch.cuda.Stream()
-    for point in STALL_POINTS:
-        results, assists, late = [], 0, 0
-        for stall_ms in (30, 45, 70):
-            faults = dict(seed=0, p_stall=1.0, stall_ms=stall_ms, stall_points=[point], every=3)
-            r = open_rounds(cfg(cuda_stream=eng, strict=True, selftest_rounds=0,
-                                round_spec={"kind": "builtin", "faults": faults}))
-            rng = np.random.default_rng(stall_ms)
-            try:
-                for t in range(1, 14):
-                    reqs = make_requests(rng, t)
-                    results.append((reqs, r.result(r.submit(reqs), timeout_s=10)))
-                st = r.stats()
-            finally:
-                r.close()
-            assists += st["watchdog_assists"]
-            late += st["late_discarded"] + st["torn_skipped"] + st["proxy_skipped"]
-        wrong = sum(check_round(q, res)[1] for q, res in results)
-        stalled = [(q, res) for q, res in results if res.round % 3 == 0]
-        exact_stalled = sum(check_round(q, res)[1] == 0 for q, res in stalled)
-        statuses: dict = {}
-        for _, res in stalled:
-            statuses[res.status.name] = statuses.get(res.status.name, 0) + 1
-        out[point] = {"stalled_rounds": len(stalled), "stalled_exact": exact_stalled, "wrong_drafts": wrong,
-                      "rounds": len(results), "stalled_statuses": statuses, "late_or_skipped": late,
-                      "watchdog_assists": assists,
-                      "pass": wrong == 0 and len(stalled) == 12 and exact_stalled == 12
-                      and all(res.status in (Status.OK, Status.WATCHDOG) for _, res in stalled)}
-    out["pass"] = all(v["pass"] for v in out.values() if isinstance(v, dict))
-    return out
-
-
 def step_soak_memop() -> dict:
     """The soak on the memop path (batched write + wait, copies) instead of the default round kernel."""
     os.environ["DRAFTRELAY_CUDA_WAIT"] = "memop"
     return step_soak()
-
-
-def step_late_memop() -> dict:
-    os.environ["DRAFTRELAY_CUDA_WAIT"] = "memop"
-    return step_late()
 
 
 def step_lazy_round() -> dict:
@@ -916,7 +874,7 @@ def summary_line(step: str, r: dict) -> str:
     if "error" in r and step != "lazy":
         return f"ERROR {r['error']}"
     if step == "env":
-        return f"{r.get('nvidia_smi')} torch {r.get('torch')} cuda-bindings {r.get('cuda.bindings')}"
+        return f"{r.get('nvidia_smi')} torch {r.get('torch')} cuda-bindings {r.get('cuda_bindings')}"
     if step == "refusal":
         return "; ".join(f"{k}: {'clean' if v['clean'] and not v['registered_left'] else 'LEAK'}"
                          for k, v in r["cases"].items())
@@ -935,9 +893,6 @@ def summary_line(step: str, r: dict) -> str:
     if step == "lazy_round":
         return (f"{r.get('exact_rounds')}/30 exact, loads after release {r.get('loads_returning_after_release')}, "
                 f"kernels ran {r.get('kernels_all_ran')}")
-    if step in ("late", "late_memop"):
-        return "; ".join(f"{k}: {v['stalled_exact']}/{v['stalled_rounds']} exact, {v['wrong_drafts']} wrong"
-                         for k, v in r.items() if isinstance(v, dict))
     if step == "graph":
         a, b = r.get("reset_replays", {}), r.get("updated_replays", {})
         c = r.get("counter_replays", {})
@@ -947,9 +902,40 @@ def summary_line(step: str, r: dict) -> str:
     return ""
 
 
+def run_step(step: str, out_dir: str) -> dict:
+    """Run one step in a fresh process under its timeout; its result dict (pass=False on a timeout or
+    a crash, with the log's tail)."""
+    if step not in STEPS:
+        raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
+    path = os.path.join(out_dir, f"probe_{step}.json")
+    try:
+        p = subprocess.run([sys.executable, __file__, "--one", step, "--out", out_dir],
+                           timeout=STEP_TIMEOUT_S[step], capture_output=True, text=True)
+        res = json.load(open(path)) if os.path.exists(path) else {"error": f"no result (exit {p.returncode})",
+                                                                   "pass": False}
+        res["log_tail"] = (p.stdout + p.stderr)[-1500:]
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stdout or b"") + (exc.stderr or b"")
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        partial = json.load(open(path)) if os.path.exists(path) else {}
+        res = {**partial, "timed_out": True, "timeout_s": STEP_TIMEOUT_S[step], "pass": False,
+               "log_tail": tail[-1500:]}
+    if os.path.exists(path):
+        os.remove(path)  # merged into RESULT (few files come back from the device)
+    return res
+
+
+def write_results(out_dir: str, results: dict) -> str:
+    path = os.path.join(out_dir, RESULT)
+    with open(path, "w") as f:
+        json.dump({"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}, f,
+                  indent=1, default=str)
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help=f"directory for {RESULT}")
     ap.add_argument("--steps", default=",".join(STEPS))
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -958,29 +944,10 @@ def main() -> int:
         return run_one(args.one, args.out)
     results = {}
     for step in args.steps.split(","):
-        if step not in STEPS:
-            raise SystemExit(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
         t0 = time.monotonic()
-        path = os.path.join(args.out, f"probe_{step}.json")
-        try:
-            p = subprocess.run([sys.executable, __file__, "--one", step, "--out", args.out],
-                               timeout=STEP_TIMEOUT_S[step], capture_output=True, text=True)
-            tail = (p.stdout + p.stderr)[-1500:]
-            results[step] = json.load(open(path)) if os.path.exists(path) else {
-                "error": f"no result (exit {p.returncode})", "pass": False}
-            results[step]["log_tail"] = tail
-        except subprocess.TimeoutExpired as exc:
-            tail = ((exc.stdout or b"") + (exc.stderr or b""))
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            partial = json.load(open(path)) if os.path.exists(path) else {}
-            results[step] = {**partial, "timed_out": True, "timeout_s": STEP_TIMEOUT_S[step], "pass": False,
-                             "log_tail": tail[-1500:]}
-        if os.path.exists(path):
-            os.remove(path)  # merged into cuda_probe.json (few files come back from the device)
+        results[step] = run_step(step, args.out)
         print(f"[{step}] {time.monotonic() - t0:.1f} s pass={results[step].get('pass')}", flush=True)
-    with open(os.path.join(args.out, "cuda_probe.json"), "w") as f:
-        json.dump({"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}, f,
-                  indent=1, default=str)
+    write_results(args.out, results)
     print(f"\n{'step':8} {'pass':5} summary")
     for step, r in results.items():
         try:

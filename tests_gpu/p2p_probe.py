@@ -1,6 +1,9 @@
 """GPU probe of draftrelay.p2p on a pair of GPUs (not collected by CI; run it on the GPU machine).
 
-    python tests_gpu/p2p_probe.py --json out.json [--quick]
+    python tests_gpu/p2p_probe.py [--out DIR] [--quick]       # -> DIR/p2p_probe_pair.json
+    python tests_gpu/p2p_probe.py --one-device [--out DIR]    # one GPU: one_device_pair only
+                                                              #   -> DIR/p2p_probe_one_device.json
+    python3 -m pytest -q tests_gpu/test_probes.py -k p2p      # the same, as tests
 
 Checks (each reported pass/fail with details, the exit code is 1 if any failed):
   pair_random_mixed    randomized sizes/dtypes, mixed all-reduce / argmax exchange bursts, random issue
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -438,36 +442,43 @@ def epoch_exhaustion(group: P2PGroup) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default="p2p_probe.json")
+    ap.add_argument("--out", default=".", help="directory for the result JSON")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--one-device", action="store_true", help="only one_device_pair (both ranks on cuda:0)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--mode", type=int, default=None, help="protocol mode (default: the library's DEFAULT_MODE)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     RESULTS["env"] = env_info()
     print(json.dumps(RESULTS["env"], indent=1)[:1500], flush=True)
-    if torch.cuda.device_count() < 2:
-        print("needs 2 GPUs", flush=True)
+    need = 1 if args.one_device else 2
+    if torch.cuda.device_count() < need:
+        print(f"needs {need} GPU(s)", flush=True)
         return 2
-    t0 = time.monotonic()
-    group = P2PGroup([0, 1], timeout_ms=2000, mode=args.mode)
-    RESULTS["build_and_init_s"] = round(time.monotonic() - t0, 2)
-    RESULTS["group"] = {"blocks": group.blocks, "threads": group.threads, "max_bytes": group.max_bytes,
-                        "mode": group.mode}
-    pair_random_mixed(group, 40 if args.quick else 250, args.seed)
-    one_device_pair(20 if args.quick else 60, args.seed + 1, args.mode)
-    gs = GraphSet(group)
-    graph_replay(group, gs, 300 if args.quick else 3000)
-    missing_peer(group, gs)
-    cancel(group)
-    desync_invalid_id(group)
-    epoch_exhaustion(group)
-    pair_after_faults(group, 20, args.seed + 2)  # still healthy after every fault
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "p2p_probe_one_device.json" if args.one_device else "p2p_probe_pair.json")
+    if args.one_device:
+        one_device_pair(20 if args.quick else 60, args.seed + 1, args.mode)
+    else:
+        t0 = time.monotonic()
+        group = P2PGroup([0, 1], timeout_ms=2000, mode=args.mode)
+        RESULTS["build_and_init_s"] = round(time.monotonic() - t0, 2)
+        RESULTS["group"] = {"blocks": group.blocks, "threads": group.threads, "max_bytes": group.max_bytes,
+                            "mode": group.mode}
+        pair_random_mixed(group, 40 if args.quick else 250, args.seed)
+        one_device_pair(20 if args.quick else 60, args.seed + 1, args.mode)
+        gs = GraphSet(group)
+        graph_replay(group, gs, 300 if args.quick else 3000)
+        missing_peer(group, gs)
+        cancel(group)
+        desync_invalid_id(group)
+        epoch_exhaustion(group)
+        pair_after_faults(group, 20, args.seed + 2)  # still healthy after every fault
     RESULTS["passed"] = sum(c["ok"] for c in RESULTS["checks"].values())
     RESULTS["failed"] = [k for k, c in RESULTS["checks"].items() if not c["ok"]]
-    with open(args.json, "w") as f:
+    with open(path, "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
-    print(f"p2p probe: {RESULTS['passed']} passed, failed: {RESULTS['failed']}", flush=True)
+    print(f"p2p probe: {RESULTS['passed']} passed, failed: {RESULTS['failed']} -> {path}", flush=True)
     return 1 if RESULTS["failed"] else 0
 
 

@@ -5,8 +5,8 @@
 //  * this file includes no torch header, so plain `nvcc -shared` builds it in seconds, and a machine
 //    without a CUDA torch (the CPU dev box, CI) can still compile-check it;
 //  * the .so does not depend on torch's C++ ABI, so a torch upgrade never needs a rebuild;
-//  * pip install never needs nvcc: collectives.py builds this file at first use on the GPU machine
-//    and caches the .so (keyed by source hash and arch).
+//  * pip install never needs nvcc: native.py builds this file at first use on the GPU machine
+//    (draftrelay/cudabuild.py) and caches the .so (keyed by source hash and arch).
 // The kernels launch on the caller's stream handle, so they are captured into CUDA graphs like any
 // torch kernel.
 //
@@ -54,7 +54,12 @@ typedef unsigned long long u64;
 #define M_SINGLE_FLAG 4u    // one flag per op: the last block to finish pushing releases it
 #define M_EAGER_CANCEL 8u   // poll the host cancel word from the first iterations (else after 20 us)
 #define M_BLOCK_EPOCH 16u   // one epoch word per block (no end-of-kernel atomic to find the last block)
-#define M_FLAG_RELAXED 32u  // UNSAFE, measurement only: flags as relaxed stores (prices the release fence)
+// Mode bits this build accepts; p2p_ctx_new refuses any other. A measurement build that includes this
+// file (benchmarks/p2p_unfenced.cu) adds its own bits and its own P2P_FLAG_STORE.
+#ifndef P2P_EXTRA_MODES
+#define P2P_EXTRA_MODES 0u
+#endif
+#define P2P_KNOWN_MODES (M_SPIN_RELAXED | M_ACK_RELAXED | M_SINGLE_FLAG | M_EAGER_CANCEL | M_BLOCK_EPOCH | P2P_EXTRA_MODES)
 
 struct Ctx {
   int rank, nranks, G, threads, dev;
@@ -192,6 +197,12 @@ __device__ __forceinline__ u64 flag_index(const Ctx& c, unsigned parity, int src
   return (((u64)parity * c.nranks + src) * c.G + blk);
 }
 
+// How a flag is published: a release store at system scope, so every push this block made before it
+// is visible to the peer that acquires the flag. (Only a measurement build may redefine it.)
+#ifndef P2P_FLAG_STORE
+#define P2P_FLAG_STORE(c, p, v) st_release_sys((p), (v))
+#endif
+
 // Step 2b: publish our flags on every peer (after a barrier that ends every thread's pushes).
 // Per-block: each block releases its own flag. M_SINGLE_FLAG: each block arrives on a local counter
 // (acq_rel, gpu scope: orders its pushes before the arrival); the last one releases one flag per peer
@@ -206,10 +217,7 @@ __device__ void publish_flags(const Ctx& c, unsigned e, unsigned tag) {
         c.hdr[c.rank][H_ARRIVE] = 0u;  // the next launch (stream order) starts from zero
         for (int k = 1; k < c.nranks; ++k) {
           int q = (c.rank + k) % c.nranks;
-          if (c.mode & M_FLAG_RELAXED)
-            st_relaxed_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
-          else
-            st_release_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
+          P2P_FLAG_STORE(c, c.flags[q] + flag_index(c, e & 1u, c.rank), val);
         }
       }
     }
@@ -217,10 +225,7 @@ __device__ void publish_flags(const Ctx& c, unsigned e, unsigned tag) {
   }
   if (t >= 1 && t < c.nranks) {
     int q = (c.rank + t) % c.nranks;
-    if (c.mode & M_FLAG_RELAXED)
-      st_relaxed_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
-    else
-      st_release_sys(c.flags[q] + flag_index(c, e & 1u, c.rank), val);
+    P2P_FLAG_STORE(c, c.flags[q] + flag_index(c, e & 1u, c.rank), val);
   }
 }
 
@@ -732,6 +737,7 @@ static void layout(char* base, int nranks, int G, unsigned** hdr, u64** flags, u
 void* p2p_ctx_new(int dev, int rank, int nranks, int G, int threads, u64 region, u64 timeout_ns, void** bases,
                   void* cancel_dev, unsigned mode) {
   if (nranks < 1 || nranks > P2P_MAXR || rank < 0 || rank >= nranks || G < 1 || region % 16) return nullptr;
+  if (mode & ~P2P_KNOWN_MODES) return nullptr;  // a mode bit this build does not implement
   Ctx* c = new Ctx();
   c->dev = dev;
   c->mode = mode;

@@ -1,21 +1,16 @@
-"""Builds kernels.cu with nvcc at first use and loads it with ctypes.
+"""Loads the P2P kernels (kernels.cu, built with nvcc by draftrelay.cudabuild) with ctypes.
 
-Why not torch.utils.cpp_extension: kernels.cu includes no torch header and exposes a C ABI, so plain
-`nvcc -shared` builds it in a few seconds (a torch extension takes about a minute: torch's headers are
-heavy), the .so never depends on torch's C++ ABI, and a box without a CUDA torch can still
-compile-check it. `pip install` never needs nvcc: the build happens here, once per (source, arch),
-cached under $DRAFTRELAY_P2P_BUILD (default ~/.cache/draftrelay/p2p).
+The library is built at first use, once per (source, arch), cached under $DRAFTRELAY_P2P_BUILD
+(default ~/.cache/draftrelay/p2p); `pip install` never needs nvcc.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
+
+from draftrelay import cudabuild
 
 SOURCE = Path(__file__).resolve().parent / "kernels.cu"
 
@@ -46,49 +41,31 @@ _SIGS: dict[str, tuple] = {
     "p2p_preload": (_int, _p),
 }
 
-_lib: ctypes.CDLL | None = None
+_libs: dict[Path, ctypes.CDLL] = {}  # one loaded library per source (production, or a measurement build)
 
 
 def build_dir() -> Path:
     return Path(os.environ.get("DRAFTRELAY_P2P_BUILD", Path.home() / ".cache" / "draftrelay" / "p2p"))
 
 
-def nvcc_command(arch: str, out: Path) -> list[str]:
-    nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    return [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-o", str(out), str(SOURCE)]
+def build(arch: str, source: Path = SOURCE) -> Path:
+    """Compile `source` (kernels.cu, or a file that includes it) for `arch` (e.g. sm_90) unless a cached
+    build of these exact bytes exists."""
+    stem = "libdraftrelay_p2p" if source == SOURCE else f"libdraftrelay_p2p_{source.stem}"
+    depends = () if source == SOURCE else (SOURCE,)
+    return cudabuild.nvcc_library(source, arch, build_dir(), stem, include_dirs=(SOURCE.parent,), depends=depends)
 
 
-def build(arch: str) -> Path:
-    """Compile kernels.cu for `arch` (e.g. sm_90) unless a cached build of this exact source exists."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + arch.encode()).hexdigest()[:16]
-    out_dir = build_dir()
-    out = out_dir / f"libdraftrelay_p2p_{arch}_{digest}.so"
-    if out.exists():
-        return out
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        tmp_out = Path(tmp) / out.name
-        cmd = nvcc_command(arch, tmp_out)
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except FileNotFoundError as exc:
-            raise RuntimeError(f"draftrelay.p2p needs nvcc to build {SOURCE.name}: {cmd[0]} not found") from exc
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed building {SOURCE}:\n{proc.stderr[-4000:]}")
-        os.replace(tmp_out, out)  # atomic: concurrent builders never see a half-written .so
-    return out
-
-
-def load(arch: str) -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
-        lib = ctypes.CDLL(str(build(arch)))
+def load(arch: str, source: Path = SOURCE) -> ctypes.CDLL:
+    lib = _libs.get(source)
+    if lib is None:
+        lib = ctypes.CDLL(str(build(arch, source)))
         for name, (restype, *argtypes) in _SIGS.items():
             fn = getattr(lib, name)
             fn.restype = restype
             fn.argtypes = list(argtypes)
-        _lib = lib
-    return _lib
+        _libs[source] = lib
+    return lib
 
 
 def check(lib: ctypes.CDLL, rc: int, what: str) -> None:

@@ -43,8 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from draftrelay.model import ModelConfig, Transformer, apply_rope, attend, rms_norm, rope_inv_freq, step_tables
-from draftrelay.p2p import EmulatedGroup, P2PError, P2PGroup
-from draftrelay.p2p.collectives import MAX_RANKS
+from draftrelay.p2p import MAX_RANKS, EmulatedGroup, P2PError, P2PGroup, StandInGroup
 from draftrelay.worker.core import StepFailed
 from draftrelay.worker.drafters import (
     PAD_LIMIT,
@@ -172,38 +171,6 @@ def shard_model(model: Transformer, world: int, rank: int, device: torch.device 
     head = embed[v0:v1] if model.lm_head is None else rows(model.lm_head.weight, v0, v1)
     return RankShard(rank, dev, (h0, h1), (k0, k1), (c0, c1), (v0, v1), embed,
                      model.norm.weight.detach().to(dev, copy=True), head, layers, rope_inv_freq(cfg).to(dev))
-
-
-class StandInGroup:
-    """Collectives for one rank alone: the identity. Exact for world 1 (the unsplit code); for `solo`
-    (rank 0 of a larger split) it only stands in, to time a rank's own work."""
-
-    world_size = 1
-
-    def all_reduce(self, rank, x, out=None, stream=None):
-        return x if out is None else out.copy_(x)
-
-    def shard_argmax(self, rank, logits, offset, top2=False, stream=None):
-        v, i = logits.max(dim=-1)  # the first maximal index, as argmax
-        return v.float(), i + offset, None
-
-    def argmax_exchange(self, rank, val, idx, val2=None, *, vocab, out=None, stream=None):
-        return val, idx, val2
-
-    def errors(self):
-        return [0]
-
-    def check(self):
-        return None
-
-    def reset(self, *a, **k):
-        return None
-
-    def cancel(self):
-        return None
-
-    def close(self):
-        return None
 
 
 class _Static:

@@ -1,20 +1,9 @@
-"""P2P collectives for tensor-parallel drafting: one controller process, N ranks (one GPU each).
+"""P2PGroup: the real collectives between the GPUs of one host (kernels.cu, loaded by native.py).
 
-Three implementations of the same math, bit for bit:
-
-* `P2PGroup` - the real thing: CUDA kernels (kernels.cu) that push each rank's payload over NVLink
-  into the peers' receive buffers, signal with system-scope release stores, wait with bounded acquire
-  loads and combine in fp32 in rank order. Graph-capturable: per-rank calls launch on that rank's
-  current stream and keep all state on the device.
-* `EmulatedGroup` - torch ops on any device (CPU included): the development mode of the TP2 worker.
-  Rank r's call returns its output tensor, which is filled once every rank has made the same call
-  (single-controller lockstep: the controller issues each op for every rank in turn).
-* `reference_*` - the oracle: plain torch copies to every rank's device and fp32 adds.
-
-Math (identical everywhere): all-reduce out = dtype(((x0 + x1) + x2) + ...) with every term in fp32,
-one rounding at the end; argmax exchange per row: the best (value, id) over ranks, a NaN value beats
-any number, equal values go to the lower id; top2 = the larger of the winner's own runner-up and every
-other rank's best value.
+Each rank pushes its payload over NVLink into the peers' receive buffers, signals with system-scope
+release stores, waits with bounded acquire loads and combines in fp32 in rank order (reference.py's
+math, bit for bit). Graph-capturable: per-rank calls launch on that rank's current stream and keep all
+state on the device. docs/P2P.md has the protocol and the figures.
 """
 
 from __future__ import annotations
@@ -23,278 +12,22 @@ import contextlib
 import ctypes
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-# error bits (the same in kernels.cu)
-ERR_LOCAL_TIMEOUT = 1
-ERR_PEER_TIMEOUT = 2
-ERR_INVALID_ID = 4
-ERR_CANCELLED = 8
-ERR_EPOCH_EXHAUSTED = 16
-ERR_NAMES = {
-    ERR_LOCAL_TIMEOUT: "local timeout",
-    ERR_PEER_TIMEOUT: "peer timeout",
-    ERR_INVALID_ID: "invalid id",
-    ERR_CANCELLED: "cancelled",
-    ERR_EPOCH_EXHAUSTED: "epoch exhausted",
-}
-
-# protocol mode bits (kernels.cu); docs/P2P.md has what each costs on the H200 pair
-M_SPIN_RELAXED = 1  # spin with relaxed loads, one acquire load once the flag is there
-M_ACK_RELAXED = 2  # consumption acks as relaxed stores (the reads they cover completed before a barrier)
-M_SINGLE_FLAG = 4  # one flag per op released by the last block (instead of one per block)
-M_EAGER_CANCEL = 8  # poll the host cancel word (a PCIe read) from the start of every wait: ~1 us per block
-M_BLOCK_EPOCH = 16  # one epoch word per block: no end-of-kernel atomic on the critical path
-M_FLAG_RELAXED = 32  # UNSAFE (no ordering of the payload before the flag): only to price the release fence
-DEFAULT_MODE = M_SPIN_RELAXED | M_ACK_RELAXED | M_BLOCK_EPOCH
-
-KIND_ALL_REDUCE = 1
-KIND_ARGMAX = 2
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-MAX_RANKS = 8
-
-
-def describe_error(bits: int) -> str:
-    names = [name for bit, name in ERR_NAMES.items() if bits & bit]
-    return ", ".join(names) if names else "ok"
-
-
-class P2PError(RuntimeError):
-    """A collective failed (timeout, desync, cancel, exhaustion) or the group refuses launches."""
-
-    def __init__(self, message: str, errors: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.errors = list(errors)
-
-
-def op_tag(kind: int, code: int, n: int) -> int:
-    """32-bit tag carried in every flag: both ranks must run the same collective on the same size."""
-    return ((kind & 0xF) | ((code & 0xF) << 4) | ((n & 0xFFFFFF) << 8)) & 0xFFFFFFFF
-
-
-def _check_payload(x: torch.Tensor, what: str) -> None:
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"{what}: dtype {x.dtype} is not supported (float32 or bfloat16)")
-    if not x.is_contiguous():
-        raise ValueError(f"{what}: tensor must be contiguous")
-
-
-def _check_argmax_inputs(val: torch.Tensor, idx: torch.Tensor, val2: torch.Tensor | None) -> None:
-    if val.dim() != 1 or val.dtype != torch.float32 or not val.is_contiguous():
-        raise ValueError(
-            f"argmax_exchange: val must be a contiguous 1-D float32 tensor, got {val.dtype} {tuple(val.shape)}"
-        )
-    if idx.shape != val.shape or idx.dtype != torch.int64 or not idx.is_contiguous():
-        raise ValueError(f"argmax_exchange: idx must be contiguous int64 of shape {tuple(val.shape)}")
-    if val2 is not None and (val2.shape != val.shape or val2.dtype != torch.float32 or not val2.is_contiguous()):
-        raise ValueError(f"argmax_exchange: val2 must be contiguous float32 of shape {tuple(val.shape)}")
-
-
-# --------------------------------------------------------------------------------------------------
-# the math, in torch (shared by the emulation and the oracle)
-
-
-def sum_in_rank_order(terms: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    acc = terms[0].to(torch.float32)
-    for t in terms[1:]:
-        acc = acc + t.to(torch.float32)
-    return acc.to(dtype)
-
-
-def _better(av: torch.Tensor, ai: torch.Tensor, bv: torch.Tensor, bi: torch.Tensor) -> torch.Tensor:
-    an, bn = torch.isnan(av), torch.isnan(bv)
-    return torch.where(an != bn, an, torch.where(~an & (av != bv), av > bv, ai < bi))
-
-
-def combine_argmax(
-    v1s: Sequence[torch.Tensor], ids: Sequence[torch.Tensor], v2s: Sequence[torch.Tensor | None]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge per-rank (top1, id, top2) rows in rank order, as the kernel does."""
-    wv, wi = v1s[0], ids[0]
-    wk = torch.zeros_like(ids[0])
-    for k in range(1, len(v1s)):
-        b = _better(v1s[k], ids[k], wv, wi)
-        wv, wi = torch.where(b, v1s[k], wv), torch.where(b, ids[k], wi)
-        wk = torch.where(b, torch.full_like(wk, k), wk)
-    s2 = torch.full_like(wv, float("-inf"))
-    for k in range(len(v1s)):
-        own2 = v2s[k] if v2s[k] is not None else torch.full_like(wv, float("-inf"))
-        cand = torch.where(wk == k, own2, v1s[k])
-        s2 = torch.where(cand > s2, cand, s2)
-    return wv, wi, s2
-
-
-def reference_shard_argmax(
-    logits: torch.Tensor, offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(top1 value, lowest id of it + offset, top2 value) per row; a NaN counts as the largest value."""
-    if logits.dim() != 2 or logits.shape[1] < 1:
-        raise ValueError(f"shard_argmax: logits must be 2-D [rows, V>=1], got {tuple(logits.shape)}")
-    x = logits.to(torch.float32)
-    rows, v = x.shape
-    ar = torch.arange(v, device=x.device).expand(rows, v)
-    nan = torch.isnan(x)
-    big = torch.full_like(ar, v)
-    x_nonan = torch.where(nan, torch.full_like(x, float("-inf")), x)
-    m = x_nonan.max(dim=1).values
-    first_max = torch.where(x_nonan == m[:, None], ar, big).min(dim=1).values
-    first_nan = torch.where(nan, ar, big).min(dim=1).values
-    has_nan = nan.any(dim=1)
-    idx = torch.where(has_nan, first_nan, first_max)
-    v1 = torch.where(has_nan, torch.full_like(m, float("nan")), m)
-    if v >= 2:
-        v2 = torch.topk(x_nonan, 2, dim=1).values[:, 1].contiguous()
-    else:
-        v2 = torch.full_like(m, float("-inf"))
-    return v1, idx.to(torch.int64) + offset, v2
-
-
-def reference_all_reduce(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The oracle: every rank copies every payload to its own device, adds in fp32 in rank order."""
-    outs = []
-    for x in xs:
-        gathered = [t.to(x.device, copy=True) for t in xs]
-        outs.append(sum_in_rank_order(gathered, x.dtype))
-    return outs
-
-
-def reference_argmax(shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The oracle for a vocabulary split: argmax of the concatenated logits (rank 0 = lowest ids)."""
-    full = torch.cat([s.to(shards[0].device, torch.float32) for s in shards], dim=1)
-    return reference_shard_argmax(full, 0)
-
-
-# --------------------------------------------------------------------------------------------------
-# emulation
-
-
-@dataclass
-class _Pending:
-    kind: int
-    tag: int
-    inputs: dict[int, tuple] = field(default_factory=dict)
-    outputs: dict[int, tuple] = field(default_factory=dict)
-
-
-class EmulatedGroup:
-    """All ranks in one process on any device(s), collectives as torch ops; the same bits as the pair.
-
-    Rank r's k-th collective joins every other rank's k-th one; the outputs are written when the last
-    rank arrives (so in-place calls are fine: inputs are copied at call time). Mismatched collectives
-    (kind or size) poison the group with ERR_INVALID_ID, like the pair.
-    """
-
-    def __init__(self, world_size: int) -> None:
-        if not 1 <= world_size <= MAX_RANKS:
-            raise ValueError(f"world_size must be 1..{MAX_RANKS}, got {world_size}")
-        self.world_size = world_size
-        self._err = [0] * world_size
-        self._seq = [0] * world_size
-        self._ops: dict[int, _Pending] = {}
-
-    # --- the common API ---
-    def preload(self) -> None:
-        return None
-
-    def errors(self) -> list[int]:
-        return list(self._err)
-
-    def check(self) -> None:
-        if any(self._err):
-            raise P2PError(f"collective failed: {[describe_error(e) for e in self._err]}", self._err)
-
-    def reset(self, epoch_base: int = 0) -> None:
-        self._err = [0] * self.world_size
-        self._seq = [0] * self.world_size
-        self._ops.clear()
-
-    def pending(self) -> int:
-        return len(self._ops)
-
-    # no waits to bound or interrupt here; kept so the worker can swap the two groups
-    def set_timeout(self, timeout_ms: float) -> None:
-        return None
-
-    def cancel(self) -> None:
-        return None
-
-    def close(self) -> None:
-        self.reset()
-
-    def all_reduce(
-        self, rank: int, x: torch.Tensor, out: torch.Tensor | None = None, stream: object = None
-    ) -> torch.Tensor:
-        _check_payload(x, "all_reduce")
-        out = torch.empty_like(x) if out is None else out
-        if out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError("all_reduce: out must match x in shape and dtype")
-        self._join(rank, KIND_ALL_REDUCE, op_tag(KIND_ALL_REDUCE, _DTYPES[x.dtype], x.numel()), (x.clone(),), (out,))
-        return out
-
-    def argmax_exchange(
-        self, rank: int, val: torch.Tensor, idx: torch.Tensor, val2: torch.Tensor | None = None, *, vocab: int,
-        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None, stream: object = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        _check_argmax_inputs(val, idx, val2)
-        if out is None:
-            out = (torch.empty_like(val), torch.empty_like(idx), None if val2 is None else torch.empty_like(val))
-        tag = op_tag(KIND_ARGMAX, 0, val.numel())
-        inputs = (val.clone(), idx.clone(), None if val2 is None else val2.clone(), vocab)
-        self._join(rank, KIND_ARGMAX, tag, inputs, out)
-        return out
-
-    def shard_argmax(
-        self, rank: int, logits: torch.Tensor, offset: int, top2: bool = False, stream: object = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        v1, idx, v2 = reference_shard_argmax(logits, offset)
-        return v1, idx, (v2 if top2 else None)
-
-    # --- internals ---
-    def _join(self, rank: int, kind: int, tag: int, inputs: tuple, outputs: tuple) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range 0..{self.world_size - 1}")
-        if any(self._err):
-            raise P2PError(f"group is poisoned ({describe_error(max(self._err))}); reset() it first", self._err)
-        k = self._seq[rank]
-        self._seq[rank] += 1
-        op = self._ops.setdefault(k, _Pending(kind, tag))
-        if op.tag != tag:
-            self._err = [ERR_INVALID_ID] * self.world_size
-            raise P2PError(f"rank {rank}'s collective #{k} does not match its peers' (kind/size differ)", self._err)
-        op.inputs[rank] = inputs
-        op.outputs[rank] = outputs
-        if len(op.inputs) < self.world_size:
-            return
-        del self._ops[k]
-        ranks = range(self.world_size)
-        if kind == KIND_ALL_REDUCE:
-            for r in ranks:
-                dev = op.outputs[r][0].device
-                res = sum_in_rank_order([op.inputs[q][0].to(dev) for q in ranks], op.outputs[r][0].dtype)
-                op.outputs[r][0].copy_(res)
-            return
-        vocab = op.inputs[0][3]
-        for r in ranks:
-            o1, oi, o2 = op.outputs[r]
-            dev = o1.device
-            ids = [op.inputs[q][1].to(dev) for q in ranks]
-            if any(bool(((i < 0) | (i >= vocab)).any()) for i in ids):
-                self._err = [ERR_INVALID_ID] * self.world_size
-                raise P2PError("argmax_exchange: an id outside [0, vocab) was exchanged", self._err)
-            v1, i1, s2 = combine_argmax(
-                [op.inputs[q][0].to(dev) for q in ranks], ids,
-                [None if op.inputs[q][2] is None else op.inputs[q][2].to(dev) for q in ranks],
-            )
-            o1.copy_(v1)
-            oi.copy_(i1)
-            if o2 is not None:
-                o2.copy_(s2)
-
-
-# --------------------------------------------------------------------------------------------------
-# the real pair
+from .protocol import (
+    DEFAULT_MODE,
+    DTYPE_CODES,
+    KIND_ALL_REDUCE,
+    KIND_ARGMAX,
+    MAX_RANKS,
+    P2PError,
+    check_argmax_inputs,
+    check_payload,
+    describe_error,
+    op_tag,
+)
 
 
 def _on(stream: torch.cuda.Stream | None):
@@ -314,6 +47,10 @@ class P2PGroup:
     launched its half; the controller issues each op for every rank in turn (never wait on rank 0's
     output before launching rank 1's half). After a step, call `check()` (or `errors()`).
     """
+
+    # The kernels' source: None = p2p/kernels.cu. Only a measurement build (a benchmark's subclass)
+    # points it at a file that includes kernels.cu with extra, unsafe modes.
+    kernels: Path | None = None
 
     def __init__(
         self, devices: Sequence[int | torch.device], *, max_bytes: int = 2 << 20, blocks: int = 64,
@@ -337,7 +74,7 @@ class P2PGroup:
         self.max_bytes = self.region * blocks
         self.timeout_ms = float(timeout_ms)
         self.mode = DEFAULT_MODE if mode is None else int(mode)
-        self._lib = native.load(_arch_for(self.devices[0]))
+        self._lib = native.load(_arch_for(self.devices[0]), self.kernels or native.SOURCE)
         self._check = native.check
         self._poisoned = 0
         self._dead = ""
@@ -379,7 +116,7 @@ class P2PGroup:
                 ctx = lib.p2p_ctx_new(d, r, self.world_size, blocks, threads, self.region,
                                       int(self.timeout_ms * 1e6), bases, cancel_dev, self.mode)
                 if not ctx:
-                    raise RuntimeError("p2p_ctx_new refused its arguments")
+                    raise RuntimeError(f"p2p_ctx_new refused its arguments (or mode {self.mode:#x} of this build)")
                 self._ctx.append(ctx)
                 s = ctypes.c_void_p()
                 self._check(lib, lib.p2p_stream_create(d, ctypes.byref(s)), "side stream")
@@ -503,7 +240,7 @@ class P2PGroup:
     def all_reduce(
         self, rank: int, x: torch.Tensor, out: torch.Tensor | None = None, stream: torch.cuda.Stream | None = None
     ) -> torch.Tensor:
-        _check_payload(x, "all_reduce")
+        check_payload(x, "all_reduce")
         if x.numel() * x.element_size() > self.max_bytes:
             nbytes = x.numel() * x.element_size()
             raise ValueError(f"all_reduce: {nbytes} B exceeds the group's capacity {self.max_bytes} B")
@@ -513,7 +250,7 @@ class P2PGroup:
         if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
             raise ValueError("all_reduce: out must be contiguous and match x in shape and dtype")
         handle = self._launch_prep(rank, (x, out), stream)
-        code = _DTYPES[x.dtype]
+        code = DTYPE_CODES[x.dtype]
         rc = self._lib.p2p_allreduce(self._ctx[rank], code, x.data_ptr(), out.data_ptr(), x.numel(),
                                      op_tag(KIND_ALL_REDUCE, code, x.numel()), 0, handle)
         self._check(self._lib, rc, "all_reduce launch")
@@ -524,7 +261,7 @@ class P2PGroup:
         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        _check_argmax_inputs(val, idx, val2)
+        check_argmax_inputs(val, idx, val2)
         if not 0 < vocab < 2**31:
             raise ValueError(f"argmax_exchange: vocab must be in 1..2**31-1, got {vocab}")
         if out is None:
@@ -547,7 +284,7 @@ class P2PGroup:
         stream: torch.cuda.Stream | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Local (no communication) deterministic (top1, lowest id + offset, top2) per row of a shard."""
-        if logits.dim() != 2 or logits.shape[1] < 1 or logits.stride(1) != 1 or logits.dtype not in _DTYPES:
+        if logits.dim() != 2 or logits.shape[1] < 1 or logits.stride(1) != 1 or logits.dtype not in DTYPE_CODES:
             raise ValueError("shard_argmax: logits must be [rows, V>=1], float32/bfloat16, unit stride in V")
         rows = logits.shape[0]
         with _on(stream):
@@ -556,7 +293,7 @@ class P2PGroup:
             o2 = torch.empty_like(o1) if top2 else None
         handle = self._launch_prep(rank, (logits,), stream)
         rc = self._lib.p2p_shard_argmax(
-            self.devices[rank].index, _DTYPES[logits.dtype], logits.data_ptr(), rows, logits.shape[1],
+            self.devices[rank].index, DTYPE_CODES[logits.dtype], logits.data_ptr(), rows, logits.shape[1],
             logits.stride(0), offset, o1.data_ptr(), oi.data_ptr(), None if o2 is None else o2.data_ptr(), 0, handle)
         self._check(self._lib, rc, "shard_argmax launch")
         return o1, oi, o2
