@@ -14,6 +14,8 @@ from draftrelay.checkpoint import hf
 from draftrelay.checkpoint.tokenizer import HFTokenizer
 from draftrelay.wire.protocol import tokenizer_hash_of_dir
 
+from .calibrate import round_settings  # noqa: F401  (the CLIs' one import of what loading shares)
+
 
 class ByteTokenizer:
     """The tiny models' vocabulary: the 256 byte values (prompts are UTF-8 bytes)."""
@@ -100,14 +102,31 @@ def drafter_model_id(spec: str) -> str:
     return os.path.basename(os.path.abspath(spec)) if os.path.isdir(spec) or is_gguf(spec) else ""
 
 
-def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int):
-    """A `draftrelay worker` child process on a free loopback port."""
+def default_threads() -> int:
+    """The CPU threads this process may use (its affinity mask, not the machine's core count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int,
+                       threads: int = 0):
+    """A `draftrelay worker` child process on a free loopback port.
+
+    threads (CPU): the worker's torch threads; 0 = every core this process may use. The target and
+    a local drafter take turns (the target waits while a round is out and the drafter idles during the
+    verify), so each may use all the cores; 'tiny' stays single-threaded, where it runs fastest."""
     from draftrelay.worker.process import start_worker_process
 
     args = ["--model", drafter, "--device", str(device), "--n-out-max", str(max(8, n_draft)),
             *(["--dtype", "float32"] if drafter == "tiny" else []),
             "--max-ctx", str(max_ctx), "--rows", str(max(16, rows)), "--max-requests", str(max(16, rows))]
-    env = {"OMP_NUM_THREADS": "1"} if device.type == "cpu" else None  # leave the cores to the target
+    env = None
+    if device.type == "cpu":
+        n = threads or (1 if drafter == "tiny" else default_threads())
+        args += ["--threads", str(n)]
+        env = {"OMP_NUM_THREADS": str(n)}
     return start_worker_process(args, env=env)
 
 
