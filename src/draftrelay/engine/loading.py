@@ -111,16 +111,17 @@ def default_threads() -> int:
 
 
 def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int,
-                       threads: int = 0):
+                       threads: int = 0, dtype: str = ""):
     """A `draftrelay worker` child process on a free loopback port.
 
     threads (CPU): the worker's torch threads; 0 = every core this process may use. The target and
     a local drafter take turns (the target waits while a round is out and the drafter idles during the
-    verify), so each may use all the cores; 'tiny' stays single-threaded, where it runs fastest."""
+    verify), so each may use all the cores; 'tiny' stays single-threaded, where it runs fastest.
+    dtype: the drafter's compute dtype ("": the worker's default; float32 for 'tiny')."""
     from draftrelay.worker.process import start_worker_process
 
     args = ["--model", drafter, "--device", str(device), "--n-out-max", str(max(8, n_draft)),
-            *(["--dtype", "float32"] if drafter == "tiny" else []),
+            *(["--dtype", dtype or "float32"] if drafter == "tiny" or dtype else []),
             "--max-ctx", str(max_ctx), "--rows", str(max(16, rows)), "--max-requests", str(max(16, rows))]
     env = None
     if device.type == "cpu":
