@@ -104,3 +104,12 @@ def test_local_cpu_worker_gets_every_allowed_core(monkeypatch):
     assert seen["args"][-2:] == ["--threads", "3"]
     L.start_local_worker("tiny", cpu, 4, 256, 1)
     assert seen["args"][-2:] == ["--threads", "1"]  # the tiny drafter runs fastest on one thread
+
+
+def test_cpu_hand_off_blocks_and_its_watchdog_polls_at_a_share_of_the_deadline():
+    spec = {"kind": "worker", "host": "127.0.0.1", "port": 1}
+    cpu = L.handoff_config(spec, torch.device("cpu"), 12_000.0, True, round_budget_ms=11_950.0)
+    assert cpu.wait_mode == "block" and cpu.watchdog_poll_us == 120_000 and cpu.round_budget_ms == 11_950.0
+    assert L.handoff_config(spec, torch.device("cpu"), 50.0, True).watchdog_poll_us == 1000  # never below 1 ms
+    gpu = L.handoff_config(spec, torch.device("cuda"), 12_000.0, False)
+    assert gpu.wait_mode == "poll" and gpu.watchdog_poll_us == 1000  # the GPU path keeps its settings

@@ -17,7 +17,9 @@ exponential average of what was measured, and for depths/widths not measured yet
 through those that were (both are close to linear in k on CPU and GPU alike). Until both the width-1
 and the deepest verify have been timed once, and a round at two depths (unless `round_costs` seeded
 them: engine/calibrate.py measures the worker before decoding), the policy explores those first.
-Acceptance counts decay per round (`decay`), so the estimate follows the text it is drafting; a
+One depth serves the whole batch (the verify is as wide as its longest draft), and costs are kept by
+depth and width only: a change of batch size moves them, and the running averages follow within a
+few steps. Acceptance counts decay per round (`decay`), so the estimate follows the text it is drafting; a
 position not tried yet is estimated from the one before it (shrunk toward it with `prior_weight`).
 
 Greedy output never depends on k (a kept draft equals the target's own argmax), so the policy changes

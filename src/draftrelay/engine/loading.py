@@ -148,6 +148,8 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
     from draftrelay.handoff.rounds import HandoffConfig
 
     spin, nap = SPIN_NAP_US["cuda" if device.type == "cuda" else "cpu"]
+    if device.type == "cpu":  # the watchdog wakes every 1 % of its deadline (1 ms at least): a CPU is shared
+        fields.setdefault("watchdog_poll_us", max(1000, int(deadline_ms * 10)))
     return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,
                          backend="cuda" if device.type == "cuda" else "emulated",
                          cuda_wait="memop" if worker_shares_gpu and device.type == "cuda" else "", **fields)
