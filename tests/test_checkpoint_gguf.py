@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import quants
 
 from draftrelay.checkpoint import gguf as G
 from draftrelay.checkpoint.hf import hf_name, load_hf_dir, save_hf_dir
@@ -261,3 +262,41 @@ def test_gguf_metadata_json_safe(tmp_path):
     ck = G.read_gguf(path)
     json.dumps(ck.meta)  # scalars only: the arrays (vocabulary) are not kept in meta
     assert "tokenizer.ggml.tokens" not in ck.meta and len(ck.vocab.tokens) == 256
+
+
+# ---- the engine and the worker on GGUF files -------------------------------------------------------------
+
+
+def test_generate_with_a_gguf_pair_equals_off_mode(tmp_path, capsys):
+    """The tiny pair as two GGUF files (Q8_0 and F16): the target through load_target, the drafter through the
+    local worker's load_drafter; the handshake compares the GGUF vocabularies' digests."""
+    from draftrelay import cli
+    from draftrelay.model import tiny_pair
+
+    target, drafter = tiny_pair()
+    paths = [str(tmp_path / "target.gguf"), str(tmp_path / "drafter.gguf")]
+    def q8_or_f16(name, a):  # rows of 176 values are no whole Q8_0 blocks: F16 there, as llama.cpp falls back
+        return (quants.quantize(a, Q.Q8_0), Q.Q8_0) if a.shape[-1] % 32 == 0 else (a.astype(np.float16), Q.F16)
+
+    for model, path in zip((target, drafter), paths, strict=True):
+        write_gguf(model, path, "llama", quantize=q8_or_f16)
+    outs = {}
+    for mode in ("off", "sync"):
+        js = tmp_path / f"{mode}.json"
+        assert cli.main(["generate", "Hello", "--model", paths[0], "--drafter", paths[1], "--mode", mode,
+                         "--max-tokens", "16", "--device", "cpu", "--json", str(js)]) == 0
+        outs[mode] = capsys.readouterr().out
+        if mode == "sync":
+            m = json.loads(js.read_text())["total"]
+            assert m["rounds"]["ok"] > 0 and m["mean_accepted"] > 0.5  # the worker drafted from the GGUF drafter
+    assert outs["off"].startswith("Hello") and outs["sync"] == outs["off"]
+
+
+def test_load_drafter_reads_gguf(tmp_path):
+    from draftrelay.worker.drafters import load_drafter
+
+    path = tmp_path / "d.gguf"
+    write_gguf(model_for("qwen2"), path, "qwen2", Q.F16)
+    d = load_drafter(str(path), n_rows=2, max_ctx=64)
+    assert d.model_id == "d.gguf" and d.tokenizer_hash == G.read_gguf(path).vocab.digest()
+    assert d.model.cfg.qkv_bias and d.vocab_size == 256
