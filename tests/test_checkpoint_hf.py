@@ -185,7 +185,7 @@ def test_logits_equal_huggingface_transformers(tmp_path, kind):
 @pytest.mark.parametrize("over,match", [
     ({"model_type": "gemma2"}, "model_type 'gemma2' is not supported"),
     ({"model_type": ...}, "model_type None is not supported"),
-    ({"architectures": ["Qwen3ForCausalLM"]}, "architecture.*Qwen3ForCausalLM.*not supported"),
+    ({"architectures": ["Gemma2ForCausalLM"]}, "architecture.*Gemma2ForCausalLM.*not supported"),
     ({"model_type": "mistral", "sliding_window": 4096}, "sliding-window attention \\(sliding_window=4096\\)"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding-window attention"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),

@@ -51,7 +51,7 @@ def test_tp_pair_without_two_gpus_is_named():
 
 
 def test_bad_model_dir_is_named(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
     out = run_cli("--model", str(tmp_path))
     assert out.returncode == 2 and "missing field 'hidden_size'" in out.stderr, out.stderr
 

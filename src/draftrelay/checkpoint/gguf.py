@@ -6,10 +6,10 @@ architecture, a tensor the model has no place for (the decoder would silently ig
 other than linear, sliding-window attention, partial rotary dims.
 
 Memory: GGUFReader parses the header only (its memory map is dropped once the tensor table is read). The
-tensor data is read through one read-only map of the file, a few rows at a time: each slice is
-dequantized straight into the preallocated parameter and its pages are released from the process right
-after, so the peak stays near the loaded model's own size (plus one slice of temporaries), not model +
-file + a full-size float32 copy of the largest tensor.
+tensor data is read through one read-only map of the file, a few rows at a time (slices on one thread
+per core): each slice is dequantized straight into the preallocated parameter and its pages are
+released from the process right after, so the peak stays near the loaded model's own size (plus a slice
+of temporaries per thread), not model + file + a full-size float32 copy of the largest tensor.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,9 +192,10 @@ def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
     return np.argsort(src_of_dst)
 
 
-def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu",
-              dtype: torch.dtype | None = None, checkpoint: GGUFFile | None = None) -> Transformer:
-    """The model of a GGUF file, every tensor dequantized into `dtype` (default: bf16 on CUDA, fp32 else)."""
+def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+              checkpoint: GGUFFile | None = None, threads: int = 0) -> Transformer:
+    """The model of a GGUF file, every tensor dequantized into `dtype` (default: bf16 on CUDA, fp32 else),
+    by `threads` threads (0: one per core this process may use, at most 8)."""
     ck = checkpoint or read_gguf(path)
     cfg = ck.config
     model = empty_model(cfg, device, dtype or default_dtype(device))
@@ -217,49 +219,57 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu",
         missing = sorted(params)
         raise ModelError(f"{ck.path}: missing tensor(s) for {', '.join(missing[:3])}"
                          f"{' (and more)' if len(missing) > 3 else ''}")
-    with open(ck.path, "rb") as f, torch.no_grad():
+    jobs = []
+    for info, p in plan:
+        rows = None
+        if ck.arch == "llama" and info.name.split(".")[2:3] in (["attn_q"], ["attn_k"]):
+            heads = cfg.n_heads if ".attn_q." in info.name else cfg.n_kv_heads
+            rows = torch.from_numpy(unpermute_rows(info.shape[0], heads))
+        n_rows = info.shape[0] if len(info.shape) > 1 else 1
+        flat = p.detach().view(n_rows, -1)
+        step = max(1, SLICE_ELEMENTS // flat.shape[1])
+        jobs += [(info, flat, rows, r0, min(n_rows, r0 + step)) for r0 in range(0, n_rows, step)]
+    # numpy's dequantizers run single-threaded and release the GIL: slices (disjoint rows) in parallel
+    threads = threads or min(8, len(os.sched_getaffinity(0)))
+    with open(ck.path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            for info, p in plan:
-                rows = None
-                if ck.arch == "llama" and info.name.split(".")[2:3] in (["attn_q"], ["attn_k"]):
-                    heads = cfg.n_heads if ".attn_q." in info.name else cfg.n_kv_heads
-                    rows = torch.from_numpy(unpermute_rows(info.shape[0], heads))
-                _fill(mm, info, p, rows, ck.path)
+            for info, *_ in plan:
+                if info.offset + info.n_bytes > len(mm):
+                    raise ModelError(f"{ck.path}: tensor '{info.name}' runs past the end of the file (truncated?)")
+            with ThreadPoolExecutor(threads) as pool:
+                for fut in [pool.submit(_fill_slice, mm, *job, ck.path) for job in jobs]:
+                    fut.result()
         finally:
             mm.close()
     return model.eval()
 
 
-def _fill(mm: mmap.mmap, info: TensorInfo, dst: torch.Tensor, rows: torch.Tensor | None, where: str) -> None:
-    """Dequantize one tensor from the map into dst, about SLICE_ELEMENTS values at a time; rows: the
-    destination row of each stored row (None: the same). Each slice's bytes are copied out of the map
-    (a few MB), so no view into the map outlives this call and the map closes cleanly on any error."""
+def _fill_slice(mm: mmap.mmap, info: TensorInfo, flat: torch.Tensor, rows: torch.Tensor | None, r0: int, r1: int,
+                where: str) -> None:
+    """Stored rows r0..r1 of one tensor, dequantized from the map into flat (the parameter as [rows, -1]);
+    rows: the destination row of each stored row (None: the same). The slice's bytes are copied out of
+    the map (a few MB), so no view into the map outlives this call and the map closes cleanly on any
+    error; its pages are then dropped from the process (they stay in the page cache)."""
     from gguf import quants
 
-    n_rows = info.shape[0] if len(info.shape) > 1 else 1
-    flat = dst.view(n_rows, -1)
-    per_row, row_bytes = flat.shape[1], info.n_bytes // n_rows
+    n_rows = flat.shape[0]
+    row_bytes = info.n_bytes // n_rows
     row_items = int(np.prod(info.data_shape)) // n_rows  # stored items (bytes, or halves/floats) per row
-    if info.offset + info.n_bytes > len(mm):
-        raise ModelError(f"{where}: tensor '{info.name}' runs past the end of the file (truncated?)")
-    step = max(1, SLICE_ELEMENTS // per_row)
-    for r0 in range(0, n_rows, step):
-        r1 = min(n_rows, r0 + step)
-        raw = np.frombuffer(mm[info.offset + r0 * row_bytes:info.offset + r1 * row_bytes], dtype=info.data_dtype)
-        try:
-            vals = quants.dequantize(raw.reshape(r1 - r0, row_items), info.qtype)
-        except NotImplementedError as exc:
-            raise ModelError(f"{where}: tensor '{info.name}': {exc}") from None
-        vals = np.ascontiguousarray(vals, dtype=np.float32)
-        with warnings.catch_warnings():  # F32 data comes back as a view of the read-only bytes: only read
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.from_numpy(vals).view(r1 - r0, per_row)
+    raw = np.frombuffer(mm[info.offset + r0 * row_bytes:info.offset + r1 * row_bytes], dtype=info.data_dtype)
+    try:
+        vals = quants.dequantize(raw.reshape(r1 - r0, row_items), info.qtype)
+    except NotImplementedError as exc:
+        raise ModelError(f"{where}: tensor '{info.name}': {exc}") from None
+    vals = np.ascontiguousarray(vals, dtype=np.float32)
+    with warnings.catch_warnings():  # F32 data comes back as a view of the read-only bytes: only read
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.from_numpy(vals).view(r1 - r0, -1)
+    with torch.no_grad():
         if rows is None:
             flat[r0:r1].copy_(src)
         else:
-            flat.index_copy_(0, rows[r0:r1], src.to(flat.dtype))
-        # drop the pages just read from the process (they stay in the page cache)
-        start = info.offset + r0 * row_bytes
-        start -= start % mmap.PAGESIZE
-        mm.madvise(mmap.MADV_DONTNEED, start, info.offset + r1 * row_bytes - start)
+            flat.index_copy_(0, rows[r0:r1].to(flat.device), src.to(flat.device, flat.dtype))
+    start = info.offset + r0 * row_bytes
+    start -= start % mmap.PAGESIZE
+    mm.madvise(mmap.MADV_DONTNEED, start, info.offset + r1 * row_bytes - start)

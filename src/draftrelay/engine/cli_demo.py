@@ -23,8 +23,10 @@ DEFAULT_PROMPTS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="target: 'tiny' (built-in) or a local HF model directory")
-    p.add_argument("--drafter", default="tiny", help="drafter for the local worker: 'tiny' or a local HF directory")
+    p.add_argument("--model", default="tiny",
+                   help="target: 'tiny' (built-in), a local HF model directory or a .gguf file")
+    p.add_argument("--drafter", default="tiny",
+                   help="drafter for the local worker: 'tiny', a local HF directory or a .gguf file")
     p.add_argument("--worker", default="", metavar="HOST:PORT",
                    help="use a running `draftrelay worker` instead of starting one")
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: three built-in)")

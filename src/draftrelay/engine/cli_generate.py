@@ -14,8 +14,10 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
-    p.add_argument("--model", default="tiny", help="target: 'tiny' (built-in) or a local HF model directory")
-    p.add_argument("--drafter", default="tiny", help="drafter of the local worker: 'tiny' or a local HF directory")
+    p.add_argument("--model", default="tiny",
+                   help="target: 'tiny' (built-in), a local HF model directory or a .gguf file")
+    p.add_argument("--drafter", default="tiny",
+                   help="drafter of the local worker: 'tiny', a local HF directory or a .gguf file")
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -11,8 +11,9 @@ import threading
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny",
-                   help="local HF model directory, 'tiny' (built-in tiny drafter), 'test' (deterministic test "
-                        "drafter) or 'random:SHAPE' (qwen2.5-0.5b, qwen2.5-1.5b at seeded random weights)")
+                   help="local HF model directory, a .gguf file, 'tiny' (built-in tiny drafter), 'test' "
+                        "(deterministic test drafter) or 'random:SHAPE' (qwen2.5-0.5b, qwen2.5-1.5b at seeded random "
+                        "weights)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=18627, help="TCP port (0: pick a free one; printed at start)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda if available)")
