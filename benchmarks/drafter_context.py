@@ -1,5 +1,5 @@
-"""The one-card drafter's steady-state STEP against context length, with the split-K decode attention
-(model.SPLIT_KV) on and off, side by side in one process.
+"""The one-card drafter's steady-state STEP against context length, with the plain forward's split-K
+decode attention (model.SPLIT_KV) on and off, side by side in one process.
 
 For each context (default 1K, 32K, 128K) one request's row is prefilled to that length, then a steady
 step (keep = context, 1 new token, n_out drafts; CUDA graphs) is timed; each iteration runs both
@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     else:
         d = load_drafter(args.model, device=args.device, dtype="bfloat16", n_rows=1, max_ctx=ctxs[-1] + 64,
                          n_out_max=8, seed=0, mode="graph")
+    # the variants are the plain forward's (model.attend); the fused-kernel forward has its own attention
+    # kernel and is measured by benchmarks/fast_forward.py
+    d.model.fast = False
     rng = np.random.default_rng(0)
     toks = rng.integers(0, d.vocab_size, ctxs[-1] + 1).astype(np.int32)
     res = {"benchmark": "drafter_context", "command": " ".join(["python", "benchmarks/drafter_context.py"]

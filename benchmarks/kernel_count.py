@@ -5,7 +5,10 @@ kernel in a graph replay; docs/TP2.md, README): this counts them, deterministica
 An op counts as one kernel when it writes memory: an in-place op, or an op whose output does not share
 storage with an input (views, no-op casts and reshapes of contiguous tensors launch nothing). Two
 paths: "cpu" as a CPU runs it, "gpu" with F.rms_norm as one fused kernel (torch's _fused_rms_norm on
-CUDA; a CPU decomposes it). Launch-level behaviour of a real GPU (cuBLAS splitK kernels, ...) is not
+CUDA; a CPU decomposes it), and "fused": the fast forward (Transformer.fast), each of its fused kernels
+(draftrelay.kernels) counted once, as its Triton kernel launches (the split-K combine of the attention,
+a second launch beyond 1,024 keys, is not counted: the contexts here are short).
+Launch-level behaviour of a real GPU (cuBLAS splitK kernels, ...) is not
 modelled: the GPU profile is tests_gpu/worker_graph_probe.py.
 
     python benchmarks/kernel_count.py            # prints the table, writes benchmarks/results/kernel_count.json
@@ -67,15 +70,44 @@ class FusedRmsNorm(TorchFunctionMode):
             self.counter.ops["rms_norm (fused)"] += 1
 
 
-def count(shape: str, n_layers: int, B: int, T: int, kv_len: int, fused_norm: bool) -> collections.Counter:
+@contextlib.contextmanager
+def fused_kernels(counter: KernelCounter):
+    """Each function of kernels.reference counted as one kernel (its Triton launch), its torch ops not."""
+    from draftrelay.kernels import reference
+
+    names = ("add_rms_norm", "silu_mul", "rope_kv_write", "decode_attention")
+    saved = {n: getattr(reference, n) for n in names}
+
+    def wrap(n, fn):
+        def one(*a, **k):
+            counter.paused = True
+            try:
+                return fn(*a, **k)
+            finally:
+                counter.paused = False
+                counter.ops[f"{n} (fused)"] += 1
+        return one
+
+    for n, fn in saved.items():
+        setattr(reference, n, wrap(n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(reference, n, fn)
+
+
+def count(shape: str, n_layers: int, B: int, T: int, kv_len: int, path: str) -> collections.Counter:
     cfg = M.ModelConfig(**{**SHAPES[shape], "n_layers": n_layers, "vocab_size": 1024}, name=shape)
     model = M.Transformer.random(cfg, seed=0, device="cpu", dtype=torch.bfloat16)
+    model.fast = path == "fused"
     cache = model.new_cache(B + 1, kv_len + T)
     tokens = torch.zeros(B, T, dtype=torch.long)
     start = torch.full((B,), kv_len - T, dtype=torch.long)
     rows = torch.arange(B, 0, -1)  # scattered rows: the graph path (a gather per layer)
     with torch.no_grad(), KernelCounter() as k:  # no_grad, not inference_mode: composite ops decompose
-        with FusedRmsNorm(k) if fused_norm else contextlib.nullcontext():
+        ctx = {"gpu": FusedRmsNorm, "fused": fused_kernels}.get(path)
+        with ctx(k) if ctx else contextlib.nullcontext():
             model(tokens, start, cache, rows, kv_len=kv_len)
     return k.ops
 
@@ -85,10 +117,10 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/kernel_count.json")
     args = ap.parse_args()
     rows = []
-    for fused_norm, where in ((False, "cpu"), (True, "gpu")):
+    for where in ("cpu", "gpu", "fused"):
         for shape in SHAPES:
             for B, T in ((1, 1), (4, 5)):
-                one, two = (count(shape, n, B, T, 256, fused_norm) for n in (1, 2))
+                one, two = (count(shape, n, B, T, 256, where) for n in (1, 2))
                 per_layer = sum(two.values()) - sum(one.values())
                 fixed = sum(one.values()) - per_layer
                 layer_ops = dict(sorted((two - one).items(), key=lambda kv: -kv[1]))

@@ -476,3 +476,65 @@ def test_many_sessions_leave_no_fds_threads_or_rows(worker):
     b.connect()
     a.close()
     b.close()
+
+
+# ---- §8: the shared secret ------------------------------------------------------------------------
+
+SECRET = b"a-shared-secret-of-32-bytes-long"
+
+
+@pytest.fixture
+def secret_worker():
+    """An in-process worker that requires SECRET (the test drafter, 4 rows, 2 per session)."""
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import TestDrafter
+    from draftrelay.worker.server import WorkerServer
+
+    core = WorkerCore(TestDrafter(vocab_size=V, n_rows=4), max_requests=2)
+    srv = WorkerServer(core, "127.0.0.1", 0, secret=SECRET, handshake_timeout=1.0)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_secret_worker_refuses_missing_and_wrong_secrets_before_holding_a_row(secret_worker):
+    srv = secret_worker
+    host, port = srv.address
+    with pytest.raises(WireRefused) as e:  # the client has no secret: it knows at once, from the CHALLENGE
+        DrafterClient(host, port, max_requests=1, timeout=2.0).connect()
+    assert e.value.code == P.AUTH_REQUIRED and "shared secret" in e.value.message
+    with pytest.raises(WireRefused) as e:
+        DrafterClient(host, port, max_requests=1, timeout=2.0, secret=b"x" * 32).connect()
+    assert e.value.code == P.AUTH_FAILED and "wrong shared secret" in e.value.message
+    assert srv.core.sessions == {} and len(srv.core.free_rows) == 4  # no row was ever reserved
+    # a raw peer that answers the CHALLENGE with a STEP (or not at all) is refused AUTH_REQUIRED
+    r = Raw(type("W", (), {"host": host, "port": port}))
+    ftype, _, nonce = r.hello(model_id="anything")  # identity is not even looked at before AUTH
+    assert ftype == P.CHALLENGE and len(bytes(nonce)) == 32
+    r.send(P.STEP, P.encode_step([B(1, 0, [1], 1)]))
+    assert r.error()[0] == P.AUTH_REQUIRED and r.closed()
+    good = DrafterClient(host, port, max_requests=2, n_out_max=NOUT, timeout=2.0, secret=SECRET)
+    assert good.step([B(1, 0, [3, 4], 2)])[0].drafts.tolist() == expect([3, 4], 2)[0]
+    good.close()
+    assert srv.stats["auth_failures"] == 1 and srv.refusals["AUTH_REQUIRED"] == 1  # the first client just left
+
+
+def test_a_replayed_auth_does_not_open_a_session(secret_worker):
+    """The MAC covers a fresh nonce: an AUTH recorded on one connection is refused on the next."""
+    from draftrelay.wire import security
+
+    host, port = secret_worker.address
+    w = type("W", (), {"host": host, "port": port})
+    hello = P.Hello(max_requests=1, n_out_max=NOUT).encode()
+    r1 = Raw(w)
+    r1.send(P.HELLO, hello)
+    _, _, nonce1 = r1.recv()
+    mac = security.auth_mac(SECRET, bytes(nonce1), hello)
+    r1.send(P.AUTH, mac)
+    assert r1.recv()[0] == P.HELLO_OK
+    r2 = Raw(w)
+    r2.send(P.HELLO, hello)
+    _, _, nonce2 = r2.recv()
+    assert bytes(nonce2) != bytes(nonce1)
+    r2.send(P.AUTH, mac)
+    assert r2.error()[0] == P.AUTH_FAILED and r2.closed()

@@ -92,9 +92,14 @@ def test_shards_are_the_full_tensors_columns_bit_for_bit(world):
 # ---- the math ---------------------------------------------------------------------------------------
 
 
-def test_unsplit_code_equals_the_model_bit_for_bit():
+@pytest.mark.parametrize("fast", [False, True])
+def test_unsplit_code_equals_the_model_bit_for_bit(fast):
+    """The TP ranks run the model's own layer functions (model.decoder_steps): at 1 rank the same bits as
+    the one-card model, on the plain path and on the fused-kernel path (its definitions on a CPU)."""
     m = small_model()
+    m.fast = fast
     d = TPDrafter(m, 1, "emulate", 2, 200, 6, "m", "")
+    assert d.fast is fast
     toks = np.arange(3, 19, dtype=np.int32)  # 16 tokens: one forward, as the model's
     got = d.forward_logits([Job(0, 0, toks)], kv_len=64)
     cache = m.new_cache(3, 300)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 # name -> (module, one-line help). The module provides add_arguments(parser) and run(args).
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -49,6 +51,16 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread: it unwinds like Ctrl-C (no `except Exception` swallows it), so every
+    `finally` and `with` on the way stops the child processes it started (worker, proxy) before the command
+    exits 143."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
@@ -60,10 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     if mod is None:
         print(f"draftrelay: '{args.command}' is not available in this build", file=sys.stderr)
         return 2
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
         return int(mod.run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        print(f"draftrelay {args.command}: terminated (SIGTERM); child processes stopped", file=sys.stderr)
+        return 143
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ before it in that row. Rows of one batch may sit at different lengths.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -276,10 +277,26 @@ def _rows(lin: nn.Linear, a: int, b: int) -> Proj:
     return Proj(lin.weight[a:b], None if lin.bias is None else lin.bias[a:b])
 
 
+class LayerWeights(NamedTuple):
+    """One decoder layer's tensors as the forward uses them: the whole layer (Block.weights) or one
+    tensor-parallel rank's slices of it (worker.tp), which then holds n_heads / n_kv of its own."""
+    ln1: torch.Tensor
+    wqkv: torch.Tensor  # rows q | k | v: one GEMM
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    ln2: torch.Tensor
+    wgu: torch.Tensor  # rows gate | up: one GEMM
+    wd: torch.Tensor
+    n_heads: int
+    n_kv: int
+    q_norm: torch.Tensor | None = None  # Qwen3: per-head RMSNorm of q and k before RoPE
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 0.0
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg
         d, hd = cfg.hidden_size, cfg.head_dim
         self.nq, self.nk = cfg.n_heads * hd, cfg.n_kv_heads * hd
         self.qkv = nn.Linear(d, self.nq + 2 * self.nk, bias=cfg.qkv_bias)  # rows: q | k | v
@@ -299,34 +316,6 @@ class Attention(nn.Module):
     def v_proj(self) -> Proj:
         return _rows(self.qkv, self.nq + self.nk, self.nq + 2 * self.nk)
 
-    def forward(self, x, cos, sin, blocked, cache: KVCache, layer: int, rows, widx, pos, kv_len: int):
-        B, T, _ = x.shape
-        c = self.cfg
-        qkv = self.qkv(x)
-        # q and k are neighbours in qkv: RoPE runs once over both (elementwise, the same values)
-        qk = qkv[..., :self.nq + self.nk].view(B, T, c.n_heads + c.n_kv_heads, c.head_dim)
-        if c.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, :, :c.n_heads]), self.k_norm(qk[:, :, c.n_heads:])), dim=2)
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, :, :c.n_heads], qk[:, :, c.n_heads:]
-        v = qkv[..., self.nq + self.nk:].view(B, T, c.n_kv_heads, c.head_dim)
-        # write the new K/V into each sequence's row at its own positions, then read the rows back:
-        # a contiguous run of rows (a slice) is read in place, scattered rows are gathered (a copy)
-        ck, cv = cache.k[layer], cache.v[layer]  # [rows, n_kv, len, D]
-        if isinstance(rows, slice):
-            ck, cv = ck[rows], cv[rows]
-        ck[widx, :, pos] = k.to(ck.dtype)  # indices apart around a slice: the target is [B, T, n_kv, D], as k
-        cv[widx, :, pos] = v.to(cv.dtype)
-        if isinstance(rows, slice):
-            keys, vals = ck[:, :, :kv_len], cv[:, :, :kv_len]
-        else:
-            keys, vals = ck[rows, :, :kv_len], cv[rows, :, :kv_len]
-        keys, vals = keys.to(q.dtype), vals.to(q.dtype)  # [B, n_kv, L, D]
-        # GQA without repeating K/V: the n_rep query heads of one kv head become n_rep*T query rows
-        qg = q.transpose(1, 2).reshape(B, c.n_kv_heads, c.n_rep * T, c.head_dim)
-        out = attend(qg, keys, vals, blocked)  # [B, n_kv, n_rep*T, D]
-        return self.o_proj(out.reshape(B, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(B, T, -1))
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -343,22 +332,208 @@ class MLP(nn.Module):
     def up_proj(self) -> Proj:
         return _rows(self.gate_up, self.ni, 2 * self.ni)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up(x)
-        return self.down_proj(F.silu(gu[..., :self.ni]) * gu[..., self.ni:])
-
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, blocked, cache, layer, rows, widx, pos, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, blocked, cache, layer, rows, widx, pos, kv_len)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def weights(self) -> LayerWeights:
+        a, m = self.self_attn, self.mlp
+        return LayerWeights(self.input_layernorm.weight, a.qkv.weight, a.qkv.bias, a.o_proj.weight,
+                            self.post_attention_layernorm.weight, m.gate_up.weight, m.down_proj.weight,
+                            self.cfg.n_heads, self.cfg.n_kv_heads,
+                            *((a.q_norm.weight, a.k_norm.weight, self.cfg.rms_norm_eps) if self.cfg.qk_norm else ()))
+
+
+# ----------------------------------------------------------------------------------------------
+# the forward: one decoder for the one-card model and every tensor-parallel rank
+
+
+@dataclass
+class StepState:
+    """What every layer of one forward shares (built once per forward by `step_state`)."""
+    B: int
+    T: int
+    kv_len: int
+    start: torch.Tensor  # [B] int64 on the device
+    rows: slice | torch.Tensor  # cache rows: a slice is read in place, a tensor gathered
+    widx: torch.Tensor | None  # [B, 1] write index of each row (into the slice, or the cache); plain path
+    pos: torch.Tensor | None  # [B, T]; plain path
+    inv_freq: torch.Tensor
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # cos, sin, blocked (plain attention)
+    kernels: object | None  # draftrelay.kernels backend module (fast path), or None (plain path)
+    rows_t: torch.Tensor | None  # [B] rows as a tensor (what the fused kernels index)
+    fast_attn: bool  # this forward's attention runs the fused kernels (decode and verify shapes)
+
+
+def step_state(start: torch.Tensor, T: int, kv_len: int, rows: slice | torch.Tensor, n_rep: int,
+               inv_freq: torch.Tensor, dtype: torch.dtype, fast: bool) -> StepState:
+    dev = start.device
+    B = start.shape[0]
+    kern = rows_t = None
+    fast_attn = False
+    if fast:
+        from draftrelay import kernels
+        kern = kernels.backend(dev)
+        rows_t = torch.arange(rows.start, rows.stop, device=dev) if isinstance(rows, slice) else rows
+        fast_attn = n_rep * T <= DECODE_ROWS
+    if fast_attn:  # the kernels take the positions from start: no tables, masks or write indices
+        pos = widx = tables = None
+    else:
+        pos, cos, sin, blocked = step_tables(start, T, kv_len, n_rep, inv_freq, dtype)
+        tables = (cos, sin, blocked)
+        widx = torch.arange(B, device=dev)[:, None] if isinstance(rows, slice) else rows[:, None]
+    return StepState(B, T, kv_len, start, rows, widx, pos, inv_freq, tables, kern, rows_t, fast_attn)
+
+
+def attention(qkv: torch.Tensor, w: LayerWeights, st: StepState, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
+    """qkv [B, T, (n_heads + 2 n_kv) * D] -> the attention heads' outputs [B, T, n_heads * D] (before
+    o_proj), writing the T new K/V into the layer's cache ck / cv ([rows, n_kv, len, D]) at their positions."""
+    B, T = st.B, st.T
+    H, HK = w.n_heads, w.n_kv
+    D = ck.shape[-1]
+    if w.q_norm is not None:  # Qwen3: q and k normalised per head first (both paths see the normed qkv)
+        q = rms_norm(qkv[..., :H * D].reshape(B, T, H, D), w.q_norm, w.qk_eps).reshape(B, T, H * D)
+        k = rms_norm(qkv[..., H * D:(H + HK) * D].reshape(B, T, HK, D), w.k_norm, w.qk_eps).reshape(B, T, HK * D)
+        qkv = torch.cat((q, k, qkv[..., (H + HK) * D:]), -1)
+    if st.fast_attn:
+        K = st.kernels
+        q = K.rope_kv_write(qkv, st.start, st.inv_freq, H, HK, ck, cv, st.rows_t)
+        return K.decode_attention(q, ck, cv, st.rows_t, st.start, st.kv_len).view(B, T, H * D)
+    cos, sin, blocked = st.tables
+    # q and k are neighbours in qkv: RoPE runs once over both (elementwise, the same values)
+    qk = apply_rope(qkv[..., :(H + HK) * D].view(B, T, H + HK, D), cos, sin)
+    q, k = qk[:, :, :H], qk[:, :, H:]
+    v = qkv[..., (H + HK) * D:].view(B, T, HK, D)
+    # write the new K/V into each sequence's row at its own positions, then read the rows back:
+    # a contiguous run of rows (a slice) is read in place, scattered rows are gathered (a copy)
+    rows = st.rows
+    if isinstance(rows, slice):
+        ck, cv = ck[rows], cv[rows]
+    ck[st.widx, :, st.pos] = k.to(ck.dtype)  # indices apart around a slice: the target is [B, T, n_kv, D], as k
+    cv[st.widx, :, st.pos] = v.to(cv.dtype)
+    if isinstance(rows, slice):
+        keys, vals = ck[:, :, :st.kv_len], cv[:, :, :st.kv_len]
+    else:
+        keys, vals = ck[rows, :, :st.kv_len], cv[rows, :, :st.kv_len]
+    keys, vals = keys.to(q.dtype), vals.to(q.dtype)  # [B, n_kv, L, D]
+    # GQA without repeating K/V: the n_rep query heads of one kv head become n_rep*T query rows
+    qg = q.transpose(1, 2).reshape(B, HK, (H // HK) * T, D)
+    out = attend(qg, keys, vals, blocked)  # [B, n_kv, n_rep*T, D]
+    return out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, -1)
+
+
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, w: torch.Tensor,
+                b: torch.Tensor | None, st: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, add_norm's output @ w^T + b): on the fast path one kernel for decode and verify rows
+    (the norm computed where the product reads it), else add_norm then the GEMM."""
+    K = st.kernels
+    if K is not None and K.use_norm_linear(st.B * st.T, w):
+        return K.norm_linear(x, delta, weight, eps, w, b)
+    x, h = add_norm(x, delta, weight, eps, st)
+    return x, F.linear(h, w, b)
+
+
+def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             st: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta) * weight): the residual add and the next norm (one fused kernel on
+    the fast path). delta may be fp32 (a TP all-reduce's sum); it is rounded to x's dtype first."""
+    if st.kernels is not None:
+        return st.kernels.add_rms_norm(x, delta, weight, eps)
+    if delta is not None:
+        x = x + delta.to(x.dtype)
+    return x, rms_norm(x, weight, eps)
+
+
+def mlp_act(gu: torch.Tensor, st: StepState) -> torch.Tensor:
+    """SwiGLU's activations silu(gate) * up from the gate|up product (before down_proj)."""
+    if st.kernels is not None:
+        return st.kernels.silu_mul(gu)
+    n = gu.shape[-1] // 2
+    return F.silu(gu[..., :n]) * gu[..., n:]
+
+
+RowLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def attn_half(x: torch.Tensor, red: torch.Tensor | None, w: LayerWeights, st: StepState, ck: torch.Tensor,
+              cv: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first half: the previous product `red` added to the residual stream x, the input norm,
+    attention -> (x, the input of o_proj)."""
+    x, qkv = norm_linear(x, red, w.ln1, eps, w.wqkv, w.bqkv, st)
+    return x, attention(qkv, w, st, ck, cv)
+
+
+def mlp_half(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's second half: o_proj's product added, the post-attention norm, SwiGLU -> (x, the input
+    of down_proj)."""
+    x, gu = norm_linear(x, red, w.ln2, eps, w.wgu, None, st)
+    return x, mlp_act(gu, st)
+
+
+def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: torch.Tensor, head: torch.Tensor,
+                eps: float, last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    """The last product added, the positions wanted picked, the final norm and the head -> fp32 logits
+    [B, T, V] ([B, 1, V] with last_only or logits_at [B])."""
+    x = x + red.to(x.dtype)
+    if last_only:
+        x = x[:, -1:]
+    elif logits_at is not None:
+        x = x[torch.arange(st.B, device=x.device), logits_at][:, None]
+    if st.kernels is not None:
+        x = st.kernels.add_rms_norm(x.contiguous(), None, final_norm, eps)[1]
+    else:
+        x = rms_norm(x, final_norm, eps)
+    return F.linear(x, head).float()
+
+
+def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
+            v: torch.Tensor, st: StepState, eps: float, final_norm: torch.Tensor, head: torch.Tensor,
+            last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder stack on one card: embedding, the layers (k / v: caches [L, rows, n_kv, len, D]), the
+    head. `decoder_steps` is the same stack for a tensor-parallel rank."""
+    x, red = F.embedding(tokens, embed), None
+    for i, w in enumerate(layers):
+        x, o = attn_half(x, red, w, st, k[i], v[i], eps)
+        red = F.linear(o, w.wo)
+        x, a = mlp_half(x, red, w, st, eps)
+        red = F.linear(a, w.wd)
+    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at)
+
+
+def decoder_steps(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
+                  v: torch.Tensor, st: StepState, eps: float, row_linear: RowLinear,
+                  final_norm: torch.Tensor, head: torch.Tensor | None, last_only: bool = False,
+                  logits_at: torch.Tensor | None = None) -> Generator[None, None, torch.Tensor | None]:
+    """`decoder` for one tensor-parallel rank: a generator that yields after each row-parallel product
+    (its caller launches the peers' ops in between). row_linear(x, w): the rank's partial product of
+    o_proj / down_proj, all-reduced. head None: no head (prefill chunks that only extend the cache)."""
+    x, red = F.embedding(tokens, embed), None
+    for i, w in enumerate(layers):
+        x, o = attn_half(x, red, w, st, k[i], v[i], eps)
+        red = row_linear(o, w.wo)
+        yield
+        x, a = mlp_half(x, red, w, st, eps)
+        red = row_linear(a, w.wd)
+        yield
+    if head is None:
+        return None
+    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at)
+
+
+def run_to_end(gen: Generator[None, None, object]) -> object:
+    """Drive a generator with nothing to interleave: its return value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
 
 
 class Transformer(nn.Module):
@@ -373,6 +548,18 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # fp32 RoPE frequencies kept outside the module's buffers so .to(bf16) never rounds them
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        # the fused-kernel forward (draftrelay.kernels): True, False, or None = on where Triton runs
+        # (CUDA); on a CPU "on" runs the same structure with the kernels' plain-torch definitions
+        self.fast: bool | None = None
+
+    def fast_path(self) -> bool:
+        if self.fast is None:
+            from draftrelay.kernels import triton_available
+            return triton_available(self.device)
+        return bool(self.fast)
+
+    def layer_weights(self) -> list[LayerWeights]:
+        return [blk.weights() for blk in self.layers]
 
     @property
     def device(self) -> torch.device:
@@ -412,11 +599,8 @@ class Transformer(nn.Module):
         if eager:
             sp = torch.as_tensor(start_pos).tolist()
         start_pos = to_device(start_pos, dev).long()
-        if isinstance(rows, slice):
-            widx = torch.arange(B, device=dev)[:, None]
-        else:
+        if not isinstance(rows, slice):
             rows = to_device(rows, dev).long()
-            widx = rows[:, None]
         if eager:
             if len(sp) != B or len(rw) != B:
                 raise ValueError(f"start_pos and rows need {B} entries, got {len(sp)} and {len(rw)}")
@@ -433,17 +617,11 @@ class Transformer(nn.Module):
         inv = self._inv_freq.get(dev)
         if inv is None:
             inv = self._inv_freq[dev] = rope_inv_freq(self.cfg).to(dev)
-        pos, cos, sin, blocked = step_tables(start_pos, T, kv_len, self.cfg.n_rep, inv, self.dtype)
-        x = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, blocked, cache, i, rows, widx, pos, kv_len)
-        if last_only:
-            x = x[:, -1:]
-        elif logits_at is not None:
-            x = x[torch.arange(B, device=dev), to_device(logits_at, dev)][:, None]
-        x = self.norm(x)
+        st = step_state(start_pos, T, kv_len, rows, self.cfg.n_rep, inv, self.dtype, self.fast_path())
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, w).float()
+        logits_at = None if logits_at is None else to_device(logits_at, dev)
+        logits = decoder(tokens, self.embed_tokens.weight, self.layer_weights(), cache.k, cache.v, st,
+                         self.cfg.rms_norm_eps, self.norm.weight, w, last_only, logits_at)
         if eager:
             for s, r in zip(sp, rw, strict=True):
                 cache.lengths[r] = s + T

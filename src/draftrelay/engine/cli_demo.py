@@ -51,13 +51,12 @@ def run(args: argparse.Namespace) -> int:
     if bad or not modes:
         print(f"draftrelay demo: --modes {args.modes!r}: each must be off, sync or async", file=sys.stderr)
         return 2
-    k_max = args.k if args.k is not None else args.k_max
-    if args.max_tokens < 1 or not 0 <= k_max <= 16 or args.temperature < 0:
-        print("draftrelay demo: need --max-tokens >= 1, 0 <= --k (--k-max) <= 16, --temperature >= 0", file=sys.stderr)
-        return 2
-    if any(x is not None and x <= 0 for x in (args.round_budget_ms, args.deadline_ms)) or args.worker_threads < 0:
-        print("draftrelay demo: --round-budget-ms and --deadline-ms must be > 0, --worker-threads >= 0",
-              file=sys.stderr)
+    from .cli_generate import check_flags, k_max_of
+
+    bad = check_flags(args)  # one message per bad flag
+    for line in bad:
+        print(f"draftrelay demo: {line}", file=sys.stderr)
+    if bad:
         return 2
     import torch
 
@@ -79,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if any(not x for x in ids):
         print("draftrelay demo: a prompt encodes to no tokens", file=sys.stderr)
         return 2
+    k_max = k_max_of(args)
     max_len = max(len(x) for x in ids) + args.max_tokens + k_max + 8
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop_token_ids=target.stop_ids)
     print(f"draftrelay demo: target {target.name} ({target.model.cfg.n_params() / 1e6:.2f}M params) on {dev}, "
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  worker: {worker.banner}")
             spec = L.worker_spec(host, port, L.drafter_model_id(args.drafter) if not args.worker else "",
                                  target.tokenizer_hash, k_max, max(8, len(prompts)))
+            spec["vocab_size"] = target.model.cfg.vocab_size  # a drafter of another vocabulary is refused now
             why = L.check_worker(spec)
             if why:
                 print(f"draftrelay demo: the worker refused us: {why}", file=sys.stderr)

@@ -2,14 +2,22 @@
 
 The text goes to stdout; progress (on runs longer than a second) and the metrics line go to stderr.
 Modes sync/async start a local drafter worker unless `--worker HOST:PORT` names a running one.
+A worker that is full, unreachable or does not start means target-only decoding with a warning
+(`--strict`: an error instead); a drafter that cannot serve this target (another vocabulary, model or
+tokenizer) is refused at start. SIGTERM stops the run like Ctrl-C (draftrelay.cli turns it into an
+exception): the worker and proxy children are stopped on the way out, and they also exit on their own
+if this process is killed outright (parent-death signal plus a parent check).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+
+LONG_PROMPT = 2048  # prompts at least this long get a prefill line on stderr
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="progress line on stderr (auto: after the first second of decoding)")
     p.add_argument("--json", default="", metavar="PATH", help="write the metrics to this file")
+    p.add_argument("--strict", action="store_true",
+                   help="a worker that is full, unreachable or does not start is an error, not target-only decoding")
+    p.add_argument("--secret-file", default="", metavar="PATH",
+                   help="shared secret of a --worker that requires one (default: $DRAFTRELAY_SECRET)")
+    p.add_argument("--tls-ca", default="", metavar="PEM",
+                   help="connect to --worker over TLS, trusting this CA (or the worker's self-signed certificate)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve the hand-off and recovery counters (Prometheus) on 127.0.0.1:PORT while running")
 
@@ -45,14 +59,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Progress:
     """A one-line progress display on stderr, refreshed at most 5 times a second."""
 
-    def __init__(self, total: int, mode: str) -> None:
+    def __init__(self, total: int, mode: str, prompt_tokens: int = 0) -> None:
         self.total, self.mode = total, mode
         self.t0 = time.perf_counter()
         self.last = 0.0
         self.shown = False
+        self.prefill = prompt_tokens >= LONG_PROMPT and mode != "off"  # a long prompt: say when it is done
+        if self.prefill:
+            print(f"  prefilling the prompt: {prompt_tokens} tokens ...", file=sys.stderr, flush=True)
+        self.prompt_tokens = prompt_tokens
 
     def __call__(self, eng) -> None:
         now = time.perf_counter()
+        if self.prefill:
+            self.prefill = False
+            dt = now - self.t0
+            print(f"  prefill done: {self.prompt_tokens} tokens in {dt:.1f} s ({self.prompt_tokens / dt:.0f} tok/s)",
+                  file=sys.stderr, flush=True)
         if self.mode == "off" or now - self.last < 0.2 or (self.mode == "auto" and now - self.t0 < 1.0):
             return
         self.last = now
@@ -69,21 +92,92 @@ class Progress:
             print(file=sys.stderr)
 
 
+def check_flags(args: argparse.Namespace) -> list[str]:
+    """One message per bad flag (demo and generate share the common ones)."""
+    bad = []
+    if args.max_tokens < 1:
+        bad.append(f"--max-tokens {args.max_tokens}: must be at least 1")
+    if args.k is not None and not 0 <= args.k <= 16:
+        bad.append(f"--k {args.k}: must be 0-16")
+    if not 0 <= args.k_max <= 16:
+        bad.append(f"--k-max {args.k_max}: must be 0-16")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        bad.append(f"--temperature {args.temperature}: must be a finite number >= 0")
+    if getattr(args, "top_k", 0) < 0:
+        bad.append(f"--top-k {args.top_k}: must be 0 (all tokens) or more")
+    for flag, v in (("--deadline-ms", args.deadline_ms), ("--round-budget-ms", args.round_budget_ms)):
+        if v is not None and (not math.isfinite(v) or v <= 0):  # None: from the measured STEP
+            bad.append(f"{flag} {v}: must be a positive number of milliseconds")
+    if args.worker_threads < 0:
+        bad.append(f"--worker-threads {args.worker_threads}: must be 0 (all cores) or more")
+    if getattr(args, "metrics_port", 0) and not 0 < args.metrics_port < 65536:
+        bad.append(f"--metrics-port {args.metrics_port}: must be 1-65535")
+    return bad
+
+
+def k_max_of(args: argparse.Namespace) -> int:
+    """The deepest draft: --k when it fixes the depth, else the policy's --k-max."""
+    return args.k if args.k is not None else args.k_max
+
+
+def read_prompt(arg: str) -> str:
+    """The prompt argument, or stdin for '-'. ValueError for stdin that is not UTF-8."""
+    if arg != "-":
+        return arg
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"stdin is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} "
+                         f"({exc.reason})") from None
+
+
+def handshake(spec: dict, timeout_s: float = 5.0) -> tuple[int, str]:
+    """(0, '') if the worker accepts the spec's identity, else (ERROR code or -1 for no connection, why)."""
+    from draftrelay.wire.client import WireError, WireRemoteError
+    from draftrelay.wire.roundfn import client_from_spec
+
+    client = client_from_spec(spec)
+    try:
+        client.connect(timeout=timeout_s)
+        return 0, ""
+    except WireRemoteError as exc:
+        return exc.code, f"worker {spec['host']}:{spec['port']}: {exc}"
+    except WireError as exc:
+        return -1, f"worker {spec['host']}:{spec['port']}: {exc}"
+    finally:
+        client.close()
+
+
 def run(args: argparse.Namespace) -> int:
-    k_max = args.k if args.k is not None else args.k_max
-    if args.max_tokens < 1 or not 0 <= k_max <= 16 or args.temperature < 0 or args.top_k < 0:
-        print("draftrelay generate: need --max-tokens >= 1, 0 <= --k (--k-max) <= 16, --temperature >= 0, "
-              "--top-k >= 0", file=sys.stderr)
-        return 2
-    if any(x is not None and x <= 0 for x in (args.round_budget_ms, args.deadline_ms)) or args.worker_threads < 0:
-        print("draftrelay generate: --round-budget-ms and --deadline-ms must be > 0, --worker-threads >= 0",
-              file=sys.stderr)
-        return 2
+    bad = check_flags(args)
     if args.slot_ring and not args.graphs:
-        print("draftrelay generate: --slot-ring needs --graphs", file=sys.stderr)
+        bad.append("--slot-ring needs --graphs")
+    if bad:
+        for line in bad:
+            print(f"draftrelay generate: {line}", file=sys.stderr)
         return 2
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        prompt = read_prompt(args.prompt)
+    except ValueError as exc:
+        print(f"draftrelay generate: {exc}", file=sys.stderr)
+        return 2
+    return _run(args, prompt)
+
+
+def _warn_target_only(args: argparse.Namespace, why: str) -> int | None:
+    """--strict: print why and return the exit code; otherwise warn and return None (decode target-only)."""
+    if args.strict:
+        print(f"draftrelay generate: {why}", file=sys.stderr)
+        return 1
+    print(f"draftrelay generate: warning: {why}; decoding target-only (--strict makes this an error)",
+          file=sys.stderr)
+    return None
+
+
+def _run(args: argparse.Namespace, prompt: str) -> int:
     from draftrelay.model import ModelError
+    from draftrelay.wire import protocol as P
 
     from . import loading as L
     from .engine import Engine, EngineConfig, SamplingParams
@@ -101,35 +195,61 @@ def run(args: argparse.Namespace) -> int:
     if not ids:
         print("draftrelay generate: the prompt encodes to no tokens", file=sys.stderr)
         return 2
+    ctx = target.model.cfg.max_position_embeddings
+    if len(ids) + args.max_tokens > ctx:  # checked before anything (the KV cache) is sized from them
+        print(f"draftrelay generate: the prompt ({len(ids)} tokens) + --max-tokens {args.max_tokens} = "
+              f"{len(ids) + args.max_tokens} exceeds the model's context of {ctx} positions"
+              + (f"; at most --max-tokens {ctx - len(ids)} fits" if len(ids) < ctx else ""), file=sys.stderr)
+        return 2
+    k_max = k_max_of(args)
     max_len = len(ids) + args.max_tokens + k_max + 8
+    mode = args.mode
     worker = None
     try:
         h = None
-        if args.mode != "off":
+        if mode != "off":
             if not args.worker:
                 try:
                     worker = L.start_local_worker(args.drafter, dev, k_max, max_len + 64, 1, args.worker_threads)
+                    host, port = worker.host, worker.port
                 except RuntimeError as exc:
-                    print(f"draftrelay generate: the local worker did not start: {exc}", file=sys.stderr)
-                    return 1
-                host, port = worker.host, worker.port
+                    rc = _warn_target_only(args, f"the local worker did not start: {exc}")
+                    if rc is not None:
+                        return rc
+                    mode = "off"
+        if mode != "off":
             spec = L.worker_spec(host, port, L.drafter_model_id(args.drafter) if not args.worker else "",
-                                 target.tokenizer_hash, k_max, 8)
-            why = L.check_worker(spec)
-            if why:
-                print(f"draftrelay generate: the worker refused us: {why}", file=sys.stderr)
+                                 target.tokenizer_hash, k_max, 1)  # one request: ask for one row
+            spec["vocab_size"] = target.model.cfg.vocab_size  # a drafter of another vocabulary is refused now
+            if args.worker:
+                spec.update({"secret_file": args.secret_file} if args.secret_file else {})
+                spec.update({"tls": True, "tls_ca": args.tls_ca} if args.tls_ca else {})
+            try:
+                code, why = handshake(spec)
+            except ValueError as exc:  # the secret file or CA cannot be used
+                print(f"draftrelay generate: {exc}", file=sys.stderr)
+                return 2
+            if code in (P.IDENTITY_MISMATCH, P.BAD_VERSION, P.OVER_LIMITS, P.AUTH_REQUIRED, P.AUTH_FAILED):
+                # not a passing condition: this drafter cannot serve this target (or us) at all
+                print(f"draftrelay generate: the worker cannot draft for this target: {why}", file=sys.stderr)
                 return 1
-            rs = L.round_settings(spec, ids, k_max, args.round_budget_ms, args.deadline_ms)
-            print(f"draftrelay generate: {rs.note}", file=sys.stderr)
-            h = L.handoff_config(spec, dev, rs.deadline_ms, not args.worker, round_budget_ms=rs.budget_ms)
-        cfg = EngineConfig(mode=args.mode, n_draft=k_max, max_batch=1, max_len=max_len, handoff=h,
+            if code:
+                rc = _warn_target_only(args, f"the worker refused us: {why}")
+                if rc is not None:
+                    return rc
+                mode = "off"
+            else:
+                rs = L.round_settings(spec, ids, k_max, args.round_budget_ms, args.deadline_ms)
+                print(f"draftrelay generate: {rs.note}", file=sys.stderr)
+                h = L.handoff_config(spec, dev, rs.deadline_ms, not args.worker, round_budget_ms=rs.budget_ms)
+        cfg = EngineConfig(mode=mode, n_draft=k_max, max_batch=1, max_len=max_len, handoff=h,
                            graphs=args.graphs, slot_ring=args.slot_ring,
                            depth="fixed" if args.k is not None else "auto",
                            round_costs_s=rs.round_costs_s if h else None)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 seed=args.seed, stop_token_ids=target.stop_ids)
-        progress = Progress(args.max_tokens, args.progress)
         with Engine(target.model, cfg) as eng:
+            progress = Progress(args.max_tokens, args.progress, len(ids))
             server = None
             if args.metrics_port:
                 from draftrelay.handoff import metrics
@@ -151,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     t = m["total"]
     r = t["rounds"]
     refusal = f" (async refused: {t['refusal']})" if t["refusal"] else ""
-    print(f"[{args.mode}{refusal}] {t['output_tokens']} tokens, {t['tokens_per_s']:.1f} tok/s, "
+    print(f"[{mode}{refusal}] {t['output_tokens']} tokens, {t['tokens_per_s']:.1f} tok/s, "
           f"TTFT {1e3 * t['ttft_s_mean']:.1f} ms, step p50 {t['step_p50_ms']:.2f} ms, "
           f"accepted/round {t['mean_accepted']:.2f}, rounds ok/failed/watchdog/target-only "
           f"{r['ok']}/{r['failed']}/{r['watchdog']}/{r['target_only']}"

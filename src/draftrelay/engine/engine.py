@@ -180,10 +180,11 @@ class Engine:
             raise ValueError("prompt is empty: at least one token is needed")
         if min(prompt) < 0 or max(prompt) >= self.vocab:
             raise ValueError(f"prompt token outside the vocabulary [0, {self.vocab})")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        params.validate()  # fields may have been changed after construction
+        ctx = self.model.cfg.max_position_embeddings
+        if len(prompt) + params.max_tokens > ctx:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{len(prompt) + params.max_tokens} exceeds the model's context of {ctx} positions")
         need = len(prompt) + params.max_tokens + self.cfg.n_draft + 1
         if need > self.cfg.max_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) + drafts "

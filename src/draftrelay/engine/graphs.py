@@ -18,8 +18,8 @@ replay's logits are read before the next replay.
 
 A replay attends over a static kv_len, masked. One kv_len (the cache's max_len) would make a short
 request in a 128K engine pay for 128K positions every step, so each batch size is captured once per
-KV bucket: powers of two from `min_kv` up to max_len (the last bucket is max_len itself), and a step
-replays the smallest bucket that holds its longest row. The graph path does no host-side checks and
+KV bucket (capture.kv_buckets: powers of two from KV_MIN up to max_len, the last bucket max_len
+itself), and a step replays the smallest bucket that holds its longest row. The graph path does no host-side checks and
 leaves cache.lengths alone (the engine sets them after acceptance).
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from draftrelay.capture import KV_MIN, GraphCapture, kv_bucket, kv_buckets
 from draftrelay.model import KVCache, Transformer
 
 
@@ -57,7 +58,7 @@ class _Slot:
 
 class DecodeGraphs:
     def __init__(self, model: Transformer, cache: KVCache, max_batch: int, T: int, ring: bool = False,
-                 sizes: list[int] | None = None, capture: bool = True, min_kv: int = 1024) -> None:
+                 sizes: list[int] | None = None, capture: bool = True, min_kv: int = KV_MIN) -> None:
         """capture=False: no CUDA graphs, each 'replay' is an eager forward over the same static
         buffers (the slot, bucket, padding and ring bookkeeping, testable on a CPU)."""
         if capture and model.device.type != "cuda":
@@ -65,6 +66,7 @@ class DecodeGraphs:
         self.model, self.cache, self.T, self.ring, self.capture = model, cache, T, ring, capture
         self.spare_row = cache.max_batch - 1  # padding rows write here; never read back
         self.sizes = sorted(set(sizes or _pow2_sizes(max_batch)))
+        self.min_kv = min_kv
         self.buckets = kv_buckets(cache.max_len, min_kv)
         self.slots: dict[tuple[int, int], list[_Slot]] = {}  # (padded batch, kv bucket) -> slots
         self.turn: dict[tuple[int, int], int] = {}
@@ -89,34 +91,21 @@ class DecodeGraphs:
                     s.kv_len = kv
         if not self.capture:
             return
-        stream = torch.cuda.current_stream(dev)
-        # warm-up on a side stream (as torch recommends), outside any capture: lazy kernels, cuBLAS
-        # workspaces and the allocator's blocks for the largest shapes are all in place before capture
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(stream)
-        with torch.cuda.stream(side):
-            for key, slots in self.slots.items():
-                s = slots[0]
-                self._fill_dummy(s, key[0])
-                for _ in range(2):
-                    self.model(s.tokens, s.start, self.cache, s.rows, kv_len=s.kv_len)
-        stream.wait_stream(side)
-        torch.cuda.synchronize()
-        # capture largest first, all into one pool: later (smaller) captures reuse its blocks. The
-        # capture stream is ours, on the model's GPU: torch's default one is made once per process on
-        # whichever GPU was current then, and a capture on another GPU's stream records nothing
-        capture_stream = torch.cuda.Stream(device=dev)
+        cap = GraphCapture(dev)
+        # every key warmed up before the first capture (lazy kernels, workspaces and the allocator's blocks
+        # for the largest shapes in place), then captured largest first into one pool (capture.py)
+        for key, slots in self.slots.items():
+            s = slots[0]
+            self._fill_dummy(s, key[0])
+            cap.warm(lambda s=s: self.model(s.tokens, s.start, self.cache, s.rows, kv_len=s.kv_len), times=2)
+        torch.cuda.synchronize(dev)
         for key in sorted(self.slots, reverse=True):
             for s in self.slots[key]:
                 self._fill_dummy(s, key[0])
-                g = torch.cuda.CUDAGraph()
-                # thread_local: the hand-off's own threads (supervisor, watchdog) may run meanwhile
-                with torch.cuda.graph(g, pool=self.pool, stream=capture_stream, capture_error_mode="thread_local"):
-                    s.logits = self.model(s.tokens, s.start, self.cache, s.rows, kv_len=s.kv_len)
-                if self.pool is None:
-                    self.pool = g.pool()
-                s.graph = g
-        torch.cuda.synchronize()
+                s.graph, s.logits = cap.capture(
+                    lambda s=s: self.model(s.tokens, s.start, self.cache, s.rows, kv_len=s.kv_len))
+        self.pool = cap.pool
+        torch.cuda.synchronize(dev)
 
     def _fill_dummy(self, s: _Slot, B: int) -> None:
         s.start.zero_()
@@ -131,7 +120,7 @@ class DecodeGraphs:
         B, Tq = tokens.shape
         P = next(p for p in self.sizes if p >= B)
         need = int(start.max()) + self.T  # every position this replay writes or reads
-        key = (P, next((kv for kv in self.buckets if kv >= need), self.buckets[-1]))
+        key = (P, kv_bucket(need, self.cache.max_len, self.min_kv))
         slots = self.slots[key]
         i = self.turn[key]
         self.turn[key] = (i + 1) % len(slots)
@@ -169,14 +158,4 @@ def _pow2_sizes(max_batch: int) -> list[int]:
         out.append(b)
         b *= 2
     out.append(max_batch)
-    return out
-
-
-def kv_buckets(max_len: int, min_kv: int = 1024) -> list[int]:
-    """Powers of two from min_kv below max_len, then max_len: [1024, 2048, ..., max_len]."""
-    out, kv = [], max(1, min_kv)
-    while kv < max_len:
-        out.append(kv)
-        kv *= 2
-    out.append(max_len)
     return out

@@ -3,6 +3,7 @@ what the drafter holds for it, and its per-request figures."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,6 +19,19 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field (NaN or inf would silently break sampling and acceptance:
+        min(1, nan) keeps every draft)."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
 
 
 @dataclass

@@ -5,6 +5,9 @@ through it the way an engine does (one round per step carrying every active requ
 flight), injects its fault from outside (a real signal to the real proxy process) and returns a
 result dict; the CLI prints it as a table. Drafts come from the built-in deterministic drafter, so
 every OK round is checked bit for bit: a drill also counts wrong drafts (it must be 0).
+
+Each drill's claims (CLAIMS: no wrong draft, every request completed, the loss detected, ...) are
+checked on its result; the command exits 1 when one does not hold, 0 when all do.
 """
 
 from __future__ import annotations
@@ -242,6 +245,46 @@ DRILLS = {"kill": drill_kill, "stop": drill_stop, "idle": drill_idle, "slow": dr
           "freeze": drill_freeze}
 
 
+def _all_done(r: dict) -> bool:
+    done, _, total = str(r.get("requests_completed", "")).partition("/")
+    return done == total != ""
+
+
+def _no_losses(r: dict) -> bool:
+    losses = r.get("losses", 0)
+    return (sum(losses.values()) if isinstance(losses, dict) else losses) == 0
+
+
+# what each drill claims; `draftrelay drill` exits 1 when one of them does not hold
+CLAIMS: dict[str, list[tuple[str, object]]] = {
+    "kill": [("every request completed", _all_done), ("the loss was detected", lambda r: bool(r["loss_cause"])),
+             ("a new proxy took over", lambda r: r["new_proxy_pid_differs"]),
+             ("no stopped or zombie child", lambda r: r["stopped_or_zombie_children"] == 0),
+             ("no memfd leaked", lambda r: r["memfds_after"] <= r["memfds_before"])],
+    "stop": [("every request completed", _all_done), ("the loss was detected", lambda r: bool(r["loss_cause"])),
+             ("a new proxy took over", lambda r: r["new_proxy_pid_differs"]),
+             ("no stopped or zombie child", lambda r: r["stopped_or_zombie_children"] == 0)],
+    "idle": [("no loss declared while idle", _no_losses), ("every request completed", _all_done)],
+    "slow": [("a slow proxy is not declared lost", _no_losses), ("every request completed", _all_done)],
+    "soak": [("every kill was followed by a respawn (within the budget of 3)",
+              lambda r: r["respawns"] >= min(r["kills"], 3))],
+    "freeze": [("no false loss across the freezes", _no_losses)],
+}
+
+
+def failed_claims(name: str, result: dict) -> list[str]:
+    """The claims of drill `name` that `result` does not meet (every drill: no wrong draft)."""
+    checks = [("no wrong draft", lambda r: r.get("wrong_drafts", 0) == 0), *CLAIMS.get(name, [])]
+    bad = []
+    for what, ok in checks:
+        try:
+            if not ok(result):
+                bad.append(what)
+        except (KeyError, TypeError) as exc:
+            bad.append(f"{what} (result has no {exc})")
+    return bad
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("drill", choices=[*DRILLS, "all"], help="which drill to run")
     p.add_argument("--backend", default="emulated", choices=["emulated", "cuda"])
@@ -261,15 +304,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     names = list(DRILLS) if args.drill == "all" else [args.drill]
     results = {}
+    failed: dict[str, list[str]] = {}
     for name in names:
         print(f"drill {name} ...", file=sys.stderr, flush=True)
         results[name] = DRILLS[name](args)
         print(f"\n== drill {name}")
         for k, v in results[name].items():
             print(f"  {k:28} {v}")
+        bad = failed_claims(name, results[name])
+        results[name]["failed_claims"] = bad
+        print(f"  {'claims':28} " + ("all hold" if not bad else "FAILED: " + "; ".join(bad)))
+        if bad:
+            failed[name] = bad
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
+    if failed:
+        print(f"draftrelay drill: claims failed in {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -164,13 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True, help="the shared region's memfd, inherited")
     ap.add_argument("--spec", required=True, help="JSON: round function, waits, faults")
     ap.add_argument("--audit", default="", help="write loaded modules and libraries to this file")
+    ap.add_argument("--parent-pid", type=int, default=0, help="the engine's PID (checked right after the prctl)")
     args = ap.parse_args(argv)
     try:
         libc = __import__("ctypes").CDLL(None)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the engine
     except Exception:
         pass
-    parent = os.getppid()
+    # an engine that died before the prctl sends no signal: we were already reparented
+    parent = args.parent_pid or os.getppid()
+    if os.getppid() != parent:
+        print(f"draftrelay proxy: the engine (PID {parent}) is gone; exiting", file=sys.stderr)
+        return 5
     native.set_timer_slack_ns(1000)
     try:
         region = Region.open(args.fd)

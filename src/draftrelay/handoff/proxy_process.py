@@ -25,12 +25,16 @@ class ProxyProcess:
     def __init__(self, region: Region, spec: dict, audit: str = "", python: str = "") -> None:
         self.region = region
         self._err = tempfile.TemporaryFile(prefix="draftrelay-proxy-")
+        spec = dict(spec)
+        secret = spec.pop("secret", "")  # argv is world-readable (/proc/PID/cmdline), the environment is not
         cmd = [python or sys.executable, "-m", "draftrelay.handoff.proxy", "--fd", str(region.fd), "--spec",
-               json.dumps(spec)]
+               json.dumps(spec), "--parent-pid", str(os.getpid())]
         if audit:
             cmd += ["--audit", audit]
         env = dict(os.environ)
         env.pop("PYTHONSTARTUP", None)
+        if secret:
+            env["DRAFTRELAY_SECRET"] = secret
         try:
             self.proc = subprocess.Popen(cmd, pass_fds=(region.fd,), stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=self._err, env=env)

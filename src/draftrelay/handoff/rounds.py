@@ -85,6 +85,9 @@ class HandoffConfig:
     # batched [write gathered, wait released] memop; off only to measure what each one is worth
     cuda_fast_calls: bool = True
     cuda_batch_memops: bool = True
+    # the worker's shared secret (wire/security.py): sent as the handshake's HMAC, given to the proxy
+    # child through its environment (never its command line); "" = $DRAFTRELAY_SECRET or none
+    secret: str = field(default="", repr=False)
 
     @property
     def wait_mode(self) -> str:
@@ -104,6 +107,8 @@ class HandoffConfig:
         spec.update(spin_us=self.spin_us, nap_us=self.nap_us, heartbeat_us=int(self.heartbeat_ms * 1000),
                     round_budget_s=self.round_budget_ms / 1000, wait=self.wait_mode,
                     wait_slice_us=self.wait_slice_us)
+        if self.secret:
+            spec["secret"] = self.secret
         return spec
 
 

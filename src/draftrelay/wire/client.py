@@ -15,6 +15,7 @@ Failure handling, in one place:
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from draftrelay.wire import protocol as P
+from draftrelay.wire import security
 from draftrelay.wire.protocol import Block, Hello, HelloOk
 
 __all__ = ["Block", "BlockResult", "DrafterClient", "StepReply", "WireBadReply", "WireBreakerOpen",
@@ -95,8 +97,12 @@ class DrafterClient:
     def __init__(self, host: str, port: int, *, model_id: str = "", vocab_size: int = 0, tokenizer_hash: str = "",
                  n_out_max: int = 8, max_requests: int = 4, client_name: str = "draftrelay",
                  connect_timeout: float = 1.0, timeout: float = 0.5, breaker_failures: int = 3,
-                 breaker_cooldown: float = 1.0):
+                 breaker_cooldown: float = 1.0, secret: bytes | None = None, tls: ssl.SSLContext | None = None,
+                 tls_server_name: str = ""):
         self.addr = (host, int(port))
+        # the shared secret answers the worker's CHALLENGE (wire/security.py); TLS wraps the socket
+        self._secret = secret or None
+        self.tls, self.tls_server_name = tls, tls_server_name or host
         self.hello = Hello(P.VERSION, max_requests, n_out_max, 0, vocab_size, model_id, tokenizer_hash, client_name)
         self.hello.encode()  # validates the strings now, not at the first round
         self.connect_timeout, self.timeout = connect_timeout, timeout
@@ -215,11 +221,33 @@ class DrafterClient:
         except OSError as exc:
             raise WireDisconnected(f"cannot connect to {self.addr[0]}:{self.addr[1]}: {exc}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            try:
+                sock.settimeout(max(1e-3, deadline - time.monotonic()))
+                sock = self.tls.wrap_socket(sock, server_hostname=self.tls_server_name)
+            except TimeoutError:
+                sock.close()
+                raise WireTimeout(f"TLS handshake with {self.addr[0]}:{self.addr[1]} timed out") from None
+            except (ssl.SSLError, ssl.CertificateError) as exc:
+                sock.close()
+                raise WireRefused(P.AUTH_FAILED, f"TLS with {self.addr[0]}:{self.addr[1]}: {exc}") from None
+            except OSError as exc:
+                sock.close()
+                raise WireDisconnected(f"TLS with {self.addr[0]}:{self.addr[1]}: {exc}") from None
         self.sock = sock
         self.stats["connects"] += 1
         try:
-            seq = self._send(P.HELLO, self.hello.encode(), deadline)
-            payload = self._recv_reply(seq, P.HELLO_OK, deadline, refusal=True)
+            hello = self.hello.encode()
+            seq = self._send(P.HELLO, hello, deadline)
+            ftype, payload = self._recv_any(seq, (P.HELLO_OK, P.CHALLENGE), deadline, refusal=True)
+            if ftype == P.CHALLENGE:
+                if self._secret is None:
+                    raise WireRefused(P.AUTH_REQUIRED, f"the worker at {self.addr[0]}:{self.addr[1]} requires the "
+                                                       f"shared secret (--secret-file or ${security.SECRET_ENV})")
+                if len(payload) != security.NONCE_SIZE:
+                    raise WireBadReply(f"CHALLENGE of {len(payload)} bytes (expected {security.NONCE_SIZE})")
+                seq = self._send(P.AUTH, security.auth_mac(self._secret, payload, hello), deadline)
+                payload = self._recv_reply(seq, P.HELLO_OK, deadline, refusal=True)
             try:
                 info = HelloOk.decode(payload)
             except P.FrameError as exc:
@@ -288,6 +316,10 @@ class DrafterClient:
             self._have += got
 
     def _recv_reply(self, seq: int, want: int, deadline: float, refusal: bool = False) -> memoryview:
+        return self._recv_any(seq, (want,), deadline, refusal)[1]
+
+    def _recv_any(self, seq: int, wants: tuple[int, ...], deadline: float,
+                  refusal: bool = False) -> tuple[int, memoryview]:
         while True:
             ftype, rseq, payload = self._read_frame(deadline)
             if ftype == P.ERROR:
@@ -308,10 +340,10 @@ class DrafterClient:
                     continue  # the late answer to a round that already timed out
                 self._drop()
                 raise WireBadReply(f"reply seq {rseq} does not match request seq {seq}")
-            if ftype != want:
+            if ftype not in wants:
                 self._drop()
-                raise WireBadReply(f"expected {P.FRAME_NAMES.get(want)}, got frame type {ftype}")
-            return payload
+                raise WireBadReply(f"expected {' or '.join(P.FRAME_NAMES[w] for w in wants)}, got frame type {ftype}")
+            return ftype, payload
 
     def _step(self, payload: bytes, blocks: Sequence[Block], deadline: float) -> StepReply:
         self._ensure(deadline)
@@ -353,3 +385,18 @@ class DrafterClient:
         if off != len(buf):
             raise ValueError(f"{len(buf) - off} trailing bytes")
         return StepReply(session_id, worker_us, rids, gens, status, counts, drafts, confs)
+
+
+def security_from_spec(spec: dict) -> dict:
+    """DrafterClient keyword arguments for the secret and TLS a round spec names: keys `secret` (only in
+    a process's memory: the engine hands it to its proxy through the environment, never argv),
+    `secret_file`, else $DRAFTRELAY_SECRET; `tls` (bool), `tls_ca` (PEM file), `tls_verify` (default
+    true), `tls_server_name`. security.SecretError / ValueError for what cannot be loaded."""
+    secret = spec.get("secret") or ""
+    key = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not key:
+        key = security.load_secret(str(spec.get("secret_file", ""))) or b""
+    tls = None
+    if spec.get("tls") or spec.get("tls_ca"):
+        tls = security.client_tls_context(str(spec.get("tls_ca", "")), bool(spec.get("tls_verify", True)))
+    return {"secret": key or None, "tls": tls, "tls_server_name": str(spec.get("tls_server_name", ""))}

@@ -35,6 +35,7 @@ from draftrelay.wire.client import (
     WireDisconnected,
     WireError,
     WireTimeout,
+    security_from_spec,
 )
 
 _EMPTY_I = np.zeros(0, np.int32)
@@ -51,7 +52,7 @@ def client_from_spec(spec: dict) -> DrafterClient:
         max_requests=int(spec.get("max_requests", 8)), client_name=str(spec.get("client_name", "draftrelay-proxy")),
         connect_timeout=float(spec.get("connect_timeout_s", 1.0)),
         breaker_failures=int(spec.get("breaker_failures", 3)),
-        breaker_cooldown=float(spec.get("breaker_cooldown_s", 1.0)))
+        breaker_cooldown=float(spec.get("breaker_cooldown_s", 1.0)), **security_from_spec(spec))
 
 
 def to_blocks(requests: list[RoundRequest]) -> list[P.Block]:

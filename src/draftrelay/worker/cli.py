@@ -1,9 +1,15 @@
-"""`draftrelay worker`: serve a drafter over TCP (docs/CONTRACT.md)."""
+"""`draftrelay worker`: serve a drafter over TCP (docs/CONTRACT.md, docs/WORKER.md).
+
+Security (docs/CONTRACT.md §8): a worker bound to a non-loopback address needs a shared secret
+(`--secret-file` or $DRAFTRELAY_SECRET) unless `--insecure-no-auth` says otherwise; `--tls-cert` /
+`--tls-key` encrypt the link. Each GPU the worker uses is locked for its lifetime (gpulock.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 import threading
@@ -14,16 +20,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local HF model directory, a .gguf file, 'tiny' (built-in tiny drafter), 'test' "
                         "(deterministic test drafter) or 'random:SHAPE' (qwen2.5-0.5b, qwen2.5-1.5b at seeded random "
                         "weights)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; anything but loopback needs a shared secret (or --insecure-no-auth)")
+    p.add_argument("--secret-file", default="", metavar="PATH",
+                   help="file holding the shared secret clients must prove (mode 600; default: $DRAFTRELAY_SECRET)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without a shared secret: anyone who reaches the port may "
+                        "use the drafter")
+    p.add_argument("--tls-cert", default="", metavar="PEM", help="serve TLS with this certificate (chain)")
+    p.add_argument("--tls-key", default="", metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="run even if another draftrelay worker holds this GPU's lock")
+    p.add_argument("--gpu-status", action="store_true",
+                   help="print which PID holds the lock of --device's GPU(s) and exit (never waits, takes nothing)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve the worker's counters (Prometheus) on --metrics-host:PORT")
+    p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=18627, help="TCP port (0: pick a free one; printed at start)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--rows", type=int, default=16, help="draft-KV rows shared by all sessions")
-    p.add_argument("--max-requests", type=int, default=16, help="most requests one session may hold")
+    p.add_argument("--max-requests", type=int, default=0,
+                   help="most requests (rows) one session may hold (0: half of --rows, so one client cannot take "
+                        "every row)")
+    p.add_argument("--row-lease", type=float, default=10.0,
+                   help="seconds without a STEP after which a session's rows may go to a new session (PING "
+                        "keeps the connection, not the rows)")
+    p.add_argument("--prefill-slice-ms", type=float, default=0.0,
+                   help="drafter time one prefill slice may take while other sessions wait (0: about one "
+                        "ordinary STEP; -1: never slice)")
     p.add_argument("--max-ctx", type=int, default=4096, help="longest context per request, in tokens")
     p.add_argument("--n-out-max", type=int, default=8, help="most drafts per block (1-64)")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle session expires")
     p.add_argument("--max-conns", type=int, default=64)
+    p.add_argument("--max-conns-per-peer", type=int, default=16, help="connections one client address may hold")
     p.add_argument("--handshake-timeout", type=float, default=5.0, help="seconds for a new connection's HELLO")
     p.add_argument("--frame-timeout", type=float, default=5.0, help="seconds for a started frame to complete")
     p.add_argument("--max-frame", type=int, default=4 << 20, help="largest accepted frame, bytes")
@@ -49,21 +79,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: 1 for 'tiny', which runs fastest single-threaded; torch's default else)")
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-every", type=float, default=5.0,
+                   help="seconds between WARNING lines of one kind (refusals, malformed frames, expiry)")
+    p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)  # exit when this process dies
+    p.add_argument("--test-gpu-uuid", default="", help=argparse.SUPPRESS)  # lock this (fake) GPU UUID on a CPU
 
 
 def _check(args: argparse.Namespace) -> str | None:
     if not 0 <= args.port <= 65535:
         return f"--port {args.port}: must be 0-65535"
-    for name in ("rows", "max_requests", "max_ctx", "max_conns"):
+    for name in ("rows", "max_ctx", "max_conns", "max_conns_per_peer"):
         if getattr(args, name) <= 0:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive"
+    if args.max_requests < 0:
+        return f"--max-requests {args.max_requests}: must be positive (0: half of --rows)"
+    if not 0 <= args.metrics_port <= 65535:
+        return f"--metrics-port {args.metrics_port}: must be 0-65535"
+    if bool(args.tls_cert) != bool(args.tls_key):
+        return "--tls-cert and --tls-key go together"
     if not 1 <= args.n_out_max <= 64:
         return f"--n-out-max {args.n_out_max}: must be 1-64"
     if args.max_frame < 4096:
         return f"--max-frame {args.max_frame}: must be at least 4096"
-    for name in ("idle_timeout", "handshake_timeout", "frame_timeout"):
-        if getattr(args, name) <= 0:
-            return f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive"
+    for name in ("idle_timeout", "handshake_timeout", "frame_timeout", "row_lease", "log_every"):
+        if not getattr(args, name) > 0 or not math.isfinite(getattr(args, name)):
+            return f"--{name.replace('_', '-')} {getattr(args, name)}: must be a positive number"
+    if not math.isfinite(args.prefill_slice_ms):
+        return f"--prefill-slice-ms {args.prefill_slice_ms}: must be 0 (auto), a positive number or -1 (off)"
     if args.threads < 0:
         return f"--threads {args.threads}: must be 0 or more"
     if not 1 <= args.tp <= 8:
@@ -81,6 +123,24 @@ def run(args: argparse.Namespace) -> int:
     if err:
         print(f"draftrelay worker: {err}", file=sys.stderr)
         return 2
+    from draftrelay.worker.process import die_with_parent
+
+    if args.parent_pid and not die_with_parent(args.parent_pid):
+        print(f"draftrelay worker: the parent (PID {args.parent_pid}) is gone; exiting", file=sys.stderr)
+        return 1
+    from draftrelay.wire import security
+
+    try:
+        secret = security.load_secret(args.secret_file)
+        tls = security.server_tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    except ValueError as exc:
+        print(f"draftrelay worker: {exc}", file=sys.stderr)
+        return 2
+    if secret is None and not args.insecure_no_auth and not security.is_loopback(args.host):
+        print(f"draftrelay worker: --host {args.host} is reachable from other hosts, and no shared secret is set: "
+              f"give one (--secret-file PATH or ${security.SECRET_ENV}; clients then need the same), or pass "
+              f"--insecure-no-auth to serve anyone who can reach the port", file=sys.stderr)
+        return 2
     from draftrelay.worker.core import WorkerCore
     from draftrelay.worker.drafters import load_drafter
     from draftrelay.worker.server import WorkerServer
@@ -96,7 +156,30 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(threads)
     elif device == "auto":
         device = "cpu"
+    from draftrelay.worker import gpulock
+
     tp_used = args.tp > 1 or args.tp_mode != "auto"
+    if args.gpu_status:
+        uuids = [args.test_gpu_uuid] if args.test_gpu_uuid else gpulock.gpu_uuids(device)
+        for u in uuids:
+            pid = gpulock.holder(u)
+            print(f"{u}: " + ("free" if pid is None else f"held by PID {pid}" if pid else "held"))
+        if not uuids:
+            print(f"{device}: no GPU")
+        return 0
+    try:  # before the model loads: a second worker on a held GPU must not allocate anything there
+        if args.test_gpu_uuid:
+            uuids = [args.test_gpu_uuid]
+        elif tp_used and args.tp_mode in ("auto", "pair"):  # rank r runs on cuda:r
+            uuids = sorted({u for r in range(args.tp) for u in gpulock.gpu_uuids(f"cuda:{r}")})
+        else:
+            uuids = gpulock.gpu_uuids(device)
+        gpu_locks, notes = gpulock.acquire_all(uuids, args.share_gpu)
+    except gpulock.GpuBusy as exc:
+        print(f"draftrelay worker: {exc}", file=sys.stderr)
+        return 2
+    for note in notes:
+        logging.getLogger("draftrelay.worker").warning("%s", note)
     try:
         if tp_used:
             from draftrelay.worker.tp import load_tp_drafter
@@ -122,14 +205,27 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if hasattr(drafter, "warm"):
             drafter.warm([n for n in steps if 1 <= n <= args.n_out_max], args.warm_batch)
-    core = WorkerCore(drafter, max_requests=min(args.max_requests, args.rows), idle_timeout=args.idle_timeout,
-                      max_frame=args.max_frame)
+    per_session = min(args.max_requests, args.rows) if args.max_requests else max(1, args.rows // 2)
+    core = WorkerCore(drafter, max_requests=per_session, idle_timeout=args.idle_timeout, max_frame=args.max_frame,
+                      row_lease=args.row_lease, prefill_slice_ms=args.prefill_slice_ms)
     try:
         server = WorkerServer(core, args.host, args.port, max_conns=args.max_conns,
-                              handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout)
+                              handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
+                              secret=secret, tls=tls, max_conns_per_peer=args.max_conns_per_peer,
+                              log_every_s=args.log_every)
     except OSError as exc:
         print(f"draftrelay worker: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    if args.metrics_port:
+        from draftrelay.worker import metrics
+
+        try:
+            metrics.serve(server, args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            print(f"draftrelay worker: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}",
+                  file=sys.stderr)
+            server.stop()
+            return 2
     fatal: list[str] = []
     if tp_used:  # a TP pair that keeps failing steps: exit nonzero so a supervisor restarts the worker
 
@@ -141,13 +237,16 @@ def run(args: argparse.Namespace) -> int:
     host, port = server.start()
     signal.signal(signal.SIGTERM, lambda *_: server._stopping.set())
     print(f"draftrelay worker listening on {host}:{port} model_id={drafter.model_id} vocab={drafter.vocab_size} "
-          f"max_ctx={drafter.max_ctx} rows={drafter.n_rows} ({drafter.info})", flush=True)
+          f"max_ctx={drafter.max_ctx} rows={drafter.n_rows} per-session={per_session} "
+          f"auth={'secret' if secret else 'none'} tls={'on' if tls else 'off'} ({drafter.info})", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
+        for lk in gpu_locks:
+            lk.release()
     if fatal:
         print(f"draftrelay worker: exiting for a restart: {fatal[0]}", file=sys.stderr)
         return 3

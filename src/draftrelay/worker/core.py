@@ -1,16 +1,27 @@
 """Sessions and STEP semantics (docs/CONTRACT.md §2-4), independent of the network.
 
 `WorkerCore.step(session, blocks)` is exactly what the server runs for a STEP frame; tests call it
-in-process as the reference the network path must equal bit for bit. One lock serializes the
+in-process as the reference the network path must equal bit for bit. One FIFO lock serializes the
 drafter (one model, one KV cache) and the row pool across all sessions.
+
+Fair share between sessions (docs/CONTRACT.md §2):
+- rows: a session may reserve at most `max_requests` rows (half the pool by default), and a session
+  that sent no STEP for `row_lease` seconds loses its rows (and its connection: SESSION_EXPIRED) as
+  soon as a new session needs them; PING keeps a connection open, not its rows.
+- compute: a frame's long prefills (first-round prompts) run in slices of about `prefill_slice_ms`
+  (default: the median time of recent ordinary STEPs; at least 16 tokens),
+  and the lock is handed to the next waiting session between slices, so one session's 8 x 4,000-token
+  frame delays another session's STEP by one slice, not by the whole frame.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +43,44 @@ class Refusal(Exception):
         self.code = code
 
 
+class FairLock:
+    """A mutex handed to waiters in arrival order. threading.Lock lets the releasing thread take it again
+    at once, so a session prefilling slice after slice would keep the drafter; here release() gives it
+    to the longest waiter directly."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._held = False
+        self._waiters: collections.deque[threading.Lock] = collections.deque()
+
+    def acquire(self) -> None:
+        with self._mu:
+            if not self._held:
+                self._held = True
+                return
+            gate = threading.Lock()
+            gate.acquire()
+            self._waiters.append(gate)
+        gate.acquire()  # released by the holder's release(): ownership passes without a gap
+
+    def release(self) -> None:
+        with self._mu:
+            if self._waiters:
+                self._waiters.popleft().release()
+            else:
+                self._held = False
+
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def __enter__(self) -> FairLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 @dataclass
 class RequestState:
     generation: int
@@ -51,6 +100,10 @@ class Session:
     requests: dict[int, RequestState] = field(default_factory=dict)
     tick: int = 0
     steps: int = 0
+    last_step: float = field(default_factory=time.monotonic)  # STEP frames only: PING does not count
+    busy: bool = False  # inside step(): its rows are in use
+    closed: bool = False
+    on_evict: Callable[[str], None] | None = None  # the server closes the connection
 
 
 @dataclass
@@ -64,16 +117,35 @@ class StepResult:
     worker_us: int
 
 
+LONG_EXTENSION = 16  # a frame extending some request by more tokens than this is a prefill: it is sliced
+MIN_SLICE_TOKENS = 16  # progress per slice even where one forward costs more than the budget
+MAX_SLICE_TOKENS = 256
+
+
 class WorkerCore:
-    def __init__(self, drafter: Drafter, max_requests: int = 16, idle_timeout: float = 60.0, max_frame: int = 4 << 20):
+    def __init__(self, drafter: Drafter, max_requests: int | None = None, idle_timeout: float = 60.0,
+                 max_frame: int = 4 << 20, row_lease: float = 10.0, prefill_slice_ms: float = 0.0,
+                 capacity_wait: float = 0.5):
+        """max_requests: rows one session may reserve (None: half the pool, at least 1). row_lease: seconds
+        without a STEP after which a session's rows may be reclaimed for a new session. prefill_slice_ms:
+        the drafter time one prefill slice may take while other sessions exist (0: the median time of
+        recent ordinary STEPs, so a waiting STEP is delayed by about one of its own; negative: no slicing)."""
         self.drafter = drafter
-        self.max_requests = max_requests
+        self.max_requests = max(1, drafter.n_rows // 2) if max_requests is None else max_requests
         self.idle_timeout, self.max_frame = idle_timeout, max_frame
-        self.lock = threading.Lock()
+        self.row_lease, self.prefill_slice_ms, self.capacity_wait = row_lease, prefill_slice_ms, capacity_wait
+        self._freed = threading.Condition()  # notified when a session's rows come back
+        self._freed_count = 0
+        self.lock = FairLock()
         self.free_rows = list(range(drafter.n_rows))
         self.sessions: dict[int, Session] = {}
         self.stats = {"sessions_opened": 0, "sessions_closed": 0, "steps": 0, "blocks": 0, "refused_blocks": 0,
-                      "drafter_errors": 0, "evictions": 0}
+                      "drafter_errors": 0, "evictions": 0, "sessions_reclaimed": 0, "prefill_slices": 0}
+        self._step_times: collections.deque[float] = collections.deque(maxlen=64)  # ordinary STEPs, seconds
+        self._slice_tokens = 64.0  # adapted so a slice takes about the budget
+
+    def rows_in_use(self) -> int:
+        return self.drafter.n_rows - len(self.free_rows)
 
     # ---- sessions -------------------------------------------------------------------------------
 
@@ -95,29 +167,82 @@ class WorkerCore:
             raise Refusal(P.OVER_LIMITS, f"n_out_max {h.n_out_max}: worker allows 1..{d.n_out_max}")
         if not 1 <= h.max_requests <= self.max_requests:
             raise Refusal(P.OVER_LIMITS, f"max_requests {h.max_requests}: worker allows 1..{self.max_requests}")
-        with self.lock:
-            if len(self.free_rows) < h.max_requests:
-                raise Refusal(P.OVER_CAPACITY, f"max_requests {h.max_requests}: only {len(self.free_rows)} of "
-                                               f"{d.n_rows} draft-KV rows free")
-            rows = [self.free_rows.pop() for _ in range(h.max_requests)]
-            sid = 0
-            while sid == 0 or sid in self.sessions:
-                sid = secrets.randbits(64)
-            s = Session(sid, h.max_requests, h.n_out_max, h.client_name, rows)
-            self.sessions[sid] = s
-            self.stats["sessions_opened"] += 1
+        # a client reconnecting right after closing races its old session's thread, which frees the rows
+        # once it sees the close: a HELLO short of rows waits up to capacity_wait for rows to come free
+        deadline = time.monotonic() + self.capacity_wait
+        while True:
+            evicted: list[tuple[Session, str]] = []
+            try:
+                with self.lock:
+                    if len(self.free_rows) < h.max_requests:
+                        evicted = self._reclaim(h.max_requests - len(self.free_rows))
+                    if len(self.free_rows) >= h.max_requests or time.monotonic() >= deadline:
+                        return self._open(h, d)
+                    seen = self._freed_count
+            finally:
+                for victim, msg in evicted:  # outside the lock: telling a peer may block on its socket
+                    if victim.on_evict is not None:
+                        victim.on_evict(msg)
+            with self._freed:
+                self._freed.wait_for(lambda seen=seen: self._freed_count != seen,
+                                     max(0.0, deadline - time.monotonic()))
+
+    def _open(self, h: P.Hello, d: Drafter) -> tuple[Session, P.HelloOk]:
+        """Reserve the rows and make the session (under the lock)."""
+        if len(self.free_rows) < h.max_requests:
+            raise Refusal(P.OVER_CAPACITY, f"max_requests {h.max_requests}: only {len(self.free_rows)} of "
+                                           f"{d.n_rows} draft-KV rows free (other sessions hold the rest and "
+                                           f"sent a STEP within the row lease, {self.row_lease:g} s)")
+        rows = [self.free_rows.pop() for _ in range(h.max_requests)]
+        sid = 0
+        while sid == 0 or sid in self.sessions:
+            sid = secrets.randbits(64)
+        s = Session(sid, h.max_requests, h.n_out_max, h.client_name, rows)
+        self.sessions[sid] = s
+        self.stats["sessions_opened"] += 1
         ok = P.HelloOk(sid, P.VERSION, h.max_requests, d.n_out_max, d.vocab_size, d.max_ctx, self.max_frame,
                        int(self.idle_timeout * 1000), d.model_id, d.tokenizer_hash, d.info[:P.MAX_STR])
         return s, ok
 
     def close_session(self, s: Session) -> None:
         with self.lock:
-            if self.sessions.pop(s.id, None) is None:
-                return
-            self.free_rows.extend(s.free_rows)
-            self.free_rows.extend(r.row for r in s.requests.values())
-            s.free_rows, s.requests = [], {}
-            self.stats["sessions_closed"] += 1
+            self._release(s)
+
+    def _release(self, s: Session) -> bool:
+        s.closed = True
+        if self.sessions.pop(s.id, None) is None:
+            return False
+        self.free_rows.extend(s.free_rows)
+        self.free_rows.extend(r.row for r in s.requests.values())
+        s.free_rows, s.requests = [], {}
+        self.stats["sessions_closed"] += 1
+        with self._freed:
+            self._freed_count += 1
+            self._freed.notify_all()
+        return True
+
+    def _reclaim(self, need: int) -> list[tuple[Session, str]]:
+        """Free at least `need` rows from sessions idle past the row lease, least recently active first
+        (under the lock). Returns them with the reason: the caller has the server tell them SESSION_EXPIRED
+        and close their connections."""
+        now = time.monotonic()
+        idle = sorted((s.last_step, s.id) for s in self.sessions.values()
+                      if not s.busy and now - s.last_step >= self.row_lease)
+        if sum(len(self.sessions[sid].free_rows) + len(self.sessions[sid].requests) for _, sid in idle) < need:
+            return []  # reclaiming cannot make room: leave everyone's rows alone
+        out = []
+        for last, sid in idle:
+            s = self.sessions[sid]
+            held = len(s.free_rows) + len(s.requests)
+            self._release(s)
+            need -= held
+            self.stats["sessions_reclaimed"] += 1
+            msg = f"no STEP for {now - last:.1f} s (row lease {self.row_lease:g} s): its rows went to a new session"
+            log.warning("session %016x (%s) reclaimed: %s", sid, s.client_name, msg)
+            out.append((s, msg))
+            if need <= 0:
+                break
+        return out
 
     # ---- STEP ----------------------------------------------------------------------------------
 
@@ -136,50 +261,112 @@ class WorkerCore:
         return s.free_rows.pop()
 
     def step(self, s: Session, blocks: list[P.Block]) -> StepResult:
-        with self.lock:
-            return self._step(s, blocks)
+        s.busy = True  # before the lock: a session waiting for the drafter is not idle
+        s.last_step = time.monotonic()
+        try:
+            with self.lock:
+                if s.closed:
+                    raise Refusal(P.SESSION_EXPIRED, "this session's rows were reclaimed")
+                long = any(len(b.tokens) > LONG_EXTENSION for b in blocks)
+                if long and len(self.sessions) > 1 and self.prefill_slice_ms >= 0:
+                    frame = self._plan_frame(s, blocks)
+                else:
+                    t0 = time.perf_counter()
+                    r = self._step(s, blocks)
+                    if not long:  # the budget of a slice: what an ordinary STEP costs
+                        self._step_times.append(time.perf_counter() - t0)
+                    return r
+            self._prefill_in_slices(s, frame)
+            with self.lock:
+                return self._finish_frame(s, blocks, frame)
+        finally:
+            s.busy = False
+
+    def _slice_budget_s(self) -> float:
+        if self.prefill_slice_ms > 0:
+            return self.prefill_slice_ms / 1000
+        if not self._step_times:
+            return 0.002
+        times = sorted(self._step_times)
+        # one ordinary STEP: a STEP arriving during a slice waits at most about its own cost (p99 ~2x, median
+        # ~1.5x what it costs alone), and the prefill still gets half the drafter while others are active
+        return max(2e-4, times[len(times) // 2])
+
+    def _prefill_in_slices(self, s: Session, frame) -> None:
+        """Extend every long job of a planned frame up to its last token, one slice per lock hold (the lock
+        goes to the next waiting session in between); the frame's final step then drafts as usual."""
+        planned = frame[1]
+        for _, _, _, _, _, job in planned:
+            while len(job.tokens) > LONG_EXTENSION:
+                n = int(min(len(job.tokens) - 1, max(MIN_SLICE_TOKENS, self._slice_tokens)))
+                with self.lock:
+                    if frame[2] is not None:
+                        return  # the drafter failed on an earlier slice
+                    t0 = time.perf_counter()
+                    try:
+                        self.drafter.run([Job(job.row, job.keep, job.tokens[:n])], 0)
+                    except Exception as exc:  # the frame's DRAFTER_ERROR (StepFailed: INTERNAL), as in _step
+                        frame[2] = exc
+                        return
+                    dt = time.perf_counter() - t0
+                    self.stats["prefill_slices"] += 1
+                job.keep += n
+                job.tokens = job.tokens[n:]
+                # next slice: as many tokens as fit the budget at this slice's rate; growing by at most 1.25x a
+                # slice (attention makes the cost grow with the position and superlinearly with the length)
+                want = n * self._slice_budget_s() / max(dt, 1e-6)
+                self._slice_tokens = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, min(1.25 * n, want)))
 
     def _step(self, s: Session, blocks: list[P.Block]) -> StepResult:
+        return self._finish_frame(s, blocks, self._plan_frame(s, blocks))
+
+    def _plan_frame(self, s: Session, blocks: list[P.Block]) -> list:
+        """[t0, planned, error, status]: every block validated, rows taken, jobs built (under the lock)."""
         t0 = time.perf_counter()
-        d = self.drafter
-        B = len(blocks)
         s.tick += 1
         s.steps += 1
-        status = np.zeros(B, np.uint16)
-        counts = np.zeros(B, np.uint16)
-        width = max(1, max(b.n_out for b in blocks))
-        drafts = np.zeros((B, width), np.int32)
-        confs = np.zeros((B, width), np.float32)
+        status = np.zeros(len(blocks), np.uint16)
         in_frame = {b.request_id for b in blocks}
         seen: set[int] = set()
-        jobs: list[Job] = []
-        planned: list[tuple[int, int, RequestState, int, int]] = []  # block, job, state, window, new ctx_len
+        planned: list[tuple] = []  # block, job index, state, window, new ctx_len, job
         for i, b in enumerate(blocks):
             code, plan = self._plan(s, b, seen, in_frame)
             seen.add(b.request_id)
             status[i] = code
             if plan is not None:
                 st, job, window = plan
-                planned.append((i, len(jobs), st, window, b.position + len(b.tokens)))
-                jobs.append(job)
+                planned.append((i, len(planned), st, window, b.position + len(b.tokens), job))
+        return [t0, planned, None, status]
+
+    def _finish_frame(self, s: Session, blocks: list[P.Block], frame: list) -> StepResult:
+        t0, planned, failed, status = frame
+        d = self.drafter
+        B = len(blocks)
+        counts = np.zeros(B, np.uint16)
+        width = max(1, max(b.n_out for b in blocks))
+        drafts = np.zeros((B, width), np.int32)
+        confs = np.zeros((B, width), np.float32)
+        jobs: list[Job] = [p[5] for p in planned]
         n_steps = max((p[3] for p in planned), default=0)
         if jobs:
             try:
+                if failed is not None:
+                    raise failed
                 out_d, out_c = d.run(jobs, n_steps)
             except StepFailed:
                 self.stats["drafter_errors"] += 1
-                for i, _, _, _, _ in planned:
+                for i, *_ in planned:
                     self._drop(s, blocks[i].request_id)
                 raise
             except Exception as exc:  # the drafter's failure is this frame's, not the server's
                 log.exception("drafter failed on a STEP of session %016x", s.id)
                 self.stats["drafter_errors"] += 1
-                for i, _, _, _, _ in planned:
+                for i, *_ in planned:
                     status[i] = P.DRAFTER_ERROR
                     self._drop(s, blocks[i].request_id)
                 planned = []
                 del exc
-            for i, j, st, window, new_len in planned:
+            for i, j, st, window, new_len, _ in planned:
                 b = blocks[i]
                 drafts[i, :window] = out_d[j, :window]
                 confs[i, :window] = out_c[j, :window]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.wire.protocol import tokenizer_hash_of_dir
 
 log = logging.getLogger("draftrelay.worker")
@@ -105,19 +106,10 @@ SHAPES = {
 T_BUCKETS = (1, 2, 4, 8, PAD_LIMIT)
 
 
-def kv_bucket(need: int, max_len: int) -> int:
-    """The attention span of a static step: the smallest power of two >= need (at least 256), capped
-    at the cache length (so a long context does not get a new capture every few tokens)."""
-    kv = 256
-    while kv < need:
-        kv *= 2
-    return min(kv, max_len)
-
-
 def steady_state_keys(n_steps_list: list[int], max_batch: int, max_len: int) -> list[tuple[int, int, int, int]]:
     """Every static-step key (requests, T bucket, n_steps, kv bucket) that a steady state with n_out in
     n_steps_list can use: a round then sends at most n_steps + 1 tokens per request."""
-    kvs = sorted({kv_bucket(n, max_len) for n in [256 * 2**i for i in range(20)] if n <= 2 * max_len})
+    kvs = kv_buckets(max_len)
     keys = []
     for n in n_steps_list:
         t_max = next((t for t in T_BUCKETS if t >= n + 1), PAD_LIMIT)
@@ -133,7 +125,7 @@ class LlamaDrafter(Drafter):
     mode "eager": plain forwards, shapes as they come (the CPU default, and the reference).
     mode "static": the whole draft step (padded extension + n_steps-1 decodes + argmax/confidence)
     with static shapes and no host sync: keys of (requests, padded T, n_steps, kv bucket), attention
-    over the first kv positions of each row (a power of two >= 256, masked). mode "graph" (CUDA):
+    over the first kv positions of each row (capture.kv_bucket, masked). mode "graph" (CUDA):
     the static step captured once per key as one CUDA graph, replayed with one H2D copy of the
     packed inputs and one D2H copy of the drafts.
     Frames with a long extension (a first-round prompt) always run eagerly.
@@ -158,8 +150,7 @@ class LlamaDrafter(Drafter):
         # one extra row (index n_rows) is scratch for graph warm-up
         self.cache = model.new_cache(n_rows + 1, self.max_ctx + max(PAD_LIMIT, n_out_max) + 1)
         self._static: dict[tuple[int, int, int], object] = {}
-        self._pool = None
-        self._capture_stream = None
+        self._capture: GraphCapture | None = None  # made at the first capture, on the model's GPU
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
                      f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}")
 
@@ -283,22 +274,11 @@ class LlamaDrafter(Drafter):
         g.graph = None
         if self.mode == "graph":
             g.rows.fill_(self.n_rows)  # warm-up and capture write only into the scratch row
+            if self._capture is None:
+                self._capture = GraphCapture(dev)
             with torch.inference_mode():
-                side = torch.cuda.Stream(device=dev)
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self._static_step(g)  # one eager run first: cuBLAS & co. pick and allocate outside capture
-                torch.cuda.current_stream().wait_stream(side)
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                g.graph = torch.cuda.CUDAGraph()
-                # an explicit capture stream on the model's GPU: torch's default one is made once per
-                # process, on whichever GPU was current at the first capture (a capture on another
-                # GPU's stream records an empty graph)
-                if self._capture_stream is None:
-                    self._capture_stream = torch.cuda.Stream(device=self.model.device)
-                with torch.cuda.graph(g.graph, pool=self._pool, stream=self._capture_stream):
-                    self._static_step(g)
+                self._capture.warm(lambda: self._static_step(g))  # kernels chosen and allocated outside capture
+                g.graph, _ = self._capture.capture(lambda: self._static_step(g))
         self._static[key] = g
         return g
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,12 +64,26 @@ class WorkerProcess:
 
 
 def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: float = 180.0,
-                         env: dict | None = None) -> WorkerProcess:
+                         env: dict | None = None, die_with_us: bool = True) -> WorkerProcess:
+    """die_with_us: the child exits when this process dies (SIGTERM by PR_SET_PDEATHSIG, which fires
+    when the *thread* that started it ends: start it from a long-lived thread)."""
     fd, log_path = tempfile.mkstemp(prefix="draftrelay-worker-", suffix=".log")
     cmd = [sys.executable, "-m", "draftrelay.worker", "--host", host, "--port", "0", *args]
+    if die_with_us:
+        cmd += ["--parent-pid", str(os.getpid())]
     with os.fdopen(fd, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
                                 env={**os.environ, **(env or {})})
+    try:
+        return _wait_banner(proc, cmd, host, timeout, log_path)
+    except BaseException:  # SIGTERM / Ctrl-C while the child starts: it must not outlive us
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5.0)
+        raise
+
+
+def _wait_banner(proc: subprocess.Popen, cmd: list[str], host: str, timeout: float, log_path: str) -> WorkerProcess:
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
@@ -90,3 +105,19 @@ def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: floa
     err = w.log()
     w.stop()
     raise RuntimeError(f"worker did not start ({' '.join(cmd)}): exit {proc.returncode}\n{err[-2000:]}")
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(expected_ppid: int, sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel for `sig` when our parent dies (PR_SET_PDEATHSIG), then check the parent is still
+    `expected_ppid`: a parent that died before the prctl sends nothing (we were already reparented).
+    False when it is gone. A no-op check only where prctl is unavailable (not Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
+    except (OSError, AttributeError):
+        pass
+    return os.getppid() == expected_ppid

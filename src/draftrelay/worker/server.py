@@ -1,24 +1,33 @@
 """The worker's TCP server: one thread per connection, every read bounded by a deadline.
 
 A connection is a session (CONTRACT.md §2). Frames are received into a per-connection buffer
-that is reused (the STEP's token arrays are numpy views into it, no copy). Whatever one client
-sends, the damage stays on its connection: bad frames get an ERROR frame and, where the framing
-is lost, the connection closes; the drafter itself is shared and serialized by WorkerCore's lock.
+that is reused (the STEP's token arrays are numpy views into it, no copy) and that grows only as
+bytes arrive, never to a length a header merely declares. Whatever one client sends, the damage
+stays on its connection: bad frames get an ERROR frame and, where the framing is lost, the
+connection closes; the drafter itself is shared and serialized by WorkerCore's lock.
+
+Who may connect (CONTRACT.md §8): with a secret, a HELLO is answered by a CHALLENGE and nothing of
+the HELLO is looked at (identity, limits, rows) before a correct AUTH; with a TLS context every
+connection is wrapped before its first frame. Connections are bounded in total and per peer address.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
+from collections import Counter
 
 from draftrelay.wire import protocol as P
+from draftrelay.wire import security
 from draftrelay.worker.core import Refusal, Session, WorkerCore
 
 log = logging.getLogger("draftrelay.worker")
 
 HELLO_MAX_FRAME = 1024  # before the handshake nobody gets a big buffer
+BUF_START = 4096  # a connection's buffer starts here and doubles only as bytes arrive
 BUF_KEEP = 1 << 20  # a connection's buffer shrinks back after a frame larger than this
 
 
@@ -30,19 +39,60 @@ class _Idle(Exception):
     """No byte of a new frame arrived within the idle (or handshake) timeout."""
 
 
+class RateLimitedLog:
+    """WARNING lines for what clients do wrong, at most one per `every_s` per kind; the lines in
+    between are counted and reported with the next one (a flood cannot flood the log)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 5.0) -> None:
+        self.logger, self.every_s = logger, every_s
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+        self._mu = threading.Lock()
+
+    def warning(self, kind: str, msg: str, *args) -> bool:
+        now = time.monotonic()
+        with self._mu:
+            if now - self._last.get(kind, -1e18) < self.every_s:
+                self._suppressed[kind] += 1
+                return False
+            self._last[kind] = now
+            n = self._suppressed.pop(kind, 0)
+        self.logger.warning(msg + (f" (+{n} more {kind} since the last line)" if n else ""), *args)
+        return True
+
+
+class _Conn:
+    """One accepted connection: its socket, peer and a send lock (the core may evict the session, and
+    say so on the socket, from another connection's thread)."""
+
+    def __init__(self, sock: socket.socket, addr) -> None:
+        self.sock, self.addr = sock, addr
+        self.peer = addr[0]
+        self.send_mu = threading.Lock()
+
+    def __str__(self) -> str:
+        return f"{self.addr[0]}:{self.addr[1]}"
+
+
 class WorkerServer:
     def __init__(self, core: WorkerCore, host: str = "127.0.0.1", port: int = 0, max_conns: int = 64,
-                 handshake_timeout: float = 5.0, frame_timeout: float = 5.0):
+                 handshake_timeout: float = 5.0, frame_timeout: float = 5.0, *, secret: bytes | None = None,
+                 tls: ssl.SSLContext | None = None, max_conns_per_peer: int = 16, log_every_s: float = 5.0):
         self.core = core
-        self.max_conns = max_conns
+        self.max_conns, self.max_conns_per_peer = max_conns, max_conns_per_peer
         self.handshake_timeout, self.frame_timeout = handshake_timeout, frame_timeout
+        self.secret, self.tls = secret or None, tls
         self.listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.address = self.listener.getsockname()[:2]
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns: dict[_Conn, threading.Thread] = {}
+        self._per_peer: Counter[str] = Counter()
         self._mu = threading.Lock()
         self._stopping = threading.Event()
         self._accept_thread: threading.Thread | None = None
-        self.stats = {"connections": 0, "rejected_connections": 0, "bad_frames": 0, "expired": 0}
+        self.warn = RateLimitedLog(log, log_every_s)
+        self.stats = {"connections": 0, "rejected_connections": 0, "bad_frames": 0, "expired": 0,
+                      "auth_failures": 0}
+        self.refusals: Counter[str] = Counter()  # ERROR codes sent, by name (the Prometheus counters)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -65,9 +115,9 @@ class WorkerServer:
             pass
         with self._mu:
             conns = list(self._conns.items())
-        for sock, _ in conns:
+        for conn, _ in conns:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
+                conn.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         for _, th in conns:
@@ -92,15 +142,26 @@ class WorkerServer:
                 time.sleep(0.05)  # e.g. out of fds: back off instead of spinning
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, addr)
             with self._mu:
-                full = len(self._conns) >= self.max_conns
-                if not full:
-                    th = threading.Thread(target=self._serve_conn, args=(sock, addr), daemon=True,
+                why = ""
+                if len(self._conns) >= self.max_conns:
+                    why = f"connection limit {self.max_conns} reached"
+                elif self._per_peer[conn.peer] >= self.max_conns_per_peer:
+                    why = f"{conn.peer} already has {self._per_peer[conn.peer]} connections (limit per peer " \
+                          f"{self.max_conns_per_peer})"
+                else:
+                    th = threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
                                           name=f"worker-conn-{addr[1]}")
-                    self._conns[sock] = th
-            if full:
+                    self._conns[conn] = th
+                    self._per_peer[conn.peer] += 1
+            if why:
                 self.stats["rejected_connections"] += 1
-                self._send_error(sock, P.OVER_CAPACITY, f"connection limit {self.max_conns} reached", 0)
+                self.warn.warning("capacity", "refused a connection from %s: %s", conn, why)
+                if self.tls is None:  # a TLS peer could not read a plain ERROR frame anyway
+                    self._send_error(conn, P.OVER_CAPACITY, why, 0)
+                else:
+                    self.refusals[P.code_name(P.OVER_CAPACITY)] += 1
                 sock.close()
                 continue
             self.stats["connections"] += 1
@@ -108,17 +169,20 @@ class WorkerServer:
 
     # ---- one connection ---------------------------------------------------------------------------
 
-    def _send_error(self, sock: socket.socket, code: int, msg: str, seq: int) -> None:
+    def _send_error(self, conn: _Conn, code: int, msg: str, seq: int) -> None:
+        self.refusals[P.code_name(code)] += 1
         try:
-            sock.settimeout(0.5)
-            sock.sendall(P.frame(P.ERROR, P.encode_error(code, msg), seq))
+            with conn.send_mu:
+                conn.sock.settimeout(0.5)
+                conn.sock.sendall(P.frame(P.ERROR, P.encode_error(code, msg), seq))
         except OSError:
             pass
 
-    def _send(self, sock: socket.socket, ftype: int, payload: bytes, seq: int) -> None:
+    def _send(self, conn: _Conn, ftype: int, payload: bytes, seq: int) -> None:
         try:
-            sock.settimeout(self.frame_timeout)  # a client that never reads cannot hold us forever
-            sock.sendall(P.header(ftype, len(payload), seq) + payload)
+            with conn.send_mu:
+                conn.sock.settimeout(self.frame_timeout)  # a client that never reads cannot hold us forever
+                conn.sock.sendall(P.header(ftype, len(payload), seq) + payload)
         except OSError:
             raise _Closed() from None
 
@@ -134,13 +198,33 @@ class WorkerServer:
                 raise _Closed()
             got += n
 
+    def _recv_growing(self, sock: socket.socket, buf: bytearray, need: int, deadline: float) -> bytearray:
+        """Receive buf[HEADER_SIZE:need], doubling buf only when what arrived fills it: a peer that declares
+        4 MiB and sends 4 bytes costs this connection its small buffer, not 4 MiB."""
+        have = P.HEADER_SIZE
+        while have < need:
+            if have == len(buf):
+                grown = bytearray(min(need, 2 * len(buf)))
+                grown[:have] = memoryview(buf)[:have]
+                buf = grown
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+            with memoryview(buf) as view:
+                n = sock.recv_into(view[have:min(len(buf), need)])
+            if n == 0:
+                raise _Closed()
+            have += n
+        return buf
+
     def _read_frame(self, sock: socket.socket, buf: bytearray, wait: float, max_frame: int):
         """(buf, type, seq, payload view). _Idle if nothing starts within `wait`; once a frame has
         started, all of it must arrive within frame_timeout (FRAME_TIMEOUT otherwise)."""
-        view = memoryview(buf)
         try:
-            sock.settimeout(wait)
-            n = sock.recv_into(view[:P.HEADER_SIZE])
+            sock.settimeout(max(wait, 1e-3))
+            with memoryview(buf) as view:
+                n = sock.recv_into(view[:P.HEADER_SIZE])
         except TimeoutError:
             raise _Idle() from None
         except OSError:
@@ -150,91 +234,142 @@ class WorkerServer:
         deadline = time.monotonic() + self.frame_timeout
         try:
             if n < P.HEADER_SIZE:
-                self._recv_exact(sock, view[n:P.HEADER_SIZE], deadline)
+                with memoryview(buf) as view:
+                    self._recv_exact(sock, view[n:P.HEADER_SIZE], deadline)
             _, ftype, length, seq = P.check_header(buf, max_frame)
-            if P.HEADER_SIZE + length > len(buf):
-                buf = bytearray(P.HEADER_SIZE + length)
-                buf[:P.HEADER_SIZE] = view[:P.HEADER_SIZE]
-                view = memoryview(buf)
-            self._recv_exact(sock, view[P.HEADER_SIZE:P.HEADER_SIZE + length], deadline)
+            buf = self._recv_growing(sock, buf, P.HEADER_SIZE + length, deadline)
         except TimeoutError:
             raise P.FrameError(P.FRAME_TIMEOUT, f"frame incomplete after {self.frame_timeout:.1f} s") from None
         except OSError:
             raise _Closed() from None
-        return buf, ftype, seq, view[P.HEADER_SIZE:P.HEADER_SIZE + length]
+        return buf, ftype, seq, memoryview(buf)[P.HEADER_SIZE:P.HEADER_SIZE + length]
 
-    def _serve_conn(self, sock: socket.socket, addr) -> None:
-        session: Session | None = None
-        buf = bytearray(64 * 1024)
+    def _authenticate(self, conn: _Conn, buf: bytearray, hello: bytes, seq: int,
+                      deadline: float) -> tuple[bytearray, int]:
+        """CHALLENGE, then the AUTH frame must carry the HMAC; Refusal (AUTH_REQUIRED / AUTH_FAILED) if not.
+        Returns the buffer and the AUTH's seq (HELLO_OK answers the AUTH)."""
+        nonce = security.new_nonce()
+        self._send(conn, P.CHALLENGE, nonce, seq)
         try:
-            # handshake: HELLO first, small, within handshake_timeout
+            buf, ftype, seq, payload = self._read_frame(conn.sock, buf, deadline - time.monotonic(), HELLO_MAX_FRAME)
+        except _Idle:
+            raise Refusal(P.AUTH_REQUIRED, "no AUTH answer to the CHALLENGE: this worker requires the shared "
+                                           "secret (--secret-file or $DRAFTRELAY_SECRET on the client)") from None
+        if ftype != P.AUTH:
+            raise Refusal(P.AUTH_REQUIRED, f"frame type {ftype} after the CHALLENGE: this worker requires the "
+                                           f"shared secret (AUTH with the HMAC of the nonce)")
+        if len(payload) != security.MAC_SIZE or not security.verify_mac(self.secret, nonce, hello, payload):
+            self.stats["auth_failures"] += 1
+            raise Refusal(P.AUTH_FAILED, "wrong shared secret (the AUTH HMAC does not match)")
+        return buf, seq
+
+    def _on_evict(self, conn: _Conn, msg: str) -> None:
+        self.stats["expired"] += 1
+        self._send_error(conn, P.SESSION_EXPIRED, msg, 0)
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)  # the connection's thread sees the close and ends
+        except OSError:
+            pass
+
+    def _serve_conn(self, conn: _Conn) -> None:
+        session: Session | None = None
+        buf = bytearray(BUF_START)
+        try:
+            if self.tls is not None:
+                try:
+                    conn.sock.settimeout(self.handshake_timeout)
+                    conn.sock = self.tls.wrap_socket(conn.sock, server_side=True)
+                except (OSError, ssl.SSLError) as exc:
+                    self.refusals["TLS_HANDSHAKE"] += 1
+                    self.warn.warning("tls", "TLS handshake with %s failed: %s", conn, exc)
+                    return
+            sock = conn.sock
+            # handshake: HELLO first, small, within handshake_timeout (AUTH included)
+            deadline = time.monotonic() + self.handshake_timeout
             try:
                 buf, ftype, seq, payload = self._read_frame(sock, buf, self.handshake_timeout, HELLO_MAX_FRAME)
             except _Idle:
-                self._send_error(sock, P.FRAME_TIMEOUT, f"no HELLO within {self.handshake_timeout:.1f} s", 0)
+                self.warn.warning("timeout", "no HELLO from %s within %.1f s", conn, self.handshake_timeout)
+                self._send_error(conn, P.FRAME_TIMEOUT, f"no HELLO within {self.handshake_timeout:.1f} s", 0)
                 return
             if ftype != P.HELLO:
                 self.stats["bad_frames"] += 1
-                self._send_error(sock, P.BAD_TYPE, f"first frame must be HELLO, got type {ftype}", seq)
+                self.warn.warning("malformed", "refused %s: first frame of type %d, not HELLO", conn, ftype)
+                self._send_error(conn, P.BAD_TYPE, f"first frame must be HELLO, got type {ftype}", seq)
                 return
             try:
-                hello = P.Hello.decode(payload)
+                hello_bytes = bytes(payload)
+                hello = P.Hello.decode(hello_bytes)
+                if self.secret is not None:
+                    buf, seq = self._authenticate(conn, buf, hello_bytes, seq, deadline)
                 session, ok = self.core.open_session(hello)
             except (P.FrameError, Refusal) as exc:
                 self.stats["bad_frames"] += isinstance(exc, P.FrameError)
-                log.info("refused %s:%s: %s", addr[0], addr[1], exc)
-                self._send_error(sock, exc.code, str(exc), seq)
+                kind = {P.OVER_CAPACITY: "capacity", P.AUTH_FAILED: "auth", P.AUTH_REQUIRED: "auth"}.get(
+                    exc.code, "refusal")
+                self.warn.warning(kind, "refused %s: %s: %s", conn, P.code_name(exc.code), exc)
+                self._send_error(conn, exc.code, str(exc), seq)
                 return
-            self._send(sock, P.HELLO_OK, ok.encode(), seq)
-            log.info("session %016x opened for %s:%s (%s)", session.id, addr[0], addr[1], hello.client_name)
+            session.on_evict = lambda msg: self._on_evict(conn, msg)
+            self._send(conn, P.HELLO_OK, ok.encode(), seq)
+            log.info("session %016x opened for %s (%s)", session.id, conn, hello.client_name)
             idle = self.core.idle_timeout
             while not self._stopping.is_set():
                 try:
                     buf, ftype, seq, payload = self._read_frame(sock, buf, idle, self.core.max_frame)
                 except _Idle:
                     self.stats["expired"] += 1
-                    self._send_error(sock, P.SESSION_EXPIRED, f"idle for {idle:.1f} s", 0)
+                    self.warn.warning("expiry", "session %016x (%s) expired: idle for %.1f s", session.id, conn, idle)
+                    self._send_error(conn, P.SESSION_EXPIRED, f"idle for {idle:.1f} s", 0)
                     return
                 if ftype == P.STEP:
                     try:
                         blocks = P.decode_step(payload, session.max_requests)
                     except P.FrameError as exc:
                         self.stats["bad_frames"] += 1
-                        self._send_error(sock, exc.code, str(exc), seq)
+                        self.warn.warning("malformed", "malformed STEP from %s: %s", conn, exc)
+                        self._send_error(conn, exc.code, str(exc), seq)
                         continue
                     try:
                         r = self.core.step(session, blocks)
                         reply = P.encode_step_reply(session.id, r.worker_us, r.request_ids, r.generations,
                                                     r.status, r.counts, r.drafts, r.confidences)
+                    except Refusal as exc:  # the session's rows were reclaimed while it waited
+                        self._send_error(conn, exc.code, str(exc), seq)
+                        return
                     except Exception as exc:  # a bug on our side: report it, keep serving
                         log.exception("STEP failed in session %016x", session.id)
-                        self._send_error(sock, P.INTERNAL, f"{type(exc).__name__}: {exc}", seq)
+                        self._send_error(conn, P.INTERNAL, f"{type(exc).__name__}: {exc}", seq)
                         continue
-                    self._send(sock, P.STEP_REPLY, reply, seq)
+                    self._send(conn, P.STEP_REPLY, reply, seq)
                 elif ftype == P.PING:
-                    self._send(sock, P.PONG, b"", seq)
+                    self._send(conn, P.PONG, b"", seq)
                 elif ftype == P.BYE:
                     return
                 else:
                     self.stats["bad_frames"] += 1
-                    self._send_error(sock, P.BAD_TYPE, f"unexpected frame type {ftype} in a session", seq)
+                    self.warn.warning("malformed", "unexpected frame type %d from %s", ftype, conn)
+                    self._send_error(conn, P.BAD_TYPE, f"unexpected frame type {ftype} in a session", seq)
                 if len(buf) > BUF_KEEP:
-                    buf = bytearray(64 * 1024)
+                    buf = bytearray(BUF_START)
         except P.FrameError as exc:  # framing lost (magic, version, size, timeout): tell and close
             self.stats["bad_frames"] += 1
-            log.info("closing %s:%s: %s", addr[0], addr[1], exc)
-            self._send_error(sock, exc.code, str(exc), 0)
+            self.warn.warning("malformed", "closing %s: %s: %s", conn, P.code_name(exc.code), exc)
+            self._send_error(conn, exc.code, str(exc), 0)
         except _Closed:
             pass
         except Exception:
-            log.exception("connection %s:%s failed", addr[0], addr[1])
+            log.exception("connection %s failed", conn)
         finally:
             if session is not None:
                 self.core.close_session(session)
                 log.info("session %016x closed", session.id)
             try:
-                sock.close()
+                conn.sock.close()
             except OSError:
                 pass
             with self._mu:
-                self._conns.pop(sock, None)
+                self._conns.pop(conn, None)
+                self._per_peer[conn.peer] -= 1
+                if self._per_peer[conn.peer] <= 0:
+                    del self._per_peer[conn.peer]

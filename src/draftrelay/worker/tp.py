@@ -42,7 +42,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draftrelay.model import ModelConfig, Transformer, apply_rope, attend, rms_norm, rope_inv_freq, step_tables
+from draftrelay.capture import GraphCapture, kv_bucket
+from draftrelay.model import (
+    LayerWeights,
+    ModelConfig,
+    Transformer,
+    decoder_steps,
+    rope_inv_freq,
+    run_to_end,
+    step_state,
+)
 from draftrelay.p2p import MAX_RANKS, EmulatedGroup, P2PError, P2PGroup, StandInGroup
 from draftrelay.worker.core import StepFailed
 from draftrelay.worker.drafters import (
@@ -51,7 +60,6 @@ from draftrelay.worker.drafters import (
     T_BUCKETS,
     Drafter,
     Job,
-    kv_bucket,
     steady_state_keys,
 )
 
@@ -107,6 +115,11 @@ class LayerShard:
     wg = property(lambda self: self.wgu[:self.ni])
     wu = property(lambda self: self.wgu[self.ni:])
 
+    def weights(self, head_dim: int) -> LayerWeights:
+        """The layer as model.decoder takes it (this rank's heads and channels)."""
+        return LayerWeights(self.ln1, self.wqkv, self.bqkv, self.wo, self.ln2, self.wgu, self.wd,
+                            self.nq // head_dim, self.nk // head_dim)
+
 
 @dataclass
 class RankShard:
@@ -123,6 +136,7 @@ class RankShard:
     inv_freq: torch.Tensor
     k: torch.Tensor | None = None  # draft KV [L, rows, kv heads of the rank, len, hd]
     v: torch.Tensor | None = None
+    weights: list[LayerWeights] | None = None  # `layers` as model.decoder takes them
 
     def nbytes(self) -> dict[str, int]:
         seen, weights = set(), 0
@@ -172,7 +186,8 @@ def shard_model(model: Transformer, world: int, rank: int, device: torch.device 
     embed = model.embed_tokens.weight.detach().to(dev, copy=True)
     head = embed[v0:v1] if model.lm_head is None else rows(model.lm_head.weight, v0, v1)
     return RankShard(rank, dev, (h0, h1), (k0, k1), (c0, c1), (v0, v1), embed,
-                     model.norm.weight.detach().to(dev, copy=True), head, layers, rope_inv_freq(cfg).to(dev))
+                     model.norm.weight.detach().to(dev, copy=True), head, layers, rope_inv_freq(cfg).to(dev),
+                     weights=[ly.weights(hd) for ly in layers])
 
 
 class _Static:
@@ -232,6 +247,7 @@ class TPDrafter(Drafter):
         self.n_rows, self.n_out_max, self.vocab_size = n_rows, n_out_max, cfg.vocab_size
         self.model_id, self.tokenizer_hash = model_id, tokenizer_hash
         self.dtype = model.dtype
+        self.fast = model.fast_path()  # the fused kernels (draftrelay.kernels) where the model uses them
         self.max_len = self.max_ctx + max(PAD_LIMIT, n_out_max) + 1  # as LlamaDrafter; row n_rows is scratch
         self.lengths = np.zeros(n_rows + 1, np.int64)
         ranks = [0] if tp_mode == "solo" else list(range(world))
@@ -258,7 +274,7 @@ class TPDrafter(Drafter):
             self.streams = [torch.cuda.Stream(device=devices[0])] * len(ranks)
         self.f32_partials = self.dtype == torch.float32 or (cuda and _mm_f32_out_works(self.shards[0].device))
         self._static: dict[tuple, _Static] = {}
-        self._pools: list = []
+        self._captures: list[GraphCapture] = []
         self._pool_threads = (ThreadPoolExecutor(world - 1, thread_name_prefix="tp-launch")
                               if tp_mode == "pair" and mode == "graph" else None)
         self.settle_log: list[dict] = []
@@ -285,43 +301,18 @@ class TPDrafter(Drafter):
         return F.linear(x, w)  # no fp32-output GEMM here: bf16 partials (summed in fp32, rounded once)
 
     def _forward(self, r: int, tokens, start, rows, kv_len: int, logits_at=None, head: bool = True):
-        """Rank r's share of Transformer.forward (static: nothing syncs). Returns fp32 logits of the
-        rank's vocabulary columns [B, V_r] at logits_at (or the last position), or None (head=False)."""
+        """Rank r's share of Transformer.forward: the same layers (model.decoder_steps) with this rank's
+        weight slices, its partial products all-reduced (static: nothing syncs). Returns fp32 logits of
+        the rank's vocabulary columns [B, V_r] at logits_at (or the last position), or None (head=False)."""
         s, c = self.shards[r], self.cfg
-        g = self.group
-        dev = s.device
-        B, T = tokens.shape
-        hq, hk = s.heads[1] - s.heads[0], s.kv_heads[1] - s.kv_heads[0]
-        hd, rep, act = c.head_dim, c.n_rep, self.dtype
-        pos, cos, sin, blocked = step_tables(start, T, kv_len, rep, s.inv_freq, act)
-        widx = rows[:, None]
-        x = F.embedding(tokens, s.embed)
-        for i, w in enumerate(s.layers):
-            h = rms_norm(x, w.ln1, c.rms_norm_eps)
-            qkv = F.linear(h, w.wqkv, w.bqkv)  # as model.Attention: one GEMM, one RoPE over q | k
-            qk = apply_rope(qkv[..., :w.nq + w.nk].view(B, T, hq + hk, hd), cos, sin)
-            q, k = qk[:, :, :hq], qk[:, :, hq:]
-            v = qkv[..., w.nq + w.nk:].view(B, T, hk, hd)
-            ck, cv = s.k[i], s.v[i]
-            ck[widx, :, pos] = k.to(ck.dtype)
-            cv[widx, :, pos] = v.to(cv.dtype)
-            keys = ck[rows, :, :kv_len].to(q.dtype)
-            vals = cv[rows, :, :kv_len].to(q.dtype)
-            qg = q.transpose(1, 2).reshape(B, hk, rep * T, hd)
-            o = attend(qg, keys, vals, blocked)
-            o = o.reshape(B, hq, T, hd).transpose(1, 2).reshape(B, T, hq * hd)
-            red = g.all_reduce(r, self._partial(o, w.wo))
-            yield
-            x = x + red.to(act)
-            h = rms_norm(x, w.ln2, c.rms_norm_eps)
-            gu = F.linear(h, w.wgu)
-            red = g.all_reduce(r, self._partial(F.silu(gu[..., :w.ni]) * gu[..., w.ni:], w.wd))
-            yield
-            x = x + red.to(act)
-        if not head:
-            return None
-        x = x[:, -1] if logits_at is None else x[torch.arange(B, device=dev), logits_at]
-        return F.linear(rms_norm(x, s.norm, c.rms_norm_eps), s.head).float()  # [B, V_r]
+
+        def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return self.group.all_reduce(r, self._partial(x, w))
+
+        st = step_state(start, tokens.shape[1], kv_len, rows, c.n_rep, s.inv_freq, self.dtype, self.fast)
+        out = yield from decoder_steps(tokens, s.embed, s.weights, s.k, s.v, st, c.rms_norm_eps, row_linear,
+                                       s.norm, s.head if head else None, logits_at is None, logits_at)
+        return None if out is None else out[:, 0]  # [B, V_r]
 
     def _step(self, r: int, st: _Static) -> Iterator[None]:
         """Rank r's whole draft step from st's input buffers into st's outputs: extension, n_steps
@@ -401,18 +392,12 @@ class TPDrafter(Drafter):
                 for s in self.streams:
                     s.synchronize()
                 self._check_group()
-                if not self._pools:
-                    for s in self.shards:
-                        with torch.cuda.device(s.device):
-                            self._pools.append(torch.cuda.graph_pool_handle())
+                if not self._captures:  # each rank captures on (and replays from) its own stream
+                    self._captures = [GraphCapture(s.device, self.streams[r]) for r, s in enumerate(self.shards)]
                 try:
-                    for r, s in enumerate(self.shards):  # capture records one rank alone: no partner needed
-                        with torch.cuda.device(s.device):
-                            gr = torch.cuda.CUDAGraph()
-                            with torch.cuda.graph(gr, pool=self._pools[r], stream=self.streams[r]):
-                                for _ in self._step(r, st):
-                                    pass
-                            st.graphs.append(gr)
+                    for r in range(len(self.shards)):  # capture records one rank alone: no partner needed
+                        gr, _ = self._captures[r].capture(lambda r=r: run_to_end(self._step(r, st)))
+                        st.graphs.append(gr)
                 except Exception:  # serve in lockstep without graphs rather than fail every round
                     log.exception("tp%d: CUDA graph capture failed; the drafter falls back to static mode", self.world)
                     st.graphs = []

@@ -1,0 +1,369 @@
+"""The fast forward on a GPU, side by side in one process: drafter STEP (0.5B shape) and target decode /
+verify (7B shape), this project's eager, graphs (plain forward) and graphs with the fused kernels
+(Transformer.fast), plain torch.compile of the same model, and Hugging Face transformers (target decode).
+
+Random bf16 weights of the real shapes; KV filled with random values up to the context (timing does not
+depend on values). Variants are timed interleaved (each iteration runs every variant once), p50 with
+p10/p90. Also: the device copy bandwidth (bytes read + written), achieved bytes/s of each step (weights
+read once per forward + the KV each forward reads), and the kernels one step launches (profiled replay).
+
+    python benchmarks/fast_forward.py [--out benchmarks/results/fast_forward.json] [--contexts 128,32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from draftrelay import model as M
+from draftrelay.engine.graphs import DecodeGraphs
+from draftrelay.handoff.procinfo import machine_info
+from draftrelay.kernels import triton_ops
+from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
+
+TARGET_7B = dict(vocab_size=151936, hidden_size=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
+                 intermediate_size=18944, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                 max_position_embeddings=131072, qkv_bias=True)
+
+
+def pct(xs: list[float]) -> dict:
+    a = np.asarray(xs) * 1e3
+    return {"p50_ms": round(float(np.median(a)), 4), "p10_ms": round(float(np.percentile(a, 10)), 4),
+            "p90_ms": round(float(np.percentile(a, 90)), 4), "n": len(xs)}
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def interleaved(variants: dict, iters: int) -> dict:
+    for fn in variants.values():  # warm
+        fn()
+        fn()
+    times = {k: [] for k in variants}
+    for _ in range(iters):
+        for k, fn in variants.items():
+            times[k].append(timed(fn))
+    return {k: pct(v) for k, v in times.items()}
+
+
+def kernel_count(fn) -> dict:
+    """Kernels (and their total device time) one call of fn launches, from a profiled run."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    n, dev_us, names = 0, 0.0, {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower() \
+                and "memset" not in e.name.lower():
+            n += 1
+            dev_us += e.device_time
+            c, t = names.get(e.name[:70], (0, 0.0))
+            names[e.name[:70]] = (c + 1, t + e.device_time)
+    top = sorted(names.items(), key=lambda kv: -kv[1][1])[:14]
+    return {"kernels": n, "device_us": round(dev_us, 1),
+            "top_by_time": [(k, c, round(t, 1)) for k, (c, t) in top]}  # name, count, us
+
+
+def copy_bandwidth(dev) -> float:
+    x = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev).normal_()  # 2 GiB
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    ts = [timed(lambda: y.copy_(x)) for _ in range(20)]
+    return 2 * (1 << 30) * 2 / float(np.median(ts))
+
+
+def gbps(nbytes: int, t: dict) -> dict:
+    return {k: round(nbytes / (v["p50_ms"] / 1e3) / 1e9, 1) for k, v in t.items()}
+
+
+GEMV_DEFAULT = triton_ops.GEMV_MAX_BYTES
+
+
+def fast_path(model: M.Transformer, fast) -> None:
+    """True: the fused kernels with the default policy (cuBLAS for every product); "gemv": the same
+    with the norm fused into the q|k|v and gate|up products (kernels.norm_linear) for every weight;
+    False: the plain forward."""
+    model.fast = bool(fast)
+    triton_ops.GEMV_MAX_BYTES = 1 << 40 if fast == "gemv" else GEMV_DEFAULT
+
+
+def gemm_section(dev, out) -> None:
+    """cuBLAS (F.linear) on the layer GEMMs of both shapes at M = 1 and 5 rows: achieved GB/s of the
+    weight read (8 distinct weights in turn, so the 60 MB L2 does not serve the repeats)."""
+    shapes = {"0.5b qkv": (896, 1152), "0.5b o": (896, 896), "0.5b gate_up": (896, 9728), "0.5b down": (4864, 896),
+              "0.5b head": (896, 151936), "7b qkv": (3584, 4608), "7b o": (3584, 3584),
+              "7b gate_up": (3584, 37888), "7b down": (18944, 3584), "7b head": (3584, 151936)}
+    rows = []
+    for name, (k, n) in shapes.items():
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2 if n * k > 1e8 else 8)]
+        for m in (1, 5):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            g = torch.cuda.CUDAGraph()
+            torch.nn.functional.linear(x, ws[0])
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                for _ in range(5):
+                    for w in ws:
+                        torch.nn.functional.linear(x, w)
+            g.replay()
+            ts = [timed(g.replay) for _ in range(10)]
+            per = float(np.median(ts)) / (5 * len(ws))
+            row = {"gemm": name, "M": m, "us": round(per * 1e6, 2), "GBps": round(n * k * 2 / per / 1e9, 1)}
+            try:  # the fused norm + GEMV on the same weights (the norm included in its time)
+                nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
+                triton_ops.norm_linear(x, None, nw, 1e-6, ws[0], None)
+                torch.cuda.synchronize()
+                g2 = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g2):
+                    for _ in range(5):
+                        for w in ws:
+                            triton_ops.norm_linear(x, None, nw, 1e-6, w, None)
+                g2.replay()
+                per2 = float(np.median([timed(g2.replay) for _ in range(10)])) / (5 * len(ws))
+                row.update(triton_us=round(per2 * 1e6, 2), triton_GBps=round(n * k * 2 / per2 / 1e9, 1))
+            except Exception as exc:
+                row["triton_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+        del ws
+    out["gemm_cublas"] = rows
+    print("GEMM GB/s cuBLAS / norm+GEMV: " + ", ".join(f"{r['gemm']} M{r['M']} {r['GBps']}/{r.get('triton_GBps')}"
+                                                       for r in rows), flush=True)
+
+
+def weight_bytes(model: M.Transformer) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(cfg: M.ModelConfig, dtype_size: int = 2) -> int:
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype_size
+
+
+def drafter_section(dev, ctxs, iters, out) -> None:
+    cfg = M.ModelConfig(**{**SHAPES["qwen2.5-0.5b"], "max_position_embeddings": 131072}, name="qwen2.5-0.5b")
+    model = M.Transformer.random(cfg, seed=0, device=dev, dtype=torch.bfloat16, draw_on="device")
+    max_ctx = max(ctxs) + 64
+    n_out = 4
+    variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast": ("graph", True),
+                "graphs_fast_gemv": ("graph", "gemv"), "eager_fast": ("eager", True)}
+    drafters = {k: LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m) for k, (m, _) in variants.items()}
+    wb = weight_bytes(model)
+    res = out.setdefault("drafter_0p5b", {"weight_bytes": wb, "n_out": n_out, "rows": []})
+    for ctx in ctxs:
+        base = next(iter(drafters.values()))
+        with torch.no_grad():
+            base.cache.k[:, :, :, :ctx].normal_(0, 1)
+            base.cache.v[:, :, :, :ctx].normal_(0, 1)
+        for d in drafters.values():
+            if d is not base:
+                d.cache.k.copy_(base.cache.k)
+                d.cache.v.copy_(base.cache.v)
+        for B in (1, 4):
+            def step(d, fast, B=B, ctx=ctx):
+                def go():
+                    fast_path(model, fast)
+                    for r in range(B):
+                        d.cache.lengths[r] = ctx
+                    d.run([Job(r, ctx, np.array([17 + r], np.int32)) for r in range(B)], n_out)
+                return go
+            fns = {k: step(drafters[k], f) for k, (_, f) in variants.items()}
+            t = interleaved(fns, iters)
+            row = {"context": ctx, "requests": B, "step": t}
+            kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)
+            row["bytes_per_step"] = n_out * wb + kv_read
+            row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
+            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast", "graphs_fast_gemv")}
+            fast_path(model, True)
+            res["rows"].append(row)
+            print(f"drafter 0.5B ctx {ctx} B={B}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
+                  + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}",
+                  flush=True)
+    # graph == eager (fast path), drafts of the timed steps: identical by construction of the same kernels
+    model.fast = None
+    torch.cuda.empty_cache()
+
+
+def target_section(dev, ctxs, iters, out, with_compile: bool, with_hf: bool, budget_s: float, t_start: float) -> None:
+    cfg = M.ModelConfig(**TARGET_7B, name="qwen2.5-7b")
+    model = M.Transformer.random(cfg, seed=0, device=dev, dtype=torch.bfloat16, draw_on="device")
+    wb = weight_bytes(model)
+    max_len = max(ctxs) + 16
+    cache = model.new_cache(2, max_len)
+    with torch.no_grad():
+        cache.k[:, 0, :, :max(ctxs)].normal_(0, 1)
+        cache.v[:, 0, :, :max(ctxs)].normal_(0, 1)
+    res = out.setdefault("target_7b", {"weight_bytes": wb, "rows": []})
+    graphs = {}
+    for T in (1, 5):
+        for fast in (False, True, "gemv"):
+            fast_path(model, fast)
+            t0 = time.perf_counter()
+            graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
+            res.setdefault("capture_s", {})[f"T{T}_{fast}"] = round(time.perf_counter() - t0, 2)
+    fast_path(model, True)
+    compiled = {}
+    if with_compile:
+        try:
+            t0 = time.perf_counter()
+            for T in (1, 5):
+                kv = 1024
+                model.fast = False  # the plain forward, as torch.compile would see any torch model
+
+                def fwd(toks, start, rows, kv=kv):
+                    return model(toks, start, cache, rows, kv_len=kv)
+                compiled[T] = torch.compile(fwd, mode="reduce-overhead", fullgraph=False, dynamic=False)
+                toks = torch.zeros(1, T, dtype=torch.long, device=dev)
+                st = torch.tensor([100], device=dev)
+                rw = torch.tensor([0], device=dev)
+                with torch.no_grad():  # the weights are parameters: outside no_grad autograd would track
+                    for _ in range(3):
+                        compiled[T](toks, st, rw)
+            res["compile_s"] = round(time.perf_counter() - t0, 1)
+        except Exception as exc:  # a comparison column: report, do not stop
+            res["compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            compiled = {}
+    for ctx in ctxs:
+        for T in (1, 5):
+            toks_h = torch.randint(0, cfg.vocab_size, (1, T))
+            toks_d = toks_h.to(dev)
+            start_h = torch.tensor([ctx])
+            rows_h = torch.tensor([0])
+
+            def eager(fast, T=T, ctx=ctx, toks_h=toks_h):
+                def go():
+                    fast_path(model, fast)
+                    cache.lengths[0] = ctx
+                    with torch.inference_mode():
+                        model(toks_h, torch.tensor([ctx]), cache, torch.tensor([0]))
+                return go
+
+            def graph(fast, T=T, toks_h=toks_h, start_h=start_h, rows_h=rows_h):
+                def go():
+                    with torch.inference_mode():
+                        graphs[T, fast].run(toks_h, start_h, rows_h)
+                return go
+
+            fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast": graph(True),
+                   "graphs_fast_gemv": graph("gemv"), "eager_fast": eager(True)}
+            if T in compiled and ctx < 1024 - 8:
+                st_d, rw_d = torch.tensor([ctx], device=dev), torch.tensor([0], device=dev)
+                def comp(T=T, st_d=st_d, rw_d=rw_d, toks_d=toks_d):
+                    model.fast = False  # compiled with the plain path: the same guard, no recompile
+                    with torch.no_grad():
+                        return compiled[T](toks_d, st_d, rw_d)
+                fns["torch_compile"] = comp
+            t = interleaved(fns, iters)
+            row = {"context": ctx, "tokens": T, "step": t,
+                   "bytes_per_step": wb + (ctx + T) * kv_bytes_per_token(cfg)}
+            row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
+            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast", "graphs_fast_gemv")}
+            fast_path(model, True)
+            res["rows"].append(row)
+            print(f"target 7B ctx {ctx} T={T}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
+                  + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}",
+                  flush=True)
+    model.fast = None
+    torch.cuda.empty_cache()
+    if with_hf and time.perf_counter() - t_start < budget_s:
+        try:
+            hf_section(dev, ctxs, out)
+        except Exception as exc:
+            out["hf_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            traceback.print_exc()
+
+
+def hf_section(dev, ctxs, out) -> None:
+    import transformers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    c = TARGET_7B
+    hcfg = Qwen2Config(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["n_layers"],
+                       num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"],
+                       intermediate_size=c["intermediate_size"], rope_theta=c["rope_theta"],
+                       rms_norm_eps=c["rms_norm_eps"], tie_word_embeddings=False,
+                       max_position_embeddings=c["max_position_embeddings"])
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            hf = Qwen2ForCausalLM(hcfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    rows = []
+    for ctx in ctxs:
+        with torch.inference_mode():
+            ids = torch.randint(0, c["vocab_size"], (1, ctx), device=dev)
+            o = hf(input_ids=ids, use_cache=True)
+            pkv = o.past_key_values
+            tok = torch.randint(0, c["vocab_size"], (1, 1), device=dev)
+            ts = []
+            for _ in range(12):
+                ts.append(timed(lambda tok=tok, pkv=pkv: hf(input_ids=tok, past_key_values=pkv, use_cache=True)))
+                pkv.crop(ctx)
+            rows.append({"context": ctx, "tokens": 1, "eager": pct(ts[2:])})
+            print(f"HF transformers {transformers.__version__} eager 7B ctx {ctx}: "
+                  f"{rows[-1]['eager']['p50_ms']:.2f} ms", flush=True)
+    out["hf_transformers"] = {"version": transformers.__version__, "attn": hcfg._attn_implementation, "rows": rows}
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="128,32768")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="skip the HF column past this many seconds")
+    ap.add_argument("--sections", default="gemm,drafter,target")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "fast_forward.json"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    dev = torch.device("cuda:0")
+    ctxs = [int(x) for x in args.contexts.split(",")]
+    out: dict = {"benchmark": "fast_forward", "machine": machine_info(), "contexts": ctxs, "iters": args.iters,
+                 "weights": "random bf16, real shapes"}
+    out["copy_GBps"] = round(copy_bandwidth(dev) / 1e9, 1)
+    print(f"device copy {out['copy_GBps']} GB/s (read + write)", flush=True)
+
+    def save():
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    for sec in args.sections.split(","):
+        try:
+            if sec == "drafter":
+                drafter_section(dev, ctxs, args.iters, out)
+            elif sec == "gemm":
+                gemm_section(dev, out)
+            elif sec == "target":
+                target_section(dev, ctxs, args.iters, out, not args.no_compile, not args.no_hf, args.budget_s, t_start)
+        except Exception as exc:
+            out[f"{sec}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+            traceback.print_exc()
+        save()
+    out["wall_s"] = round(time.perf_counter() - t_start, 1)
+    save()
+    print(f"wrote {args.out} ({out['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Fused kernels of the fast forward, each with a plain-torch definition of what it computes.
+
+`backend(device)` is the module whose functions the fast forward calls: `triton_ops` on a CUDA device
+where Triton imports, `reference` everywhere else (the CPU runs the fast forward's structure with the
+plain-torch definitions: the same function, not faster). Both modules define
+
+    add_rms_norm(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta) * weight)
+    norm_linear(x, delta, weight, eps, w, b) -> (x + delta, add_rms_norm's output @ w^T + b)
+    use_norm_linear(rows, w) -> whether the forward takes norm_linear for that product
+    silu_mul(gu) -> silu(gate) * up
+    rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows) -> q rotated (k, v into the cache)
+    decode_attention(q, ck, cv, rows, start, kv_len) -> causal GQA attention over the cache rows
+
+with the signatures and rounding documented in `reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from draftrelay.kernels import reference
+
+__all__ = ["backend", "triton_available", "reference"]
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_module() -> ModuleType | None:
+    try:
+        from draftrelay.kernels import triton_ops
+    except ImportError:  # no Triton on this machine (the CPU-only CI has none)
+        return None
+    return triton_ops
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on `device` (a CUDA device with Triton installed)."""
+    return torch.device(device).type == "cuda" and _triton_module() is not None
+
+
+def backend(device: torch.device | str) -> ModuleType:
+    """The kernels for tensors on `device`: Triton's on CUDA where available, else the references."""
+    return _triton_module() if triton_available(device) else reference

@@ -1,0 +1,90 @@
+"""Plain-torch definitions of the fused kernels (`draftrelay.kernels`): the contract each Triton kernel
+computes, and what the fast forward runs where Triton does not (the CPU).
+
+Each function is written the way its kernel rounds: fp32 arithmetic on the loaded values, one rounding
+to the activation dtype per output (the plain forward in `draftrelay.model` rounds after every torch op
+instead, so the two agree within bf16 rounding, and exactly in fp32 up to the order of sums).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta rounded to x's dtype, RMSNorm of that times weight). delta may be fp32 (the TP
+    all-reduce's sum) or None (first layer: no residual to add). Rounds as HF's RMSNorm: normalised
+    in fp32, rounded, then scaled and rounded again."""
+    if delta is not None:
+        x = x + delta.to(x.dtype)
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return x, (normed.float() * weight.float()).to(x.dtype)
+
+
+def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
+    """Whether the forward fuses the norm into the next product: always here (the same function either
+    way, so the CPU tests run the fused call's code path too)."""
+    return True
+
+
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
+                b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, add_rms_norm's normed rows @ w^T + b): the norm and the product that reads it; the
+    product accumulates in fp32 and rounds once (as a GEMM with its bias)."""
+    x, h = add_rms_norm(x, delta, norm_w, eps)
+    return x, torch.nn.functional.linear(h, w, b)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [..., 2n] (rows gate | up of one GEMM) -> silu(gate) * up [..., n]; silu rounded first, as
+    F.silu(gate) * up rounds."""
+    n = gu.shape[-1] // 2
+    g = gu[..., :n].float()
+    s = (g * torch.sigmoid(g)).to(gu.dtype)
+    return (s.float() * gu[..., n:].float()).to(gu.dtype)
+
+
+def rope_kv_write(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
+                  ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """qkv [B, T, (n_heads + 2 n_kv) * D] (one GEMM's output, rows q | k | v) at positions start[b] + t:
+    rotates q and k (HF's rotate-half, angles pos * inv_freq in fp32), writes k and v into the cache
+    rows `rows[b]` ([rows, n_kv, len, D] of one layer) at their positions, returns q [B, T, n_heads, D]."""
+    B, T, _ = qkv.shape
+    D = ck.shape[-1]
+    half = D // 2
+    pos = start[:, None] + torch.arange(T, device=qkv.device)[None, :]  # [B, T]
+    ang = pos.float()[..., None] * inv_freq.float()  # [B, T, D/2]
+    cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]
+    qk = qkv[..., :(n_heads + n_kv) * D].view(B, T, n_heads + n_kv, D).float()
+    x1, x2 = qk[..., :half], qk[..., half:]
+    rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(qkv.dtype)
+    v = qkv[..., (n_heads + n_kv) * D:].view(B, T, n_kv, D)
+    widx = rows.long()[:, None]
+    ck[widx, :, pos] = rot[:, :, n_heads:].to(ck.dtype)
+    cv[widx, :, pos] = v.to(cv.dtype)
+    return rot[:, :, :n_heads].contiguous()
+
+
+def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
+                     start: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Causal GQA attention of q [B, T, H, D] (token t of row b at position start[b] + t) over the
+    cache rows `rows[b]` of one layer ([rows, n_kv, len, D]), keys 0 .. start[b] + t (kv_len bounds
+    them all) -> [B, T, H, D]. Scores and softmax in fp32, the probabilities rounded to the activation
+    dtype for the second product (as the plain path), the weighted sum in fp32, rounded once."""
+    B, T, H, D = q.shape
+    n_kv = ck.shape[1]
+    rep = H // n_kv
+    r = rows.long()
+    keys = ck[r, :, :kv_len].float()  # [B, n_kv, L, D]
+    vals = cv[r, :, :kv_len].float()
+    qg = q.float().view(B, T, n_kv, rep, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv, rep * T, D)
+    s = torch.matmul(qg, keys.transpose(-1, -2)) * (D ** -0.5)  # [B, n_kv, rep*T, L]
+    pos = start.long()[:, None] + torch.arange(T, device=q.device)[None, :]  # [B, T]
+    blocked = torch.arange(kv_len, device=q.device)[None, None, :] > pos[:, :, None]  # [B, T, L]
+    s = s.masked_fill(blocked[:, None, None].expand(B, 1, rep, T, kv_len).reshape(B, 1, rep * T, kv_len),
+                      float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype).float()
+    o = torch.matmul(p, vals)  # [B, n_kv, rep*T, D]
+    return o.view(B, n_kv, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype).contiguous()
