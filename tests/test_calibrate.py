@@ -39,7 +39,7 @@ def test_measured_prompt_round_sets_the_budget(slow_worker):
     assert rs.round_costs_s is not None and set(rs.round_costs_s) == {1, 4}
     assert "measured STEP" in rs.note
     # the probe's session is closed: the worker serves a full-size session right after
-    assert L.check_worker({**spec_of(slow_worker), "max_requests": 16}) == ""
+    assert L.check_worker({**spec_of(slow_worker), "max_requests": 8}) == ""
 
 
 def test_fast_steady_rounds_keep_the_floor(slow_worker):
