@@ -37,7 +37,7 @@ def run(mode: str, n_rounds: int) -> dict:
     # in for the GPU, whose wait polls without a CPU: it spins in both runs (a napping emulated stream
     # adds its own wake-up and makes the engine thread's submit pay for the stream thread's scheduling).
     cfg = HandoffConfig(vocab_size=32000, max_requests=4, max_tokens=512, max_drafts=8, spin_us=spin_us,
-                        nap_us=nap_us, stream_spin_us=10_000_000, stream_nap_us=0, deadline_ms=200)
+                        nap_us=nap_us, stream_spin_us=10_000_000, stream_nap_us=0, deadline_ms=200, wait="poll")
     r = open_rounds(cfg)
     if not isinstance(r, AsyncRounds):
         raise SystemExit(f"async refused: {r.refusal}")

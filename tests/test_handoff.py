@@ -50,9 +50,11 @@ def cfg(**kw) -> HandoffConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_clean_rounds_are_exact_and_counted():
-    r = open_rounds(cfg())
+@pytest.mark.parametrize("wait", ["auto", "poll", "block"])
+def test_clean_rounds_are_exact_and_counted(wait):
+    r = open_rounds(cfg(wait=wait))
     assert r.mode == "async", r.refusal
+    assert r.stream.wait == ("block" if wait == "auto" else wait)  # auto: block on the emulated stream
     rng = np.random.default_rng(0)
     try:
         exact = 0
@@ -320,6 +322,14 @@ def test_close_with_a_parked_round_drains_through_the_watchdog():
     r.close()  # the proxy is stopped (killed), the watchdog releases the parked stream
     assert time.monotonic() - t0 < 3.0
     assert r.region is None
+
+
+def test_wait_mode_follows_the_backend_and_bad_names_are_refused():
+    assert HandoffConfig(backend="emulated").wait_mode == "block"
+    assert HandoffConfig(backend="cuda").wait_mode == "poll"  # the GPU writes `gathered` and cannot wake
+    assert HandoffConfig(backend="cuda", wait="block").proxy_spec()["wait"] == "block"
+    with pytest.raises(ValueError, match="wait 'spin'"):
+        _ = HandoffConfig(wait="spin").wait_mode
 
 
 def test_region_config_errors_are_clear():

@@ -155,3 +155,49 @@ def test_wait_on_a_closed_abort_word_is_not_needed(bad):
     buf, base = words()
     native.store32(base + 4, 1)
     assert native.wait_geq32(base, 5, 0, 10, bad, base + 4) == native.WAIT_ABORTED
+
+
+def test_blocking_wait_is_woken_by_a_wake_store_and_sees_a_plain_store_within_a_slice():
+    buf, base = words()
+    got: list[tuple[int, float]] = []
+
+    def waiter(v: int, slice_us: int) -> None:
+        t0 = time.perf_counter()
+        rc = native.wait_geq32_block(base, v, 0, slice_us, 10_000_000)
+        got.append((rc, time.perf_counter() - t0))
+
+    # a wake store ends a sleep with a 5 s slice long before the slice is over
+    th = threading.Thread(target=waiter, args=(1, 5_000_000))
+    th.start()
+    time.sleep(0.05)
+    native.store32_wake(base, 1)
+    th.join(5.0)
+    assert got[0][0] == native.WAIT_OK and got[0][1] < 2.0
+    # a store that does not wake (a GPU's) is still seen, within a slice
+    th = threading.Thread(target=waiter, args=(2, 20_000))
+    th.start()
+    time.sleep(0.05)
+    native.store32(base, 2)
+    th.join(5.0)
+    assert got[1][0] == native.WAIT_OK
+    # store-max wake raises and wakes; a value below does not satisfy the wait
+    assert native.store_max32_wake(base, 5) == 1 and native.store_max32_wake(base, 3) == 0 and buf[0] == 5
+    assert native.wait_geq32_block(base, 6, 0, 1000, 30_000) == native.WAIT_TIMEOUT
+    assert native.wait_geq32_block(base, 0xFFFFFFFE, 0, 1000, 0) == native.WAIT_OK  # wrap-aware, as the poll
+    buf[8] = 1
+    assert native.wait_geq32_block(base, 9, 0, 1000, 5_000_000, base + 32) == native.WAIT_ABORTED
+
+
+def test_blocking_wait_takes_no_cpu_while_it_waits():
+    """The point of it: a waiter parked for a long round leaves the cores to the target."""
+    buf, base = words()
+    th = threading.Thread(target=native.wait_geq32_block, args=(base, 1, 0, 2000, 5_000_000))
+    c0, t0 = time.process_time(), time.perf_counter()
+    th.start()
+    time.sleep(0.4)
+    used = time.process_time() - c0
+    native.store32_wake(base, 1)
+    th.join(5.0)
+    assert not th.is_alive()
+    # the whole process (this thread sleeping too): a 20 µs nap poll costs tens of percent of a core
+    assert used < 0.1 * (time.perf_counter() - t0)

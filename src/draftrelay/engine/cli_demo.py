@@ -36,11 +36,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use a running `draftrelay worker` instead of starting one")
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: three built-in)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
-    p.add_argument("--k", type=int, default=4, help="drafts per request per round")
+    p.add_argument("--k", type=int, default=None,
+                   help="drafts per request per round, fixed (default: the depth policy picks 0..--k-max)")
+    p.add_argument("--k-max", type=int, default=6, help="deepest draft the depth policy may ask")
+    p.add_argument("--round-budget-ms", type=float, default=None,
+                   help="what the proxy allows one round (default: from the worker's measured STEP)")
+    p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
     p.add_argument("--modes", default="off,sync,async", help="comma-separated subset of off,sync,async")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs identical across modes)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
+    p.add_argument("--deadline-ms", type=float, default=None,
+                   help="watchdog deadline of an async round (default: round budget + 50 ms)")
     p.add_argument("--json", default="", metavar="PATH", help="also write every mode's metrics to this file")
 
 
@@ -50,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if bad or not modes:
         print(f"draftrelay demo: --modes {args.modes!r}: each must be off, sync or async", file=sys.stderr)
         return 2
-    from .cli_generate import check_flags
+    from .cli_generate import check_flags, k_max_of
 
     bad = check_flags(args)  # one message per bad flag
     for line in bad:
@@ -80,35 +86,43 @@ def run(args: argparse.Namespace) -> int:
     if any(not x for x in ids):
         print("draftrelay demo: a prompt encodes to no tokens", file=sys.stderr)
         return 2
-    max_len = max(len(x) for x in ids) + args.max_tokens + args.k + 8
+    k_max = k_max_of(args)
+    max_len = max(len(x) for x in ids) + args.max_tokens + k_max + 8
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop_token_ids=target.stop_ids)
     shown = args.worker or drafter_label(args.drafter or args.model)
     print(f"draftrelay demo: target {target.name} ({target.model.cfg.n_params() / 1e6:.2f}M params) on {dev}, "
-          f"drafter {shown}, k={args.k}, {len(prompts)} prompts x {args.max_tokens} tokens")
+          f"drafter {shown}, k={args.k if args.k is not None else f'policy 0..{k_max}'}, "
+          f"{len(prompts)} prompts x {args.max_tokens} tokens")
 
     worker = None
     try:
         if any(m != "off" for m in modes):
             if not args.worker:
                 try:
-                    worker = L.start_local_worker(drafter, dev, args.k, max_len + 64, len(prompts))
+                    worker = L.start_local_worker(drafter, dev, k_max, max_len + 64, len(prompts),
+                                                  args.worker_threads)
                 except RuntimeError as exc:
                     print(f"draftrelay demo: the local worker did not start: {exc}", file=sys.stderr)
                     return 1
                 host, port = worker.host, worker.port
                 print(f"  worker: {worker.banner}")
             spec = L.worker_spec(host, port, L.drafter_model_id(drafter) if not args.worker else "",
-                                 target.tokenizer_hash, args.k, max(8, len(prompts)))
+                                 target.tokenizer_hash, k_max, max(8, len(prompts)))
             spec["vocab_size"] = target.model.cfg.vocab_size  # a drafter of another vocabulary is refused now
             why = L.check_worker(spec)
             if why:
                 print(f"draftrelay demo: the worker refused us: {why}", file=sys.stderr)
                 return 1
+            rs = L.round_settings(spec, max(ids, key=len), k_max, args.round_budget_ms, args.deadline_ms)
+            print(f"  {rs.note}")
         results: dict[str, dict] = {}
         outputs: dict[str, list[list[int]]] = {}
         for mode in modes:
-            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker) if mode != "off" else None
-            cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=len(prompts), max_len=max_len, handoff=h)
+            h = L.handoff_config(spec, dev, rs.deadline_ms, not args.worker, round_budget_ms=rs.budget_ms) \
+                if mode != "off" else None
+            cfg = EngineConfig(mode=mode, n_draft=k_max, max_batch=len(prompts), max_len=max_len, handoff=h,
+                               depth="fixed" if args.k is not None else "auto",
+                               round_costs_s=rs.round_costs_s if h else None)
             with Engine(target.model, cfg) as eng:
                 eng.generate([ids[0]], SamplingParams(max_tokens=min(4, args.max_tokens)))  # warm-up
                 eng.reset_metrics()
@@ -117,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
             outputs[mode] = [r.output for r in reqs]
             t = results[mode]["total"]
             note = f" (async refused: {t['refusal']})" if t["refusal"] else ""
-            print(f"  [{mode}] {t['output_tokens']} tokens in {t['wall_s']:.2f} s{note}")
+            print(f"  [{mode}] {t['output_tokens']} tokens in {t['wall_s']:.2f} s{note}"
+                  + (f", depth chosen {t['depth']['chosen']}" if "depth" in t else ""))
+            if t.get("speculation_warning"):
+                print(f"  WARNING [{mode}]: {t['speculation_warning']}")
     finally:
         if worker is not None:
             worker.stop()

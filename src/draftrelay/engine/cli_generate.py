@@ -32,9 +32,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--k", type=int, default=4, help="drafts per round")
+    p.add_argument("--k", type=int, default=None,
+                   help="drafts per round, fixed (default: the depth policy picks 0..--k-max each step)")
+    p.add_argument("--k-max", type=int, default=6, help="deepest draft the depth policy may ask")
+    p.add_argument("--round-budget-ms", type=float, default=None,
+                   help="what the proxy allows one round (default: from the worker's measured STEP)")
+    p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
+    p.add_argument("--deadline-ms", type=float, default=None,
+                   help="watchdog deadline of an async round (default: round budget + 50 ms)")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
     p.add_argument("--slot-ring", action="store_true", help="two-slot decode-graph ring (with --graphs)")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
@@ -91,17 +97,27 @@ def check_flags(args: argparse.Namespace) -> list[str]:
     bad = []
     if args.max_tokens < 1:
         bad.append(f"--max-tokens {args.max_tokens}: must be at least 1")
-    if not 0 <= args.k <= 16:
+    if args.k is not None and not 0 <= args.k <= 16:
         bad.append(f"--k {args.k}: must be 0-16")
+    if not 0 <= args.k_max <= 16:
+        bad.append(f"--k-max {args.k_max}: must be 0-16")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         bad.append(f"--temperature {args.temperature}: must be a finite number >= 0")
     if getattr(args, "top_k", 0) < 0:
         bad.append(f"--top-k {args.top_k}: must be 0 (all tokens) or more")
-    if not math.isfinite(args.deadline_ms) or args.deadline_ms <= 0:
-        bad.append(f"--deadline-ms {args.deadline_ms}: must be a positive number of milliseconds")
+    for flag, v in (("--deadline-ms", args.deadline_ms), ("--round-budget-ms", args.round_budget_ms)):
+        if v is not None and (not math.isfinite(v) or v <= 0):  # None: from the measured STEP
+            bad.append(f"{flag} {v}: must be a positive number of milliseconds")
+    if args.worker_threads < 0:
+        bad.append(f"--worker-threads {args.worker_threads}: must be 0 (all cores) or more")
     if getattr(args, "metrics_port", 0) and not 0 < args.metrics_port < 65536:
         bad.append(f"--metrics-port {args.metrics_port}: must be 1-65535")
     return bad
+
+
+def k_max_of(args: argparse.Namespace) -> int:
+    """The deepest draft: --k when it fixes the depth, else the policy's --k-max."""
+    return args.k if args.k is not None else args.k_max
 
 
 def read_prompt(arg: str) -> str:
@@ -185,7 +201,8 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
               f"{len(ids) + args.max_tokens} exceeds the model's context of {ctx} positions"
               + (f"; at most --max-tokens {ctx - len(ids)} fits" if len(ids) < ctx else ""), file=sys.stderr)
         return 2
-    max_len = len(ids) + args.max_tokens + args.k + 8
+    k_max = k_max_of(args)
+    max_len = len(ids) + args.max_tokens + k_max + 8
     mode = args.mode
     worker = None
     try:
@@ -193,7 +210,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
         if mode != "off":
             if not args.worker:
                 try:
-                    worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, 1)
+                    worker = L.start_local_worker(args.drafter, dev, k_max, max_len + 64, 1, args.worker_threads)
                     host, port = worker.host, worker.port
                 except RuntimeError as exc:
                     rc = _warn_target_only(args, f"the local worker did not start: {exc}")
@@ -202,7 +219,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                     mode = "off"
         if mode != "off":
             spec = L.worker_spec(host, port, L.drafter_model_id(args.drafter) if not args.worker else "",
-                                 target.tokenizer_hash, args.k, 1)  # one request: ask for one row
+                                 target.tokenizer_hash, k_max, 1)  # one request: ask for one row
             spec["vocab_size"] = target.model.cfg.vocab_size  # a drafter of another vocabulary is refused now
             if args.worker:
                 spec.update({"secret_file": args.secret_file} if args.secret_file else {})
@@ -222,9 +239,13 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                     return rc
                 mode = "off"
             else:
-                h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker)
-        cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=1, max_len=max_len, handoff=h,
-                           graphs=args.graphs, slot_ring=args.slot_ring)
+                rs = L.round_settings(spec, ids, k_max, args.round_budget_ms, args.deadline_ms)
+                print(f"draftrelay generate: {rs.note}", file=sys.stderr)
+                h = L.handoff_config(spec, dev, rs.deadline_ms, not args.worker, round_budget_ms=rs.budget_ms)
+        cfg = EngineConfig(mode=mode, n_draft=k_max, max_batch=1, max_len=max_len, handoff=h,
+                           graphs=args.graphs, slot_ring=args.slot_ring,
+                           depth="fixed" if args.k is not None else "auto",
+                           round_costs_s=rs.round_costs_s if h else None)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 seed=args.seed, stop_token_ids=target.stop_ids)
         with Engine(target.model, cfg) as eng:
@@ -253,7 +274,10 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
     print(f"[{mode}{refusal}] {t['output_tokens']} tokens, {t['tokens_per_s']:.1f} tok/s, "
           f"TTFT {1e3 * t['ttft_s_mean']:.1f} ms, step p50 {t['step_p50_ms']:.2f} ms, "
           f"accepted/round {t['mean_accepted']:.2f}, rounds ok/failed/watchdog/target-only "
-          f"{r['ok']}/{r['failed']}/{r['watchdog']}/{r['target_only']}", file=sys.stderr)
+          f"{r['ok']}/{r['failed']}/{r['watchdog']}/{r['target_only']}"
+          + (f", depth chosen {t['depth']['chosen']}" if "depth" in t else ""), file=sys.stderr)
+    if t.get("speculation_warning"):
+        print(f"draftrelay generate: WARNING: {t['speculation_warning']}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(m, f, indent=1)

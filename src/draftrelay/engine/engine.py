@@ -44,9 +44,10 @@ from draftrelay.handoff.rounds import HandoffConfig, SyncRounds, open_rounds
 from draftrelay.model import Transformer
 from draftrelay.round import Rounds
 
+from .depth import DepthPolicy
 from .kv import KVRows
 from .local_rounds import LocalRounds
-from .metrics import StepClock, new_timing, record_round, totals
+from .metrics import StepClock, new_timing, record_round, speculation_warning, totals
 from .planner import RoundPlanner
 from .request import Request, SamplingParams
 from .sampling import accept, first_token
@@ -68,6 +69,10 @@ class EngineConfig:
     graphs: bool = False  # CUDA graphs for the verify forward (GPU only, see graphs.py)
     slot_ring: bool = False  # two-slot decode-graph ring (only with graphs)
     handoff: HandoffConfig | None = None  # rounds to open when none are passed in
+    # depth policy (depth.py): "auto" picks k in 0..n_draft per step from measured costs and acceptance;
+    # "fixed" always asks n_draft
+    depth: str = "fixed"
+    round_costs_s: dict | None = None  # measured round seconds by depth (calibrate.py): the policy's start
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -77,6 +82,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.n_draft <= 64:
             raise ValueError(f"n_draft must be within [0, 64], got {self.n_draft}")
+        if self.depth not in ("fixed", "auto"):
+            raise ValueError(f"depth must be 'fixed' or 'auto', got {self.depth!r}")
 
 
 class Engine:
@@ -104,6 +111,13 @@ class Engine:
         self.verifier = Verifier(target, self.cache, self._capture_graphs() if cfg.graphs else {}, cfg.n_draft)
         self.wall_s = 0.0
         self.timing = new_timing()  # where each decode step's time goes (see metrics.py)
+        self.depth: DepthPolicy | None = None
+        self._new_depth_policy()
+
+    def _new_depth_policy(self) -> None:
+        """A fresh policy for the current rounds (other rounds, other costs)."""
+        on = self.cfg.depth == "auto" and self.cfg.n_draft > 0 and self.rounds is not None
+        self.depth = DepthPolicy(self.cfg.n_draft, round_costs=self.cfg.round_costs_s) if on else None
 
     def _open_rounds(self) -> Rounds:
         h = dataclasses.replace(self.cfg.handoff or HandoffConfig(backend="cuda" if self.stream else "emulated"))
@@ -116,7 +130,8 @@ class Engine:
     def _capture_graphs(self) -> dict:
         from .graphs import DecodeGraphs  # CUDA only
 
-        widths = {1, self.cfg.n_draft + 1}  # plain decode steps and k+1 verifies
+        # plain decode steps and k+1 verifies; with the depth policy every width it may choose
+        widths = set(range(1, self.cfg.n_draft + 2)) if self.cfg.depth == "auto" else {1, self.cfg.n_draft + 1}
         with self._on_stream():
             return {T: DecodeGraphs(self.model, self.cache, self.cfg.max_batch, T, ring=self.cfg.slot_ring)
                     for T in sorted(widths)}
@@ -144,6 +159,7 @@ class Engine:
         self._own_rounds = False
         self.planner.forget_ends()
         self.rounds = rounds
+        self._new_depth_policy()
 
     @property
     def round_mode(self) -> str:
@@ -283,7 +299,8 @@ class Engine:
     def _decode(self, batch: list[Request]) -> None:
         """One speculative step: round t (off: none), verify k+1, accept, roll the KV back."""
         clock = StepClock(self.timing)
-        plan = self.planner.plan(batch, drafting=self.rounds is not None)
+        k = self.depth.choose() if self.depth is not None else None
+        plan = self.planner.plan(batch, drafting=self.rounds is not None and k != 0, k=k)
         t = res = early = None
         if plan.asks:
             with clock.part("submit"):
@@ -306,8 +323,19 @@ class Engine:
             kept, nxt = accept(r.params.temperature, r.params.top_k, v.logits[i], am, d, r.gen, r.params.top_p)
             self.kv.set_len(r.row, int(inp.start[i]) + 1 + kept)  # pending + kept drafts are now in the cache
             record_round(r, res, plan.wanted[i], len(d), kept)
+            if self.depth is not None and plan.n_out[i]:
+                self.depth.observe_accept(plan.n_out[i], len(d), kept)
             r.emit(d[:kept] + [nxt])
         clock.stop(batch)
+        if self.depth is not None:
+            self._observe_depth(plan, k, v.drafts, clock)
+
+    def _observe_depth(self, plan, k: int, drafts: list[list[int]], clock: StepClock) -> None:
+        p = clock.parts
+        if plan.asks:
+            self.depth.observe_round(k, p["submit"] + p["wait"], max(len(x) for x in plan.send))
+        self.depth.observe_verify(1 + max(len(d) for d in drafts), p["verify"])
+        self.depth.observe_host(self.timing["host"][-1])
 
     # -- metrics ---------------------------------------------------------------------------------------
     def metrics(self, requests: list[Request] | None = None) -> dict:
@@ -316,6 +344,9 @@ class Engine:
                  "refusal": self.rounds.refusal if self.rounds is not None else "", **total}
         if self.rounds is not None:
             total["handoff"] = self.rounds.stats()
+            total["speculation_warning"] = speculation_warning(total["rounds"], total["handoff"])
+        if self.depth is not None:
+            total["depth"] = self.depth.summary()
         return {"total": total, "requests": per}
 
     def reset_metrics(self) -> None:

@@ -14,6 +14,8 @@ from draftrelay.checkpoint import hf
 from draftrelay.checkpoint.tokenizer import HFTokenizer
 from draftrelay.wire.protocol import tokenizer_hash_of_dir
 
+from .calibrate import round_settings  # noqa: F401  (the CLIs' one import of what loading shares)
+
 
 class ByteTokenizer:
     """The tiny models' vocabulary: the 256 byte values (prompts are UTF-8 bytes)."""
@@ -100,14 +102,32 @@ def drafter_model_id(spec: str) -> str:
     return os.path.basename(os.path.abspath(spec)) if os.path.isdir(spec) or is_gguf(spec) else ""
 
 
-def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int):
-    """A `draftrelay worker` child process on a free loopback port."""
+def default_threads() -> int:
+    """The CPU threads this process may use (its affinity mask, not the machine's core count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int,
+                       threads: int = 0, dtype: str = ""):
+    """A `draftrelay worker` child process on a free loopback port.
+
+    threads (CPU): the worker's torch threads; 0 = every core this process may use. The target and
+    a local drafter take turns (the target waits while a round is out and the drafter idles during the
+    verify), so each may use all the cores; 'tiny' stays single-threaded, where it runs fastest.
+    dtype: the drafter's compute dtype ("": the worker's default; float32 for 'tiny')."""
     from draftrelay.worker.process import start_worker_process
 
     args = ["--model", drafter, "--device", str(device), "--n-out-max", str(max(8, n_draft)),
-            *(["--dtype", "float32"] if drafter == "tiny" else []),
+            *(["--dtype", dtype or "float32"] if drafter == "tiny" or dtype else []),
             "--max-ctx", str(max_ctx), "--rows", str(max(16, rows)), "--max-requests", str(max(16, rows))]
-    env = {"OMP_NUM_THREADS": "1"} if device.type == "cpu" else None  # leave the cores to the target
+    env = None
+    if device.type == "cpu":
+        n = threads or (1 if drafter == "tiny" else default_threads())
+        args += ["--threads", str(n)]
+        env = {"OMP_NUM_THREADS": str(n)}
     return start_worker_process(args, env=env)
 
 
@@ -128,6 +148,8 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
     from draftrelay.handoff.rounds import HandoffConfig
 
     spin, nap = SPIN_NAP_US["cuda" if device.type == "cuda" else "cpu"]
+    if device.type == "cpu":  # the watchdog wakes every 1 % of its deadline (1 ms at least): a CPU is shared
+        fields.setdefault("watchdog_poll_us", max(1000, int(deadline_ms * 10)))
     return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,
                          backend="cuda" if device.type == "cuda" else "emulated",
                          cuda_wait="memop" if worker_shares_gpu and device.type == "cuda" else "", **fields)

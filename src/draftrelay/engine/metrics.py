@@ -96,3 +96,19 @@ def totals(reqs: list[Request], timing: dict[str, list[float]], wall_s: float) -
         "step_parts_p50_ms": {k: 1e3 * statistics.median(v) if v else 0.0 for k, v in timing.items()},
     }
     return total, per
+
+
+def speculation_warning(rounds: dict, handoff: dict, min_rounds: int = 4) -> str:
+    """'' or the loud line for a run where most rounds brought no drafts, e.g. "speculation off: 30 of
+    30 rounds failed: timeout 20, breaker 10" (rounds: the requests' round counts; handoff: the rounds'
+    stats, whose failure reasons name the cause)."""
+    asked = rounds.get("ok", 0) + rounds.get("failed", 0) + rounds.get("watchdog", 0)
+    bad = rounds.get("failed", 0) + rounds.get("watchdog", 0)
+    if asked < min_rounds or 2 * bad <= asked:
+        return ""
+    reasons = dict(handoff.get("failed_by_reason", {}))
+    if handoff.get("watchdog"):
+        reasons["watchdog"] = handoff["watchdog"]
+    named = sorted(reasons.items(), key=lambda kv: -kv[1])
+    why = named[0][0] if len(named) == 1 else ", ".join(f"{k} {v}" for k, v in named)
+    return f"speculation off: {bad} of {asked} rounds failed" + (f": {why}" if why else "")

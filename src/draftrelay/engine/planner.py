@@ -51,15 +51,16 @@ class RoundPlanner:
         self.n_draft, self.max_round_tokens = n_draft, max_round_tokens
         self._ends: list[RoundRequest] = []  # finished requests the drafter may forget
 
-    def wanted(self, req: Request) -> int:
+    def wanted(self, req: Request, k: int | None = None) -> int:
         if req.no_drafts:
             return 0
         # never draft past max_tokens: the last token of a request is always the target's own
-        return max(0, min(self.n_draft, req.params.max_tokens - len(req.output) - 1))
+        return max(0, min(self.n_draft if k is None else k, req.params.max_tokens - len(req.output) - 1))
 
-    def plan(self, batch: list[Request], drafting: bool) -> RoundPlan:
+    def plan(self, batch: list[Request], drafting: bool, k: int | None = None) -> RoundPlan:
+        """k: this step's depth (the depth policy's choice; None: n_draft)."""
         lens = [r.seq_len for r in batch]
-        wanted = [self.wanted(r) for r in batch] if drafting else [0] * len(batch)
+        wanted = [self.wanted(r, k) for r in batch] if drafting else [0] * len(batch)
         M = self.max_round_tokens
         send = [r.tokens(r.synced, min(n, r.synced + M)) for r, n in zip(batch, lens, strict=True)]
         n_out = [w if r.synced + len(x) == n else 0 for r, n, x, w in zip(batch, lens, send, wanted, strict=True)]

@@ -10,6 +10,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -17,6 +18,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define HF_API __attribute__((visibility("default")))
 
@@ -104,6 +110,81 @@ HF_API int hf_wait_geq32(void *w, uint32_t v, uint32_t spin_us, uint32_t nap_us,
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Blocking waits, for a waiter that must not take CPU from anyone (the emulated stream and the proxy
+ * on a CPU-only machine, where every poll competes with the target's compute). The waiter sleeps in
+ * the kernel (a futex on the word: the region is a shared mapping, so it works across processes)
+ * and a writer that stores with hf_store32_wake / hf_store_max32_wake wakes it at once. The word
+ * keeps its meaning: the waiter still decides by the GEQ compare alone, and a futex sleep never
+ * lasts longer than slice_us, so a writer that does not wake (a GPU, an older process) is seen
+ * within a slice anyway. No wake-up can be lost: FUTEX_WAIT sleeps only while the word still holds
+ * the value the waiter last saw, and the writers store before they wake. */
+
+static void word_sleep(void *w, uint32_t seen, uint64_t ns) {
+#ifdef __linux__
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull), .tv_nsec = (long)(ns % 1000000000ull)};
+    syscall(SYS_futex, w, FUTEX_WAIT, seen, &ts, NULL, 0);
+#else
+    (void)w;
+    (void)seen;
+    nap((uint32_t)(ns / 1000ull));
+#endif
+}
+
+HF_API void hf_wake32(void *w) {
+#ifdef __linux__
+    syscall(SYS_futex, w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)w;
+#endif
+}
+
+HF_API void hf_store32_wake(void *w, uint32_t v) {
+    hf_store32(w, v);
+    hf_wake32(w);
+}
+
+HF_API int hf_store_max32_wake(void *w, uint32_t v) {
+    int raised = hf_store_max32(w, v);
+    hf_wake32(w);
+    return raised;
+}
+
+/* Wait until *w >= v: spin spin_us, then sleep on the word (slices of at most slice_us). Same
+ * timeout, abort and return codes as hf_wait_geq32; the abort word is checked once per slice. */
+HF_API int hf_wait_geq32_block(void *w, uint32_t v, uint32_t spin_us, uint32_t slice_us, int64_t timeout_us,
+                               void *abort_w) {
+    if (geq32(atomic_load_explicit((a32 *)w, memory_order_acquire), v)) return 0;
+    uint64_t start = hf_now_ns();
+    uint64_t spin_end = start + (uint64_t)spin_us * 1000ull;
+    uint64_t deadline = timeout_us < 0 ? UINT64_MAX : start + (uint64_t)timeout_us * 1000ull;
+    uint64_t slice = (uint64_t)(slice_us ? slice_us : 1000u) * 1000ull;
+    int spinning = spin_us > 0;
+    unsigned n = 0;
+    for (;;) {
+        uint32_t cur = atomic_load_explicit((a32 *)w, memory_order_acquire);
+        if (geq32(cur, v)) return 0;
+        if (abort_w && atomic_load_explicit((a32 *)abort_w, memory_order_acquire)) return 2;
+        if (spinning) {
+            if ((++n & 63u) != 0) { /* the clock every 64 polls only */
+                cpu_relax();
+                continue;
+            }
+            uint64_t t = hf_now_ns();
+            if (t >= deadline) return 1;
+            if (t < spin_end) {
+                cpu_relax();
+                continue;
+            }
+            spinning = 0;
+        }
+        uint64_t now = hf_now_ns();
+        if (now >= deadline) return 1;
+        uint64_t left = deadline - now;
+        word_sleep(w, cur, left < slice ? left : slice);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Heartbeat: a native thread storing CLOCK_MONOTONIC ns into a 64-bit word every interval. It
  * keeps beating while the proxy's Python code is busy in a round (slow but live), and stops when
  * the process is stopped or killed, which is exactly what the engine's loss detector judges. */
@@ -186,7 +267,7 @@ static void watchdog_check(hf_watchdog_t *wd) {
     } else {
         atomic_fetch_add_explicit(&wd->assists, 1, memory_order_relaxed);
     }
-    hf_store_max32(b + wd->off_released, g);
+    hf_store_max32_wake(b + wd->off_released, g); /* wake a stream parked in a blocking wait */
 }
 
 static void *watchdog_main(void *arg) {

@@ -44,6 +44,10 @@ _sig("hf_add32", _u32, _p, _u32)
 _sig("hf_store_max32", _int, _p, _u32)
 _sig("hf_claim32", _int, _p, _u32, _u32)
 _sig("hf_wait_geq32", _int, _p, _u32, _u32, _u32, _i64, _p)
+_sig("hf_wait_geq32_block", _int, _p, _u32, _u32, _u32, _i64, _p)
+_sig("hf_wake32", None, _p)
+_sig("hf_store32_wake", None, _p, _u32)
+_sig("hf_store_max32_wake", _int, _p, _u32)
 _sig("hf_heartbeat_start", _p, _p, _u32)
 _sig("hf_heartbeat_stop", None, _p)
 _sig("hf_watchdog_start", _p, _p, _u64, _u64, _u64, _u64, _u64, _u64, _u32)
@@ -62,6 +66,9 @@ store64 = lib.hf_store64
 add32 = lib.hf_add32
 store_max32 = lib.hf_store_max32
 claim32 = lib.hf_claim32
+wake32 = lib.hf_wake32
+store32_wake = lib.hf_store32_wake  # store, then wake blocking waiters on the word
+store_max32_wake = lib.hf_store_max32_wake
 
 WAIT_OK, WAIT_TIMEOUT, WAIT_ABORTED = 0, 1, 2
 
@@ -69,6 +76,15 @@ WAIT_OK, WAIT_TIMEOUT, WAIT_ABORTED = 0, 1, 2
 def wait_geq32(addr: int, value: int, spin_us: int, nap_us: int, timeout_us: int, abort_addr: int = 0) -> int:
     """Wait until the word at `addr` is >= value (wrap-aware). Returns WAIT_OK / WAIT_TIMEOUT / WAIT_ABORTED."""
     return lib.hf_wait_geq32(addr, value & 0xFFFFFFFF, spin_us, nap_us, timeout_us, abort_addr or None)
+
+
+def wait_geq32_block(addr: int, value: int, spin_us: int, slice_us: int, timeout_us: int, abort_addr: int = 0) -> int:
+    """wait_geq32 that sleeps in the kernel instead of polling (hostflag.c, "Blocking waits"): woken
+    by the *_wake stores at once, and re-checks the word at least every slice_us whoever wrote it."""
+    return lib.hf_wait_geq32_block(addr, value & 0xFFFFFFFF, spin_us, slice_us, timeout_us, abort_addr or None)
+
+
+WAITS = ("poll", "block")
 
 
 def set_timer_slack_ns(ns: int) -> None:

@@ -68,7 +68,9 @@ def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_f
 
 def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int = 20,
           round_budget_s: float = 0.15, faults: FaultPlan | None = None,
-          parent_pid: int | None = None) -> None:
+          parent_pid: int | None = None, wait: str = "poll", wait_slice_us: int = 2000) -> None:
+    """The proxy's loop. wait "block": sleep on `gathered` (an emulated stream wakes it) and wake the
+    stream with the release; "poll": spin_us, then nap_us naps (a GPU writes `gathered`, no wake)."""
     L, cfg, base = region.layout, region.cfg, region.base
     a_gathered = base + L.word(W.GATHERED)
     a_released = base + L.word(W.RELEASED)
@@ -88,10 +90,15 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
         if fault == "stall" and point == where and faults is not None:
             time.sleep(faults.stall_ms / 1000)
 
+    blocking = wait == "block"
+    release = native.store_max32_wake if blocking else native.store_max32
     reported_reconnects = 0
     t = native.load32(a_released) + 1
     while True:
-        rc = native.wait_geq32(a_gathered, t, spin_us, nap_us, 100_000, a_stop)
+        if blocking:
+            rc = native.wait_geq32_block(a_gathered, t, spin_us, wait_slice_us, 100_000, a_stop)
+        else:
+            rc = native.wait_geq32(a_gathered, t, spin_us, nap_us, 100_000, a_stop)
         if rc == native.WAIT_ABORTED:
             return
         if rc == native.WAIT_TIMEOUT:
@@ -124,7 +131,7 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
         if native.claim32(a_claim[s], 2 * t, 2 * t):
             stall(point, fault, "release")
             native.store64(a_last_release, native.now_ns())
-            native.store_max32(a_released, t)
+            release(a_released, t)
             count(Counter.PUBLISHED)
             if status != Status.OK:
                 count(Counter.FAILED)
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     native.store32(a_state, ProxyState.READY)
     try:
         serve(region, round_fn, spin_us=int(spec.get("spin_us", 50)), nap_us=int(spec.get("nap_us", 20)),
-              round_budget_s=float(spec.get("round_budget_s", 0.15)), faults=faults, parent_pid=parent)
+              round_budget_s=float(spec.get("round_budget_s", 0.15)), faults=faults, parent_pid=parent,
+              wait=str(spec.get("wait", "poll")), wait_slice_us=int(spec.get("wait_slice_us", 2000)))
     finally:
         if args.audit:
             _audit(args.audit)

@@ -54,6 +54,12 @@ class HandoffConfig:
     nap_us: int = 20
     stream_spin_us: int = 50  # the emulated stream's wait (a GPU polls; the emulation spins, then naps)
     stream_nap_us: int = 20
+    # how the emulated stream and the proxy wait: "poll" (spin, then nap: what a GPU's wait costs the
+    # host, nothing) or "block" (sleep on the word, woken by the writer: no CPU while a round is out,
+    # which is what a CPU-only machine needs, where every poll takes time from the target's compute).
+    # "auto": block on the emulated backend, poll on cuda (the GPU writes `gathered` and cannot wake).
+    wait: str = "auto"
+    wait_slice_us: int = 2000  # a blocking wait re-checks its word at least this often
     heartbeat_ms: float = 20.0
     round_budget_ms: float = 150.0  # what the proxy allows the network round
     selftest_rounds: int = 8
@@ -84,6 +90,14 @@ class HandoffConfig:
     secret: str = field(default="", repr=False)
 
     @property
+    def wait_mode(self) -> str:
+        if self.wait == "auto":
+            return "block" if self.backend == "emulated" else "poll"
+        if self.wait not in native.WAITS:
+            raise ValueError(f"HandoffConfig.wait {self.wait!r}: expected 'auto', 'poll' or 'block'")
+        return self.wait
+
+    @property
     def region_config(self) -> RegionConfig:
         return RegionConfig(self.max_requests, self.max_tokens, self.max_drafts, self.vocab_size)
 
@@ -91,7 +105,8 @@ class HandoffConfig:
         spec = dict(self.round_spec)
         spec.setdefault("vocab_size", self.vocab_size)
         spec.update(spin_us=self.spin_us, nap_us=self.nap_us, heartbeat_us=int(self.heartbeat_ms * 1000),
-                    round_budget_s=self.round_budget_ms / 1000)
+                    round_budget_s=self.round_budget_ms / 1000, wait=self.wait_mode,
+                    wait_slice_us=self.wait_slice_us)
         if self.secret:
             spec["secret"] = self.secret
         return spec
@@ -443,7 +458,7 @@ class AsyncRounds:
             if g and not native.geq32(native.load32(base + L.word(W.RELEASED)), g):
                 if native.claim32(base + L.claim(g & 1), 2 * g, 2 * g + 1):
                     self.released_on_loss += 1
-                native.store_max32(base + L.word(W.RELEASED), g)
+                native.store_max32_wake(base + L.word(W.RELEASED), g)
             if time.monotonic() > end:
                 return False
         return True
@@ -509,7 +524,8 @@ class AsyncRounds:
 
 def make_stream(cfg: HandoffConfig, region: Region) -> StreamOps:
     if cfg.backend == "emulated":
-        return EmulatedStream(region, cfg.stream_spin_us, cfg.stream_nap_us)
+        return EmulatedStream(region, cfg.stream_spin_us, cfg.stream_nap_us, wait=cfg.wait_mode,
+                              slice_us=cfg.wait_slice_us)
     if cfg.backend == "cuda":
         from .cuda_stream import CudaStream  # needs cuda-bindings and a GPU
 

@@ -129,13 +129,21 @@ class EmulatedStream(StreamOps):
 
     Like a real stream it never gives up on a wait by itself (the watchdog is what guarantees
     release); it only checks every `poll_ms` whether it is being closed, so close() cannot hang.
+
+    wait "poll" spins spin_us, then naps nap_us between polls, as a GPU polls; "block" sleeps on the
+    word (native.wait_geq32_block) and is woken by the release, taking no CPU while a round is out,
+    and its own writes wake a proxy blocked on them. The words and their order are the same.
     """
 
     name = "emulated"
 
-    def __init__(self, region: Region, spin_us: int = 50, nap_us: int = 20, poll_ms: int = 50) -> None:
+    def __init__(self, region: Region, spin_us: int = 50, nap_us: int = 20, poll_ms: int = 50,
+                 wait: str = "poll", slice_us: int = 2000) -> None:
         super().__init__(region)
+        if wait not in native.WAITS:
+            raise ValueError(f"EmulatedStream wait {wait!r}: expected one of {native.WAITS}")
         self.spin_us, self.nap_us, self.poll_us = spin_us, nap_us, poll_ms * 1000
+        self.wait, self.slice_us = wait, slice_us
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._batch: list = []
         self._closing = np.zeros(1, np.uint32)  # abort word for the native wait
@@ -194,6 +202,8 @@ class EmulatedStream(StreamOps):
         native.set_timer_slack_ns(1000)  # a 20 µs nap must not become the default 50 µs slack + 20
         base = self.region.base
         get = self._q.get
+        block = self.wait == "block"
+        store = native.store32_wake if block else native.store32
         while True:
             for op, a, b in get():
                 if op == _STOP:
@@ -203,11 +213,15 @@ class EmulatedStream(StreamOps):
                         n = min(len(b), len(self._staging[a]))
                         self._staging[a][:n] = b[:n]
                     elif op == _WRITE:
-                        native.store32(base + a, b)
+                        store(base + a, b)
                     elif op == _WAIT:
                         while True:
-                            rc = native.wait_geq32(base + a, b, self.spin_us, self.nap_us, self.poll_us,
-                                                   self._closing_addr)
+                            if block:
+                                rc = native.wait_geq32_block(base + a, b, self.spin_us, self.slice_us,
+                                                             self.poll_us, self._closing_addr)
+                            else:
+                                rc = native.wait_geq32(base + a, b, self.spin_us, self.nap_us, self.poll_us,
+                                                       self._closing_addr)
                             if rc == native.WAIT_OK or self._closing[0]:
                                 break
                         if self._closing[0]:

@@ -1,0 +1,366 @@
+"""The reference pair on this machine: draftrelay's modes side by side with transformers as the peer.
+
+    python benchmarks/real_pair.py                                  # everything (long: run on a quiet machine)
+    python benchmarks/real_pair.py --prompts code0 --max-tokens 16 --dtypes fp32 --modes off,sync:auto,hf
+
+Target Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M), drafter Qwen2.5-Coder-0.5B-Instruct (GGUF), both
+dequantized by draftrelay's loader (checkpoint/gguf.py) into fp32 or bf16; greedy, 6 prompts (3 code,
+3 prose) x 128 tokens by default, one request at a time (batch 1), each prompt decoded `--repeats` times.
+
+Modes (`--modes`, comma-separated):
+  off                      target only (draftrelay's engine)
+  sync:D / async:D         rounds to a local drafter worker process (loopback), D = auto (the depth
+                           policy, engine/depth.py, up to --k-max) or a fixed k
+  hf                       transformers' plain greedy generate
+  hf-assisted:K            transformers' assisted generation, constant K drafts (confidence threshold off)
+  hf-assisted:heuristic    transformers' assisted generation with its own defaults (heuristic schedule)
+  (default: off, sync and async with auto and k = 2, 3, 4, 6, hf, hf-assisted:4, hf-assisted:heuristic)
+
+The transformers models are Qwen2ForCausalLM built in memory from draftrelay's dequantized weights
+(the very tensors, not copies): transformers' own GGUF loading needs accelerate, which is not a
+dependency. So the peer runs the same numbers through transformers' code; its greedy output is
+compared token for token with the engine's.
+
+Per mode: tokens/s (output tokens over decode wall time, all prompts), the same by prompt kind, step
+p50, TTFT, drafts accepted per round and by position, the depth policy's choices, rounds ok/failed,
+and whether every output equals target-only's (and transformers plain's). The round budget and the
+watchdog deadline follow the worker's measured STEP (engine/calibrate.py), as in `draftrelay generate`.
+JSON: benchmarks/results/real_pair.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REFPAIR = Path(os.environ.get("DRAFTRELAY_REFPAIR", "/work/refpair"))
+TARGET = REFPAIR / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+DRAFTER = REFPAIR / "qwen2.5-coder-0.5b-instruct.gguf"
+
+PROMPTS = {
+    "code0": ("code", "def quicksort(arr):\n    \"\"\"Sort a list of integers with quicksort.\"\"\"\n"),
+    "code1": ("code", "# Python: read a CSV file and print the average of the 'price' column\nimport csv\n\n"),
+    "code2": ("code", "// C: reverse a singly linked list in place\nstruct node { int value; struct node *next; };\n\n"
+                      "struct node *reverse(struct node *head) {\n"),
+    "prose0": ("prose", "The history of the printing press begins in"),
+    "prose1": ("prose", "Write a short letter to a neighbour asking them to water your plants while you are away.\n\n"
+                        "Dear"),
+    "prose2": ("prose", "Three reasons why regular exercise improves sleep are"),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_MODES = ("off,sync:auto,async:auto,sync:2,sync:3,sync:4,sync:6,async:2,async:3,async:4,async:6,"
+                 "hf,hf-assisted:4,hf-assisted:heuristic")
+
+
+def parse_modes(s: str) -> list[str]:
+    out = []
+    for m in (x.strip() for x in s.split(",") if x.strip()):
+        kind, _, arg = m.partition(":")
+        ok = (kind == "off" and not arg) or (kind == "hf" and not arg) \
+            or (kind in ("sync", "async") and (arg == "auto" or arg.isdigit() and 1 <= int(arg) <= 16)) \
+            or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16))
+        if not ok:
+            raise SystemExit(f"real_pair: --modes: {m!r} is not off, hf, sync:auto|K, async:auto|K, "
+                             f"hf-assisted:K|heuristic")
+        out.append(m)
+    return out
+
+
+# -- draftrelay ---------------------------------------------------------------------------------------
+def load_pair_target(dtype: torch.dtype):
+    from draftrelay.checkpoint import gguf
+    from draftrelay.checkpoint.tokenizer import HFTokenizer
+
+    ck = gguf.read_gguf(TARGET)
+    tok = HFTokenizer.from_gguf_vocab(ck.vocab, ck.name or TARGET.name, str(TARGET))
+    model = gguf.load_gguf(TARGET, device="cpu", dtype=dtype, checkpoint=ck)
+    return model, tok
+
+
+def run_engine(model, tok, mode: str, ids: dict[str, list[int]], args, spec, rs, repeats: int) -> dict:
+    from draftrelay.engine import loading as L
+    from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+
+    kind, _, arg = mode.partition(":")
+    k_max = args.k_max if arg in ("", "auto") else int(arg)
+    max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
+    h = None
+    if kind != "off":
+        h = L.handoff_config(spec, torch.device("cpu"), rs.deadline_ms, True, round_budget_ms=rs.budget_ms)
+    cfg = EngineConfig(mode=kind, n_draft=k_max if kind != "off" else 0, max_batch=1, max_len=max_len, handoff=h,
+                       depth="auto" if arg == "auto" else "fixed", round_costs_s=rs.round_costs_s if h else None)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
+    per: dict[str, dict] = {}
+    with Engine(model, cfg) as eng:
+        eng.generate([next(iter(ids.values()))], SamplingParams(max_tokens=4))  # warm-up (and the policy's start)
+        for name, x in ids.items():
+            runs = []
+            for _ in range(repeats):
+                eng.reset_metrics()
+                (req,) = eng.generate([x], params)
+                t = eng.metrics([req])["total"]
+                runs.append({"output": req.output, "tokens": t["output_tokens"], "wall_s": t["wall_s"],
+                             "decode_s": t["wall_s"] - t["ttft_s_mean"], "ttft_s": t["ttft_s_mean"],
+                             "step_p50_ms": t["step_p50_ms"], "mean_accepted": t["mean_accepted"],
+                             "accept_rate_by_pos": t["accept_rate_by_pos"], "rounds": t["rounds"],
+                             "depth": t.get("depth", {}).get("chosen"),
+                             "warning": t.get("speculation_warning", "")})
+            per[name] = {"runs": runs}
+        round_mode = eng.round_mode
+    return {"round_mode": round_mode, "prompts": per}
+
+
+# -- transformers -------------------------------------------------------------------------------------
+def hf_model(ours):
+    """A transformers Qwen2ForCausalLM holding our tensors (assign=True: no copy)."""
+    import inspect
+
+    import transformers
+
+    from draftrelay.checkpoint.hf import config_to_dict, hf_state_dict
+
+    d = config_to_dict(ours.cfg)
+    theta = d.pop("rope_theta")
+    d.pop("rope_scaling")
+    d.pop("model_type")
+    if "rope_parameters" in inspect.signature(transformers.Qwen2Config.__init__).parameters:
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    else:
+        d["rope_theta"] = theta
+    conf = transformers.Qwen2Config(**d)
+    with torch.device("meta"):
+        hf = transformers.Qwen2ForCausalLM(conf)
+    sd = hf_state_dict(ours)
+    if ours.cfg.tie_word_embeddings:
+        sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+    missing, unexpected = hf.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise RuntimeError(f"transformers model from our weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, buf in list(hf.named_buffers()):  # non-persistent buffers (rotary inv_freq) are still on meta
+        if buf.is_meta:
+            mod = hf.get_submodule(name.rpartition(".")[0])
+            fresh = type(mod)(config=conf)
+            for bn, b in fresh.named_buffers():
+                setattr(mod, bn, b)
+    return hf.eval()
+
+
+def run_hf(hf, hf_drafter, tok, mode: str, ids: dict[str, list[int]], args, repeats: int) -> dict:
+    kind, _, arg = mode.partition(":")
+    stop = list(tok.stop_ids)
+    per: dict[str, dict] = {}
+
+    def gen(x: list[int], n: int):
+        kw = dict(max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=stop or None,
+                  pad_token_id=stop[0] if stop else 0, temperature=None, top_p=None, top_k=None)
+        if kind == "hf-assisted":
+            g = hf_drafter.generation_config
+            if arg == "heuristic":
+                g.num_assistant_tokens, g.num_assistant_tokens_schedule = 20, "heuristic"
+                g.assistant_confidence_threshold = 0.4
+            else:
+                g.num_assistant_tokens, g.num_assistant_tokens_schedule = int(arg), "constant"
+                g.assistant_confidence_threshold = 0.0
+            kw["assistant_model"] = hf_drafter
+        with torch.inference_mode():
+            return hf.generate(torch.tensor([x]), attention_mask=torch.ones(1, len(x), dtype=torch.long), **kw)
+
+    gen(next(iter(ids.values())), 4)  # warm-up
+    for name, x in ids.items():
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            gen(x, 1)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = gen(x, args.max_tokens)[0, len(x):].tolist()
+            wall = time.perf_counter() - t0
+            runs.append({"output": out, "tokens": len(out), "wall_s": wall, "decode_s": max(wall - ttft, 1e-9),
+                         "ttft_s": ttft})
+        per[name] = {"runs": runs}
+    return {"round_mode": kind, "prompts": per}
+
+
+# -- the table ----------------------------------------------------------------------------------------
+def summarize(res: dict, ref: dict | None, hf_ref: dict | None) -> dict:
+    """Totals over prompts (median over repeats of each prompt's figures), by prompt kind too."""
+    rows = {}
+    for scope in ("all", "code", "prose"):
+        names = [n for n in res["prompts"] if scope == "all" or PROMPTS[n][0] == scope]
+        if not names:
+            continue
+        tok = dec = 0.0
+        p50, ttft, acc = [], [], []
+        for n in names:
+            runs = res["prompts"][n]["runs"]
+            tok += statistics.median(r["tokens"] - 1 for r in runs)
+            dec += statistics.median(r["decode_s"] for r in runs)
+            ttft.append(statistics.median(r["ttft_s"] for r in runs))
+            if "step_p50_ms" in runs[0]:
+                p50.append(statistics.median(r["step_p50_ms"] for r in runs))
+                acc.append(statistics.median(r["mean_accepted"] for r in runs))
+        rates = [(r["tokens"] - 1) / r["decode_s"] for n in names for r in res["prompts"][n]["runs"]]
+        rows[scope] = {"tokens_per_s": tok / dec if dec else 0.0, "tokens_per_s_min": min(rates),
+                       "tokens_per_s_max": max(rates), "ttft_ms": 1e3 * statistics.median(ttft),
+                       "step_p50_ms": statistics.median(p50) if p50 else None,
+                       "mean_accepted": statistics.mean(acc) if acc else None}
+    first = [res["prompts"][n]["runs"][0] for n in res["prompts"]]
+    pos = [r["accept_rate_by_pos"] for r in first if r.get("accept_rate_by_pos")]
+    width = max((len(p) for p in pos), default=0)
+    by_pos = [statistics.mean(p[j] for p in pos if len(p) > j) for j in range(width)]
+    depth: dict = {}
+    for r in first:
+        for k, v in (r.get("depth") or {}).items():
+            depth[k] = depth.get(k, 0) + v
+    rounds: dict = {}
+    for r in first:
+        for k, v in (r.get("rounds") or {}).items():
+            rounds[k] = rounds.get(k, 0) + v
+
+    def same(other):
+        if other is None:
+            return None
+        return all(run["output"] == other["prompts"][n]["runs"][0]["output"]
+                   for n in res["prompts"] for run in res["prompts"][n]["runs"])
+
+    return {"by_kind": rows, "accept_rate_by_pos": by_pos, "depth_chosen": depth, "rounds": rounds,
+            "identical_to_off": same(ref), "identical_to_hf": same(hf_ref),
+            "warnings": sorted({r["warning"] for r in first if r.get("warning")})}
+
+
+def print_table(dtype: str, table: dict[str, dict]) -> None:
+    base = table.get("off", {}).get("by_kind", {})
+    head = ["mode", "tok/s", "code", "prose", "vs off", "step p50", "TTFT ms", "acc/round", "acc by pos", "depths",
+            "same"]
+    lines = [head]
+    for mode, s in table.items():
+        a = s["by_kind"].get("all", {})
+        rel = a.get("tokens_per_s", 0) / base["all"]["tokens_per_s"] if base.get("all") else float("nan")
+        lines.append([mode, f"{a.get('tokens_per_s', 0):.2f}",
+                      f"{s['by_kind'].get('code', {}).get('tokens_per_s', 0):.2f}",
+                      f"{s['by_kind'].get('prose', {}).get('tokens_per_s', 0):.2f}", f"{rel:.2f}x",
+                      f"{a['step_p50_ms']:.0f}" if a.get("step_p50_ms") is not None else "-",
+                      f"{a.get('ttft_ms', 0):.0f}",
+                      f"{a['mean_accepted']:.2f}" if a.get("mean_accepted") is not None else "-",
+                      " ".join(f"{x:.2f}" for x in s["accept_rate_by_pos"]) or "-",
+                      " ".join(f"{k}:{v}" for k, v in sorted(s["depth_chosen"].items())) or "-",
+                      {True: "yes", False: "NO", None: "-"}[s["identical_to_off"]]
+                      + ("/" + {True: "yes", False: "NO", None: "-"}[s["identical_to_hf"]])])
+    w = [max(len(r[i]) for r in lines) for i in range(len(head))]
+    print(f"\n[{dtype}]")
+    for i, r in enumerate(lines):
+        print("  ".join(c.ljust(w[j]) if j in (0, 8, 9) else c.rjust(w[j]) for j, c in enumerate(r)))
+        if i == 0:
+            print("-" * (sum(w) + 2 * len(w)))
+    for mode, s in table.items():
+        for msg in s["warnings"]:
+            print(f"  WARNING [{mode}]: {msg}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", default=",".join(PROMPTS), help=f"subset of {','.join(PROMPTS)} (or 'code'/'prose')")
+    ap.add_argument("--modes", default=DEFAULT_MODES)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--k-max", type=int, default=6, help="deepest draft of the depth policy (sync:auto, async:auto)")
+    ap.add_argument("--worker-threads", type=int, default=0, help="the drafter worker's CPU threads (0: all cores)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_pair.json"))
+    args = ap.parse_args(argv)
+    names = []
+    for p in (x.strip() for x in args.prompts.split(",") if x.strip()):
+        group = [n for n, (kind, _) in PROMPTS.items() if kind == p]
+        if not group and p not in PROMPTS:
+            raise SystemExit(f"real_pair: --prompts: unknown prompt {p!r} (known: {', '.join(PROMPTS)}, code, prose)")
+        names += [n for n in group or [p] if n not in names]
+    modes = parse_modes(args.modes)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        raise SystemExit(f"real_pair: --dtypes: each must be one of {', '.join(DTYPES)}")
+    if args.max_tokens < 2 or args.repeats < 1:
+        raise SystemExit("real_pair: need --max-tokens >= 2 and --repeats >= 1")
+    for f in (TARGET, DRAFTER):
+        if not f.is_file():
+            raise SystemExit(f"real_pair: {f} is missing (set DRAFTRELAY_REFPAIR to the folder holding the pair)")
+    if any(m.startswith("hf") for m in modes):
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise SystemExit("real_pair: the hf modes need transformers: pip install -e '.[bench]'") from None
+
+    from draftrelay.engine import loading as L
+
+    out = {"machine": {"platform": platform.platform(), "cpus": L.default_threads(), "torch": torch.__version__,
+                       "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0]},
+           "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+           "target": TARGET.name, "drafter": DRAFTER.name, "max_tokens": args.max_tokens, "repeats": args.repeats,
+           "prompts": {n: PROMPTS[n] for n in names}, "results": {}}
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        t0 = time.perf_counter()
+        model, tok = load_pair_target(dtype)
+        print(f"[{dname}] target loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        ids = {n: tok.encode(PROMPTS[n][1]) for n in names}
+        res: dict[str, dict] = {}
+        timing = None
+        worker = None
+        try:
+            if any(m.split(":")[0] in ("sync", "async") for m in modes):
+                max_ctx = max(len(x) for x in ids.values()) + args.max_tokens + 64
+                k_all = max([args.k_max] + [int(m.split(":")[1]) for m in modes if m.split(":")[-1].isdigit()
+                                            and m.startswith(("sync", "async"))])
+                worker = L.start_local_worker(str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 1,
+                                              args.worker_threads, dtype="float32" if dname == "fp32" else "bfloat16")
+                spec = L.worker_spec(worker.host, worker.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash,
+                                     k_all, 8)
+                rs = L.round_settings(spec, max(ids.values(), key=len), args.k_max)
+                timing = rs.timing.as_dict() if rs.timing else None
+                print(f"[{dname}] {rs.note}", flush=True)
+            else:
+                spec = rs = None
+            for mode in (m for m in modes if not m.startswith("hf")):
+                t1 = time.perf_counter()
+                res[mode] = run_engine(model, tok, mode, ids, args, spec, rs, args.repeats)
+                print(f"[{dname}] {mode}: {time.perf_counter() - t1:.1f} s", flush=True)
+        finally:
+            if worker is not None:
+                worker.stop()
+        hf_modes = [m for m in modes if m.startswith("hf")]
+        if hf_modes:
+            from draftrelay.checkpoint import gguf
+
+            hf = hf_model(model)
+            drafter = gguf.load_gguf(DRAFTER, device="cpu", dtype=dtype) if any("assisted" in m for m in hf_modes) \
+                else None
+            hf_drafter = hf_model(drafter) if drafter is not None else None
+            for mode in hf_modes:
+                t1 = time.perf_counter()
+                res[mode] = run_hf(hf, hf_drafter, tok, mode, ids, args, args.repeats)
+                print(f"[{dname}] {mode}: {time.perf_counter() - t1:.1f} s", flush=True)
+            del hf, hf_drafter, drafter
+        ref, hf_ref = res.get("off"), res.get("hf")
+        table = {m: summarize(r, ref if m != "off" else None, hf_ref if m != "hf" else None) for m, r in res.items()}
+        print_table(dname, table)
+        out["results"][dname] = {"round_timing": timing, "summary": table, "raw": res}
+        del model
+        gc.collect()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

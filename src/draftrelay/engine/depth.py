@@ -1,0 +1,206 @@
+"""Draft depth: how many drafts to ask for this step, from measured costs and running acceptance.
+
+A step at depth k costs round(k) + verify(k + 1) + the host's share h, and yields 1 + E[kept | k]
+tokens per request; a step at depth 0 is a plain decode, verify(1) + h, one token. The policy picks
+the k in 0..k_max with the highest expected tokens per second:
+
+    rate(k) = (1 + s * sum_{i<k} prod_{j<=i} p_j) / (round(k) + verify(k + 1) + h)      rate(0) = 1 / (verify(1) + h)
+
+p_j is the conditional acceptance at position j (the draft at j is kept given all before it were),
+s the share of rounds that came back at all (a timed-out round costs its time and gives nothing).
+Speculating has to beat rate(0) by `min_gain` (noise margin), else the step is a plain decode; while
+at 0, every `probe_every` steps one round at the best positive depth refreshes the acceptance (and
+the round cost), so speculation comes back when the text gets easier or the drafter faster.
+
+Costs are running estimates from the engine's own step clock: per round depth and per verify width an
+exponential average of what was measured, and for depths/widths not measured yet a least-squares line
+through those that were (both are close to linear in k on CPU and GPU alike). Until both the width-1
+and the deepest verify have been timed once, and a round at two depths (unless `round_costs` seeded
+them: engine/calibrate.py measures the worker before decoding), the policy explores those first.
+One depth serves the whole batch (the verify is as wide as its longest draft), and costs are kept by
+depth and width only: a change of batch size moves them, and the running averages follow within a
+few steps. Acceptance counts decay per round (`decay`), so the estimate follows the text it is drafting; a
+position not tried yet is estimated from the one before it (shrunk toward it with `prior_weight`).
+
+Greedy output never depends on k (a kept draft equals the target's own argmax), so the policy changes
+speed only; with sampling, rejection sampling is lossless at every k too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class CostCurve:
+    """Seconds as a function of a small integer x: an exponential average per measured x, and a
+    least-squares line through the measured points for the others."""
+
+    def __init__(self, alpha: float = 0.25) -> None:
+        self.alpha = alpha
+        self.mean: dict[int, float] = {}
+
+    def add(self, x: int, seconds: float) -> None:
+        old = self.mean.get(x)
+        self.mean[x] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def known(self, x: int) -> bool:
+        return x in self.mean
+
+    def __call__(self, x: int) -> float | None:
+        if x in self.mean:
+            return self.mean[x]
+        if len(self.mean) < 2:
+            return None
+        xs = np.array(sorted(self.mean), float)
+        ys = np.array([self.mean[int(v)] for v in xs])
+        slope, icpt = np.polyfit(xs, ys, 1)
+        slope = max(float(slope), 0.0)  # cost never falls with depth or width: noise must not say so
+        return max(float(icpt + slope * x), float(ys.min()) if x > xs.max() else 0.0, 1e-9)
+
+
+class Acceptance:
+    """Decayed per-position counts: tries[j] = rounds where position j was reached (all before it kept),
+    hits[j] = rounds where it was kept too."""
+
+    def __init__(self, k_max: int, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97) -> None:
+        self.tries = np.zeros(k_max)
+        self.hits = np.zeros(k_max)
+        self.prior, self.w, self.decay = prior, prior_weight, decay
+        self.rounds = 0.0
+        self.answered = 0.0
+
+    def add(self, asked: int, offered: int, kept: int) -> None:
+        """One request's round: `asked` drafts wanted, `offered` came back, `kept` were accepted."""
+        if asked <= 0:
+            return
+        self.tries *= self.decay
+        self.hits *= self.decay
+        self.rounds = self.rounds * self.decay + 1
+        self.answered = self.answered * self.decay + (offered > 0)
+        n = min(offered, len(self.tries))
+        reached = min(kept + 1, n)  # positions 0..kept were judged (kept + 1-th rejected, if offered)
+        self.tries[:reached] += 1
+        self.hits[:min(kept, n)] += 1
+
+    def cond(self) -> np.ndarray:
+        """p_j for every position, each shrunk toward the one before it (position 0: toward the prior)."""
+        out = np.empty(len(self.tries))
+        q = self.prior
+        for j in range(len(out)):
+            q = (self.hits[j] + self.w * q) / (self.tries[j] + self.w)
+            out[j] = q
+        return out
+
+    def success(self) -> float:
+        """The share of rounds that brought drafts (a failed or late round brings none)."""
+        return (self.answered + self.w) / (self.rounds + self.w)
+
+    def expected_kept(self, k: int) -> float:
+        if k <= 0:
+            return 0.0
+        return self.success() * float(np.cumprod(self.cond()[:k]).sum())
+
+
+@dataclass
+class DepthConfig:
+    probe_every: int = 16  # steps at depth 0 between probe rounds
+    min_gain: float = 1.03  # speculate only when its expected rate beats a plain decode by this factor
+    prior: float = 0.6  # acceptance assumed at a position before any round reached it
+    prior_weight: float = 2.0
+    decay: float = 0.97  # per round: the acceptance estimate follows the last ~30 rounds
+    catch_up_tokens: int = 0  # rounds sending more tokens than this are not timed (0: k_max + 2)
+
+
+class DepthPolicy:
+    """choose() before each step; observe_*() after it, with what the engine measured."""
+
+    def __init__(self, k_max: int, cfg: DepthConfig | None = None, round_costs: dict[int, float] | None = None) -> None:
+        if k_max < 1:
+            raise ValueError(f"DepthPolicy: k_max must be >= 1, got {k_max}")
+        self.k_max = k_max
+        self.cfg = cfg or DepthConfig()
+        self.round = CostCurve()
+        self.verify = CostCurve()
+        self.host = CostCurve()
+        self.acc = Acceptance(k_max, self.cfg.prior, self.cfg.prior_weight, self.cfg.decay)
+        for k, s in (round_costs or {}).items():
+            if 0 < int(k) <= k_max:
+                self.round.add(int(k), float(s))
+        self._at_zero = 0  # consecutive steps chosen at depth 0
+        self._explore_left = 6  # exploring steps allowed (failed rounds time no verify width)
+        self.chosen: dict[int, int] = {}  # depth -> steps (metrics)
+        self.probes = 0
+
+    # -- the decision ------------------------------------------------------------------------------
+    def _explore(self) -> int | None:
+        """A depth whose cost the model cannot estimate yet, if any (a few steps at most: rounds that
+        fail bring no drafts, so their verify width stays unmeasured)."""
+        if self._explore_left <= 0:
+            return None
+        k = None
+        if not self.verify.known(self.k_max + 1):
+            k = self.k_max
+        elif not self.verify.known(1):
+            k = 0
+        elif self.round(1) is None:  # one round depth timed: a second one gives the line
+            k = 1 if not self.round.known(1) else self.k_max
+        if k is not None:
+            self._explore_left -= 1
+        return k
+
+    def rates(self) -> list[float]:
+        """Expected tokens per second at each depth 0..k_max (0.0 where not estimable)."""
+        h = self.host(0) or 0.0
+        out = []
+        for k in range(self.k_max + 1):
+            v = self.verify(k + 1)
+            r = self.round(k) if k else 0.0
+            if v is None or r is None:
+                out.append(0.0)
+                continue
+            out.append((1.0 + self.acc.expected_kept(k)) / (r + v + h))
+        return out
+
+    def choose(self) -> int:
+        k = self._explore()
+        if k is None:
+            rates = self.rates()
+            best = 1 + int(np.argmax(rates[1:])) if max(rates[1:]) > 0 else self.k_max
+            if rates[best] >= self.cfg.min_gain * rates[0]:
+                k = best
+            elif self._at_zero >= self.cfg.probe_every:
+                k = best
+                self.probes += 1
+            else:
+                k = 0
+        self._at_zero = self._at_zero + 1 if k == 0 else 0
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return k
+
+    # -- what the step measured -------------------------------------------------------------------------
+    def observe_round(self, k: int, seconds: float, sent_tokens: int) -> None:
+        """A round asking depth k took `seconds` of the engine's time (submit + wait)."""
+        limit = self.cfg.catch_up_tokens or self.k_max + 2
+        if 0 < k <= self.k_max and sent_tokens <= limit:  # a catch-up round also prefills: not a depth cost
+            self.round.add(k, seconds)
+
+    def observe_verify(self, width: int, seconds: float) -> None:
+        self.verify.add(width, seconds)
+
+    def observe_host(self, seconds: float) -> None:
+        self.host.add(0, seconds)
+
+    def observe_accept(self, asked: int, offered: int, kept: int) -> None:
+        self.acc.add(asked, offered, kept)
+
+    def summary(self) -> dict:
+        """For metrics: depths chosen, probes, and the model's current view."""
+        rates = self.rates()
+        return {"chosen": dict(sorted(self.chosen.items())), "probes": self.probes,
+                "accept_cond_by_pos": [round(float(x), 3) for x in self.acc.cond()],
+                "round_success": round(self.acc.success(), 3),
+                "round_ms_by_k": {k: round(1e3 * v, 2) for k, v in sorted(self.round.mean.items())},
+                "verify_ms_by_width": {t: round(1e3 * v, 2) for t, v in sorted(self.verify.mean.items())},
+                "expected_tok_per_s_by_k": [round(r, 2) for r in rates]}

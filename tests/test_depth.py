@@ -1,0 +1,195 @@
+"""The draft-depth policy on synthetic costs and acceptance: which k it picks and why; and in the
+engine: greedy output unchanged with the policy on, k = 0 when every round fails."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftrelay.engine.depth import Acceptance, CostCurve, DepthConfig, DepthPolicy
+from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+from draftrelay.handoff.rounds import HandoffConfig
+from draftrelay.model import tiny_pair
+
+
+def trained(k_max: int, round_ms, verify_ms, p_cond, rounds: int = 400, host_ms: float = 0.0,
+            cfg: DepthConfig | None = None) -> DepthPolicy:
+    """A policy that has seen `rounds` rounds of acceptance p_cond (per position, conditional; exact
+    expected counts) and the given costs (functions of k and of the width) at every depth."""
+    pol = DepthPolicy(k_max, cfg or DepthConfig(decay=1.0))
+    for k in range(1, k_max + 1):
+        pol.observe_round(k, round_ms(k) / 1e3, 1)
+    for t in range(1, k_max + 2):
+        pol.observe_verify(t, verify_ms(t) / 1e3)
+    pol.observe_host(host_ms / 1e3)
+    # acceptance with exact expected frequencies: of `rounds` rounds, kept = m with its probability
+    reach = 1.0
+    for m in range(k_max + 1):
+        pk = reach * (1 - p_cond[m]) if m < k_max else reach
+        for _ in range(round(rounds * pk)):
+            pol.observe_accept(k_max, k_max, m)
+        reach *= p_cond[m] if m < k_max else 1
+    return pol
+
+
+def test_cost_curve_measured_points_and_a_line_between():
+    c = CostCurve(alpha=1.0)
+    assert c(3) is None
+    c.add(1, 0.010)
+    assert c(1) == 0.010 and c(4) is None  # one point is no line
+    c.add(5, 0.050)
+    assert c(3) == pytest.approx(0.030)
+    assert c(7) == pytest.approx(0.070)
+    c2 = CostCurve(alpha=1.0)
+    c2.add(1, 0.02)
+    c2.add(2, 0.01)  # noise saying deeper is cheaper: the line is flat, never falling
+    assert c2(6) >= 0.01
+
+
+def test_acceptance_counts_positions_reached_and_kept():
+    a = Acceptance(4, prior=0.5, prior_weight=1e-9, decay=1.0)
+    a.add(4, 4, 2)  # kept 0 and 1, rejected at 2, position 3 never judged
+    a.add(4, 4, 4)
+    assert list(a.tries) == [2, 2, 2, 1] and list(a.hits) == [2, 2, 1, 1]
+    assert a.cond()[:3].tolist() == pytest.approx([1.0, 1.0, 0.5])
+    a.add(4, 0, 0)  # a round that brought nothing: counts against success, not against a position
+    assert a.success() == pytest.approx(2 / 3)
+    assert a.expected_kept(2) == pytest.approx(2 / 3 * 2.0)
+
+
+def test_unreached_positions_borrow_the_previous_estimate():
+    a = Acceptance(6, prior=0.6, prior_weight=2.0, decay=1.0)
+    for _ in range(200):
+        a.add(2, 2, 2)  # only depth 2 was ever asked: positions 2.. never judged
+    p = a.cond()
+    assert p[0] > 0.98 and p[1] > 0.98
+    assert p[2] == pytest.approx(p[1]) and p[5] == pytest.approx(p[1])  # not the 0.6 prior
+
+
+def test_cheap_drafter_and_high_acceptance_goes_deep():
+    # a GPU-like drafter: 1 ms + 1 ms per draft, verify flat; acceptance 0.9 at every position
+    pol = trained(6, lambda k: 1 + k, lambda t: 10.0, [0.9] * 6)
+    assert pol.choose() == 6
+
+
+def test_the_issue_cpu_pair_picks_a_small_k():
+    # the 2-core CPU pair: round 120 + 70 ms per draft, a verify of width T costs 220 ms x (1 + (T-1)/3)
+    # (4 positions = 2x one), acceptance .79 .81 .87 .84 (the measured .79 .64 .56 .47, conditional).
+    # rate(0) = 1/0.22 = 4.5 tok/s; rate(1) = 1.79/(0.19 + 0.293) = 3.7: speculation does not pay
+    pol = trained(6, lambda k: 120 + 70 * k, lambda t: 220 * (1 + (t - 1) / 3), [.79, .81, .87, .84, .84, .84])
+    rates = pol.rates()
+    assert max(rates[1:]) < rates[0]
+    assert pol.choose() == 0
+    # the same costs with a drafter 4x faster (a separate device): one to three drafts win
+    fast = trained(6, lambda k: 30 + 17 * k, lambda t: 220 * (1 + (t - 1) / 3), [.79, .81, .87, .84, .84, .84])
+    k = fast.choose()
+    assert 1 <= k <= 3 and fast.rates()[k] >= 1.03 * fast.rates()[0]
+
+
+def test_low_acceptance_turns_speculation_off_and_probes_come_back():
+    cfg = DepthConfig(decay=1.0, probe_every=5)
+    pol = trained(4, lambda k: 2 + k, lambda t: 10 + 0.5 * t, [0.05] * 4, cfg=cfg)
+    picks = [pol.choose() for _ in range(12)]
+    assert picks.count(0) >= 10 and pol.probes == 2
+    probe = [k for k in picks if k]
+    assert probe and all(k >= 1 for k in probe)
+    assert picks[5] != 0 and picks[11] != 0  # every 5 steps at 0, one probe round
+
+
+def test_failing_rounds_count_as_cost_without_tokens():
+    pol = trained(4, lambda k: 2 + k, lambda t: 10.0, [0.9] * 4)
+    assert pol.choose() == 4
+    for _ in range(100):  # the drafter now answers nothing (150 ms timeouts): tokens stop, cost stays
+        for k in range(1, 5):
+            pol.observe_accept(k, 0, 0)
+            pol.observe_round(k, 0.150, 1)
+    assert pol.acc.success() < 0.6
+    assert pol.choose() == 0
+
+
+def test_min_gain_margin_keeps_a_marginal_gain_off():
+    # exactly break-even-ish: rate(1) is 1% above rate(0); the 3% margin keeps plain decoding
+    v = 100.0
+    p = 0.5
+    r1 = (1 + p) * v / 1.01 - v  # round(1) so that rate(1) = 1.01 x rate(0) with verify width-flat
+    pol = trained(1, lambda k: r1, lambda t: v, [p])
+    assert pol.rates()[1] == pytest.approx(1.01 * pol.rates()[0], rel=0.02)
+    assert pol.choose() == 0
+
+
+def test_explores_unmeasured_widths_first_then_decides():
+    pol = DepthPolicy(4)
+    k = pol.choose()
+    assert k == 4  # nothing measured: the deepest verify first
+    pol.observe_round(4, 0.005, 1)
+    pol.observe_verify(5, 0.012)
+    assert pol.choose() == 0  # then the plain decode
+    pol.observe_verify(1, 0.010)
+    assert pol.choose() == 1  # then a second round depth (a line through two points)
+    pol.observe_round(1, 0.002, 1)
+    pol.observe_verify(2, 0.0105)
+    assert pol.choose() in range(5) and pol._explore() is None
+
+
+def test_seeded_round_costs_skip_round_exploration():
+    pol = DepthPolicy(4, round_costs={1: 0.002, 4: 0.005})
+    assert pol.choose() == 4
+    pol.observe_verify(5, 0.012)
+    assert pol.choose() == 0
+    pol.observe_verify(1, 0.010)
+    assert pol._explore() is None
+
+
+def test_catch_up_rounds_are_not_depth_costs():
+    pol = DepthPolicy(4)
+    pol.observe_round(2, 0.5, 40)  # a round that also prefilled 40 tokens
+    assert not pol.round.known(2)
+    pol.observe_round(2, 0.01, 3)
+    assert pol.round(2) == 0.01
+
+
+# -- in the engine ------------------------------------------------------------------------------------
+PROMPTS = [list(b"Hello, world"), list(b"The quick brown fox"), list(b"speculative decoding")]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def generate(target, mode, depth, spec=None, max_batch=3, max_tokens=24, **hkw):
+    h = HandoffConfig(round_spec=spec or {"kind": "builtin"}, **hkw)
+    cfg = EngineConfig(mode=mode, n_draft=6, max_batch=max_batch, max_len=256, handoff=h, depth=depth)
+    with Engine(target, cfg) as eng:
+        reqs = eng.generate(PROMPTS, SamplingParams(max_tokens=max_tokens))
+        return [r.output for r in reqs], eng.metrics()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_greedy_output_identical_with_the_policy_on(pair, mode):
+    ref, _ = generate(pair[0], "off", "fixed")
+    out, m = generate(pair[0], mode, "auto", deadline_ms=3000, round_budget_ms=2500)
+    assert out == ref
+    d = m["total"]["depth"]
+    assert sum(d["chosen"].values()) > 0 and set(d["chosen"]) <= set(range(7))
+    out1, _ = generate(pair[0], mode, "auto", max_batch=1, deadline_ms=3000, round_budget_ms=2500)
+    assert out1 == ref
+
+
+def test_every_round_failing_turns_speculation_off_and_warns(pair):
+    ref, _ = generate(pair[0], "off", "fixed", max_tokens=40)
+    spec = {"kind": "builtin", "faults": {"seed": 1, "p_timeout": 1.0}}
+    out, m = generate(pair[0], "sync", "auto", spec=spec, max_tokens=40)
+    assert out == ref
+    t = m["total"]
+    chosen = t["depth"]["chosen"]
+    assert chosen.get(0, 0) > sum(v for k, v in chosen.items() if k)  # mostly plain decodes after a few tries
+    assert t["speculation_warning"].startswith("speculation off: ")
+    assert "rounds failed" in t["speculation_warning"]
+
+
+def test_fixed_depth_is_the_default_and_unchanged(pair):
+    _, m = generate(pair[0], "sync", "fixed", deadline_ms=3000, round_budget_ms=2500)
+    assert "depth" not in m["total"]
+    assert m["total"]["speculation_warning"] == ""
+    with pytest.raises(ValueError, match="depth must be"):
+        EngineConfig(depth="sometimes").validate()
