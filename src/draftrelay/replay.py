@@ -131,7 +131,7 @@ def count_accepted(entry: TraceEntry, k: int, max_tokens: int | None = None) -> 
 
 
 # -------------------------------------------------------------------------------------------------
-# scripts: the full token sequences rows may follow (a prompt, possibly behind a filler, + the target)
+# scripts: the full token sequences (prompt + target) rows may follow
 
 
 class Scripts:
@@ -153,10 +153,13 @@ class Scripts:
         return hits[0] if hits else -1
 
 
-def scripts_for(trace: Trace, prefixes: list[list[int]] | None = None) -> list[list[int]]:
-    """Sequences for trace entries in order, each behind its (optional) filler prefix."""
-    prefixes = prefixes or [[] for _ in trace.entries]
-    return [list(p) + e.sequence for p, e in zip(prefixes, trace.entries, strict=False)]
+def with_fillers(trace: Trace, fillers: list[list[int]]) -> Trace:
+    """The trace with entry i's prompt behind fillers[i] (long-context runs: the drafter's recorded
+    tokens stay those of the original context; only the cost of the longer one changes)."""
+    entries = [TraceEntry(list(f) + e.prompt, e.target, e.draft_top, e.draft_prob, e.name)
+               for f, e in zip(fillers, trace.entries, strict=True)]
+    meta = {**trace.meta, "fillers": [len(f) for f in fillers]}
+    return Trace(trace.pair, trace.top_f, entries, trace.vocab_size, meta)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -233,11 +236,10 @@ class ReplayTargetHook:
         return torch.where((nxt >= 0)[..., None], forced, out)
 
 
-def install_replay_target(model, trace: Trace, n_rows: int, max_len: int,
-                          prefixes: list[list[int]] | None = None) -> ReplayTargetHook:
+def install_replay_target(model, trace: Trace, n_rows: int, max_len: int) -> ReplayTargetHook:
     """Make `model` a replay target for `trace` (benchmarks only). Remove with hook.remove()."""
     log.warning("REPLAY target: logits are forced to the trace of %s", trace.pair)
-    return ReplayTargetHook(model, scripts_for(trace, prefixes), n_rows, max_len)
+    return ReplayTargetHook(model, [e.sequence for e in trace.entries], n_rows, max_len)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -294,13 +296,11 @@ class ReplayDrafter:
     emulated second device. Same interface as worker.drafters.Drafter."""
 
     def __init__(self, trace: Trace, inner=None, cost: CostTable | None = None, n_rows: int = 16,
-                 max_ctx: int = 4096, n_out_max: int = 8, vocab_size: int = 0, model_id: str = "",
-                 prefixes: list[list[int]] | None = None) -> None:
+                 max_ctx: int = 4096, n_out_max: int = 8, vocab_size: int = 0, model_id: str = "") -> None:
         if (inner is None) == (cost is None):
             raise ValueError("ReplayDrafter: give exactly one of inner (real cost) or cost (emulated device)")
         self.trace, self.inner, self.cost = trace, inner, cost
-        self.scripts = Scripts(scripts_for(trace, prefixes))
-        self.prefix_len = [len(p) for p in (prefixes or [[] for _ in trace.entries])]
+        self.scripts = Scripts([e.sequence for e in trace.entries])
         self.vocab_size = vocab_size or (inner.vocab_size if inner is not None else trace.vocab_size)
         if not self.vocab_size:
             raise TraceError("ReplayDrafter: the vocabulary size is unknown (no inner drafter, trace has none)")
@@ -327,7 +327,7 @@ class ReplayDrafter:
         if i < 0:
             return None
         e = self.trace.entries[i]
-        j = n - self.prefix_len[i] - len(e.prompt)
+        j = n - len(e.prompt)
         return (e, j) if 0 <= j < len(e.target) else None
 
     def _advance(self, row: int, a: int, b: int) -> None:
