@@ -31,6 +31,7 @@ import traceback
 import torch
 
 from draftrelay import model as M
+from draftrelay.checkpoint.hf import save_hf_dir
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 from draftrelay.engine.loading import handoff_config
 from draftrelay.handoff.procinfo import machine_info
@@ -72,7 +73,7 @@ def random_model(cfg: M.ModelConfig, dev: torch.device, dtype: torch.dtype, seed
 def write_drafter_dir(shape: str, path: str, seed: int) -> None:
     cfg = M.ModelConfig(**DRAFTER_SHAPES[shape], name=shape)
     model = random_model(cfg, torch.device("cpu"), torch.bfloat16, seed)
-    M.save_hf_dir(model, path)
+    save_hf_dir(model, path)
 
 
 def p50(xs) -> float:

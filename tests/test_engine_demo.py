@@ -61,7 +61,8 @@ def _hf_dirs(tmp_path):
     """The tiny pair written as two HF checkpoints sharing a byte-level tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from draftrelay.model import save_hf_dir, tiny_pair
+    from draftrelay.checkpoint.hf import save_hf_dir
+    from draftrelay.model import tiny_pair
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))

@@ -1,22 +1,18 @@
-"""The shared Llama-family model: HF loading, cache semantics, rollback, GQA, RoPE scaling, errors."""
+"""The shared Llama-family model: cache semantics, rollback, GQA, RoPE scaling (HF I/O: test_checkpoint_hf)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from draftrelay.checkpoint import hf
 from draftrelay.model import (
     KVCache,
     ModelConfig,
-    ModelError,
     Transformer,
     rope_inv_freq,
-    save_hf_dir,
     tiny_config,
     tiny_pair,
 )
@@ -42,120 +38,6 @@ def rand_tokens(n: int, vocab: int, seed: int = 0, batch: int = 1) -> torch.Tens
     return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-# ---- HF loading ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("shards", [1, 3])
-@pytest.mark.parametrize("tied", [False, True])
-def test_hf_roundtrip(tmp_path, shards, tied):
-    cfg = small_cfg(tie_word_embeddings=tied)
-    model = Transformer.random(cfg, seed=3, std=0.1)
-    save_hf_dir(model, tmp_path, shards=shards)
-    files = sorted(os.listdir(tmp_path))
-    assert ("model.safetensors.index.json" in files) == (shards > 1)
-    names = set()
-    for f in files:
-        if f.endswith(".safetensors"):
-            names |= set(load_file(tmp_path / f))
-    assert "model.layers.1.self_attn.q_proj.weight" in names
-    assert "model.layers.0.mlp.down_proj.weight" in names
-    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
-    assert ("lm_head.weight" in names) == (not tied)
-    loaded = Transformer.from_hf_dir(tmp_path)
-    assert loaded.cfg == cfg
-    toks = rand_tokens(12, cfg.vocab_size)
-    assert torch.equal(full_logits(model, toks), full_logits(loaded, toks))
-
-
-def test_hf_qwen2_style_bias_and_extra_tensors(tmp_path):
-    cfg = small_cfg(qkv_bias=True)
-    model = Transformer.random(cfg, seed=5)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.q_proj.bias.normal_(0, 0.5)
-    save_hf_dir(model, tmp_path)
-    sd = load_file(tmp_path / "model.safetensors")
-    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # old checkpoints carry it
-    save_file(sd, tmp_path / "model.safetensors")
-    cfg_json = json.loads((tmp_path / "config.json").read_text())
-    assert cfg_json["model_type"] == "qwen2"
-    loaded = Transformer.from_hf_dir(tmp_path)
-    toks = rand_tokens(9, cfg.vocab_size, seed=1)
-    assert torch.equal(full_logits(model, toks), full_logits(loaded, toks))
-
-
-def test_hf_config_defaults_and_head_dim(tmp_path):
-    cfg = ModelConfig.from_hf_dict({"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
-                                    "num_attention_heads": 8, "intermediate_size": 100})
-    assert cfg.n_kv_heads == 8 and cfg.head_dim == 8 and cfg.rope_scaling is None
-    cfg2 = ModelConfig.from_hf_dict({"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
-                                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
-                                     "intermediate_size": 100, "rope_scaling": {"rope_type": "default"}})
-    assert cfg2.n_kv_heads == 2 and cfg2.head_dim == 16 and cfg2.rope_scaling is None
-
-
-# ---- errors -------------------------------------------------------------------------------------
-
-
-def _write_cfg(path, **over):
-    d = small_cfg().to_hf_dict()
-    d.update(over)
-    d = {k: v for k, v in d.items() if v is not ...}
-    (path / "config.json").write_text(json.dumps(d))
-
-
-def test_errors_dir_and_config(tmp_path):
-    with pytest.raises(ModelError, match="not found"):
-        Transformer.from_hf_dir(tmp_path / "nope")
-    with pytest.raises(ModelError, match="no config.json"):
-        Transformer.from_hf_dir(tmp_path)
-    (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ModelError, match="cannot parse"):
-        ModelConfig.from_hf_dir(tmp_path)
-    _write_cfg(tmp_path, num_hidden_layers=...)
-    with pytest.raises(ModelError, match="missing field 'num_hidden_layers'"):
-        ModelConfig.from_hf_dir(tmp_path)
-    _write_cfg(tmp_path, hidden_size="big")
-    with pytest.raises(ModelError, match="'hidden_size' must be int"):
-        ModelConfig.from_hf_dir(tmp_path)
-    _write_cfg(tmp_path, num_key_value_heads=3)
-    with pytest.raises(ModelError, match="multiple of n_kv_heads"):
-        ModelConfig.from_hf_dir(tmp_path)
-    _write_cfg(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ModelError, match="'yarn' is not supported"):
-        ModelConfig.from_hf_dir(tmp_path)
-    _write_cfg(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(ModelError, match="low_freq_factor"):
-        ModelConfig.from_hf_dir(tmp_path)
-    _write_cfg(tmp_path, hidden_act="gelu")
-    with pytest.raises(ModelError, match="hidden_act"):
-        ModelConfig.from_hf_dir(tmp_path)
-    _write_cfg(tmp_path)
-    with pytest.raises(ModelError, match="no \\*.safetensors"):
-        Transformer.from_hf_dir(tmp_path)
-
-
-def test_errors_tensors(tmp_path):
-    model = Transformer.random(small_cfg(), seed=1)
-    save_hf_dir(model, tmp_path)
-    sd = load_file(tmp_path / "model.safetensors")
-    bad = dict(sd)
-    del bad["model.layers.1.mlp.up_proj.weight"]
-    save_file(bad, tmp_path / "model.safetensors")
-    with pytest.raises(ModelError, match="missing tensor.*model.layers.1.mlp.up_proj.weight"):
-        Transformer.from_hf_dir(tmp_path)
-    bad = dict(sd)
-    bad["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
-    save_file(bad, tmp_path / "model.safetensors")
-    with pytest.raises(ModelError, match="k_proj.weight' has shape \\(8, 32\\), expected \\(16, 32\\)"):
-        Transformer.from_hf_dir(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 20)
-    with pytest.raises(ModelError, match="cannot read safetensors"):
-        Transformer.from_hf_dir(tmp_path)
-    os.remove(tmp_path / "model.safetensors")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
-    with pytest.raises(ModelError, match="shard gone.safetensors is missing"):
-        Transformer.from_hf_dir(tmp_path)
 
 
 # ---- cache semantics ------------------------------------------------------------------------------
@@ -288,7 +170,7 @@ def test_rope_scaling():
     torch.testing.assert_close(l3, _hf_llama3_inv_freq(500000.0, 64, 8.0, 1.0, 4.0, 8192), rtol=1e-5, atol=0)
     assert l3[0] == plain[0] and torch.isclose(l3[-1], plain[-1] / 8)  # high freq kept, low freq slowed
     # the old-style key "type" is accepted too, and the scaling changes the model's output
-    cfg = ModelConfig.from_hf_dict({**base.to_hf_dict(), "rope_scaling": {"type": "linear", "factor": 4.0}})
+    cfg = hf.config_from_dict({**hf.config_to_dict(base), "rope_scaling": {"type": "linear", "factor": 4.0}})
     assert cfg.rope_scaling["rope_type"] == "linear"
     m1 = Transformer.random(base, seed=1, std=0.2)
     m2 = Transformer.random(cfg, seed=1, std=0.2)
@@ -344,53 +226,6 @@ def test_tiny_pair_drafter_agrees_often():
     rate = agree / total
     assert 0.5 < rate < 0.99, rate
 
-
-def test_transformers5_rope_parameters_are_read():
-    cfg = ModelConfig.from_hf_dict({
-        "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-        "intermediate_size": 100, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                      "original_max_position_embeddings": 8192}})
-    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
-    plain = ModelConfig.from_hf_dict({"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
-                                      "num_attention_heads": 4, "intermediate_size": 100,
-                                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
-    assert plain.rope_theta == 1e6 and plain.rope_scaling is None
-
-
-@pytest.mark.parametrize("kind", ["llama3-gqa-untied", "qwen2-bias-tied"])
-def test_logits_equal_huggingface_transformers(tmp_path, kind):
-    """Our model on checkpoints written by transformers itself (not in CI: transformers is not a dependency;
-    this runs where transformers is installed, e.g. the GPU machine's image)."""
-    transformers = pytest.importorskip("transformers")
-    import inspect
-
-    torch.manual_seed(0)
-    common = dict(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
-    if kind.startswith("llama3"):
-        Config, Model = transformers.LlamaConfig, transformers.LlamaForCausalLM
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32}
-        theta, tie = 500000.0, False
-    else:
-        Config, Model = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
-        rope, theta, tie = None, 1000000.0, True
-    if "rope_parameters" in inspect.signature(Config.__init__).parameters:
-        extra = {"rope_parameters": {"rope_type": "default", **(rope or {}), "rope_theta": theta}}
-    else:
-        extra = {"rope_theta": theta, "rope_scaling": rope}
-    hf = Model(Config(**common, tie_word_embeddings=tie, **extra)).eval()
-    with torch.no_grad():
-        for p in hf.parameters():  # HF's init leaves biases zero and norms one: make them count
-            p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    ours = Transformer.from_hf_dir(tmp_path)
-    assert ours.cfg.qkv_bias == kind.startswith("qwen2") and ours.cfg.tie_word_embeddings == tie
-    toks = rand_tokens(150, 120, seed=2)  # past original_max_position_embeddings: the llama3 scaling matters
-    with torch.no_grad():
-        ref = hf(toks).logits.float()
-    torch.testing.assert_close(full_logits(ours, toks), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_rows_as_slice_read_in_place_equal_gathered_rows():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from draftrelay.model import ModelConfig, Transformer, save_hf_dir
+from draftrelay.checkpoint.hf import save_hf_dir
+from draftrelay.model import ModelConfig, Transformer
 from draftrelay.wire import Block, DrafterClient, WireRefused
 from draftrelay.wire import protocol as P
 from draftrelay.worker.process import start_worker_process

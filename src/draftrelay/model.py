@@ -1,8 +1,8 @@
 """The one Llama-family decoder used by both sides: the engine's target and the worker's drafter.
 
 RMSNorm, RoPE (plain, 'linear' or 'llama3' scaling), grouped-query attention, SwiGLU MLP, tied or
-untied head, optional q/k/v bias (Qwen2-style checkpoints). Weights load from a local Hugging Face
-directory (config.json + *.safetensors, sharded or not); nothing is fetched from a hub.
+untied head, optional q/k/v bias (Qwen2-style checkpoints). Module definitions only: reading and
+writing checkpoints (HF directories, GGUF files) is draftrelay.checkpoint's.
 
 One call, `Transformer.forward(tokens[B,T], start_pos[B], cache, rows[B])`, serves prefill chunks,
 1-token decode and verification of k+1 tokens: it writes K/V of the T new tokens at positions
@@ -12,9 +12,7 @@ before it in that row. Rows of one batch may sit at different lengths.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -49,6 +47,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     qkv_bias: bool = False  # Qwen2 checkpoints carry biases on q/k/v (not on o)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -78,99 +77,11 @@ class ModelConfig:
         d, h, kv, hd, i, v = (self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
                               self.intermediate_size, self.vocab_size)
         per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * i + 2 * d
+        if self.qk_norm:
+            per_layer += 2 * hd
         if self.qkv_bias:
             per_layer += h * hd + 2 * kv * hd
         return v * d * (1 if self.tie_word_embeddings else 2) + self.n_layers * per_layer + d
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict, where: str = "config.json") -> ModelConfig:
-        def need(key: str, typ: type = int):
-            if key not in cfg:
-                raise ModelError(f"{where}: missing field '{key}'")
-            val = cfg[key]
-            ok = isinstance(val, (int, float)) and not isinstance(val, bool) if typ is float else (
-                isinstance(val, typ) and not isinstance(val, bool))
-            if not ok:
-                raise ModelError(f"{where}: field '{key}' must be {typ.__name__}, got {val!r}")
-            return typ(val)
-
-        hidden = need("hidden_size")
-        n_heads = need("num_attention_heads")
-        n_kv = cfg.get("num_key_value_heads") or n_heads
-        head_dim = cfg.get("head_dim") or (hidden // n_heads if n_heads else 0)
-        mtype = cfg.get("model_type", "")
-        if cfg.get("mlp_bias"):
-            raise ModelError(f"{where}: 'mlp_bias: true' is not supported")
-        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ModelError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU/silu only)")
-        if cfg.get("attention_bias") and mtype != "qwen2":
-            raise ModelError(f"{where}: 'attention_bias: true' (bias on o_proj) is not supported")
-        scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta", 10000.0)
-        params = cfg.get("rope_parameters")  # transformers >= 5 keeps theta and scaling together here
-        if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
-            scaling = params
-        if isinstance(scaling, dict):
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind in (None, "default"):
-                scaling = None
-            else:
-                scaling["rope_type"] = kind
-        try:
-            return cls(
-                vocab_size=need("vocab_size"),
-                hidden_size=hidden,
-                n_layers=need("num_hidden_layers"),
-                n_heads=n_heads,
-                n_kv_heads=n_kv,
-                head_dim=head_dim,
-                intermediate_size=need("intermediate_size"),
-                rope_theta=float(rope_theta),
-                rope_scaling=scaling,
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                qkv_bias=mtype == "qwen2" or bool(cfg.get("attention_bias", False)),
-                name=str(cfg.get("_name_or_path", "") or mtype),
-            )
-        except ModelError as exc:
-            raise ModelError(f"{where}: {exc}") from None
-        except (TypeError, ValueError) as exc:
-            raise ModelError(f"{where}: invalid value: {exc}") from None
-
-    @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike) -> ModelConfig:
-        path = os.fspath(path)
-        if not os.path.isdir(path):
-            raise ModelError(f"model directory not found: {path}")
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ModelError(f"{path}: no config.json")
-        try:
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelError(f"{cfg_path}: cannot parse: {exc}") from None
-        if not isinstance(cfg, dict):
-            raise ModelError(f"{cfg_path}: expected a JSON object")
-        out = cls.from_hf_dict(cfg, where=cfg_path)
-        out.name = out.name or os.path.basename(os.path.abspath(path))
-        return out
-
-    def to_hf_dict(self) -> dict:
-        d = {
-            "model_type": "qwen2" if self.qkv_bias else "llama",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size, "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling, "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
-        }
-        return d
 
     def replace(self, **kw) -> ModelConfig:
         vals = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -373,6 +284,8 @@ class Attention(nn.Module):
         self.nq, self.nk = cfg.n_heads * hd, cfg.n_kv_heads * hd
         self.qkv = nn.Linear(d, self.nq + 2 * self.nk, bias=cfg.qkv_bias)  # rows: q | k | v
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
 
     @property
     def q_proj(self) -> Proj:
@@ -391,7 +304,10 @@ class Attention(nn.Module):
         c = self.cfg
         qkv = self.qkv(x)
         # q and k are neighbours in qkv: RoPE runs once over both (elementwise, the same values)
-        qk = apply_rope(qkv[..., :self.nq + self.nk].view(B, T, c.n_heads + c.n_kv_heads, c.head_dim), cos, sin)
+        qk = qkv[..., :self.nq + self.nk].view(B, T, c.n_heads + c.n_kv_heads, c.head_dim)
+        if c.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :, :c.n_heads]), self.k_norm(qk[:, :, c.n_heads:])), dim=2)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :, :c.n_heads], qk[:, :, c.n_heads:]
         v = qkv[..., self.nq + self.nk:].view(B, T, c.n_kv_heads, c.head_dim)
         # write the new K/V into each sequence's row at its own positions, then read the rows back:
@@ -553,10 +469,6 @@ class Transformer(nn.Module):
                         out.append((f"{parent}.{part}.bias", proj.bias))
         return out
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Our weights under their HF names (for writing a checkpoint)."""
-        return {(n if n.startswith("lm_head.") else "model." + n): t.detach() for n, t in self.named_hf_tensors()}
-
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, std: float = 0.02, embed_std: float | None = None,
@@ -570,7 +482,7 @@ class Transformer(nn.Module):
         g = torch.Generator(device=gdev).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_hf_tensors():  # HF's tensors in HF's order: the same draws per seed
-                if name.endswith("layernorm.weight") or name == "norm.weight":
+                if name.endswith(("layernorm.weight", "_norm.weight")) or name == "norm.weight":
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
                     p.zero_()
@@ -578,88 +490,6 @@ class Transformer(nn.Module):
                     s = embed_std if (embed_std is not None and name == "embed_tokens.weight") else std
                     p.copy_(torch.randn(p.shape, generator=g, device=gdev) * s)
         return model.eval()
-
-    @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
-                    dtype: torch.dtype | None = None) -> Transformer:
-        """Load config.json + safetensors (single file or sharded with model.safetensors.index.json)."""
-        from safetensors import safe_open
-
-        path = os.fspath(path)
-        cfg = ModelConfig.from_hf_dir(path)
-        files = _weight_files(path)
-        with torch.device("meta"):
-            model = cls(cfg)
-        if dtype is None:
-            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        model = model.to_empty(device=device).to(dtype)
-        wanted = {("model." + n if not n.startswith("lm_head.") else n): p for n, p in model.named_hf_tensors()}
-        loaded = set()
-        for fname in files:
-            try:
-                with safe_open(fname, framework="pt", device="cpu") as f:
-                    for key in f.keys():
-                        if key not in wanted:
-                            continue  # e.g. rotary_emb.inv_freq, or lm_head.weight of a tied model
-                        t = f.get_tensor(key)
-                        p = wanted[key]
-                        if tuple(t.shape) != tuple(p.shape):
-                            raise ModelError(f"{fname}: tensor '{key}' has shape {tuple(t.shape)}, "
-                                             f"expected {tuple(p.shape)} from config.json")
-                        with torch.no_grad():
-                            p.copy_(t.to(dtype))
-                        loaded.add(key)
-            except ModelError:
-                raise
-            except Exception as exc:  # safetensors raises its own error types for corrupt files
-                raise ModelError(f"{fname}: cannot read safetensors: {exc}") from None
-        missing = sorted(set(wanted) - loaded)
-        if missing:
-            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise ModelError(f"{path}: missing tensor(s) {', '.join(missing[:3])}{more}")
-        return model.eval()
-
-
-def _weight_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ModelError(f"{index}: cannot parse the shard index: {exc}") from None
-        files = sorted({os.path.join(path, v) for v in weight_map.values()})
-        for fn in files:
-            if not os.path.isfile(fn):
-                raise ModelError(f"{index}: shard {os.path.basename(fn)} is missing")
-        return files
-    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise ModelError(f"{path}: no *.safetensors weight files")
-    return files
-
-
-def save_hf_dir(model: Transformer, path: str | os.PathLike, shards: int = 1) -> None:
-    """Write config.json + safetensors in HF layout (tests, and random-weight checkpoints for benches)."""
-    from safetensors.torch import save_file
-
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.cfg.to_hf_dict(), f, indent=1)
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in model.hf_state_dict().items()}
-    names = sorted(sd)
-    if shards <= 1:
-        save_file(sd, os.path.join(path, "model.safetensors"))
-        return
-    weight_map = {}
-    for i in range(shards):
-        part = names[i::shards]
-        fn = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: sd[k] for k in part}, os.path.join(path, fn))
-        weight_map.update({k: fn for k in part})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
 
 
 # ----------------------------------------------------------------------------------------------

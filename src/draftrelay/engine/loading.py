@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from draftrelay import model as M
+from draftrelay.checkpoint import hf
+from draftrelay.checkpoint.tokenizer import HFTokenizer
 from draftrelay.wire.protocol import tokenizer_hash_of_dir
 
 
@@ -23,26 +25,6 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer
-
-        fn = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(fn):
-            raise M.ModelError(f"{path}: no tokenizer.json (needed to encode prompts)")
-        try:
-            self.tok = Tokenizer.from_file(fn)
-        except Exception as exc:
-            raise M.ModelError(f"{fn}: cannot load: {exc}") from None
-        self.name = os.path.basename(os.path.abspath(path))
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids)
 
 
 def printable(text: str, limit: int = 0) -> str:
@@ -69,16 +51,28 @@ class Target:
     name: str
 
 
+def is_gguf(spec: str) -> bool:
+    return spec.lower().endswith(".gguf") and not os.path.isdir(spec)
+
+
 def load_target(spec: str, device: torch.device) -> Target:
-    """'tiny' (the target half of the built-in pair) or a local HF directory."""
+    """'tiny' (the target half of the built-in pair), a local HF directory or a GGUF file. The tokenizer
+    keeps the checkpoint's chat template (`target.tokenizer.chat_template`) for a serving front."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if spec == "tiny":  # fp32 everywhere: tiny, and greedy outputs then match across modes bit for bit
         target, _ = M.tiny_pair(M.TINY_SEED, device=device, dtype=torch.float32)
         return Target(target, ByteTokenizer(), (), M.TINY_TOKENIZER_ID, "tiny-target")
+    if is_gguf(spec):
+        from draftrelay.checkpoint import gguf
+
+        ck = gguf.read_gguf(spec)
+        tok = HFTokenizer.from_gguf_vocab(ck.vocab, ck.name or os.path.basename(spec), spec)
+        model = gguf.load_gguf(spec, device=device, dtype=dtype, checkpoint=ck)
+        return Target(model, tok, tok.stop_ids, tok.vocab_hash, ck.name or os.path.basename(spec))
     if not os.path.isdir(spec):
-        raise M.ModelError(f"--model {spec!r}: not 'tiny' and not an existing model directory")
-    model = M.Transformer.from_hf_dir(spec, device=device, dtype=dtype)
-    return Target(model, HFTokenizer(spec), _eos_ids(spec), tokenizer_hash_of_dir(spec),
+        raise M.ModelError(f"--model {spec!r}: not 'tiny', an existing model directory, nor a .gguf file")
+    model = hf.load_hf_dir(spec, device=device, dtype=dtype)
+    return Target(model, HFTokenizer.from_dir(spec), _eos_ids(spec), tokenizer_hash_of_dir(spec),
                   os.path.basename(os.path.abspath(spec)))
 
 
@@ -103,7 +97,7 @@ def drafter_model_id(spec: str) -> str:
     """The identity the worker announces for `--model spec` (checked in the handshake)."""
     if spec == "tiny":
         return M.tiny_model_id(M.TINY_SEED)
-    return os.path.basename(os.path.abspath(spec)) if os.path.isdir(spec) else ""
+    return os.path.basename(os.path.abspath(spec)) if os.path.isdir(spec) or is_gguf(spec) else ""
 
 
 def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int):

@@ -333,7 +333,7 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
                  n_out_max: int = 8, seed: int | None = None, model_id: str = "", test_vocab: int = 1000,
                  slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1, mode: str = "auto") -> Drafter:
     """`tiny` (the drafter half of model.tiny_pair), `test` (TestDrafter), `random:SHAPE`
-    (SHAPES at seeded random weights), a local HF model directory, or (benchmarks only)
+    (SHAPES at seeded random weights), a local HF model directory, a GGUF file, or (benchmarks only)
     `replay:TRACE.json:INNER` / `replay:TRACE.json:emulated=COST.json` (draftrelay.replay)."""
     if spec == "test":
         return TestDrafter(test_vocab, n_rows, max_ctx, n_out_max, slow_token, delay_ms, fail_token)
@@ -346,6 +346,7 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     import torch
 
     from draftrelay import model as M
+    from draftrelay.checkpoint import hf
 
     dev = torch.device(device)
     if mode == "auto":
@@ -366,8 +367,16 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         cfg = M.ModelConfig(**SHAPES[name], name=name)
         net = M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype, draw_on="device")
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "", mode)
+    if spec.lower().endswith(".gguf") and not os.path.isdir(spec):
+        from draftrelay.checkpoint import gguf
+
+        ck = gguf.read_gguf(spec)
+        net = gguf.load_gguf(spec, device=dev, dtype=None if dtype == "auto" else tdtype, checkpoint=ck)
+        mid = model_id or os.path.basename(os.path.abspath(spec))
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, ck.vocab.digest(), mode)
     if not os.path.isdir(spec):
-        raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', nor an existing directory")
-    net = M.Transformer.from_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype)
+        raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', an existing directory, "
+                           "nor a .gguf file")
+    net = hf.load_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype)
     mid = model_id or os.path.basename(os.path.abspath(spec))
     return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode)

@@ -76,6 +76,8 @@ def check_split(cfg: ModelConfig, world: int) -> None:
     """Raise ValueError naming what does not divide (heads are split by whole kv-head groups)."""
     if not 1 <= world <= MAX_RANKS:
         raise ValueError(f"tp {world}: must be 1..{MAX_RANKS}")
+    if cfg.qk_norm:
+        raise ValueError(f"{cfg.name or 'model'}: q/k norms (Qwen3) are not implemented by the TP drafter")
     if cfg.n_kv_heads % world:
         raise ValueError(f"{cfg.name or 'model'}: n_kv_heads {cfg.n_kv_heads} is not divisible by tp {world}")
     for what, n in (("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
