@@ -313,9 +313,16 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
                  n_out_max: int = 8, seed: int | None = None, model_id: str = "", test_vocab: int = 1000,
                  slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1, mode: str = "auto") -> Drafter:
     """`tiny` (the drafter half of model.tiny_pair), `test` (TestDrafter), `random:SHAPE`
-    (SHAPES at seeded random weights), a local HF model directory or a GGUF file."""
+    (SHAPES at seeded random weights), a local HF model directory, a GGUF file, or (benchmarks only)
+    `replay:TRACE.json:INNER` / `replay:TRACE.json:emulated=COST.json` (draftrelay.replay)."""
     if spec == "test":
         return TestDrafter(test_vocab, n_rows, max_ctx, n_out_max, slow_token, delay_ms, fail_token)
+    if spec.startswith("replay:"):  # benchmarks only, asked for by name (draftrelay.replay says why)
+        from draftrelay.replay import load_replay_drafter
+
+        return load_replay_drafter(spec, lambda inner: load_drafter(
+            inner, device=device, dtype=dtype, n_rows=n_rows, max_ctx=max_ctx, n_out_max=n_out_max, seed=seed,
+            model_id=model_id, mode=mode), n_rows=n_rows, max_ctx=max_ctx, n_out_max=n_out_max, model_id=model_id)
     import torch
 
     from draftrelay import model as M

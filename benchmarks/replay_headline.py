@@ -1,0 +1,353 @@
+"""The headline: tokens/s of speculative decoding against target-only, at REPLAYED acceptance of a real pair.
+
+Target: a Qwen2.5-7B-shaped model at random weights whose logits are forced to a recorded trace
+(draftrelay.replay: the real forward runs, so its cost is the shape's). Drafter: a Qwen2.5-0.5B-shaped
+model at random weights in a real `draftrelay worker` process, proposing the trace's recorded drafter
+tokens (its real forward runs too). Engine, proxy, worker and wire run unmodified between them, so the
+acceptance is the recorded pair's and every cost is the shapes'.
+
+Placements: `same` = the worker on the engine's GPU (the two processes time-slice it); `emulated` = a
+worker that spends, as wall time and without touching the GPU, the drafter STEP times measured in this
+run on this GPU (a drafter on an emulated second device). Figures from it say so.
+
+For each workload (context, requests), every mode decodes the same prompts from one prefill (the
+modes are interleaved and repeated, so drift hits them alike). Timed: the decode after the drafter
+has caught up on the context (and a few warm-up steps) to the end of the trace.
+
+    python benchmarks/replay_headline.py --trace benchmarks/data/trace_qwen2.5-coder.json      # H200 defaults
+    python benchmarks/replay_headline.py --device cpu --target tiny --drafter tiny --trace T.json \\
+        --workloads short:1 --repeats 1                                                      # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from draftrelay import model as M  # noqa: E402
+from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from draftrelay.engine.loading import handoff_config  # noqa: E402
+from draftrelay.handoff.procinfo import machine_info  # noqa: E402
+from draftrelay.handoff.rounds import SyncRounds, open_rounds  # noqa: E402
+from draftrelay.replay import CostTable, Trace, install_replay_target, with_fillers  # noqa: E402
+from draftrelay.worker.drafters import Job, load_drafter  # noqa: E402
+from draftrelay.worker.process import start_worker_process  # noqa: E402
+from engine_workloads import DRAFTER_SHAPES, TARGET_SHAPES, random_model  # noqa: E402
+
+CONTEXTS = {"short": 0, "32k": 32768}
+
+
+def p50(xs) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: int, max_ctx: int,
+                  iters: int) -> CostTable:
+    """The real drafter's STEP seconds (median of `iters`) for every (jobs, n_steps <= k, context) the
+    runs use, in this process on this GPU: the emulated second device spends them as wall time."""
+    d = load_drafter(ddir, device=dev, n_rows=max(jobs) + 1, max_ctx=max_ctx, n_out_max=max(8, k))
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    rng = np.random.default_rng(0)
+    out: dict[tuple[int, int, int], float] = {}
+    for ctx in contexts:
+        for b in jobs:
+            for r in range(b):  # each row holds a context of `ctx` tokens
+                toks = rng.integers(0, d.vocab_size, max(ctx, 16)).astype(np.int32)
+                for s in range(0, len(toks), 4096):
+                    d.run([Job(r, s, toks[s:s + 4096])], 0)
+            L = max(ctx, 16)
+            for n in range(1, k + 1):
+                times = []
+                for _ in range(iters + 2):
+                    jb = [Job(r, L, rng.integers(0, d.vocab_size, 3).astype(np.int32)) for r in range(b)]
+                    sync()
+                    t0 = time.perf_counter()
+                    d.run(jb, n)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                from draftrelay.worker.drafters import kv_bucket  # the bucket the drafter itself uses
+                out[(b, n, kv_bucket(L + 3 + n, d.cache.max_len))] = p50(times[2:])
+    del d
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return CostTable(out, source=f"measured in this run on {dev}")
+
+
+def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens: int, warmup: int,
+                 repeats: int) -> dict:
+    """Prefill once, then decode the prompts in every mode from that KV, interleaved, `repeats` times."""
+    # rows must outlive every mode's run: no request may finish (that frees its row); the loop below
+    # stops while every request is still inside the trace
+    params = SamplingParams(max_tokens=max_tokens + 64)
+    stop_at = max_tokens - eng.cfg.n_draft - 1
+    reqs = [eng.add_request(p, params) for p in prompts]
+    if eng.stream is not None:
+        torch.cuda.synchronize()
+    eng.prefill_waiting()
+    if eng.stream is not None:
+        torch.cuda.synchronize()
+    ttft = [r.t_first - r.t_arrive for r in reqs]
+    for r in reqs:
+        eng.cancel(r, keep_row=True)
+    out = {"ttft_s": ttft, "modes": {m: [] for m in modes}}
+    for _ in range(repeats):
+        for name, rounds in modes.items():
+            eng.set_rounds(rounds)
+            for v in eng.timing.values():
+                v.clear()
+            live = [eng.resume(r) for r in reqs]
+            # untimed: the drafter catches up on the context (rounds that ask no drafts), then warm-up
+            steps, caught, k0 = 0, None, [0] * len(live)
+            t0, n0 = time.perf_counter(), 0
+            while max(len(r.output) for r in live) < stop_at:
+                # caught up: every request has been offered drafts once (off: at once)
+                if caught is None and (rounds is None or all(r.kept for r in live)):
+                    caught = steps
+                if caught is not None and steps == caught + warmup:
+                    if eng.stream is not None:
+                        torch.cuda.synchronize()
+                    t0, n0, k0 = time.perf_counter(), sum(len(r.output) for r in live), [len(r.kept) for r in live]
+                    for v in eng.timing.values():
+                        v.clear()
+                eng.step()
+                steps += 1
+            if eng.stream is not None:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            n_tok = sum(len(r.output) for r in live) - n0
+            kept = [x for r, a in zip(live, k0, strict=True) for x in r.kept[a:]]
+            out["modes"][name].append({
+                "round_mode": eng.round_mode, "tokens_per_s": n_tok / dt if dt > 0 else 0.0,
+                "timed_tokens": n_tok, "timed_steps": len(eng.timing["step"]),
+                "mean_accepted": float(np.mean(kept)) if kept else 0.0,
+                "parts_p50_ms": {k: 1e3 * p50(v) for k, v in eng.timing.items()},
+                "rounds": [dict(r.rounds) for r in live],
+                "outputs_equal_trace": None,  # filled by the caller
+                "outputs": [r.output for r in live]})
+            for r in live:
+                eng.cancel(r, keep_row=True)
+    for r in reqs:
+        eng.release_row(r.row)
+    eng.set_rounds(None)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", required=True, help="a draftrelay trace (benchmarks/record_traces.py)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--target", default="qwen2.5-7b", help="qwen2.5-7b or tiny (shape of the replay target)")
+    ap.add_argument("--drafter", default="qwen2.5-0.5b", help="qwen2.5-0.5b or tiny (shape of the replay drafter)")
+    ap.add_argument("--workloads", default="short:1,short:4,32k:1,32k:4", help="CONTEXT:REQUESTS, comma-separated")
+    ap.add_argument("--modes", default="off,sync,async")
+    ap.add_argument("--placements", default="same,emulated", help="same (worker on this GPU) and/or emulated")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default: the trace's length)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the drafter has caught up")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--cost-iters", type=int, default=10)
+    ap.add_argument("--no-graphs", action="store_true", help="eager verify (graphs are the GPU default)")
+    ap.add_argument("--deadline-ms", type=float, default=3000.0)
+    ap.add_argument("--out", default="benchmarks/results/replay_headline.json")
+    ap.add_argument("--plot", default="", help="PNG of tokens/s bars (default: beside --out)")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    trace = Trace.load(args.trace)
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    graphs = dev.type == "cuda" and not args.no_graphs
+    plan = []
+    for item in [w for w in args.workloads.split(",") if w]:
+        ctx, _, n = item.partition(":")
+        if ctx not in CONTEXTS or not n.isdigit() or not 1 <= int(n) <= 8:
+            ap.error(f"--workloads: {item!r} is not CONTEXT:REQUESTS with CONTEXT in {list(CONTEXTS)}, 1..8 requests")
+        plan.append((item, CONTEXTS[ctx], int(n)))
+    placements = [p for p in args.placements.split(",") if p]
+    for p in placements:
+        if p not in ("same", "emulated"):
+            ap.error(f"--placements: {p!r} is not same or emulated")
+    modes = [m for m in args.modes.split(",") if m]
+    max_tokens = args.max_tokens or min(len(e.target) for e in trace.entries)
+    label = f"replayed acceptance of {trace.pair}"
+    result = {"label": label, "env": {**machine_info(), "device": str(dev)}, "args": vars(args),
+              "trace": {"pair": trace.pair, "entries": len(trace.entries), "file": os.path.basename(args.trace)},
+              "workloads": {}}
+
+    def save() -> None:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if args.target == "tiny":
+        target, _ = M.tiny_pair(device=dev, dtype=dtype)
+    else:
+        target = random_model(M.ModelConfig(**TARGET_SHAPES[args.target], name=args.target), dev, dtype, 1)
+    V = target.cfg.vocab_size
+    if trace.max_token() >= V:
+        ap.error(f"--trace: token {trace.max_token()} is outside the {args.target} vocabulary {V}")
+    tmp = tempfile.mkdtemp(prefix="draftrelay-replay-")
+    ctx_max = max(c for _, c, _ in plan)
+    max_row = ctx_max + max(len(e.prompt) for e in trace.entries) + max_tokens + 64 + 2 * args.k + 32
+    n_max = max(n for _, _, n in plan)
+    if args.drafter == "tiny":
+        inner, model_id = "tiny", M.tiny_model_id()
+    else:
+        cfg = M.ModelConfig(**DRAFTER_SHAPES[args.drafter], name=args.drafter)
+        inner = os.path.join(tmp, f"random-{args.drafter}")
+        M.save_hf_dir(random_model(cfg, torch.device("cpu"), torch.bfloat16, 2), inner)
+        model_id = os.path.basename(inner)
+    rng = np.random.default_rng(0)
+    # one derived trace for every workload: entry (workload, request) = that request's prompt behind its filler
+    derived, index = [], {}
+    for item, ctx, n in plan:
+        for i in range(n):
+            e = trace.entries[i % len(trace.entries)]
+            filler = rng.integers(0, V, max(0, ctx - len(e.prompt))).tolist() if ctx else []
+            index[(item, i)] = len(derived)
+            derived.append((filler, e))
+    big = with_fillers(Trace(trace.pair, trace.top_f, [e for _, e in derived], trace.vocab_size),
+                       [f for f, _ in derived])
+    big_path = os.path.join(tmp, "trace_workloads.json")
+    big.save(big_path)
+    wdev = str(dev)
+    workers, rounds = {}, {}
+    stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+    hook = install_replay_target(target, big, n_rows=n_max + 1, max_len=max_row)
+    try:
+        common = ["--max-ctx", str(max_row + 64), "--rows", str(2 * n_max + 2), "--max-requests", str(n_max),
+                  "--n-out-max", str(max(8, args.k))]
+        env = {"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None
+        if "same" in placements:
+            workers["same"] = start_worker_process(["--model", f"replay:{big_path}:{inner}", "--device", wdev,
+                                                    *common], timeout=300, env=env)
+        if "emulated" in placements:
+            t0 = time.perf_counter()
+            cost = measure_costs(inner, wdev, sorted({max(c, 16) for _, c, _ in plan}), sorted({n for *_, n in plan}),
+                                 args.k, max_row + 64, args.cost_iters)
+            cpath = os.path.join(tmp, "cost.json")
+            cost.save(cpath)
+            result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}
+            print(f"drafter STEP table measured in {time.perf_counter() - t0:.1f} s: {result['cost_table_ms']}",
+                  flush=True)
+            workers["emulated"] = start_worker_process(["--model", f"replay:{big_path}:emulated={cpath}",
+                                                        "--model-id", model_id, "--device", "cpu", *common],
+                                                       timeout=120)
+        for p, w in workers.items():
+            print(f"[{p}] {w.banner}", flush=True)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for p, w in workers.items():
+                spec = {"kind": "worker", "host": w.host, "port": w.port, "model_id": model_id,
+                        "n_out_max": args.k, "max_requests": n_max}
+                h = handoff_config(spec, dev, args.deadline_ms, p == "same", vocab_size=V, max_drafts=max(8, args.k),
+                                   max_requests=n_max, max_tokens=max(65536, ctx_max + 4096),
+                                   round_budget_ms=args.deadline_ms * 0.9)
+                for m in modes:
+                    if m != "off":
+                        rounds[f"{m}@{p}"] = SyncRounds(h) if m == "sync" else open_rounds(h)
+        runs = {"off": None} if "off" in modes else {}
+        runs.update(rounds)
+        for item, ctx, n in plan:
+            t0 = time.perf_counter()
+            eng = None
+            try:
+                cfg = EngineConfig(mode="off", n_draft=args.k, max_batch=n, max_len=max_row, prefill_chunk=4096,
+                                   max_round_tokens=max(4096, ctx + 1024), graphs=graphs)
+                eng = Engine(target, cfg, stream=stream)
+                prompts = [big.entries[index[(item, i)]].prompt for i in range(n)]
+                res = decode_modes(eng, prompts, runs, max_tokens, args.warmup, args.repeats)
+                want = [big.entries[index[(item, i)]].target[:max_tokens] for i in range(n)]
+                for reps in res["modes"].values():
+                    for rep in reps:
+                        outs = rep.pop("outputs")
+                        rep["outputs_equal_trace"] = all(o == w[:len(o)] for o, w in zip(outs, want, strict=True))
+                result["workloads"][item] = {"context": ctx, "requests": n, "graphs": graphs, **res,
+                                             "wall_s": time.perf_counter() - t0}
+            except Exception as exc:
+                traceback.print_exc()
+                result["workloads"][item] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            finally:
+                if eng is not None:
+                    eng.rounds = None  # shared rounds: closed below
+                    eng.close()
+                del eng
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+            print(format_row(item, result["workloads"][item], list(runs)), flush=True)
+            save()
+        result["handoff"] = {m: r.stats() for m, r in rounds.items()}
+    finally:
+        hook.remove()
+        for r in rounds.values():
+            r.close()
+        for p, w in workers.items():
+            result.setdefault("worker_log_tail", {})[p] = w.log()[-2000:]
+            w.stop()
+    result["table"] = [f"{label}; tokens/s median (min-max) over repeats, x = vs off"] + [
+        format_row(item, w, list(runs)) for item, w in result["workloads"].items()]
+    result["wall_s"] = time.perf_counter() - t_start
+    save()
+    print("\n".join(result["table"]))
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    with contextlib.suppress(Exception):
+        write_plot(result, list(runs), plot, label)
+        print(f"wrote {plot}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def summary(w: dict, mode: str) -> tuple[float, float, float]:
+    xs = [rep["tokens_per_s"] for rep in w["modes"][mode]]
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def format_row(item: str, w: dict, modes: list[str]) -> str:
+    if "modes" not in w:
+        return f"{item:<9} {w.get('error', 'skipped')}"
+    base = summary(w, "off")[0] if "off" in w["modes"] else 0.0
+    cells = []
+    for m in modes:
+        med, lo, hi = summary(w, m)
+        acc = statistics.mean(rep["mean_accepted"] for rep in w["modes"][m])
+        ok = all(rep["outputs_equal_trace"] for rep in w["modes"][m])
+        rel = f" {med / base:.2f}x" if base else ""
+        cells.append(f"{m} {med:.1f} ({lo:.1f}-{hi:.1f}){rel} acc {acc:.2f}{'' if ok else ' OUTPUT DIFFERS'}")
+    return f"{item:<9} " + " | ".join(cells)
+
+
+def write_plot(result: dict, modes: list[str], path: str, label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = [i for i, w in result["workloads"].items() if "modes" in w]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(items) * max(1, len(modes)) / 3, 4))
+    width = 0.8 / max(1, len(modes))
+    for j, m in enumerate(modes):
+        vals = [summary(result["workloads"][i], m) for i in items]
+        x = np.arange(len(items)) + j * width
+        ax.bar(x, [v[0] for v in vals], width,
+               yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]], label=m.replace("@", " @ "))
+    ax.set_xticks(np.arange(len(items)) + width * (len(modes) - 1) / 2, items)
+    ax.set_ylabel("output tokens/s (all requests)")
+    ax.set_title(label, fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

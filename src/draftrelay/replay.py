@@ -1,0 +1,422 @@
+"""Trace replay: a real pair's acceptance at any model shape, for benchmarks only.
+
+Real weights cannot travel to every machine that measures (the GPU machine's working tree is capped),
+and random weights accept nothing. A *trace* records what a real pair did on a set of prompts:
+
+  prompt      the prompt's token ids
+  target      the target's greedy continuation (token ids)
+  draft_top   for each i, the drafter's top-F tokens predicting target[i] given prompt + target[:i]
+  draft_prob  (optional) their probabilities
+
+Greedy speculative decoding depends on nothing else: the drafter's j-th draft is its top-1 after the
+(j-1) earlier drafts, which is on the true sequence exactly while every earlier draft was accepted; once
+a draft is rejected nothing after it is used. So two replay models reproduce the pair's acceptance
+exactly while every cost stays that of the shapes they run:
+
+  ReplayTarget (install_replay_target)  the real forward of a chosen shape, then its logits are replaced
+        by a point mass on the trace's next token at every position of a row that follows a trace;
+  ReplayDrafter                          the real drafter forward (or, for "a drafter on an emulated
+        second device", wall time taken from a table measured beforehand, no GPU work at all), then the
+        trace's drafter tokens while the row's context is on the trace, an off-trace token otherwise.
+
+Engine, proxy, wire and worker run unmodified between them. These are benchmark tools: nothing loads
+them unless asked for by name (`replay:` drafter specs), and every figure they produce says
+"replayed acceptance of <pair>".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("draftrelay.replay")
+
+TRACE_FORMAT = "draftrelay-trace-1"
+
+
+class TraceError(ValueError):
+    """A trace file is unusable; the message says what and where."""
+
+
+@dataclass
+class TraceEntry:
+    prompt: list[int]
+    target: list[int]
+    draft_top: list[list[int]]
+    draft_prob: list[list[float]] = field(default_factory=list)
+    name: str = ""
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.target
+
+
+@dataclass
+class Trace:
+    pair: str  # e.g. "Qwen2.5-Coder 0.5B -> 1.5B (Q4_K_M GGUF), greedy"
+    top_f: int
+    entries: list[TraceEntry]
+    vocab_size: int = 0
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str) -> Trace:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TraceError(f"{path}: cannot read a trace: {exc}") from None
+        if not isinstance(d, dict) or d.get("format") != TRACE_FORMAT:
+            fmt = d.get("format") if isinstance(d, dict) else None
+            raise TraceError(f"{path}: not a {TRACE_FORMAT} file (format={fmt!r})")
+        tr = cls(pair=str(d.get("pair", "")), top_f=int(d.get("top_f", 0)), vocab_size=int(d.get("vocab_size", 0)),
+                 entries=[TraceEntry(prompt=list(e["prompt"]), target=list(e["target"]), draft_top=list(e["draft_top"]),
+                                     draft_prob=list(e.get("draft_prob", [])), name=str(e.get("name", "")))
+                          for e in d.get("entries", [])],
+                 meta=dict(d.get("meta", {})))
+        tr.validate(path)
+        return tr
+
+    def validate(self, where: str = "trace") -> None:
+        if not self.pair:
+            raise TraceError(f"{where}: 'pair' (which real pair was recorded) is missing")
+        if self.top_f < 1:
+            raise TraceError(f"{where}: top_f must be >= 1, got {self.top_f}")
+        if not self.entries:
+            raise TraceError(f"{where}: no entries")
+        for n, e in enumerate(self.entries):
+            if not e.prompt or not e.target:
+                raise TraceError(f"{where}: entry {n} has an empty prompt or target")
+            if len(e.draft_top) != len(e.target):
+                raise TraceError(f"{where}: entry {n}: {len(e.draft_top)} draft_top rows for "
+                                 f"{len(e.target)} target tokens")
+            if any(len(row) < 1 for row in e.draft_top):
+                raise TraceError(f"{where}: entry {n}: an empty draft_top row")
+            if e.draft_prob and len(e.draft_prob) != len(e.target):
+                raise TraceError(f"{where}: entry {n}: draft_prob has {len(e.draft_prob)} rows, target {len(e.target)}")
+            ids = [*e.prompt, *e.target, *(t for row in e.draft_top for t in row)]
+            if min(ids) < 0 or (self.vocab_size and max(ids) >= self.vocab_size):
+                raise TraceError(f"{where}: entry {n}: a token id outside [0, {self.vocab_size})")
+
+    def save(self, path: str) -> None:
+        d = {"format": TRACE_FORMAT, "pair": self.pair, "top_f": self.top_f, "vocab_size": self.vocab_size,
+             "meta": self.meta,
+             "entries": [{"name": e.name, "prompt": e.prompt, "target": e.target, "draft_top": e.draft_top,
+                          **({"draft_prob": e.draft_prob} if e.draft_prob else {})} for e in self.entries]}
+        with open(path, "w") as f:
+            json.dump(d, f, separators=(",", ":"))
+
+    def max_token(self) -> int:
+        return max(max(*e.prompt, *e.target, *(t for r in e.draft_top for t in r)) for e in self.entries)
+
+
+def count_accepted(entry: TraceEntry, k: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
+    """The greedy sequential schedule on one entry, counted directly from the trace: [(offered, kept)]
+    per verify step, with the engine's rules (the prefill emits target[0]; a step offers
+    min(k, max_tokens - emitted - 1) drafts and emits kept + 1 tokens)."""
+    T = len(entry.target) if max_tokens is None else min(max_tokens, len(entry.target))
+    n, out = 1, []
+    while n < T:
+        offered = max(0, min(k, T - n - 1))
+        kept = 0
+        while kept < offered and entry.draft_top[n + kept][0] == entry.target[n + kept]:
+            kept += 1
+        out.append((offered, kept))
+        n += kept + 1
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# scripts: the full token sequences (prompt + target) rows may follow
+
+
+class Scripts:
+    """Which trace a row follows, found from the first tokens it is given (a prefill at position 0)."""
+
+    def __init__(self, sequences: list[list[int]], min_match: int = 1) -> None:
+        if not sequences:
+            raise TraceError("replay: no sequences to follow")
+        self.seqs = [np.asarray(s, np.int64) for s in sequences]
+        self.min_match = min_match
+
+    def match(self, first: np.ndarray) -> int:
+        """Index of the one sequence starting with `first`, or -1 (ambiguity is an error: a replay
+        that guessed between two traces would not be replaying either)."""
+        hits = [i for i, s in enumerate(self.seqs) if len(s) >= len(first) and np.array_equal(s[:len(first)], first)]
+        if len(hits) > 1 and len({tuple(self.seqs[i]) for i in hits}) > 1:
+            raise TraceError(f"replay: a prompt's first {len(first)} tokens match {len(hits)} different sequences; "
+                             "give each request a distinct prompt start")
+        return hits[0] if hits else -1
+
+
+def with_fillers(trace: Trace, fillers: list[list[int]]) -> Trace:
+    """The trace with entry i's prompt behind fillers[i] (long-context runs: the drafter's recorded
+    tokens stay those of the original context; only the cost of the longer one changes)."""
+    entries = [TraceEntry(list(f) + e.prompt, e.target, e.draft_top, e.draft_prob, e.name)
+               for f, e in zip(fillers, trace.entries, strict=True)]
+    meta = {**trace.meta, "fillers": [len(f) for f in fillers]}
+    return Trace(trace.pair, trace.top_f, entries, trace.vocab_size, meta)
+
+
+# -------------------------------------------------------------------------------------------------
+# the target side
+
+
+class ReplayTargetHook:
+    """Forward hook on a draftrelay.model.Transformer: after the real forward, the logits of every
+    position p of a row that follows a script become a point mass on script[p + 1].
+
+    The per-row table of next tokens lives on the model's device, so the override is device work only
+    (it is captured into CUDA graphs like the rest of the forward). Rows get their script when the
+    engine prefills them from position 0 (an eager forward with host-side inputs); a row that matches
+    no script keeps its real logits (counted in `unmatched`)."""
+
+    def __init__(self, model, sequences: list[list[int]], n_rows: int, max_len: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.scripts = Scripts(sequences)
+        self.vocab = model.cfg.vocab_size
+        mx = max(int(s.max()) for s in self.scripts.seqs)
+        if mx >= self.vocab:
+            raise TraceError(f"replay target: a trace token id {mx} is outside the model's vocabulary {self.vocab}")
+        self.max_len = max_len
+        # -1: this row follows no script (its real logits stay)
+        self.next = torch.full((n_rows, max_len), -1, dtype=torch.long, device=model.device)
+        self.follow = [-1] * n_rows
+        self.unmatched = 0
+        self.handle = model.register_forward_hook(self, with_kwargs=True)
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+    def _assign(self, tokens, start, rows) -> None:
+        torch = self.torch
+        if tokens.device.type != "cpu" or start.device.type != "cpu" or rows.device.type != "cpu":
+            return  # a capture or a device-fed forward: the rows were assigned at their prefill
+        for b in range(tokens.shape[0]):
+            if int(start[b]) != 0:
+                continue
+            r = int(rows[b])
+            i = self.scripts.match(tokens[b].numpy())
+            self.follow[r] = i
+            self.next[r].fill_(-1)
+            if i < 0:
+                self.unmatched += 1
+                continue
+            seq = torch.from_numpy(self.scripts.seqs[i][1:])
+            n = min(len(seq), self.max_len)
+            self.next[r, :n].copy_(seq[:n])
+
+    def __call__(self, module, args, kwargs, out):
+        torch = self.torch
+        tokens, start, _cache, rows = (list(args) + [None] * 4)[:4]
+        tokens = kwargs.get("tokens", tokens)
+        start = kwargs.get("start_pos", start)
+        rows = kwargs.get("rows", rows)
+        self._assign(tokens, start, rows)
+        dev = out.device
+        B, T = tokens.shape
+        s = start.to(dev, non_blocking=True).long()
+        if kwargs.get("last_only"):
+            pos = (s + T - 1)[:, None]
+        elif kwargs.get("logits_at") is not None:
+            pos = (s + kwargs["logits_at"].to(dev, non_blocking=True).long())[:, None]
+        else:
+            pos = s[:, None] + torch.arange(T, device=dev)[None]
+        pos = pos.clamp(0, self.max_len - 1)
+        r = rows.to(dev, non_blocking=True).long()[:, None].expand_as(pos)
+        nxt = self.next[r, pos]  # [B, Tout]
+        forced = torch.full_like(out, -1e4)
+        forced.scatter_(-1, nxt.clamp(min=0)[..., None], 0.0)
+        return torch.where((nxt >= 0)[..., None], forced, out)
+
+
+def install_replay_target(model, trace: Trace, n_rows: int, max_len: int) -> ReplayTargetHook:
+    """Make `model` a replay target for `trace` (benchmarks only). Remove with hook.remove()."""
+    log.warning("REPLAY target: logits are forced to the trace of %s", trace.pair)
+    return ReplayTargetHook(model, [e.sequence for e in trace.entries], n_rows, max_len)
+
+
+# -------------------------------------------------------------------------------------------------
+# the drafter side (a worker backend)
+
+
+@dataclass
+class CostTable:
+    """Measured STEP seconds of the real drafter by (jobs, n_steps, kv bucket): the emulated second
+    device spends them as wall time. Lookup takes the nearest measured key (jobs, then n_steps, then
+    context), never extrapolates silently beyond the table (it takes the largest entry)."""
+
+    seconds: dict[tuple[int, int, int], float]
+    source: str = ""
+
+    @classmethod
+    def load(cls, path: str) -> CostTable:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            sec = {(int(e["jobs"]), int(e["n_steps"]), int(e["kv"])): float(e["s"]) for e in d["entries"]}
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise TraceError(f"{path}: not a replay cost table: {exc}") from None
+        if not sec:
+            raise TraceError(f"{path}: the cost table is empty")
+        return cls(sec, str(d.get("source", "")))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"source": self.source, "entries": [{"jobs": j, "n_steps": n, "kv": kv, "s": s}
+                                                          for (j, n, kv), s in sorted(self.seconds.items())]}, f)
+
+    def lookup(self, jobs: int, n_steps: int, ctx: int) -> float:
+        keys = list(self.seconds)
+
+        def dist(k):
+            return (abs(k[0] - jobs), abs(k[1] - n_steps), abs(np.log2(max(k[2], 1)) - np.log2(max(ctx, 1))))
+
+        return self.seconds[min(keys, key=dist)]
+
+
+def spend(seconds: float) -> None:
+    """Wall time without the GPU: sleep most of it, spin the last stretch (sleep overshoots)."""
+    end = time.perf_counter() + seconds
+    if seconds > 0.002:
+        time.sleep(seconds - 0.0015)
+    while time.perf_counter() < end:
+        pass
+
+
+class ReplayDrafter:
+    """A worker drafter whose drafts come from a trace. Cost: the wrapped real drafter's own run (same
+    jobs, its tokens discarded), or `cost` (a CostTable) spent as wall time for a drafter on an
+    emulated second device. Same interface as worker.drafters.Drafter."""
+
+    def __init__(self, trace: Trace, inner=None, cost: CostTable | None = None, n_rows: int = 16,
+                 max_ctx: int = 4096, n_out_max: int = 8, vocab_size: int = 0, model_id: str = "") -> None:
+        if (inner is None) == (cost is None):
+            raise ValueError("ReplayDrafter: give exactly one of inner (real cost) or cost (emulated device)")
+        self.trace, self.inner, self.cost = trace, inner, cost
+        self.scripts = Scripts([e.sequence for e in trace.entries])
+        self.vocab_size = vocab_size or (inner.vocab_size if inner is not None else trace.vocab_size)
+        if not self.vocab_size:
+            raise TraceError("ReplayDrafter: the vocabulary size is unknown (no inner drafter, trace has none)")
+        self.n_rows = inner.n_rows if inner is not None else n_rows
+        self.max_ctx = inner.max_ctx if inner is not None else max_ctx
+        self.n_out_max = inner.n_out_max if inner is not None else n_out_max
+        self.model_id = model_id or (inner.model_id if inner is not None else "replay-emulated")
+        self.tokenizer_hash = inner.tokenizer_hash if inner is not None else ""
+        where = "emulated second device" if inner is None else (inner.info or "real drafter")
+        self.info = f"REPLAY of {trace.pair} (cost: {where})"
+        self.hist = np.zeros((self.n_rows + 1, self.max_ctx + self.n_out_max + 32), np.int64)
+        self.lengths = np.zeros(self.n_rows + 1, np.int64)
+        self.follow = np.full(self.n_rows + 1, -1, np.int64)
+        self.on_trace = np.zeros(self.n_rows + 1, np.int64)  # longest prefix of the row on its script
+        log.warning("REPLAY drafter: drafts come from the trace of %s", trace.pair)
+
+    def warm(self, n_steps_list: list[int], max_batch: int) -> int:
+        fn = getattr(self.inner, "warm", None)
+        return fn(n_steps_list, max_batch) if fn is not None else 0
+
+    def _entry_pos(self, row: int, n: int) -> tuple[TraceEntry, int] | None:
+        """(entry, index into entry.target) of the token after an on-script context of length n."""
+        i = int(self.follow[row])
+        if i < 0:
+            return None
+        e = self.trace.entries[i]
+        j = n - len(e.prompt)
+        return (e, j) if 0 <= j < len(e.target) else None
+
+    def _advance(self, row: int, a: int, b: int) -> None:
+        """The row's tokens [a, b) were just written: extend its on-script prefix."""
+        i = int(self.follow[row])
+        if i < 0:
+            self.on_trace[row] = 0
+            return
+        seq = self.scripts.seqs[i]
+        on = min(int(self.on_trace[row]), a)
+        if on == a:  # the new tokens continue an on-script prefix: count how many still agree
+            seg, ref = self.hist[row, a:b], seq[a:min(b, len(seq))]
+            k = min(len(seg), len(ref))
+            neq = np.nonzero(seg[:k] != ref[:k])[0]
+            on = a + (int(neq[0]) if len(neq) else k)
+        self.on_trace[row] = on
+
+    def run(self, jobs, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.inner is not None:
+            self.inner.run(jobs, n_steps)  # the real cost; its tokens are not used
+        elif jobs:
+            ctx = max(j.keep + len(j.tokens) for j in jobs)
+            spend(self.cost.lookup(len(jobs), n_steps, ctx))
+        drafts = np.zeros((len(jobs), n_steps), np.int32)
+        confs = np.zeros((len(jobs), n_steps), np.float32)
+        for b, j in enumerate(jobs):
+            r = j.row
+            if not 0 <= j.keep <= self.lengths[r]:
+                raise ValueError(f"row {r}: keep {j.keep} beyond its length {self.lengths[r]}")
+            n = j.keep + len(j.tokens)
+            if n + n_steps > self.hist.shape[1]:
+                raise ValueError(f"row {r}: context {n} + {n_steps} drafts beyond the replay's {self.hist.shape[1]}")
+            self.hist[r, j.keep:n] = j.tokens
+            if j.keep == 0:
+                self.follow[r] = self.scripts.match(self.hist[r, :n])
+                self.on_trace[r] = 0
+            self._advance(r, j.keep, n)
+            for s in range(n_steps):
+                tok, conf = self._draft(r, n)
+                drafts[b, s], confs[b, s] = tok, conf
+                if s < n_steps - 1:
+                    self.hist[r, n] = tok
+                    self._advance(r, n, n + 1)
+                    n += 1
+            self.lengths[r] = n
+        return drafts, confs
+
+    def _draft(self, row: int, n: int) -> tuple[int, float]:
+        at = self._entry_pos(row, n) if self.on_trace[row] == n else None
+        if at is None:
+            # off the script: a token the target will not accept there (any id but the script's)
+            i = int(self.follow[row])
+            seq = self.scripts.seqs[i] if i >= 0 else None
+            bad = int(seq[n]) + 1 if seq is not None and n < len(seq) else 0
+            return bad % self.vocab_size, 0.0
+        e, j = at
+        p = e.draft_prob[j][0] if e.draft_prob else 0.5
+        return int(e.draft_top[j][0]), float(p)
+
+    def top_f(self, row: int, n: int, f: int) -> list[tuple[int, float]]:
+        """The drafter's recorded top-f (token, prob) after the row's first n tokens, if on the script
+        (branch guesses for a speculation cache); [] off the script."""
+        at = self._entry_pos(row, n) if self.on_trace[row] >= n else None
+        if at is None:
+            return []
+        e, j = at
+        probs = e.draft_prob[j] if e.draft_prob else [0.0] * len(e.draft_top[j])
+        return list(zip(e.draft_top[j][:f], probs[:f], strict=False))
+
+
+def load_replay_drafter(spec: str, load_inner, *, n_rows: int, max_ctx: int, n_out_max: int,
+                        model_id: str = "") -> ReplayDrafter:
+    """`replay:TRACE.json:INNER` (INNER: any drafter spec, whose forward gives the cost) or
+    `replay:TRACE.json:emulated=COST.json` (a drafter on an emulated second device: measured wall
+    time, no GPU work). `load_inner(spec)` loads INNER."""
+    body = spec[len("replay:"):]
+    path, sep, inner = body.partition(":")
+    if not sep or not path or not inner:
+        raise TraceError(f"--model {spec!r}: expected replay:TRACE.json:INNER or replay:TRACE.json:emulated=COST.json")
+    trace = Trace.load(path)
+    if inner.startswith("emulated="):
+        cost = CostTable.load(inner[len("emulated="):])
+        return ReplayDrafter(trace, cost=cost, n_rows=n_rows, max_ctx=max_ctx, n_out_max=n_out_max,
+                             vocab_size=trace.vocab_size, model_id=model_id or "replay-emulated")
+    base = load_inner(inner)
+    if trace.vocab_size and base.vocab_size != trace.vocab_size:
+        raise TraceError(f"--model {spec!r}: the trace's vocabulary is {trace.vocab_size}, "
+                         f"the drafter {inner!r} has {base.vocab_size}")
+    if trace.max_token() >= base.vocab_size:
+        raise TraceError(f"--model {spec!r}: trace token {trace.max_token()} outside the drafter's vocabulary "
+                         f"{base.vocab_size}")
+    return ReplayDrafter(trace, inner=base, model_id=model_id)
