@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay import model as M  # noqa: E402
+from draftrelay.checkpoint.hf import save_hf_dir  # noqa: E402
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from draftrelay.engine.loading import handoff_config  # noqa: E402
 from draftrelay.handoff.procinfo import machine_info  # noqa: E402
@@ -77,7 +78,7 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                     d.run(jb, n)
                     sync()
                     times.append(time.perf_counter() - t0)
-                from draftrelay.worker.drafters import kv_bucket  # the bucket the drafter itself uses
+                from draftrelay.capture import kv_bucket  # the bucket the drafter itself uses
                 out[(b, n, kv_bucket(L + 3 + n, d.cache.max_len))] = p50(times[2:])
     del d
     if dev.startswith("cuda"):
@@ -206,7 +207,7 @@ def main() -> int:
     else:
         cfg = M.ModelConfig(**DRAFTER_SHAPES[args.drafter], name=args.drafter)
         inner = os.path.join(tmp, f"random-{args.drafter}")
-        M.save_hf_dir(random_model(cfg, torch.device("cpu"), torch.bfloat16, 2), inner)
+        save_hf_dir(random_model(cfg, torch.device("cpu"), torch.bfloat16, 2), inner)
         model_id = os.path.basename(inner)
     rng = np.random.default_rng(0)
     # one derived trace for every workload: entry (workload, request) = that request's prompt behind its filler
