@@ -151,7 +151,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--target", default="qwen2.5-7b", help="qwen2.5-7b or tiny (shape of the replay target)")
     ap.add_argument("--drafter", default="qwen2.5-0.5b", help="qwen2.5-0.5b or tiny (shape of the replay drafter)")
-    ap.add_argument("--workloads", default="short:1,short:4,32k:1,32k:4", help="CONTEXT:REQUESTS, comma-separated")
+    ap.add_argument("--workloads", default="short:1,short:1@1,short:4,32k:1,32k:4",
+                    help="CONTEXT:REQUESTS[@FIRST], comma-separated; requests take --entries from position FIRST on")
+    ap.add_argument("--entries", default="",
+                    help="trace entry indices in the order requests take them (default: code and prose alternating)")
     ap.add_argument("--modes", default="off,sync,async")
     ap.add_argument("--placements", default="same,emulated", help="same (worker on this GPU) and/or emulated")
     ap.add_argument("--k", type=int, default=4)
@@ -170,11 +173,22 @@ def main() -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     graphs = dev.type == "cuda" and not args.no_graphs
     plan = []
+    kinds = [e.name.split(":")[0] for e in trace.entries]
+    code = [i for i, k in enumerate(kinds) if k != "prose"]
+    prose = [i for i, k in enumerate(kinds) if k == "prose"]
+    alternating = [x for pair in zip(code, prose + [None] * len(code), strict=False) for x in pair if x is not None]
+    order = [int(x) for x in args.entries.split(",") if x] if args.entries else alternating + prose[len(code):]
+    if any(not 0 <= i < len(trace.entries) for i in order):
+        ap.error(f"--entries: indices must be within 0..{len(trace.entries) - 1}")
+    first_of = {}
     for item in [w for w in args.workloads.split(",") if w]:
-        ctx, _, n = item.partition(":")
-        if ctx not in CONTEXTS or not n.isdigit() or not 1 <= int(n) <= 8:
-            ap.error(f"--workloads: {item!r} is not CONTEXT:REQUESTS with CONTEXT in {list(CONTEXTS)}, 1..8 requests")
+        spec, _, first = item.partition("@")
+        ctx, _, n = spec.partition(":")
+        if ctx not in CONTEXTS or not n.isdigit() or not 1 <= int(n) <= 8 or (first and not first.isdigit()):
+            ap.error(f"--workloads: {item!r} is not CONTEXT:REQUESTS[@FIRST] with CONTEXT in {list(CONTEXTS)}, "
+                     "1..8 requests")
         plan.append((item, CONTEXTS[ctx], int(n)))
+        first_of[item] = int(first or 0)
     placements = [p for p in args.placements.split(",") if p]
     for p in placements:
         if p not in ("same", "emulated"):
@@ -214,7 +228,7 @@ def main() -> int:
     derived, index = [], {}
     for item, ctx, n in plan:
         for i in range(n):
-            e = trace.entries[i % len(trace.entries)]
+            e = trace.entries[order[(first_of[item] + i) % len(order)]]
             filler = rng.integers(0, V, max(0, ctx - len(e.prompt))).tolist() if ctx else []
             index[(item, i)] = len(derived)
             derived.append((filler, e))
@@ -273,7 +287,8 @@ def main() -> int:
                     for rep in reps:
                         outs = rep.pop("outputs")
                         rep["outputs_equal_trace"] = all(o == w[:len(o)] for o, w in zip(outs, want, strict=True))
-                result["workloads"][item] = {"context": ctx, "requests": n, "graphs": graphs, **res,
+                names = [big.entries[index[(item, i)]].name for i in range(n)]
+                result["workloads"][item] = {"context": ctx, "requests": n, "graphs": graphs, "entries": names, **res,
                                              "wall_s": time.perf_counter() - t0}
             except Exception as exc:
                 traceback.print_exc()
