@@ -164,6 +164,8 @@ def main() -> int:
     ap.add_argument("--cost-iters", type=int, default=10)
     ap.add_argument("--no-graphs", action="store_true", help="eager verify (graphs are the GPU default)")
     ap.add_argument("--deadline-ms", type=float, default=3000.0)
+    ap.add_argument("--max-round-tokens", type=int, default=4096,
+                    help="tokens one round sends the drafter: a long context reaches it over several untimed rounds")
     ap.add_argument("--out", default="benchmarks/results/replay_headline.json")
     ap.add_argument("--plot", default="", help="PNG of tokens/s bars (default: beside --out)")
     args = ap.parse_args()
@@ -266,7 +268,7 @@ def main() -> int:
                 spec = {"kind": "worker", "host": w.host, "port": w.port, "model_id": model_id,
                         "n_out_max": args.k, "max_requests": n_max}
                 h = handoff_config(spec, dev, args.deadline_ms, p == "same", vocab_size=V, max_drafts=max(8, args.k),
-                                   max_requests=n_max, max_tokens=max(65536, ctx_max + 4096),
+                                   max_requests=n_max, max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),
                                    round_budget_ms=args.deadline_ms * 0.9)
                 for m in modes:
                     if m != "off":
@@ -278,7 +280,7 @@ def main() -> int:
             eng = None
             try:
                 cfg = EngineConfig(mode="off", n_draft=args.k, max_batch=n, max_len=max_row, prefill_chunk=4096,
-                                   max_round_tokens=max(4096, ctx + 1024), graphs=graphs)
+                                   max_round_tokens=args.max_round_tokens, graphs=graphs)
                 eng = Engine(target, cfg, stream=stream)
                 prompts = [big.entries[index[(item, i)]].prompt for i in range(n)]
                 res = decode_modes(eng, prompts, runs, max_tokens, args.warmup, args.repeats)
