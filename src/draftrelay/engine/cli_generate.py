@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--k", type=int, default=4, help="drafts per round")
+    p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
+                   help="speculation cache (async): the worker pre-drafts F branches per request during each "
+                        "verify (no value: 8)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
@@ -99,6 +102,11 @@ def check_flags(args: argparse.Namespace) -> list[str]:
         bad.append(f"--deadline-ms {args.deadline_ms}: must be a positive number of milliseconds")
     if getattr(args, "metrics_port", 0) and not 0 < args.metrics_port < 65536:
         bad.append(f"--metrics-port {args.metrics_port}: must be 1-65535")
+    spec_cache = getattr(args, "spec_cache", 0)
+    if not 0 <= spec_cache <= 64:
+        bad.append(f"--spec-cache {args.spec_cache}: must be 0-64 branches per request")
+    elif spec_cache and getattr(args, "mode", "async") != "async":
+        bad.append(f"--spec-cache needs --mode async (got --mode {args.mode})")
     return bad
 
 
@@ -222,7 +230,8 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
             else:
                 h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker)
         cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=1, max_len=max_len, handoff=h,
-                           graphs=args.graphs, slot_ring=args.slot_ring)
+                           graphs=args.graphs, slot_ring=args.slot_ring,
+                           spec_fanout=args.spec_cache if mode == "async" else 0)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 seed=args.seed, stop_token_ids=target.stop_ids)
         with Engine(target.model, cfg) as eng:
@@ -231,7 +240,12 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
             if args.metrics_port:
                 from draftrelay.handoff import metrics
 
-                stats = lambda: eng.rounds.stats() if eng.rounds else {"mode": "off"}  # noqa: E731
+                def stats() -> dict:
+                    st = eng.rounds.stats() if eng.rounds else {"mode": "off"}
+                    if eng.spec_cache is not None:
+                        st["spec_cache"] = eng.spec_cache.stats()
+                    return st
+
                 server, _ = metrics.serve(args.metrics_port, stats)
             try:
                 (req,) = eng.generate([ids], params, on_step=progress)
@@ -252,6 +266,13 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
           f"TTFT {1e3 * t['ttft_s_mean']:.1f} ms, step p50 {t['step_p50_ms']:.2f} ms, "
           f"accepted/round {t['mean_accepted']:.2f}, rounds ok/failed/watchdog/target-only "
           f"{r['ok']}/{r['failed']}/{r['watchdog']}/{r['target_only']}", file=sys.stderr)
+    sc = t.get("spec_cache")
+    if sc:
+        state = (f"hits {sc['hits']}/{sc['request_rounds']} ({100 * sc['hit_rate']:.0f} %), "
+                 f"{sc['fast_steps']} verifies without a wait, wait mean {sc['wait_ms_mean']:.2f} ms, "
+                 f"{sc['branches_per_round']:.1f} branches/round, misses {sc['misses']}") if sc["active"] \
+            else f"off: {sc['refusal']}"
+        print(f"[spec-cache F={sc['fanout']}] {state}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(m, f, indent=1)

@@ -36,7 +36,7 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,7 @@ from .metrics import StepClock, new_timing, record_round, totals
 from .planner import RoundPlanner
 from .request import Request, SamplingParams
 from .sampling import accept, first_token
+from .spec_cache import SpecCache
 from .verify import Verifier, VerifyInputs, drafts_from_reply
 
 MODES = ("off", "sync", "async")
@@ -68,6 +69,10 @@ class EngineConfig:
     graphs: bool = False  # CUDA graphs for the verify forward (GPU only, see graphs.py)
     slot_ring: bool = False  # two-slot decode-graph ring (only with graphs)
     handoff: HandoffConfig | None = None  # rounds to open when none are passed in
+    # the speculation cache (spec_cache.py): F branches pre-drafted per request, 0 = off (async rounds
+    # with a worker only); spec_options: SpecCache keywords (branch_budget_ms, push_faults, log)
+    spec_fanout: int = 0
+    spec_options: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -77,6 +82,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.n_draft <= 64:
             raise ValueError(f"n_draft must be within [0, 64], got {self.n_draft}")
+        if not 0 <= self.spec_fanout <= 64:
+            raise ValueError(f"spec_fanout must be within [0, 64], got {self.spec_fanout}")
 
 
 class Engine:
@@ -100,16 +107,26 @@ class Engine:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the cache's zeroing
         self._own_rounds = cfg.mode != "off" and rounds is None
-        self.rounds: Rounds | None = self._open_rounds() if self._own_rounds else rounds
+        self.spec_cache = SpecCache(cfg.spec_fanout, **cfg.spec_options) if cfg.spec_fanout else None
+        try:
+            self.rounds: Rounds | None = self._open_rounds() if self._own_rounds else rounds
+        except BaseException:
+            if self.spec_cache is not None:  # leave no table memfd behind
+                self.spec_cache.shm.close()
+            raise
         self.verifier = Verifier(target, self.cache, self._capture_graphs() if cfg.graphs else {}, cfg.n_draft)
         self.wall_s = 0.0
         self.timing = new_timing()  # where each decode step's time goes (see metrics.py)
+        if self.spec_cache is not None:
+            self.spec_cache.bind(self.rounds, self.vocab, self.device_drafts)
 
     def _open_rounds(self) -> Rounds:
         h = dataclasses.replace(self.cfg.handoff or HandoffConfig(backend="cuda" if self.stream else "emulated"))
         h.vocab_size = self.vocab
         h.max_drafts = max(h.max_drafts, self.cfg.n_draft)
         h.max_requests = max(h.max_requests, self.cfg.max_batch)
+        if self.spec_cache is not None:  # the proxy gets the table memfd and the fan-out
+            h.round_spec = self.spec_cache.round_spec(h.round_spec, h.round_budget_ms)
         with self._on_stream():  # the CUDA hand-off enqueues on the current stream
             return SyncRounds(h) if self.cfg.mode == "sync" else open_rounds(h)
 
@@ -139,11 +156,15 @@ class Engine:
         same prefilled prompts in several modes side by side. The caller keeps owning `rounds`."""
         if self.running or self.waiting:
             raise RuntimeError("set_rounds: requests are in flight")
+        if self.spec_cache is not None:  # collect a round left in flight, then re-check the new rounds
+            self.spec_cache.settle(self)
         if self._own_rounds and self.rounds is not None:
             self.rounds.close()
         self._own_rounds = False
         self.planner.forget_ends()
         self.rounds = rounds
+        if self.spec_cache is not None:
+            self.spec_cache.bind(rounds, self.vocab, self.device_drafts)
 
     @property
     def round_mode(self) -> str:
@@ -282,6 +303,8 @@ class Engine:
 
     def _decode(self, batch: list[Request]) -> None:
         """One speculative step: round t (off: none), verify k+1, accept, roll the KV back."""
+        if self.spec_cache is not None and self.spec_cache.active:
+            return self.spec_cache.decode(self, batch)  # the same step, the round off the critical path
         clock = StepClock(self.timing)
         plan = self.planner.plan(batch, drafting=self.rounds is not None)
         t = res = early = None
@@ -298,6 +321,12 @@ class Engine:
             with clock.part("wait"):
                 res = self.rounds.result(t)
             drafts = self.planner.settle(plan, res, self.vocab)
+        self._verify_and_accept(batch, inp, drafts, res, plan.wanted, clock, early)
+
+    def _verify_and_accept(self, batch: list[Request], inp: VerifyInputs, drafts: list[list[int]], res,
+                           asked: list[int], clock: StepClock, early=None) -> None:
+        """Verify [pending, drafts] for the batch, accept, roll the KV back, book the step. asked[i]:
+        the drafts request i's round asked for (0: the round is booked elsewhere, or there is none)."""
         with clock.part("verify"):
             v = self.verifier.verify(inp, drafts, early, argmax=any(r.params.temperature <= 0 for r in batch))
         for i, r in enumerate(batch):
@@ -305,7 +334,7 @@ class Engine:
             am = v.argmax[i] if v.argmax is not None else None
             kept, nxt = accept(r.params.temperature, r.params.top_k, v.logits[i], am, d, r.gen)
             self.kv.set_len(r.row, int(inp.start[i]) + 1 + kept)  # pending + kept drafts are now in the cache
-            record_round(r, res, plan.wanted[i], len(d), kept)
+            record_round(r, res, asked[i], len(d), kept)
             r.emit(d[:kept] + [nxt])
         clock.stop(batch)
 
@@ -316,6 +345,8 @@ class Engine:
                  "refusal": self.rounds.refusal if self.rounds is not None else "", **total}
         if self.rounds is not None:
             total["handoff"] = self.rounds.stats()
+        if self.spec_cache is not None:
+            total["spec_cache"] = self.spec_cache.stats()
         return {"total": total, "requests": per}
 
     def reset_metrics(self) -> None:
@@ -328,6 +359,9 @@ class Engine:
     def close(self) -> None:
         """Close the rounds the engine opened (their worker session included: a session reserves
         draft-KV rows on the worker until its connection closes)."""
+        if self.spec_cache is not None:  # collect the round in flight, free the table memory
+            self.spec_cache.close(self)
+            self.spec_cache = None
         if self.rounds is not None and self._own_rounds:
             self.rounds.close()
         self.rounds = None

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from draftrelay.round import RoundFailure, RoundFn, Status, check_drafts
 from draftrelay.testing import FaultPlan, builtin_round_fn
 from draftrelay.wire.roundfn import make_round_fn
 
-from . import native
+from . import branch_push, native
 from .region import (
     FLAG_SELFTEST,
     Counter,
@@ -68,7 +69,7 @@ def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_f
 
 def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int = 20,
           round_budget_s: float = 0.15, faults: FaultPlan | None = None,
-          parent_pid: int | None = None) -> None:
+          parent_pid: int | None = None, after_release: Callable[[int], None] | None = None) -> None:
     L, cfg, base = region.layout, region.cfg, region.base
     a_gathered = base + L.word(W.GATHERED)
     a_released = base + L.word(W.RELEASED)
@@ -130,6 +131,8 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
                 count(Counter.FAILED)
         else:
             count(Counter.LATE_DISCARDED)
+        if after_release is not None:  # the speculation cache: round t's branch table, written while the
+            after_release(t)  # engine verifies round t (off its critical path; branch_push.py)
         reconnects = getattr(round_fn, "reconnects", 0)
         if reconnects != reported_reconnects:
             count(Counter.RECONNECTS, reconnects - reported_reconnects)
@@ -180,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     native.store32(region.word_addr(W.PROXY_PID), os.getpid())
     try:
         spec = json.loads(args.spec)
-        round_fn = make_round_fn(spec)
+        pushes, wrap = branch_push.wrap_for(spec)
+        round_fn = make_round_fn(spec, wrap_worker=wrap)
         bad = forbidden_loaded()
         if bad:
             raise RuntimeError(f"the proxy must not load {bad}")
@@ -198,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     native.store32(a_state, ProxyState.READY)
     try:
         serve(region, round_fn, spin_us=int(spec.get("spin_us", 50)), nap_us=int(spec.get("nap_us", 20)),
-              round_budget_s=float(spec.get("round_budget_s", 0.15)), faults=faults, parent_pid=parent)
+              round_budget_s=float(spec.get("round_budget_s", 0.15)), faults=faults, parent_pid=parent,
+              after_release=pushes[0].after_release if pushes else None)
     finally:
         if args.audit:
             _audit(args.audit)
