@@ -235,7 +235,9 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path)
     (produced by hit steps in most samples) equals the target's exact law (chi-square, 64 cells, 1,024 samples)."""
     target = small_target()
     save_hf_dir(target, tmp_path / "m")
-    w = start_worker_process(["--model", str(tmp_path / "m"), "--device", "cpu", "--max-ctx", "64"], env=ENV)
+    # one session of B = 16 requests: the whole worker (its default share is half of its rows)
+    w = start_worker_process(["--model", str(tmp_path / "m"), "--device", "cpu", "--max-ctx", "64",
+                              "--max-requests", "16"], env=ENV)
     prompt = [1, 2, 3]
     n_batches, B = 64, 16
     counts = np.zeros((V, V))

@@ -83,7 +83,8 @@ class EngineConfig:
         if not 0 <= self.n_draft <= 64:
             raise ValueError(f"n_draft must be within [0, 64], got {self.n_draft}")
         if not 0 <= self.spec_fanout <= 64:
-            raise ValueError(f"spec_fanout must be within [0, 64], got {self.spec_fanout}")
+            raise ValueError(f"spec_fanout (speculation-cache fan-out) must be within [0, 64], "
+                             f"got {self.spec_fanout}")
 
 
 class Engine:
