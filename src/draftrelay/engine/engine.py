@@ -25,8 +25,9 @@ with a higher generation number from position 0.
 The pieces, one module each: request.py (Request, SamplingParams), kv.py (KV rows taken and given
 back), planner.py (what a round sends and asks; the drafter bookkeeping after it), verify.py (the
 verify forward, host or device drafts, graphs or eager), sampling.py (the accept rule), metrics.py
-(step timing, per-round records, totals), local_rounds.py (in-process rounds). Drafts come from a
-draftrelay.round.Rounds: LocalRounds, or handoff.rounds' SyncRounds / AsyncRounds.
+(step timing, per-round records, totals), local_rounds.py (in-process rounds), spec_cache.py (the
+speculation cache's step: branch drafts pre-drafted by the worker, the round off the critical path).
+Drafts come from a draftrelay.round.Rounds: LocalRounds, or handoff.rounds' SyncRounds / AsyncRounds.
 """
 
 from __future__ import annotations

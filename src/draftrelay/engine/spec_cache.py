@@ -67,7 +67,6 @@ class SpecCache:
         self.refusal = ""
         self.vocab = 0
         self._inflight = None  # (rid, RoundPlan) of a round the verify did not wait for
-        self._rounds = None  # the engine's rounds during a step
         self._early: dict[int, object] = {}  # results collected while polling for a table
         self._stamp: int | None = None  # stream round of the last collected OK round
         self._proxy_gen = None
@@ -192,11 +191,11 @@ class SpecCache:
             except TB.TableError:
                 return None, "corrupt"
 
-    def _lookup(self, batch: list, plan, t: int, stamp: int | None) -> dict[int, list[int]]:
+    def _lookup(self, rounds: StampedRounds, batch: list, plan, t: int, stamp: int | None) -> dict[int, list[int]]:
         """The branch drafts of every request of the plan that asks for drafts and hits, by index; each
         lookup is counted (a hit, or a miss with its reason)."""
         need = [i for i in range(len(batch)) if plan.n_out[i]]
-        table, why = (None, "no_table") if stamp is None else self._await_table(self._rounds, t, stamp)
+        table, why = (None, "no_table") if stamp is None else self._await_table(rounds, t, stamp)
         hits: dict[int, list[int]] = {}
         for i in need:
             r = batch[i]
@@ -228,7 +227,7 @@ class SpecCache:
         """One step (Engine._decode with the cache active): settle the round left in flight, submit
         round N, verify on the branch drafts when every request that asks hits, else on round N's."""
         clock = StepClock(eng.timing)
-        rounds = self._rounds = eng.rounds
+        rounds = eng.rounds
         self._check_generation(rounds)
         with clock.part("wait"):
             self.settle(eng)
@@ -244,7 +243,7 @@ class SpecCache:
         with clock.part("wait"):
             t_wait = time.perf_counter()
             need = any(plan.n_out)
-            hits = self._lookup(batch, plan, t, stamp) if t and need else {}
+            hits = self._lookup(rounds, batch, plan, t, stamp) if t and need else {}
             fast = bool(need and len(hits) == sum(1 for n in plan.n_out if n))
             if fast:  # every request that asks hit: verify now, round N stays in flight
                 self._inflight = (t, plan)

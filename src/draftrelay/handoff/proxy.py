@@ -13,6 +13,10 @@ Per round t (slot s = t & 1):
 The reply is written *before* the claim, so a claimed reply is always complete: the watchdog can
 release a round the proxy claimed but had not released yet, and a proxy that lost the claim has
 written only into a slot whose claim word tells the engine to ignore it.
+
+With the speculation cache (spec["spec_cache"], branch_push.py) the worker round function asks each
+STEP for a branch table too, and once round t is released (the engine's verify is running) the loop
+reads that table and writes it into the engine's table memory, before it waits for round t + 1.
 """
 
 from __future__ import annotations
