@@ -11,6 +11,7 @@ proxy and the wire client can use it, and no module has to import a peer to lear
     check_drafts   a round function's output checked and laid out as reply arrays
     RoundResult    what the engine uses from round t (zero drafts unless the status is OK)
     Rounds         the interface the engine drives: LocalRounds, SyncRounds, AsyncRounds
+    StampedRounds  Rounds run by a proxy process whose results carry stamps (AsyncRounds)
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ class RoundResult:
     drafts: np.ndarray  # int32 [n_req, max_drafts]; only drafts[i, :counts[i]] are meaningful
     conf: np.ndarray  # float32 [n_req, max_drafts]
     detail: str = ""
+    # where an async round ran: the stream round it used and the proxy generation that answered it.
+    # Side data the proxy writes per round (the speculation cache's branch tables) carry these stamps.
+    stream_round: int | None = None
+    proxy_generation: int = 0
 
     @property
     def ok(self) -> bool:
@@ -152,4 +157,24 @@ class Rounds(Protocol):
 
     def close(self) -> None:
         """Free everything, the drafter session included (a worker reserves KV rows per session)."""
+        ...
+
+
+@runtime_checkable
+class StampedRounds(Rounds, Protocol):
+    """Rounds a proxy process runs, whose results carry `stream_round` and `proxy_generation`: what the
+    speculation cache (engine/spec_cache.py) needs to match a branch table the proxy wrote after a
+    round to that round. `result(t, timeout_s)` raises TimeoutError when round t is not done in time
+    (and round t stays collectable)."""
+
+    generation: int  # the proxy's incarnation: bumped by every respawn, carried as proxy_generation
+
+    @property
+    def round_spec(self) -> dict:
+        """The spec the proxy's round function was built from (draftrelay.wire.roundfn)."""
+        ...
+
+    @property
+    def deadline_s(self) -> float:
+        """The watchdog deadline of a round: no round stays in flight much longer."""
         ...

@@ -42,7 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round-budget-ms", type=float, default=None,
                    help="what the proxy allows one round (default: from the worker's measured STEP)")
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
-    p.add_argument("--modes", default="off,sync,async", help="comma-separated subset of off,sync,async")
+    p.add_argument("--modes", default="off,sync,async",
+                   help="comma-separated subset of off,sync,async,cache (cache: async + the speculation cache)")
+    p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
+                   help="add a 'cache' row: async rounds with the speculation cache, F branches per request "
+                        "(no value: 8)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs identical across modes)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--deadline-ms", type=float, default=None,
@@ -52,10 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("off", "sync", "async")]
+    bad = [m for m in modes if m not in ("off", "sync", "async", "cache")]
     if bad or not modes:
-        print(f"draftrelay demo: --modes {args.modes!r}: each must be off, sync or async", file=sys.stderr)
+        print(f"draftrelay demo: --modes {args.modes!r}: each must be off, sync, async or cache", file=sys.stderr)
         return 2
+    if args.spec_cache and "cache" not in modes:
+        modes.append("cache")  # async rounds + the speculation cache
     from .cli_generate import check_flags, k_max_of
 
     bad = check_flags(args)  # one message per bad flag
@@ -120,9 +126,10 @@ def run(args: argparse.Namespace) -> int:
         for mode in modes:
             h = L.handoff_config(spec, dev, rs.deadline_ms, not args.worker, round_budget_ms=rs.budget_ms) \
                 if mode != "off" else None
-            cfg = EngineConfig(mode=mode, n_draft=k_max, max_batch=len(prompts), max_len=max_len, handoff=h,
-                               depth="fixed" if args.k is not None else "auto",
-                               round_costs_s=rs.round_costs_s if h else None)
+            cache = (args.spec_cache or 8) if mode == "cache" else 0
+            cfg = EngineConfig(mode="async" if cache else mode, n_draft=k_max, max_batch=len(prompts),
+                               max_len=max_len, handoff=h, depth="fixed" if args.k is not None else "auto",
+                               round_costs_s=rs.round_costs_s if h else None, spec_fanout=cache)
             with Engine(target.model, cfg) as eng:
                 eng.generate([ids[0]], SamplingParams(max_tokens=min(4, args.max_tokens)))  # warm-up
                 eng.reset_metrics()
@@ -193,6 +200,9 @@ def format_output(n: int, prompt: str, text: str, width: int = 100) -> str:
 def format_table(results: dict[str, dict]) -> str:
     head = ["mode", "rounds by", "tok/s", "step p50 ms", "TTFT ms", "accepted", "tok/step", "accept by position",
             "rounds ok/fail/wd/t-o"]
+    caches = any("spec_cache" in m["total"] for m in results.values())
+    if caches:
+        head += ["cache hits", "no-wait verifies", "wait ms"]
     rows = [head]
     for mode, m in results.items():
         t = m["total"]
@@ -204,6 +214,14 @@ def format_table(results: dict[str, dict]) -> str:
             " ".join(f"{a:.2f}" for a in t["accept_rate_by_pos"]) or "-",
             f"{r['ok']}/{r['failed']}/{r['watchdog']}/{r['target_only']}" if mode != "off" else "-",
         ])
+        if caches:
+            sc = t.get("spec_cache")
+            if sc and sc["active"]:
+                steps = sc["fast_steps"] + sc["waited_steps"]
+                rows[-1] += [f"{100 * sc['hit_rate']:.0f} %", f"{sc['fast_steps']}/{steps}",
+                             f"{sc['wait_ms_mean']:.2f}"]
+            else:
+                rows[-1] += ["-", "-", "-"]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i in (0, 1, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
                                                                                                 strict=True)))

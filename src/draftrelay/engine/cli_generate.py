@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round-budget-ms", type=float, default=None,
                    help="what the proxy allows one round (default: from the worker's measured STEP)")
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
+    p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
+                   help="speculation cache (async): the worker pre-drafts F branches per request during each "
+                        "verify (no value: 8)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--deadline-ms", type=float, default=None,
                    help="watchdog deadline of an async round (default: round budget + 50 ms)")
@@ -112,6 +115,11 @@ def check_flags(args: argparse.Namespace) -> list[str]:
         bad.append(f"--worker-threads {args.worker_threads}: must be 0 (all cores) or more")
     if getattr(args, "metrics_port", 0) and not 0 < args.metrics_port < 65536:
         bad.append(f"--metrics-port {args.metrics_port}: must be 1-65535")
+    spec_cache = getattr(args, "spec_cache", 0)
+    if not 0 <= spec_cache <= 64:
+        bad.append(f"--spec-cache {args.spec_cache}: must be 0-64 branches per request")
+    elif spec_cache and getattr(args, "mode", "async") != "async":
+        bad.append(f"--spec-cache needs --mode async (got --mode {args.mode})")
     return bad
 
 
@@ -245,7 +253,8 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
         cfg = EngineConfig(mode=mode, n_draft=k_max, max_batch=1, max_len=max_len, handoff=h,
                            graphs=args.graphs, slot_ring=args.slot_ring,
                            depth="fixed" if args.k is not None else "auto",
-                           round_costs_s=rs.round_costs_s if h else None)
+                           round_costs_s=rs.round_costs_s if h else None,
+                           spec_fanout=args.spec_cache if mode == "async" else 0)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 seed=args.seed, stop_token_ids=target.stop_ids)
         with Engine(target.model, cfg) as eng:
@@ -254,7 +263,12 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
             if args.metrics_port:
                 from draftrelay.handoff import metrics
 
-                stats = lambda: eng.rounds.stats() if eng.rounds else {"mode": "off"}  # noqa: E731
+                def stats() -> dict:
+                    st = eng.rounds.stats() if eng.rounds else {"mode": "off"}
+                    if eng.spec_cache is not None:
+                        st["spec_cache"] = eng.spec_cache.stats()
+                    return st
+
                 server, _ = metrics.serve(args.metrics_port, stats)
             try:
                 (req,) = eng.generate([ids], params, on_step=progress)
@@ -278,6 +292,13 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
           + (f", depth chosen {t['depth']['chosen']}" if "depth" in t else ""), file=sys.stderr)
     if t.get("speculation_warning"):
         print(f"draftrelay generate: WARNING: {t['speculation_warning']}", file=sys.stderr)
+    sc = t.get("spec_cache")
+    if sc:
+        state = (f"hits {sc['hits']}/{sc['request_rounds']} ({100 * sc['hit_rate']:.0f} %), "
+                 f"{sc['fast_steps']} verifies without a wait, wait mean {sc['wait_ms_mean']:.2f} ms, "
+                 f"{sc['branches_per_round']:.1f} branches/round, misses {sc['misses']}") if sc["active"] \
+            else f"off: {sc['refusal']}"
+        print(f"[spec-cache F={sc['fanout']}] {state}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(m, f, indent=1)

@@ -25,8 +25,9 @@ with a higher generation number from position 0.
 The pieces, one module each: request.py (Request, SamplingParams), kv.py (KV rows taken and given
 back), planner.py (what a round sends and asks; the drafter bookkeeping after it), verify.py (the
 verify forward, host or device drafts, graphs or eager), sampling.py (the accept rule), metrics.py
-(step timing, per-round records, totals), local_rounds.py (in-process rounds). Drafts come from a
-draftrelay.round.Rounds: LocalRounds, or handoff.rounds' SyncRounds / AsyncRounds.
+(step timing, per-round records, totals), local_rounds.py (in-process rounds), spec_cache.py (the
+speculation cache's step: branch drafts pre-drafted by the worker, the round off the critical path).
+Drafts come from a draftrelay.round.Rounds: LocalRounds, or handoff.rounds' SyncRounds / AsyncRounds.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +52,7 @@ from .metrics import StepClock, new_timing, record_round, speculation_warning, t
 from .planner import RoundPlanner
 from .request import Request, SamplingParams
 from .sampling import accept, first_token
+from .spec_cache import SpecCache
 from .verify import Verifier, VerifyInputs, drafts_from_reply
 
 MODES = ("off", "sync", "async")
@@ -73,6 +75,10 @@ class EngineConfig:
     # "fixed" always asks n_draft
     depth: str = "fixed"
     round_costs_s: dict | None = None  # measured round seconds by depth (calibrate.py): the policy's start
+    # the speculation cache (spec_cache.py): F branches pre-drafted per request, 0 = off (async rounds
+    # with a worker only); spec_options: SpecCache keywords (branch_budget_ms, push_faults, log)
+    spec_fanout: int = 0
+    spec_options: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -84,6 +90,9 @@ class EngineConfig:
             raise ValueError(f"n_draft must be within [0, 64], got {self.n_draft}")
         if self.depth not in ("fixed", "auto"):
             raise ValueError(f"depth must be 'fixed' or 'auto', got {self.depth!r}")
+        if not 0 <= self.spec_fanout <= 64:
+            raise ValueError(f"spec_fanout (speculation-cache fan-out) must be within [0, 64], "
+                             f"got {self.spec_fanout}")
 
 
 class Engine:
@@ -107,10 +116,18 @@ class Engine:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the cache's zeroing
         self._own_rounds = cfg.mode != "off" and rounds is None
-        self.rounds: Rounds | None = self._open_rounds() if self._own_rounds else rounds
+        self.spec_cache = SpecCache(cfg.spec_fanout, **cfg.spec_options) if cfg.spec_fanout else None
+        try:
+            self.rounds: Rounds | None = self._open_rounds() if self._own_rounds else rounds
+        except BaseException:
+            if self.spec_cache is not None:  # leave no table memfd behind
+                self.spec_cache.shm.close()
+            raise
         self.verifier = Verifier(target, self.cache, self._capture_graphs() if cfg.graphs else {}, cfg.n_draft)
         self.wall_s = 0.0
         self.timing = new_timing()  # where each decode step's time goes (see metrics.py)
+        if self.spec_cache is not None:
+            self.spec_cache.bind(self.rounds, self.vocab, self.device_drafts)
         self.depth: DepthPolicy | None = None
         self._new_depth_policy()
 
@@ -124,6 +141,8 @@ class Engine:
         h.vocab_size = self.vocab
         h.max_drafts = max(h.max_drafts, self.cfg.n_draft)
         h.max_requests = max(h.max_requests, self.cfg.max_batch)
+        if self.spec_cache is not None:  # the proxy gets the table memfd and the fan-out
+            h.round_spec = self.spec_cache.round_spec(h.round_spec, h.round_budget_ms)
         with self._on_stream():  # the CUDA hand-off enqueues on the current stream
             return SyncRounds(h) if self.cfg.mode == "sync" else open_rounds(h)
 
@@ -154,12 +173,16 @@ class Engine:
         same prefilled prompts in several modes side by side. The caller keeps owning `rounds`."""
         if self.running or self.waiting:
             raise RuntimeError("set_rounds: requests are in flight")
+        if self.spec_cache is not None:  # collect a round left in flight, then re-check the new rounds
+            self.spec_cache.settle(self)
         if self._own_rounds and self.rounds is not None:
             self.rounds.close()
         self._own_rounds = False
         self.planner.forget_ends()
         self.rounds = rounds
         self._new_depth_policy()
+        if self.spec_cache is not None:
+            self.spec_cache.bind(rounds, self.vocab, self.device_drafts)
 
     @property
     def round_mode(self) -> str:
@@ -298,6 +321,8 @@ class Engine:
 
     def _decode(self, batch: list[Request]) -> None:
         """One speculative step: round t (off: none), verify k+1, accept, roll the KV back."""
+        if self.spec_cache is not None and self.spec_cache.active:
+            return self.spec_cache.decode(self, batch)  # the same step, the round off the critical path
         clock = StepClock(self.timing)
         k = self.depth.choose() if self.depth is not None else None
         plan = self.planner.plan(batch, drafting=self.rounds is not None and k != 0, k=k)
@@ -315,6 +340,16 @@ class Engine:
             with clock.part("wait"):
                 res = self.rounds.result(t)
             drafts = self.planner.settle(plan, res, self.vocab)
+        used = self._verify_and_accept(batch, inp, drafts, res, plan.wanted, clock, early, n_out=plan.n_out)
+        if self.depth is not None:
+            self._observe_depth(plan, k, used, clock)
+
+    def _verify_and_accept(self, batch: list[Request], inp: VerifyInputs, drafts: list[list[int]], res,
+                           asked: list[int], clock: StepClock, early=None,
+                           n_out: list[int] | None = None) -> list[list[int]]:
+        """Verify [pending, drafts] for the batch, accept, roll the KV back, book the step; returns the
+        drafts verified. asked[i]: the drafts request i's round asked for (0: the round is booked
+        elsewhere, or there is none); n_out[i]: what this round asked (the depth policy learns from it)."""
         with clock.part("verify"):
             v = self.verifier.verify(inp, drafts, early, argmax=any(r.params.temperature <= 0 for r in batch))
         for i, r in enumerate(batch):
@@ -322,13 +357,12 @@ class Engine:
             am = v.argmax[i] if v.argmax is not None else None
             kept, nxt = accept(r.params.temperature, r.params.top_k, v.logits[i], am, d, r.gen, r.params.top_p)
             self.kv.set_len(r.row, int(inp.start[i]) + 1 + kept)  # pending + kept drafts are now in the cache
-            record_round(r, res, plan.wanted[i], len(d), kept)
-            if self.depth is not None and plan.n_out[i]:
-                self.depth.observe_accept(plan.n_out[i], len(d), kept)
+            record_round(r, res, asked[i], len(d), kept)
+            if self.depth is not None and n_out is not None and n_out[i]:
+                self.depth.observe_accept(n_out[i], len(d), kept)
             r.emit(d[:kept] + [nxt])
         clock.stop(batch)
-        if self.depth is not None:
-            self._observe_depth(plan, k, v.drafts, clock)
+        return v.drafts
 
     def _observe_depth(self, plan, k: int, drafts: list[list[int]], clock: StepClock) -> None:
         p = clock.parts
@@ -347,6 +381,8 @@ class Engine:
             total["speculation_warning"] = speculation_warning(total["rounds"], total["handoff"])
         if self.depth is not None:
             total["depth"] = self.depth.summary()
+        if self.spec_cache is not None:
+            total["spec_cache"] = self.spec_cache.stats()
         return {"total": total, "requests": per}
 
     def reset_metrics(self) -> None:
@@ -359,6 +395,9 @@ class Engine:
     def close(self) -> None:
         """Close the rounds the engine opened (their worker session included: a session reserves
         draft-KV rows on the worker until its connection closes)."""
+        if self.spec_cache is not None:  # collect the round in flight, free the table memory
+            self.spec_cache.close(self)
+            self.spec_cache = None
         if self.rounds is not None and self._own_rounds:
             self.rounds.close()
         self.rounds = None

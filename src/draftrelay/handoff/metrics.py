@@ -62,6 +62,30 @@ class _StatsCollector:
             for s in STATES:
                 state.add_metric([s], 1.0 if st["state"] == s else 0.0)
             yield state
+        yield from _spec_cache_metrics(st.get("spec_cache"))
+
+
+def _spec_cache_metrics(sc: dict | None):
+    """The speculation cache's counters (Engine.spec_cache.stats(), passed in as stats['spec_cache'])."""
+    if not sc:
+        return
+    yield CounterMetricFamily("draftrelay_spec_cache_lookups", "Request-rounds that looked for a branch",
+                              value=sc["request_rounds"])
+    yield CounterMetricFamily("draftrelay_spec_cache_hits", "Request-rounds whose outcome was a pre-drafted branch",
+                              value=sc["hits"])
+    misses = CounterMetricFamily("draftrelay_spec_cache_misses", "Request-rounds without a usable branch, by reason",
+                                 labels=["reason"])
+    for reason, n in sc["misses"].items():
+        misses.add_metric([reason], n)
+    yield misses
+    yield CounterMetricFamily("draftrelay_spec_cache_fast_steps", "Verifies that started without waiting for a round",
+                              value=sc["fast_steps"])
+    yield CounterMetricFamily("draftrelay_spec_cache_waited_steps", "Verifies that waited for their round",
+                              value=sc["waited_steps"])
+    for key, doc in (("hit_rate", "Hits per lookup"), ("branches_per_round", "Branches per request per table"),
+                     ("wait_ms_mean", "Mean time a verify waited for its drafts, ms"),
+                     ("active", "1 while the cache is in use")):
+        yield GaugeMetricFamily(f"draftrelay_spec_cache_{key}", doc, value=float(sc[key]))
 
 
 def registry_for(stats_fn: Callable[[], dict]) -> CollectorRegistry:

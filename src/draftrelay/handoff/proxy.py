@@ -13,6 +13,10 @@ Per round t (slot s = t & 1):
 The reply is written *before* the claim, so a claimed reply is always complete: the watchdog can
 release a round the proxy claimed but had not released yet, and a proxy that lost the claim has
 written only into a slot whose claim word tells the engine to ignore it.
+
+With the speculation cache (spec["spec_cache"], branch_push.py) the worker round function asks each
+STEP for a branch table too, and once round t is released (the engine's verify is running) the loop
+reads that table and writes it into the engine's table memory, before it waits for round t + 1.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,7 +35,7 @@ from draftrelay.round import RoundFailure, RoundFn, Status, check_drafts
 from draftrelay.testing import FaultPlan, builtin_round_fn
 from draftrelay.wire.roundfn import make_round_fn
 
-from . import native
+from . import branch_push, native
 from .region import (
     FLAG_SELFTEST,
     Counter,
@@ -68,9 +73,11 @@ def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_f
 
 def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int = 20,
           round_budget_s: float = 0.15, faults: FaultPlan | None = None,
-          parent_pid: int | None = None, wait: str = "poll", wait_slice_us: int = 2000) -> None:
+          parent_pid: int | None = None, wait: str = "poll", wait_slice_us: int = 2000,
+          after_release: Callable[[int], None] | None = None) -> None:
     """The proxy's loop. wait "block": sleep on `gathered` (an emulated stream wakes it) and wake the
-    stream with the release; "poll": spin_us, then nap_us naps (a GPU writes `gathered`, no wake)."""
+    stream with the release; "poll": spin_us, then nap_us naps (a GPU writes `gathered`, no wake).
+    after_release(t): called after round t is released (the speculation cache's branch push)."""
     L, cfg, base = region.layout, region.cfg, region.base
     a_gathered = base + L.word(W.GATHERED)
     a_released = base + L.word(W.RELEASED)
@@ -137,6 +144,8 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
                 count(Counter.FAILED)
         else:
             count(Counter.LATE_DISCARDED)
+        if after_release is not None:  # the speculation cache: round t's branch table, written while the
+            after_release(t)  # engine verifies round t (off its critical path; branch_push.py)
         reconnects = getattr(round_fn, "reconnects", 0)
         if reconnects != reported_reconnects:
             count(Counter.RECONNECTS, reconnects - reported_reconnects)
@@ -187,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     native.store32(region.word_addr(W.PROXY_PID), os.getpid())
     try:
         spec = json.loads(args.spec)
-        round_fn = make_round_fn(spec)
+        pushes, wrap = branch_push.wrap_for(spec)
+        round_fn = make_round_fn(spec, wrap_worker=wrap)
         bad = forbidden_loaded()
         if bad:
             raise RuntimeError(f"the proxy must not load {bad}")
@@ -206,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(region, round_fn, spin_us=int(spec.get("spin_us", 50)), nap_us=int(spec.get("nap_us", 20)),
               round_budget_s=float(spec.get("round_budget_s", 0.15)), faults=faults, parent_pid=parent,
-              wait=str(spec.get("wait", "poll")), wait_slice_us=int(spec.get("wait_slice_us", 2000)))
+              wait=str(spec.get("wait", "poll")), wait_slice_us=int(spec.get("wait_slice_us", 2000)),
+              after_release=pushes[0].after_release if pushes else None)
     finally:
         if args.audit:
             _audit(args.audit)

@@ -36,7 +36,8 @@ class ProxyProcess:
         if secret:
             env["DRAFTRELAY_SECRET"] = secret
         try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(region.fd,), stdin=subprocess.DEVNULL,
+            extra = tuple(int(fd) for fd in spec.get("pass_fds", ()))  # e.g. the speculation cache's table memfd
+            self.proc = subprocess.Popen(cmd, pass_fds=(region.fd, *extra), stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=self._err, env=env)
         except BaseException:
             self._err.close()

@@ -332,6 +332,7 @@ class AsyncRounds:
         buf = self.stream.host_bytes(self._dst[slot])
         res = decode_reply(self.region.layout, buf, p.t, p.n_out)
         res.round = rid
+        res.stream_round, res.proxy_generation = p.t, self.generation  # StampedRounds
         self._results[rid] = res
 
     @property
@@ -341,6 +342,14 @@ class AsyncRounds:
     @property
     def reply_layout(self) -> Layout | None:
         return None if self.region is None else self.region.layout
+
+    @property
+    def round_spec(self) -> dict:
+        return self.cfg.round_spec
+
+    @property
+    def deadline_s(self) -> float:
+        return self.cfg.deadline_ms / 1000
 
     def reply_device_buffer(self, rid: int):
         """The engine-side buffer (a device buffer on the CUDA backend) that round `rid`'s reply is

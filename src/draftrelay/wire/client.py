@@ -132,13 +132,23 @@ class DrafterClient:
         deadline = time.monotonic() + (self.connect_timeout if timeout is None else timeout)
         return self._guarded(lambda: self._connect(deadline))
 
-    def step(self, blocks: Sequence[Block], timeout: float | None = None) -> StepReply:
-        """One STEP round: send every block, return the worker's per-block results."""
+    def step(self, blocks: Sequence[Block], timeout: float | None = None, fanout: int = 0) -> StepReply:
+        """One STEP round: send every block, return the worker's per-block results. fanout > 0 also
+        asks for a branch table (the speculation cache), read afterwards with `recv_branches`."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         if not blocks:
             raise ValueError("step needs at least one block")
-        payload = P.encode_step(blocks)  # encoding errors are the caller's bug, not a wire failure
+        payload = P.encode_step(blocks, fanout)  # encoding errors are the caller's bug, not a wire failure
         return self._guarded(lambda: self._step(payload, blocks, deadline))
+
+    def recv_branches(self, timeout: float) -> memoryview:
+        """The payload of the BRANCHES frame answering the last STEP (raw bytes, parsed by
+        draftrelay.speculation.table). A timeout leaves the connection open: the late frame is then
+        skipped like a late reply. It does not count toward the breaker: a missing table costs a hit only."""
+        deadline = time.monotonic() + timeout
+        if self.sock is None:
+            raise WireDisconnected("not connected")
+        return self._recv_reply(self._seq, P.BRANCHES, deadline)
 
     def ping(self, timeout: float | None = None) -> float:
         """Round trip of an empty frame, in seconds (also keeps an idle session alive)."""
@@ -335,7 +345,7 @@ class DrafterClient:
                     self._drop()
                 raise (WireRefused if refusal else WireRemoteError)(code, msg)
             if rseq != seq:
-                if rseq < seq and ftype in (P.STEP_REPLY, P.PONG, P.HELLO_OK):
+                if rseq < seq and ftype in (P.STEP_REPLY, P.PONG, P.HELLO_OK, P.BRANCHES):
                     self.stats["skipped_late_replies"] += 1
                     continue  # the late answer to a round that already timed out
                 self._drop()

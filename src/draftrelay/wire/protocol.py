@@ -22,7 +22,13 @@ HEADER_SIZE = HEADER.size  # 16
 HELLO, HELLO_OK, STEP, STEP_REPLY, ERROR, PING, PONG, BYE = 1, 2, 3, 4, 5, 6, 7, 8
 CHALLENGE, AUTH = 9, 10  # the shared-secret handshake (wire/security.py)
 FRAME_NAMES = {1: "HELLO", 2: "HELLO_OK", 3: "STEP", 4: "STEP_REPLY", 5: "ERROR", 6: "PING", 7: "PONG", 8: "BYE",
-               9: "CHALLENGE", 10: "AUTH"}
+               9: "CHALLENGE", 10: "AUTH", 11: "BRANCHES"}
+# the speculation cache (draftrelay.speculation): a STEP with STEP_FLAG_BRANCHES and the fan-out F in its
+# reserved word is answered STEP_REPLY, then a BRANCHES frame (same seq) carrying the branch table
+BRANCHES = 11
+STEP_FLAG_BRANCHES = 1
+KNOWN_STEP_FLAGS = STEP_FLAG_BRANCHES
+MAX_FANOUT = 64
 
 # per-block status codes
 OK, PARTIAL = 0, 1
@@ -191,8 +197,11 @@ class Block:
     flags: int = 0
 
 
-def encode_step(blocks) -> bytes:
-    parts = [STEP_HEAD.pack(len(blocks), 0, 0)]
+def encode_step(blocks, fanout: int = 0) -> bytes:
+    """fanout > 0: ask for a BRANCHES table of up to `fanout` branches per request after the reply."""
+    if not 0 <= fanout <= MAX_FANOUT:
+        raise ValueError(f"fanout {fanout} outside [0, {MAX_FANOUT}]")
+    parts = [STEP_HEAD.pack(len(blocks), STEP_FLAG_BRANCHES if fanout else 0, fanout)]
     for b in blocks:
         toks = np.ascontiguousarray(b.tokens, dtype="<i4")
         parts.append(BLOCK_HEAD.pack(b.request_id, b.generation, b.position, toks.size, b.n_out, b.flags))
@@ -205,9 +214,12 @@ def decode_step(buf, max_blocks: int) -> list[Block]:
     n_payload = len(buf)
     if n_payload < STEP_HEAD.size:
         raise FrameError(MALFORMED, f"STEP: {n_payload} bytes, need at least {STEP_HEAD.size}")
-    n_blocks, flags, _ = STEP_HEAD.unpack_from(buf, 0)
-    if flags != 0:
-        raise FrameError(MALFORMED, f"STEP: frame flags 0x{flags:x} must be 0")
+    n_blocks, flags, fanout = STEP_HEAD.unpack_from(buf, 0)
+    if flags & ~KNOWN_STEP_FLAGS:
+        raise FrameError(MALFORMED, f"STEP: unknown frame flags 0x{flags:x}")
+    if bool(flags & STEP_FLAG_BRANCHES) != (fanout != 0) or fanout > MAX_FANOUT:
+        raise FrameError(MALFORMED, f"STEP: fan-out {fanout} with flags 0x{flags:x} (needs the BRANCHES flag and "
+                                    f"1..{MAX_FANOUT}, or neither)")
     if not 1 <= n_blocks <= max_blocks:
         raise FrameError(MALFORMED, f"STEP: n_blocks {n_blocks} outside [1, {max_blocks}] (session max_requests)")
     off = STEP_HEAD.size
@@ -225,6 +237,12 @@ def decode_step(buf, max_blocks: int) -> list[Block]:
     if off != n_payload:
         raise FrameError(MALFORMED, f"STEP: {n_payload - off} trailing bytes after {n_blocks} blocks")
     return blocks
+
+
+def step_fanout(buf) -> int:
+    """The branch fan-out a (decoded, valid) STEP payload asks for; 0 for a plain STEP."""
+    _, flags, fanout = STEP_HEAD.unpack_from(buf, 0)
+    return fanout if flags & STEP_FLAG_BRANCHES else 0
 
 
 def encode_step_reply(session_id: int, worker_us: int, request_ids, generations, status, counts,

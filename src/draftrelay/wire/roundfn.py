@@ -23,6 +23,8 @@ This module must not import torch: the proxy process refuses to serve if torch i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from draftrelay.round import RoundFailure, RoundFn, RoundRequest, Status
@@ -111,14 +113,18 @@ def worker_round_fn(spec: dict, client: DrafterClient | None = None) -> RoundFn:
     return WorkerRoundFn(client or client_from_spec(spec))
 
 
-def make_round_fn(spec: dict) -> RoundFn:
-    """Build the round function a proxy (or a sync engine) runs, from a JSON-able spec."""
+def make_round_fn(spec: dict, wrap_worker: Callable[[WorkerRoundFn], RoundFn] | None = None) -> RoundFn:
+    """Build the round function a proxy (or a sync engine) runs, from a JSON-able spec. wrap_worker:
+    applied to a worker round function before any fault plan (the proxy's speculation-cache push,
+    handoff/branch_push.py, which needs the worker's client)."""
     kind = spec.get("kind", "builtin")
     vocab = int(spec["vocab_size"])
     if kind == "builtin":
         fn = builtin_round_fn(vocab)
     elif kind == "worker":
         fn = worker_round_fn(spec)
+        if wrap_worker is not None:
+            fn = wrap_worker(fn)
     else:
         raise ValueError(f"unknown round function kind {kind!r} (expected 'builtin' or 'worker')")
     faults = spec.get("faults")

@@ -137,6 +137,9 @@ class WorkerCore:
         self._freed = threading.Condition()  # notified when a session's rows come back
         self._freed_count = 0
         self.lock = FairLock()
+        # the speculation cache's branch drafting (worker/prefetch.py), made on the first STEP that asks
+        # for branches; it keeps per-session state that must go when the session does
+        self.prefetcher = None
         self.free_rows = list(range(drafter.n_rows))
         self.sessions: dict[int, Session] = {}
         self.stats = {"sessions_opened": 0, "sessions_closed": 0, "steps": 0, "blocks": 0, "refused_blocks": 0,
@@ -216,6 +219,8 @@ class WorkerCore:
         self.free_rows.extend(r.row for r in s.requests.values())
         s.free_rows, s.requests = [], {}
         self.stats["sessions_closed"] += 1
+        if self.prefetcher is not None:
+            self.prefetcher.forget_session(s.id)
         with self._freed:
             self._freed_count += 1
             self._freed.notify_all()

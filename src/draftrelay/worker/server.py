@@ -23,6 +23,7 @@ from collections import Counter
 from draftrelay.wire import protocol as P
 from draftrelay.wire import security
 from draftrelay.worker.core import Refusal, Session, WorkerCore
+from draftrelay.worker.prefetch import branches_payload
 
 log = logging.getLogger("draftrelay.worker")
 
@@ -325,6 +326,7 @@ class WorkerServer:
                 if ftype == P.STEP:
                     try:
                         blocks = P.decode_step(payload, session.max_requests)
+                        fanout = P.step_fanout(payload)  # speculation cache: branches follow the reply
                     except P.FrameError as exc:
                         self.stats["bad_frames"] += 1
                         self.warn.warning("malformed", "malformed STEP from %s: %s", conn, exc)
@@ -342,6 +344,8 @@ class WorkerServer:
                         self._send_error(conn, P.INTERNAL, f"{type(exc).__name__}: {exc}", seq)
                         continue
                     self._send(conn, P.STEP_REPLY, reply, seq)
+                    if fanout:  # drafted after the reply is out, so it never delays the reply
+                        self._send(conn, P.BRANCHES, branches_payload(self.core, session, blocks, r, fanout), seq)
                 elif ftype == P.PING:
                     self._send(conn, P.PONG, b"", seq)
                 elif ftype == P.BYE:

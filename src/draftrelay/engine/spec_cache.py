@@ -1,0 +1,288 @@
+"""The engine's half of the speculation cache: one decode step that can start its verify without
+waiting for the round.
+
+Sequential speculation: step N's round carries what step N-1 accepted, so the verify waits for the
+round. With the cache the worker, right after answering round N-1, drafts round N for the likely
+outcomes of verify N-1 (draftrelay.worker.prefetch) and the proxy writes that branch table into
+shared memory (draftrelay.handoff.branch_shm) while verify N-1 runs. Step N then:
+
+  1. settles the round of step N-1 if the engine did not wait for it (its result updates what the
+     drafter holds: `synced`, generations, restarts, exactly as a waited-for round does);
+  2. submits round N as usual (it carries the outcome of N-1 to the worker: its KV and the next
+     table follow the true sequence), then looks up the table that followed the last round it
+     collected (stamp = that round's stream round, current epoch, crc) and, per request, the branch
+     whose prefix equals what the engine appended since the drafter's position (table.select);
+  3. hit for every request that wants drafts: verify now with the branch drafts; round N stays in
+     flight and is settled at the next step. Any miss: wait for round N and use its drafts, an
+     ordinary round. A table that has not arrived is waited for only while round N is not done (the
+     proxy writes a table before it starts the next round, so after that it will not come).
+
+Host selection (emulated stream). On the CUDA path the same choice would be made on the device: the
+table slot's bytes copied to device memory on the engine's stream right after the reply, a kernel
+comparing each row's accepted tokens with the branch prefixes and gathering the matching branch's
+drafts into the verify's input (the `drafts_from_reply` buffer), with a per-row hit flag the host
+reads after the verify. `select_on_device` is that selection as tensor ops (tested on the CPU against the
+host selection); the CUDA rounds do not use it yet (the proxy would write the dense layout, table.dense,
+and the engine would enqueue the copy and the selection behind the reply), so with CUDA rounds the cache
+stays off and says why (`refusal`).
+
+Correctness: a branch is used only when request id, generation, base position and the whole prefix
+match, which pins its drafts to the drafter's continuation of the true sequence; anything else
+(absent, late, torn, stale stamp or epoch, bad crc, bad bytes) is a miss. Drafts are verified like any
+others, so even a wrong table costs speed, never a token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+
+from draftrelay.handoff.branch_shm import TableShm
+from draftrelay.round import StampedRounds, Status
+from draftrelay.speculation import table as TB
+
+from .metrics import StepClock
+from .verify import VerifyInputs
+
+POLL_S = 0.0005  # how often a verify waiting for its table looks again (it wakes at once when the round ends)
+# F when the cache is switched on without one: on the tiny pair (k = 4) 8 branches catch 83-84 % of
+# outcomes (1: 24 %, 2: 34-37 %, 4: 58 %, 16: 93 %; benchmarks/results/spec_cache_cpu.json), and the
+# worker's branch step grows with F
+DEFAULT_FANOUT = 8
+
+
+class SpecCache:
+    def __init__(self, fanout: int, branch_budget_ms: float | None = None, push_faults: dict | None = None,
+                 capacity: int = 1 << 20, log: bool = False) -> None:
+        if not 1 <= fanout <= TB.MAX_BRANCHES:
+            raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
+        self.fanout = fanout
+        self.branch_budget_ms = branch_budget_ms
+        self.push_faults = push_faults
+        self.shm = TableShm.create(capacity)
+        self.active = False
+        self.refusal = ""
+        self.vocab = 0
+        self._inflight = None  # (rid, RoundPlan) of a round the verify did not wait for
+        self._early: dict[int, object] = {}  # results collected while polling for a table
+        self._stamp: int | None = None  # stream round of the last collected OK round
+        self._proxy_gen = None
+        self.log: list[dict] | None = [] if log else None
+        self.c: Counter = Counter()
+        self.miss_reasons: Counter = Counter()
+        self.wait_hit_s: list[float] = []
+        self.wait_miss_s: list[float] = []
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def round_spec(self, spec: dict, round_budget_ms: float) -> dict:
+        """The proxy's round spec with the table memfd and the fan-out added. The proxy waits for a table
+        up to branch_budget_ms (default: the round budget): the worker's next reply comes after its
+        table on the same connection anyway, so a shorter wait would only give up tables early."""
+        spec = dict(spec)
+        budget = round_budget_ms if self.branch_budget_ms is None else self.branch_budget_ms
+        sc = {"fd": self.shm.fd, "fanout": self.fanout, "branch_budget_s": budget / 1000}
+        if self.push_faults:
+            sc["push_faults"] = dict(self.push_faults)
+        spec["spec_cache"] = sc
+        spec["pass_fds"] = [self.shm.fd]
+        return spec
+
+    def bind(self, rounds, vocab: int, device_drafts: bool) -> None:
+        self.vocab = vocab
+        self.active, self.refusal = False, ""
+        mode = getattr(rounds, "mode", "off")
+        if mode != "async" or not isinstance(rounds, StampedRounds):
+            why = getattr(rounds, "refusal", "")
+            self.refusal = f"needs async rounds (rounds are {mode}{': ' + why if why else ''})"
+        elif device_drafts:
+            self.refusal = "CUDA rounds: device-side branch selection (select_on_device) is not wired in yet"
+        elif rounds.round_spec.get("spec_cache", {}).get("fd") != self.shm.fd:
+            self.refusal = "the rounds were not opened with this cache's table (round_spec)"
+        elif rounds.round_spec.get("kind") != "worker":
+            self.refusal = "needs a worker round function"
+        else:
+            self.active = True
+            self._proxy_gen = rounds.generation
+
+    @staticmethod
+    def select_on_device(ok: torch.Tensor, prefix: torch.Tensor, prefix_len: torch.Tensor, drafts: torch.Tensor,
+                         new: torch.Tensor, new_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selection as tensor ops only (no host sync, graph-capturable): the CUDA path's hook.
+
+        ok [B], prefix [B, F, k+1], prefix_len [B, F], drafts [B, F, k]: the dense table (table.dense);
+        new [B, k+1], new_len [B]: the tokens each row appended since the drafter's position (on the CUDA
+        path: the verify's accepted drafts and its correction/bonus, computed on the device). Returns
+        (drafts [B, k] of the first matching branch, zeros where none; hit [B] bool). Equal to `table.select`
+        row by row (tests/test_spec_cache_units.py). Not yet wired into the CUDA rounds: see the module
+        docstring."""
+        K1 = prefix.shape[-1]
+        pos = torch.arange(K1, device=prefix.device)
+        inside = pos[None, None, :] < prefix_len[:, :, None]
+        same = (prefix == new[:, None, :K1]) | ~inside
+        match = same.all(-1) & (prefix_len == new_len[:, None]) & (prefix_len > 0) & ok[:, None]
+        hit = match.any(-1)
+        first = torch.argmax(match.to(torch.int8), dim=-1)  # the first matching branch (0 when none)
+        out = torch.gather(drafts, 1, first[:, None, None].expand(-1, 1, drafts.shape[-1]))[:, 0]
+        return out * hit[:, None].to(out.dtype), hit
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _check_generation(self, rounds: StampedRounds) -> None:
+        g = rounds.generation
+        if g != self._proxy_gen:  # a new proxy: nothing the old one wrote may match, nor its stamps
+            self._proxy_gen = g
+            self.shm.bump_epoch()
+            self._stamp = None
+            self.c["epochs"] += 1
+
+    def _result(self, rounds, rid: int):
+        res = self._early.pop(rid, None)
+        return res if res is not None else rounds.result(rid)
+
+    def _collected(self, res) -> None:
+        ok = res.ok and res.proxy_generation == self._proxy_gen
+        self._stamp = res.stream_round if ok else None
+
+    def settle(self, eng) -> None:
+        """Collect the round the last verify did not wait for: its result moves the drafter bookkeeping
+        (planner.settle) exactly as a waited-for round's does."""
+        if self._inflight is None:
+            return
+        rid, plan = self._inflight
+        self._inflight = None
+        res = self._result(eng.rounds, rid)
+        eng.planner.settle(plan, res, eng.vocab)
+        self._collected(res)
+        kind = "ok" if res.ok else ("watchdog" if res.status == Status.WATCHDOG else "failed")
+        for i, r in enumerate(plan.batch):
+            if plan.n_out[i]:
+                r.rounds[kind] += 1
+
+    def _round_done(self, rounds, rid: int, wait_s: float = 0.0) -> bool:
+        """Whether round `rid` is finished, waiting up to wait_s on its event (a futex wait, not a spin:
+        on a small CPU the worker and the proxy need the cores this thread would burn)."""
+        if rid in self._early:
+            return True
+        try:
+            self._early[rid] = rounds.result(rid, timeout_s=wait_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _await_table(self, rounds, rid: int, stamp: int) -> tuple[TB.Table | None, str]:
+        limit = time.perf_counter() + 2.0 + rounds.deadline_s
+        while True:
+            body, why = self.shm.read(stamp)
+            if body is None and why in ("absent", "torn"):
+                if self._round_done(rounds, rid, POLL_S):
+                    body, why = self.shm.read(stamp)  # written just before the round was picked up?
+                    if body is None:
+                        return None, "late" if why == "absent" else why
+                elif time.perf_counter() > limit:
+                    return None, "timeout"
+                else:
+                    continue
+            if body is None:
+                return None, why
+            try:
+                return TB.decode(body, self.vocab), ""
+            except TB.TableError:
+                return None, "corrupt"
+
+    def _lookup(self, rounds: StampedRounds, batch: list, plan, t: int, stamp: int | None) -> dict[int, list[int]]:
+        """The branch drafts of every request of the plan that asks for drafts and hits, by index; each
+        lookup is counted (a hit, or a miss with its reason)."""
+        need = [i for i in range(len(batch)) if plan.n_out[i]]
+        table, why = (None, "no_table") if stamp is None else self._await_table(rounds, t, stamp)
+        hits: dict[int, list[int]] = {}
+        for i in need:
+            r = batch[i]
+            self.c["request_rounds"] += 1
+            entry = table.entry(r.id) if table is not None else None
+            new = r.tokens(r.synced, r.seq_len)
+            b = TB.select(entry, r.id, r.generation, r.synced, new) if entry is not None else -1
+            if b >= 0:
+                hits[i] = entry.branch_drafts[b, :plan.n_out[i]].tolist()
+                self.c["hits"] += 1
+            elif why:
+                self.miss_reasons[why] += 1
+            elif entry is None:
+                self.miss_reasons["no_entry"] += 1  # e.g. the request's first round: no table yet
+            elif entry.base != r.synced or entry.generation != r.generation:
+                self.miss_reasons["stale_entry"] += 1  # a table about another point of the sequence
+            else:
+                self.miss_reasons["no_match"] += 1  # the outcome was not among the branches
+            if entry is not None:
+                self.c["entries"] += 1
+                self.c["branches"] += entry.n_branches
+            if self.log is not None:
+                self.log.append({"request": r.id, "base": r.synced, "new": list(new), "hit": b >= 0,
+                                 "drafts": entry.drafts.tolist() if entry is not None and entry.base == r.synced
+                                 else None, "why": "" if b >= 0 else (why or "no_match")})
+        return hits
+
+    def decode(self, eng, batch: list) -> None:
+        """One step (Engine._decode with the cache active): settle the round left in flight, submit
+        round N, verify on the branch drafts when every request that asks hits, else on round N's."""
+        clock = StepClock(eng.timing)
+        rounds = eng.rounds
+        self._check_generation(rounds)
+        with clock.part("wait"):
+            self.settle(eng)
+        stamp = self._stamp
+        plan = eng.planner.plan(batch, drafting=True)
+        t = res = None
+        if plan.asks:
+            with clock.part("submit"):
+                t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
+        inp = VerifyInputs.of(batch)
+        drafts: list[list[int]] = [[] for _ in batch]
+        fast = False
+        with clock.part("wait"):
+            t_wait = time.perf_counter()
+            need = any(plan.n_out)
+            hits = self._lookup(rounds, batch, plan, t, stamp) if t and need else {}
+            fast = bool(need and len(hits) == sum(1 for n in plan.n_out if n))
+            if fast:  # every request that asks hit: verify now, round N stays in flight
+                self._inflight = (t, plan)
+                drafts = [hits.get(i, []) for i in range(len(batch))]
+                self.c["fast_steps"] += 1
+                self.wait_hit_s.append(time.perf_counter() - t_wait)
+            elif t:
+                res = self._result(rounds, t)
+                drafts = eng.planner.settle(plan, res, eng.vocab)
+                self._collected(res)
+                if need:
+                    self.c["waited_steps"] += 1
+                    self.wait_miss_s.append(time.perf_counter() - t_wait)
+        # a fast step's round is booked when it is settled; the drafts it verified are the branch's
+        eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
+        if fast and not eng.waiting and all(r.done for r in eng.running):
+            self.settle(eng)  # no next step will: settle now, so the drafter's bookkeeping is complete
+
+    # -- state ------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        n = self.c["request_rounds"]
+        wh, wm = self.wait_hit_s, self.wait_miss_s
+        return {
+            "active": self.active, "refusal": self.refusal, "fanout": self.fanout,
+            "request_rounds": n, "hits": self.c["hits"], "hit_rate": self.c["hits"] / n if n else 0.0,
+            "misses": dict(sorted(self.miss_reasons.items())),
+            "branches_per_round": self.c["branches"] / self.c["entries"] if self.c["entries"] else 0.0,
+            "fast_steps": self.c["fast_steps"], "waited_steps": self.c["waited_steps"],
+            "wait_ms_p50_hit": 1e3 * float(np.median(wh)) if wh else 0.0,
+            "wait_ms_p50_miss": 1e3 * float(np.median(wm)) if wm else 0.0,
+            "wait_ms_mean": 1e3 * float(np.mean(wh + wm)) if wh or wm else 0.0,
+            "epochs": self.c["epochs"],
+        }
+
+    def close(self, eng) -> None:
+        if self._inflight is not None and eng.rounds is not None:
+            try:
+                self.settle(eng)
+            except Exception:  # closing: the result no longer matters
+                self._inflight = None
+        self._early.clear()
+        self.shm.close()

@@ -1,0 +1,224 @@
+"""Branch tables: what the worker pre-drafts for round t+1 while the target verifies round t.
+
+After answering a request's round t with drafts f1..fk from context C (|C| = base), the worker
+guesses what the verify will accept: `a` of the k drafts, then the target's own token y (the
+correction at position a, which differs from f_{a+1}, or the bonus after all k). Each guess (a, y)
+is a *branch*: its prefix is f1..fa, y and its drafts are the drafter's k greedy tokens after
+C + prefix, i.e. exactly what a round t+1 would return if the verify accepts that prefix.
+
+The engine may use a branch only if
+  - the entry names the request, its generation and base == the position the drafter holds, and
+  - the tokens the engine appended since base equal the branch's prefix, token for token.
+Both are checked in `select`. Since the engine only ever sends true tokens, base + prefix then pin
+the drafter's context to the true sequence: the branch's drafts are the drafter's continuation of
+what the target actually produced, so using them is the same as a just-in-time round (and drafts
+are verified anyway: a wrong one costs speed, never a token).
+
+Wire/shared-memory format (little endian), shared by the BRANCHES frame and the table slots:
+    head    n_entries u16, k_max u16, worker_us u32, session_id u64
+    entry   request_id u64, generation u32, base u32, k u16, n_branches u16, drafts i32[k]
+            then n_branches x (accepted u16, reserved u16, token i32, drafts i32[k])
+This module is numpy-only: the proxy imports it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+TABLE_HEAD = struct.Struct("<HHIQ")
+ENTRY_HEAD = struct.Struct("<QIIHH")
+BRANCH_HEAD = struct.Struct("<HHi")
+MAX_BRANCHES = 64
+MAX_K = 64
+
+
+class TableError(ValueError):
+    """Bytes that are not a well-formed branch table."""
+
+
+@dataclass
+class Entry:
+    request_id: int
+    generation: int
+    base: int  # context length the branches continue (the drafter's position after round t)
+    drafts: np.ndarray  # int32 [k]: round t's drafts f1..fk
+    accepted: np.ndarray  # int32 [n]: branch b assumes f[:accepted[b]] were kept ...
+    token: np.ndarray  # int32 [n]: ... followed by token[b]
+    branch_drafts: np.ndarray  # int32 [n, k]: round t+1's drafts for that outcome
+
+    @property
+    def n_branches(self) -> int:
+        return len(self.accepted)
+
+    def prefix(self, b: int) -> np.ndarray:
+        a = int(self.accepted[b])
+        return np.concatenate([self.drafts[:a], self.token[b:b + 1]]).astype(np.int32)
+
+
+@dataclass
+class Table:
+    entries: list[Entry]
+    worker_us: int = 0
+    session_id: int = 0
+
+    def entry(self, request_id: int) -> Entry | None:
+        for e in self.entries:
+            if e.request_id == request_id:
+                return e
+        return None
+
+
+def encode(table: Table) -> bytes:
+    k_max = max((len(e.drafts) for e in table.entries), default=0)
+    parts = [TABLE_HEAD.pack(len(table.entries), k_max, min(int(table.worker_us), 0xFFFFFFFF),
+                             int(table.session_id))]
+    for e in table.entries:
+        k, n = len(e.drafts), len(e.accepted)
+        if k > MAX_K or n > MAX_BRANCHES or e.branch_drafts.shape != (n, k):
+            raise TableError(f"entry {e.request_id}: k={k}, {n} branches, drafts {e.branch_drafts.shape}")
+        parts.append(ENTRY_HEAD.pack(int(e.request_id), int(e.generation), int(e.base), k, n))
+        parts.append(np.ascontiguousarray(e.drafts, "<i4").tobytes())
+        for b in range(n):
+            parts.append(BRANCH_HEAD.pack(int(e.accepted[b]), 0, int(e.token[b])))
+            parts.append(np.ascontiguousarray(e.branch_drafts[b], "<i4").tobytes())
+    return b"".join(parts)
+
+
+def decode(buf, vocab_size: int) -> Table:
+    """Parse and validate: counts within limits, accepted <= k, every token id inside the vocabulary,
+    no trailing bytes, no request twice. Raises TableError naming what is wrong."""
+    n_buf = len(buf)
+    if n_buf < TABLE_HEAD.size:
+        raise TableError(f"{n_buf} bytes, need at least {TABLE_HEAD.size}")
+    n_entries, k_max, worker_us, session_id = TABLE_HEAD.unpack_from(buf, 0)
+    off = TABLE_HEAD.size
+    entries: list[Entry] = []
+    seen: set[int] = set()
+    for i in range(n_entries):
+        if off + ENTRY_HEAD.size > n_buf:
+            raise TableError(f"entry {i}: header truncated")
+        rid, gen, base, k, n = ENTRY_HEAD.unpack_from(buf, off)
+        off += ENTRY_HEAD.size
+        if k > min(k_max, MAX_K) or n > MAX_BRANCHES:
+            raise TableError(f"entry {i}: k={k} (table k_max {k_max}), {n} branches (limit {MAX_BRANCHES})")
+        if rid in seen:
+            raise TableError(f"entry {i}: request {rid} appears twice")
+        seen.add(rid)
+        need = 4 * k + n * (BRANCH_HEAD.size + 4 * k)
+        if off + need > n_buf:
+            raise TableError(f"entry {i}: {n} branches of k={k} do not fit in the {n_buf - off} bytes left")
+        drafts = np.frombuffer(buf, "<i4", k, off).astype(np.int32)
+        off += 4 * k
+        acc = np.zeros(n, np.int32)
+        tok = np.zeros(n, np.int32)
+        bd = np.zeros((n, k), np.int32)
+        for b in range(n):
+            acc[b], _, tok[b] = BRANCH_HEAD.unpack_from(buf, off)
+            off += BRANCH_HEAD.size
+            bd[b] = np.frombuffer(buf, "<i4", k, off)
+            off += 4 * k
+        if n and int(acc.max()) > k:
+            raise TableError(f"entry {i}: a branch keeps {int(acc.max())} of {k} drafts")
+        for name, arr in (("draft", drafts), ("branch token", tok), ("branch draft", bd)):
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+                raise TableError(f"entry {i}: {name} id outside [0, {vocab_size})")
+        entries.append(Entry(rid, gen, base, drafts, acc, tok, bd))
+    if off != n_buf:
+        raise TableError(f"{n_buf - off} trailing bytes after {n_entries} entries")
+    return Table(entries, worker_us, session_id)
+
+
+def select(entry: Entry | None, request_id: int, generation: int, base: int, new_tokens) -> int:
+    """Index of the branch whose prefix is exactly `new_tokens` (what the engine appended since `base`),
+    or -1. The entry must name the request, its generation and the same base."""
+    if entry is None or entry.request_id != request_id or entry.generation != generation or entry.base != base:
+        return -1
+    new = np.asarray(new_tokens, np.int64)
+    a = len(new) - 1
+    if a < 0 or a > len(entry.drafts) or not np.array_equal(new[:a], entry.drafts[:a]):
+        return -1
+    for b in range(entry.n_branches):
+        if int(entry.accepted[b]) == a and int(entry.token[b]) == int(new[a]):
+            return b
+    return -1
+
+
+def choose_branches(top_tokens: np.ndarray, top_probs: np.ndarray, drafts: np.ndarray, accept: np.ndarray,
+                    fanout: int) -> list[tuple[int, int, float]]:
+    """The `fanout` most likely outcomes (accepted a, token y, estimated probability), most likely first.
+
+    top_tokens/top_probs [k+1, m]: the drafter's m most likely tokens at each position (position j is
+    the token after f1..fj; position k is the bonus). accept [k]: the estimated chance that draft j is
+    kept given the ones before it were. P(a, y) = P(exactly a kept) * P(y | a), where a rejection at
+    position a means the target's token there is not f_{a+1}: the drafter's distribution there is
+    renormalised without f_{a+1}.
+    """
+    k = len(drafts)
+    if top_tokens.shape[0] != k + 1 or len(accept) < k:
+        raise ValueError(f"need k+1 = {k + 1} rows of candidates and {k} acceptance rates")
+    cands: list[tuple[float, int, int]] = []
+    reach = 1.0  # P(the first a drafts were all kept)
+    for a in range(k + 1):
+        stop = 1.0 - float(accept[a]) if a < k else 1.0  # P(draft a+1 rejected | reached a)
+        p_here = reach * stop
+        toks, probs = top_tokens[a], top_probs[a]
+        if a < k:
+            excl = float(probs[toks == drafts[a]].sum())
+            norm = max(1e-9, 1.0 - excl)
+        else:
+            norm = 1.0
+        for y, py in zip(toks.tolist(), probs.tolist(), strict=True):
+            if a < k and y == int(drafts[a]):
+                continue
+            cands.append((p_here * float(py) / norm, a, int(y)))
+        if a < k:
+            reach *= float(accept[a])
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    return [(a, y, p) for p, a, y in cands[:fanout]]
+
+
+class Acceptance:
+    """Running per-position acceptance: P(draft j kept | drafts before it kept), with a prior so the
+    first rounds have an estimate. Shared by a worker session's requests (they see the same target)."""
+
+    def __init__(self, k_max: int = MAX_K, prior: float = 0.7, weight: float = 4.0) -> None:
+        self.tries = np.full(k_max, weight)
+        self.kept = np.full(k_max, weight * prior)
+
+    def update(self, offered: int, kept: int) -> None:
+        """`offered` drafts were sent, the first `kept` of them were accepted."""
+        n = min(offered, kept + 1, len(self.tries))
+        self.tries[:n] += 1
+        self.kept[:min(kept, n)] += 1
+
+    def rates(self, k: int) -> np.ndarray:
+        return (self.kept[:k] / self.tries[:k]).astype(np.float64)
+
+
+def dense(table: Table | None, keys: list[tuple[int, int, int]], k: int, fanout: int):
+    """The table as fixed-shape arrays for a selection without host logic (SpecCache.select_on_device):
+    one row per (request_id, generation, base) of `keys`, in the engine's batch order.
+    Returns ok bool [B] (the row's entry exists with those keys), prefix int32 [B, F, k+1] (-1 padded),
+    prefix_len int32 [B, F] (0: no branch), drafts int32 [B, F, k]."""
+    B = len(keys)
+    ok = np.zeros(B, bool)
+    prefix = np.full((B, fanout, k + 1), -1, np.int32)
+    plen = np.zeros((B, fanout), np.int32)
+    drafts = np.zeros((B, fanout, k), np.int32)
+    for i, (rid, gen, base) in enumerate(keys):
+        e = table.entry(rid) if table is not None else None
+        if e is None or e.generation != gen or e.base != base:
+            continue
+        ok[i] = True
+        kk = min(k, len(e.drafts))
+        for b in range(min(fanout, e.n_branches)):
+            p = e.prefix(b)
+            if len(p) > k + 1:
+                continue
+            prefix[i, b, :len(p)] = p
+            plen[i, b] = len(p)
+            drafts[i, b, :kk] = e.branch_drafts[b, :kk]
+    return ok, prefix, plen, drafts

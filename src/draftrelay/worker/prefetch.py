@@ -1,0 +1,244 @@
+"""The worker's half of the speculation cache: after answering a STEP, draft the next round for the
+likely outcomes of the verify now running on the engine (see draftrelay.speculation.table).
+
+For each request the STEP just served (context C of length L = base, drafts f1..fk):
+  1. one forward over (C[-1], f1..fk) in a scratch row (a copy of the request's draft KV) gives the
+     drafter's distribution at each of the k+1 places the verify can stop (k corrections, 1 bonus);
+  2. `choose_branches` picks the F most likely outcomes (a kept, token y) from those distributions
+     and the session's running per-position acceptance;
+  3. every branch gets its own scratch row (the KV of C + f1..fa, copied) and all branches of all
+     requests are drafted in ONE batched drafter run: extension by [y], then k greedy steps.
+The request's own KV row is only read, never written: the next STEP sees exactly the state it would
+have seen without prefetching. Scratch rows are full-context copies (simple and exact on the CPU
+path; a GPU layout that shares the prefix is a separate piece of work).
+
+The session's acceptance estimate learns from the next STEP's tokens: the block that follows a
+round with drafts f starts with the accepted drafts, then the target's token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
+from draftrelay.wire import protocol as P
+from draftrelay.worker.drafters import Job, LlamaDrafter
+
+log = logging.getLogger("draftrelay.worker")
+
+TOP_M = 8  # candidates per position considered for branches (F <= (k + 1) * TOP_M)
+
+
+class Prefetcher:
+    """Branch drafting for one WorkerCore. Call `table(session, blocks, result, fanout)` with the
+    core's lock held, right after the STEP was answered."""
+
+    def __init__(self, drafter, max_fanout: int = 16) -> None:
+        self.drafter = drafter
+        self.max_fanout = max_fanout
+        self.supported = isinstance(drafter, LlamaDrafter)
+        self._scratch: LlamaDrafter | None = None
+        self._acc: dict[int, Acceptance] = {}  # session id -> running acceptance
+        self._last: dict[tuple[int, int], tuple[int, int, np.ndarray]] = {}  # (session, req) -> gen, base, drafts
+        # request row -> (base L, round drafts f, [(prefix, scratch row, drafts, confidences)]): what a next
+        # STEP that extends that row by a branch's prefix can be answered with (HitDrafter), until the
+        # next prefetch reuses the scratch rows
+        self.records: dict[int, tuple[int, np.ndarray, list]] = {}
+        self.stats = {"tables": 0, "branches": 0, "prefetch_us": 0, "worker_side_hits": 0, "observed": 0}
+        # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch)
+        self.delay_s = float(os.environ.get("DRAFTRELAY_PREFETCH_DELAY_MS", "0") or 0) / 1000
+
+    def forget_session(self, session_id: int) -> None:
+        self._acc.pop(session_id, None)
+        for key in [k for k in self._last if k[0] == session_id]:
+            del self._last[key]
+
+    def _scratch_for(self, rows: int) -> LlamaDrafter:
+        d = self.drafter
+        if self._scratch is None or self._scratch.n_rows < rows:
+            n = 1 << max(0, rows - 1).bit_length()
+            self._scratch = LlamaDrafter(d.model, n, d.max_ctx, d.n_out_max, d.model_id, d.tokenizer_hash,
+                                         mode="eager")
+        return self._scratch
+
+    def _observe(self, sid: int, blocks: list[P.Block]) -> Acceptance:
+        acc = self._acc.setdefault(sid, Acceptance())
+        for b in blocks:
+            last = self._last.get((sid, b.request_id))
+            if last is None or last[0] != b.generation or last[1] != b.position or len(b.tokens) == 0:
+                continue
+            f = last[2]
+            m = min(len(f), len(b.tokens) - 1)
+            eq = np.asarray(b.tokens[:m]) == f[:m]
+            kept = m if eq.all() else int(np.argmin(eq))
+            acc.update(len(f), kept)
+            self.stats["observed"] += 1
+        return acc
+
+    def table(self, session, blocks: list[P.Block], result, fanout: int) -> Table:
+        t0 = time.perf_counter()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        sid = session.id
+        acc = self._observe(sid, blocks)
+        fanout = max(0, min(fanout, self.max_fanout))
+        todo = []  # (block index, request state, k)
+        for i, b in enumerate(blocks):
+            k = int(result.counts[i])
+            st = session.requests.get(b.request_id)
+            if st is None or k == 0 or int(result.status[i]) not in (P.OK, P.PARTIAL) or len(b.tokens) == 0:
+                self._last.pop((sid, b.request_id), None)
+                continue
+            self._last[(sid, b.request_id)] = (b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32))
+            if fanout and self.supported and st.ctx_len + k + 1 <= self.drafter.max_ctx:
+                todo.append((i, st, k))
+        entries: list[Entry] = []
+        self.records.clear()  # the scratch rows are about to be reused
+        if todo:
+            entries = self._draft(blocks, result, todo, acc, fanout)
+        self.stats["tables"] += 1
+        self.stats["branches"] += sum(e.n_branches for e in entries)
+        us = int((time.perf_counter() - t0) * 1e6)
+        self.stats["prefetch_us"] += us
+        return Table(entries, us, sid)
+
+    def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
+        d = self.drafter
+        torch = d.torch
+        main = d.cache
+        sc = self._scratch_for(len(todo) * fanout)
+        cache = sc.cache
+        model = d.model
+        with torch.inference_mode():
+            # 1. the drafter's distributions at the k+1 stopping places, one padded forward for all requests
+            T = 1 + max(k for _, _, k in todo)
+            toks = np.zeros((len(todo), T), np.int64)
+            starts = []
+            base_rows = []
+            for n, (i, st, k) in enumerate(todo):
+                L = st.ctx_len
+                row = n * fanout
+                _copy_row(main, st.row, cache, row, L - 1)
+                toks[n, 0] = int(blocks[i].tokens[-1])
+                toks[n, 1:1 + k] = result.drafts[i, :k]
+                starts.append(L - 1)
+                base_rows.append(row)
+            logits = model(torch.from_numpy(toks).to(model.device), torch.tensor(starts), cache,
+                           torch.tensor(base_rows))
+            probs = torch.softmax(logits.float(), -1)
+            m = min(TOP_M, probs.shape[-1])
+            top_p, top_t = probs.topk(m, dim=-1)  # ties: torch's order; choice only, never correctness
+            top_p, top_t = top_p.cpu().numpy(), top_t.cpu().numpy()
+            # 2. branch choice; 3. one batched draft run over every branch of every request
+            jobs: list[Job] = []
+            plan = []  # (todo index, [(a, y)], first job index)
+            for n, (i, st, k) in enumerate(todo):
+                L = st.ctx_len
+                f = result.drafts[i, :k].astype(np.int32)
+                rows = choose_branches(top_t[n, :k + 1], top_p[n, :k + 1], f, acc.rates(k), fanout)
+                base = base_rows[n]
+                cache.lengths[base] = L + k  # (C[-1], f1..fk) fed: KV of C + f1..fk
+                for b in range(1, len(rows)):
+                    _copy_row(cache, base, cache, base + b, L + rows[b][0])
+                first = len(jobs)
+                for b, (a, y, _) in enumerate(rows):
+                    if b == 0:
+                        cache.truncate(base, L + a)
+                    jobs.append(Job(base + b, L + a, np.array([y], np.int32)))
+                plan.append((n, [(a, y) for a, y, _ in rows], first))
+            k_max = max(k for _, _, k in todo)
+            out_d, out_c = sc.run(jobs, k_max) if jobs else (np.zeros((0, k_max), np.int32), None)
+        entries = []
+        for n, pairs, first in plan:
+            i, st, k = todo[n]
+            b = blocks[i]
+            nb = len(pairs)
+            f = result.drafts[i, :k].astype(np.int32)
+            self.records[st.row] = (st.ctx_len, f, [
+                (np.concatenate([f[:a], [y]]).astype(np.int32), base_rows[n] + j, out_d[first + j, :k].copy(),
+                 out_c[first + j, :k].copy()) for j, (a, y) in enumerate(pairs)])
+            entries.append(Entry(b.request_id, b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32),
+                                 np.array([a for a, _ in pairs], np.int32), np.array([y for _, y in pairs], np.int32),
+                                 out_d[first:first + nb, :k].astype(np.int32).reshape(nb, k)))
+        return entries
+
+
+class HitDrafter:
+    """The core's drafter while prefetching is on: a STEP whose block extends a request exactly by a
+    prefetched branch's prefix is answered from that branch (its drafts, confidences and KV, copied
+    back into the request's row) instead of drafting again, the worker-side half of a hit. Every other
+    job goes to the real drafter, and a job on a row drops that row's record: the record then no
+    longer describes the row. Everything else is the real drafter's."""
+
+    def __init__(self, drafter, prefetcher: Prefetcher) -> None:
+        self._d = drafter
+        self._pf = prefetcher
+
+    def __getattr__(self, name):
+        return getattr(self._d, name)
+
+    def _hit(self, job: Job, n_steps: int):
+        rec = self._pf.records.get(job.row)
+        if rec is None:
+            return None
+        L, f, branches = rec
+        c = job.keep - L
+        if c < 0 or c >= len(f) or n_steps < 1:
+            return None
+        want = np.concatenate([f[:c], job.tokens]).astype(np.int32)
+        for prefix, srow, d, conf in branches:
+            if n_steps <= len(d) and len(prefix) == len(want) and np.array_equal(prefix, want):
+                return srow, d[:n_steps], conf[:n_steps]
+        return None
+
+    def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        hits = {i: h for i, j in enumerate(jobs) if (h := self._hit(j, n_steps)) is not None}
+        for j in jobs:
+            self._pf.records.pop(j.row, None)
+        if not hits:
+            return self._d.run(jobs, n_steps)
+        rest = [j for i, j in enumerate(jobs) if i not in hits]
+        drafts = np.zeros((len(jobs), n_steps), np.int32)
+        confs = np.zeros((len(jobs), n_steps), np.float32)
+        if rest:
+            rd, rc = self._d.run(rest, n_steps)
+            idx = [i for i in range(len(jobs)) if i not in hits]
+            drafts[idx], confs[idx] = rd, rc
+        sc = self._pf._scratch.cache
+        for i, (srow, d, c) in hits.items():
+            j = jobs[i]
+            # the same row length the drafter leaves: context + the first n_steps - 1 drafts
+            _copy_row(sc, srow, self._d.cache, j.row, j.keep + len(j.tokens) + n_steps - 1)
+            drafts[i], confs[i] = d, c
+        self._pf.stats["worker_side_hits"] += len(hits)
+        return drafts, confs
+
+
+def _copy_row(src, src_row: int, dst, dst_row: int, n: int) -> None:
+    """KV of the first n positions of src's row into dst's row (the two caches share the model's shape)."""
+    if n > 0:
+        dst.k[:, dst_row, :, :n] = src.k[:, src_row, :, :n]
+        dst.v[:, dst_row, :, :n] = src.v[:, src_row, :, :n]
+    dst.lengths[dst_row] = n
+
+
+def branches_payload(core, session, blocks: list[P.Block], result, fanout: int) -> bytes:
+    """The BRANCHES frame's payload for the STEP just answered (an empty table when the drafter
+    cannot branch, so the client never waits for a frame that will not come)."""
+    with core.lock:
+        pf = core.prefetcher
+        if pf is None:
+            pf = core.prefetcher = Prefetcher(core.drafter)
+            if pf.supported:
+                core.drafter = HitDrafter(core.drafter, pf)
+        if session.id not in core.sessions:
+            return encode(Table([], 0, session.id))
+        try:
+            return encode(pf.table(session, blocks, result, fanout))
+        except Exception:  # prefetching is an optimisation: its failure costs the next round's hit only
+            log.exception("prefetch failed in session %016x", session.id)
+            return encode(Table([], 0, session.id))

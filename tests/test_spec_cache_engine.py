@@ -1,0 +1,330 @@
+"""The speculation cache end to end: a real worker process drafting branches, the real proxy process
+writing branch tables, the engine selecting on the emulated stream. Greedy output equals target-only
+across batch sizes and k, with every push-path fault, a watchdog-claimed round whose table comes late,
+a worker killed mid-prefetch and a proxy killed; sampling keeps the target's law; the hit rate is what
+a direct count from the drafter's and the target's tokens says it must be."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig
+from draftrelay.model import ModelConfig, Transformer, save_hf_dir, tiny_model_id, tiny_pair
+from draftrelay.speculation import table as TB
+from draftrelay.worker.prefetch import TOP_M
+from draftrelay.worker.process import start_worker_process
+
+PROMPTS = [list(b"Hello, world"), list(b"The quick brown fox"), list(b"abc"), list(b"speculative decoding")]
+MAX_TOKENS = 24
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = start_worker_process(["--model", "tiny", "--device", "cpu"], env=ENV)
+    yield w
+    w.stop()
+
+
+def spec_of(w, **kw):
+    return {"kind": "worker", "host": w.host, "port": w.port, "model_id": tiny_model_id(), **kw}
+
+
+def run(target, spec=None, F=0, mode="async", max_batch=4, k=4, prompts=PROMPTS, max_tokens=MAX_TOKENS,
+        on_step=None, deadline_ms=3000, round_budget_ms=2500, params=None, **opts):
+    # generous deadlines unless a test says otherwise: a loaded CI machine must not make this a fault test
+    h = HandoffConfig(round_spec=spec or {"kind": "builtin"}, deadline_ms=deadline_ms, round_budget_ms=round_budget_ms)
+    cfg = EngineConfig(mode=mode, n_draft=k, max_batch=max_batch, max_len=256, handoff=h, spec_fanout=F,
+                       spec_options=opts)
+    with Engine(target, cfg) as eng:
+        reqs = eng.generate(prompts, params or SamplingParams(max_tokens=max_tokens), on_step=on_step)
+        m = eng.metrics()
+        log = eng.spec_cache.log if eng.spec_cache is not None else None
+        if isinstance(eng.rounds, AsyncRounds):
+            eng.rounds.wait_settled()
+    return [r.output for r in reqs], m, log
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    out, _, _ = run(pair[0], mode="off", max_batch=1)
+    return out
+
+
+@pytest.mark.parametrize("max_batch, k", [(1, 4), (3, 4), (4, 2), (2, 6)])
+def test_greedy_identical_with_the_cache(pair, reference, worker, max_batch, k):
+    out, m, _ = run(pair[0], spec_of(worker), F=8, max_batch=max_batch, k=k)
+    assert out == reference
+    t = m["total"]
+    sc = t["spec_cache"]
+    assert sc["active"] and sc["refusal"] == ""
+    assert sc["hits"] > 0 and sc["fast_steps"] > 0  # verifies that did not wait for their round
+    assert sc["branches_per_round"] == pytest.approx(8.0)
+    assert t["rounds"]["failed"] == 0 and t["rounds"]["watchdog"] == 0
+    assert t["mean_accepted"] > 1.0
+    # every round is accounted for once, waited for or settled after a fast step
+    assert sc["request_rounds"] == sum(r["rounds"]["ok"] for r in m["requests"])
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ("drop", "late"), ("late", "late"), ("duplicate", "stale_entry"), ("reorder", "stale_entry"),
+    ("corrupt", "corrupt"), ("forge", None),
+])
+def test_push_path_faults_cost_speed_never_tokens(pair, reference, worker, fault, reason):
+    out, m, _ = run(pair[0], spec_of(worker), F=8, max_batch=2, push_faults={"seed": 3, f"p_{fault}": 0.5})
+    assert out == reference
+    sc = m["total"]["spec_cache"]
+    assert sc["active"] and sc["hits"] > 0  # the rounds without a fault still hit
+    if reason is not None:
+        assert sc["misses"].get(reason, 0) > 0, sc["misses"]
+    else:  # forged tables: branches selected, their drafts wrong, the verify rejects them
+        _, clean, _ = run(pair[0], spec_of(worker), F=8, max_batch=2)
+        assert m["total"]["accept_rate_by_pos"][0] < clean["total"]["accept_rate_by_pos"][0] - 0.1
+
+
+def test_late_table_after_a_watchdog_claim_is_never_used(pair, reference, worker):
+    """Rounds held past the deadline: the watchdog releases them empty; the proxy's late reply is
+    discarded and the table it pushes afterwards carries the stamp of a round the engine saw fail."""
+    faults = {"seed": 1, "p_delay": 0.25, "delay_ms": 400}
+    out, m, _ = run(pair[0], spec_of(worker, faults=faults), F=8, max_batch=2, deadline_ms=250)
+    assert out == reference
+    t = m["total"]
+    assert t["handoff"]["watchdog_fires"] > 0 and t["handoff"]["late_discarded"] > 0
+    assert t["spec_cache"]["misses"].get("no_table", 0) > 0 and t["spec_cache"]["hits"] > 0
+
+
+def test_worker_killed_mid_prefetch_and_replaced(pair, reference):
+    env = {**ENV, "DRAFTRELAY_PREFETCH_DELAY_MS": "150"}  # the worker spends most of its time prefetching
+    w = start_worker_process(["--model", "tiny", "--device", "cpu"], env=env)
+    state = {"steps": 0, "w": w}
+    port = w.port
+
+    def on_step(eng):
+        state["steps"] += 1
+        if state["steps"] == 4:
+            state["w"].proc.kill()
+            state["w"].stop()
+        if state["steps"] == 7:
+            state["w"] = start_worker_process(["--model", "tiny", "--device", "cpu", "--port", str(port)], env=ENV)
+
+    try:
+        out, m, _ = run(pair[0], spec_of(w, breaker_cooldown_s=0.05), F=8, prompts=PROMPTS[:2], max_batch=2,
+                        max_tokens=40, on_step=on_step)
+        ref, _, _ = run(pair[0], mode="off", prompts=PROMPTS[:2], max_tokens=40)
+    finally:
+        state["w"].stop()
+    assert out == ref
+    t = m["total"]
+    assert t["rounds"]["failed"] > 0 and state["steps"] > 7
+    assert max(q["generation"] for q in m["requests"]) > 1  # restarted on the new worker's session
+    assert t["spec_cache"]["hits"] > 0
+
+
+def test_proxy_killed_twice_cache_recovers(pair, reference, worker):
+    steps = {"n": 0, "kills": 0}
+
+    def on_step(eng):
+        steps["n"] += 1
+        if steps["n"] in (3, 8):
+            eng.rounds.wait_settled()
+            os.kill(eng.rounds.proxy.pid, signal.SIGKILL)
+            steps["kills"] += 1
+
+    out, m, _ = run(pair[0], spec_of(worker), F=8, max_batch=3, prompts=PROMPTS[:3], max_tokens=40,
+                    on_step=on_step)
+    ref, _, _ = run(pair[0], mode="off", prompts=PROMPTS[:3], max_tokens=40)
+    assert out == ref and steps["kills"] == 2
+    t = m["total"]
+    assert t["handoff"]["respawns_used"] == 2
+    assert t["spec_cache"]["epochs"] == 2  # each new proxy starts a new table epoch
+    assert t["spec_cache"]["hits"] > 0
+
+
+def test_cache_needs_async_rounds(pair, worker):
+    out, m, _ = run(pair[0], spec_of(worker), F=8, mode="sync", max_tokens=6)
+    sc = m["total"]["spec_cache"]
+    assert not sc["active"] and "needs async rounds" in sc["refusal"] and sc["request_rounds"] == 0
+    with pytest.raises(ValueError, match="fan-out"):
+        run(pair[0], spec_of(worker), F=TB.MAX_BRANCHES + 1)
+
+
+# ---- the hit rate is what the drafter's and target's tokens say -------------------------------------
+
+
+def expected_hits(drafter: Transformer, seqs: dict[int, list[int]], log: list[dict], F: int) -> tuple[int, int]:
+    """(sure, ambiguous) hit counts recomputed from scratch: for each table lookup, the drafter's
+    distributions at the k+1 stopping places after the context, the worker's running acceptance replayed
+    from the earlier lookups, choose_branches, and whether the outcome is among the F chosen. Outcomes
+    within 1e-4 of the F-th candidate's probability are ambiguous (float order in a batched forward)."""
+    acc = TB.Acceptance()
+    sure = amb = 0
+    for e in log:
+        if e["drafts"] is None:
+            continue
+        f = np.array(e["drafts"], np.int32)
+        k = len(f)
+        ctx = seqs[e["request"]][:e["base"]]
+        new = e["new"]
+        with torch.inference_mode():
+            cache = drafter.new_cache(1, len(ctx) + k + 1)
+            lg = drafter(torch.tensor([ctx + f.tolist()]), torch.tensor([0]), cache, torch.tensor([0]))[0]
+            probs = torch.softmax(lg[len(ctx) - 1:len(ctx) + k].float(), -1)
+            tp, tt = probs.topk(TOP_M, dim=-1)
+        cands = TB.choose_branches(tt.numpy(), tp.numpy(), f, acc.rates(k), 10 ** 6)
+        a = len(new) - 1
+        idx = None
+        if new[:a] == f[:a].tolist():
+            idx = next((i for i, (ca, cy, _) in enumerate(cands) if ca == a and cy == new[a]), None)
+        if idx is not None:
+            p = cands[idx][2]
+            near = (idx < F and len(cands) > F and p - cands[F][2] <= 1e-4) or \
+                   (idx >= F and cands[F - 1][2] - p <= 1e-4)
+            if near:
+                amb += 1
+            elif idx < F:
+                sure += 1
+        m = min(k, len(new) - 1)
+        eq = np.asarray(new[:m]) == f[:m]
+        acc.update(k, m if eq.all() else int(np.argmin(eq)))  # what the worker observes next round
+        assert e["hit"] == (e["why"] == "")
+    return sure, amb
+
+
+@pytest.mark.parametrize("F", [2, 8])
+def test_hit_rate_equals_a_direct_count(pair, worker, F):
+    target, drafter = pair
+    out, m, log = run(target, spec_of(worker), F=F, max_batch=1, max_tokens=40, log=True)
+    seqs = {i: PROMPTS[i] + out[i] for i in range(len(PROMPTS))}
+    sure, amb = expected_hits(drafter, seqs, log, F)
+    sc = m["total"]["spec_cache"]
+    hits = sum(e["hit"] for e in log)
+    assert hits == sc["hits"] and sc["request_rounds"] == len(log)
+    assert sure <= hits <= sure + amb, (hits, sure, amb, sc)
+    assert amb <= 2 and sure > 0
+    # nothing missed for transport reasons: the only misses are outcomes outside the table and first rounds
+    assert set(sc["misses"]) <= {"no_match", "no_entry", "no_table"}, sc["misses"]
+
+
+# ---- sampling keeps the target's law ----------------------------------------------------------------
+
+V = 8
+
+
+def small_target() -> Transformer:
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                      intermediate_size=48, max_position_embeddings=64)
+    return Transformer.random(cfg, seed=5, std=0.25)
+
+
+def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path):
+    """Temperature 1, k = 2, the worker's drafter is the target itself (greedy drafts), F = 12 branches:
+    later steps verify branch drafts without waiting. The joint law of the third and fourth output tokens
+    (produced by hit steps in most samples) equals the target's exact law (chi-square, 64 cells, 1,024 samples)."""
+    target = small_target()
+    save_hf_dir(target, tmp_path / "m")
+    # one session of B = 16 requests: the whole worker (its default share is half of its rows)
+    w = start_worker_process(["--model", str(tmp_path / "m"), "--device", "cpu", "--max-ctx", "64",
+                              "--max-requests", "16"], env=ENV)
+    prompt = [1, 2, 3]
+    n_batches, B = 64, 16
+    counts = np.zeros((V, V))
+    hits = rounds = 0
+    try:
+        spec = {"kind": "worker", "host": w.host, "port": w.port, "max_requests": B}
+        h = HandoffConfig(round_spec=spec, deadline_ms=3000, round_budget_ms=2500)
+        cfg = EngineConfig(mode="async", n_draft=2, max_batch=B, max_len=32, handoff=h, spec_fanout=12)
+        with Engine(target, cfg) as eng:
+            for b in range(n_batches):
+                ps = [SamplingParams(max_tokens=6, temperature=1.0, seed=b * B + i) for i in range(B)]
+                for r in eng.generate([prompt] * B, ps):
+                    counts[r.output[2], r.output[3]] += 1
+            t = eng.metrics()["total"]
+            sc = t["spec_cache"]
+            hits, rounds = sc["hits"], sc["request_rounds"]
+    finally:
+        w.stop()
+    assert t["rounds"]["failed"] == 0 and t["rounds"]["watchdog"] == 0
+    assert sc["active"] and hits > 0.3 * rounds and sc["fast_steps"] > 0
+    with torch.inference_mode():
+        def probs(seqs):
+            c = target.new_cache(len(seqs), 8)
+            lg = target(torch.tensor(seqs), torch.zeros(len(seqs), dtype=torch.long), c, torch.arange(len(seqs)))
+            return torch.softmax(lg[:, -1].double(), -1)
+
+        p1 = probs([prompt])[0]
+        p2 = probs([prompt + [a] for a in range(V)])
+        p3 = probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+        p4 = probs([prompt + [a, b, c] for a in range(V) for b in range(V) for c in range(V)]).view(V, V, V, V)
+        joint = p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
+        exact = joint.sum((0, 1)).numpy()  # law of (output[2], output[3])
+    n = n_batches * B
+    expected = exact * n
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    x = float(((obs - exp) ** 2 / exp).sum())
+    k = len(exp) - 1
+    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    pvalue = 0.5 * math.erfc(z / math.sqrt(2))
+    assert pvalue > 1e-3, (x, k)
+    assert counts.max() < 0.5 * n  # and the test has power: greedy acceptance would put most mass on one cell
+
+
+# ---- the commands and the metrics ---------------------------------------------------------------
+
+
+def test_generate_and_demo_with_the_cache(capsys, tmp_path):
+    from draftrelay import cli
+
+    js = tmp_path / "m.json"
+    assert cli.main(["generate", "hello", "--mode", "off", "--max-tokens", "24", "--device", "cpu"]) == 0
+    ref = capsys.readouterr().out
+    assert cli.main(["generate", "hello", "--mode", "async", "--spec-cache", "8", "--max-tokens", "24",
+                     "--device", "cpu", "--deadline-ms", "2000", "--json", str(js)]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == ref
+    assert "[spec-cache F=8] hits" in cap.err
+    sc = json.loads(js.read_text())["total"]["spec_cache"]
+    assert sc["active"] and sc["hits"] > 0
+    assert cli.main(["demo", "--device", "cpu", "--modes", "off,cache", "--spec-cache", "4", "--max-tokens", "16",
+                     "--deadline-ms", "2000"]) == 0
+    out = capsys.readouterr().out
+    assert "identical in off, cache: yes" in out
+    header = next(line for line in out.splitlines() if line.startswith("mode"))
+    assert "cache hits" in header and "no-wait verifies" in header
+    cache_row = next(line for line in out.splitlines() if line.startswith("cache"))
+    assert " %" in cache_row
+
+
+def test_cache_arguments_are_checked(capsys):
+    from draftrelay import cli
+
+    assert cli.main(["generate", "x", "--mode", "off", "--spec-cache", "8"]) == 2
+    assert "--spec-cache" in capsys.readouterr().err
+    assert cli.main(["demo", "--spec-cache", "99"]) == 2
+    assert "--spec-cache" in capsys.readouterr().err
+
+
+def test_prometheus_metrics_of_the_cache():
+    from draftrelay.handoff import metrics
+
+    sc = {"request_rounds": 10, "hits": 7, "misses": {"no_match": 2, "late": 1}, "fast_steps": 5,
+          "waited_steps": 3, "hit_rate": 0.7, "branches_per_round": 8.0, "wait_ms_mean": 1.5, "active": True}
+    text = metrics.render({"mode": "async", "spec_cache": sc})
+    assert "draftrelay_spec_cache_hits_total 7.0" in text
+    assert 'draftrelay_spec_cache_misses_total{reason="late"} 1.0' in text
+    assert "draftrelay_spec_cache_hit_rate 0.7" in text
+    assert "draftrelay_spec_cache" not in metrics.render({"mode": "async"})

@@ -1,0 +1,278 @@
+"""Speculation cache pieces on their own: the branch table format and its exact-prefix selection,
+branch choice, the shared-memory slots (seqlock, stamps, epoch, crc), the worker's branch drafting
+(each branch equals a fresh round of the same context) and the worker-side hit, and the STEP fan-out
+on the wire."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from draftrelay.handoff.branch_shm import ShmError, TableShm
+from draftrelay.speculation import table as TB
+from draftrelay.wire import protocol as P
+
+V = 50
+
+
+def entry(rid=7, gen=2, base=10, f=(3, 4, 5), branches=((0, 9), (3, 11), (1, 12))):
+    f = np.array(f, np.int32)
+    acc = np.array([a for a, _ in branches], np.int32)
+    tok = np.array([y for _, y in branches], np.int32)
+    bd = (np.arange(len(branches) * len(f), dtype=np.int32).reshape(len(branches), len(f)) + 20) % V
+    return TB.Entry(rid, gen, base, f, acc, tok, bd)
+
+
+def test_table_roundtrip_and_exact_prefix_selection():
+    t = TB.Table([entry(), entry(rid=8, base=3)], worker_us=123, session_id=99)
+    back = TB.decode(TB.encode(t), V)
+    assert back.session_id == 99 and back.worker_us == 123 and len(back.entries) == 2
+    e = back.entry(7)
+    assert np.array_equal(e.branch_drafts, t.entries[0].branch_drafts)
+    assert e.prefix(1).tolist() == [3, 4, 5, 11]
+    assert TB.select(e, 7, 2, 10, [9]) == 0  # correction at position 0
+    assert TB.select(e, 7, 2, 10, [3, 4, 5, 11]) == 1  # all kept, bonus 11
+    assert TB.select(e, 7, 2, 10, [3, 12]) == 2
+    # anything that is not exactly a branch's prefix of this request, generation and base: no branch
+    for args in [(7, 2, 10, [3, 9]), (7, 2, 10, [4, 12]), (7, 2, 10, [3, 4, 5, 12]), (7, 2, 10, []),
+                 (7, 2, 10, [3, 4, 5, 11, 1]), (7, 3, 10, [9]), (7, 2, 11, [9]), (8, 2, 10, [9])]:
+        assert TB.select(e, *args) == -1, args
+    assert TB.select(None, 7, 2, 10, [9]) == -1
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda b: b[:-1], "fit"), (lambda b: b + b"\0", "trailing"), (lambda b: b[:10], "bytes"),
+])
+def test_table_decode_refuses_malformed_bytes(damage, words):
+    with pytest.raises(TB.TableError, match=words):
+        TB.decode(damage(TB.encode(TB.Table([entry()]))), V)
+
+
+def test_table_decode_refuses_bad_ids_counts_and_duplicates():
+    bad_tok = entry()
+    bad_tok.token[0] = V + 1
+    with pytest.raises(TB.TableError, match="outside"):
+        TB.decode(TB.encode(TB.Table([bad_tok])), V)
+    too_many = entry()
+    too_many.accepted[0] = 4  # keeps 4 of 3 drafts
+    with pytest.raises(TB.TableError, match="keeps 4 of 3"):
+        TB.decode(TB.encode(TB.Table([too_many])), V)
+    with pytest.raises(TB.TableError, match="twice"):
+        TB.decode(TB.encode(TB.Table([entry(), entry()])), V)
+
+
+def test_branch_choice_is_the_most_likely_outcomes():
+    # k = 2 drafts (5, 6); candidates at the 3 stopping places
+    f = np.array([5, 6], np.int32)
+    top_t = np.array([[5, 1, 2], [6, 3, 4], [7, 8, 9]])
+    top_p = np.array([[0.8, 0.15, 0.05], [0.5, 0.3, 0.2], [0.6, 0.3, 0.1]])
+    accept = np.array([0.9, 0.5])
+    out = TB.choose_branches(top_t, top_p, f, accept, 10)
+    got = {(a, y): p for a, y, p in out}
+    assert (0, 5) not in got and (1, 6) not in got  # a rejected draft is never its own correction
+    # P(a=0, y=1) = 0.1 * 0.15 / 0.2 ; P(a=2, y=7) = 0.9 * 0.5 * 0.6 ; P(a=1, y=3) = 0.9 * 0.5 * 0.3 / 0.5
+    assert got[(0, 1)] == pytest.approx(0.1 * 0.75)
+    assert got[(2, 7)] == pytest.approx(0.27)
+    assert got[(1, 3)] == pytest.approx(0.27)
+    assert [p for _, _, p in out] == sorted((p for _, _, p in out), reverse=True)
+    assert sum(got.values()) == pytest.approx(1.0)  # every outcome the candidates cover
+    assert len(TB.choose_branches(top_t, top_p, f, accept, 3)) == 3
+
+
+def test_running_acceptance():
+    acc = TB.Acceptance(k_max=4, prior=0.5, weight=2)
+    for _ in range(20):
+        acc.update(4, 1)  # draft 1 kept, draft 2 rejected, drafts 3-4 never tried
+    r = acc.rates(4)
+    assert r[0] > 0.9 and r[1] < 0.1 and r[2] == pytest.approx(0.5) and r[3] == pytest.approx(0.5)
+
+
+def test_shm_slots_stamps_epoch_and_crc():
+    shm = TableShm.create(4096)
+    try:
+        other = TableShm.open(shm.fd)  # the proxy's mapping of the same memory
+        body = TB.encode(TB.Table([entry()]))
+        assert shm.read(5) == (None, "absent")
+        assert other.write(5, body)
+        assert shm.read(5) == (body, "")
+        assert shm.read(7) == (None, "absent")  # round 7's table has not come (slot holds 5)
+        assert shm.read(3)[1] == "stale"  # the engine expects an older round than the slot holds
+        assert other.write(6, body) and shm.read(6) == (body, "") and shm.read(5) == (body, "")
+        assert other.write(7, body, crc=123)  # corrupt: body and checksum disagree
+        assert shm.read(7) == (None, "corrupt")
+        shm.bump_epoch()  # a new proxy: nothing written before counts
+        assert shm.read(6) == (None, "stale")
+        assert other.write(8, body) and shm.read(8) == (body, "")
+        assert not other.write(9, b"x" * 5000)  # too big for the slot: not written
+        seq_addr = other.base + 64
+        from draftrelay.handoff import native
+        native.store32(seq_addr, native.load32(seq_addr) | 1)  # a writer mid-write
+        assert shm.read(8) == (None, "torn")
+        other.close()
+    finally:
+        shm.close()
+    with pytest.raises(ShmError, match="capacity"):
+        TableShm.create(10)
+    r, w = os.pipe()
+    os.close(w)
+    try:
+        with pytest.raises(ShmError):
+            TableShm.open(r)
+    finally:
+        os.close(r)
+
+
+def test_proxy_side_modules_load_no_torch():
+    code = ("import sys; import draftrelay.handoff.branch_push, draftrelay.handoff.branch_shm, "
+            "draftrelay.speculation.table; from draftrelay.handoff.proxy import forbidden_loaded; "
+            "assert not forbidden_loaded(), forbidden_loaded()")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": "src"})
+
+
+def test_step_fanout_on_the_wire():
+    blocks = [P.Block(1, 1, 0, np.array([1, 2], np.int32), 3)]
+    enc = P.encode_step(blocks, 8)
+    assert P.step_fanout(enc) == 8 and P.step_fanout(P.encode_step(blocks)) == 0
+    assert P.decode_step(enc, 4)[0].n_out == 3
+    with pytest.raises(ValueError, match="fanout"):
+        P.encode_step(blocks, P.MAX_FANOUT + 1)
+    for flags, fanout in [(1, 0), (0, 5), (3, 5), (1, P.MAX_FANOUT + 1)]:
+        with pytest.raises(P.FrameError, match="flags|fan-out"):
+            P.decode_step(P.STEP_HEAD.pack(1, flags, fanout) + enc[8:], 4)
+
+
+# ---- the worker's branch drafting ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served():
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.server import WorkerServer
+
+    core = WorkerCore(load_drafter("tiny", n_rows=8, max_ctx=512), max_requests=4)
+    srv = WorkerServer(core)
+    host, port = srv.start()
+    yield core, host, port
+    srv.stop()
+
+
+def fresh_drafts(host, port, ctx, k):
+    from draftrelay.wire.client import DrafterClient
+
+    with DrafterClient(host, port, max_requests=1, n_out_max=8, timeout=10) as c:
+        return c.step([P.Block(1, 1, 0, np.asarray(ctx, np.int32), k)], timeout=10).drafts[0, :k]
+
+
+def test_each_branch_is_the_round_its_outcome_would_get(served):
+    from draftrelay.wire.client import DrafterClient
+
+    core, host, port = served
+    prompt = (np.arange(1, 24) * 37 % 256).astype(np.int32)
+    k, F = 4, 6
+    with DrafterClient(host, port, max_requests=2, n_out_max=8, timeout=10) as c:
+        rep = c.step([P.Block(5, 1, 0, prompt, k), P.Block(6, 1, 0, prompt[:9], k)], timeout=10, fanout=F)
+        t = TB.decode(c.recv_branches(10), 256)
+        assert [e.request_id for e in t.entries] == [5, 6]
+        e = t.entry(5)
+        assert e.base == len(prompt) and e.n_branches == F and np.array_equal(e.drafts, rep.drafts[0, :k])
+        outcomes = {(int(a), int(y)) for a, y in zip(e.accepted, e.token, strict=True)}
+        assert len(outcomes) == F and all(y != e.drafts[a] for a, y in outcomes if a < k)
+        for b in range(F):  # batched over all branches, each equals a fresh round of its context
+            ctx = np.concatenate([prompt, e.prefix(b)])
+            assert np.array_equal(fresh_drafts(host, port, ctx, k), e.branch_drafts[b]), b
+        # the next round along branch 2 is answered from the branch (worker-side hit) with the same drafts,
+        # and leaves the request's KV as a drafted round would: the round after it matches a fresh one too
+        hits = core.prefetcher.stats["worker_side_hits"]
+        rep2 = c.step([P.Block(5, 1, e.base, e.prefix(2), k)], timeout=10, fanout=F)
+        assert core.prefetcher.stats["worker_side_hits"] == hits + 1
+        assert np.array_equal(rep2.drafts[0, :k], e.branch_drafts[2])
+        t2 = TB.decode(c.recv_branches(10), 256)
+        e2 = t2.entry(5)
+        assert e2.base == e.base + len(e.prefix(2))
+        ctx2 = np.concatenate([prompt, e.prefix(2), e2.prefix(0)])
+        rep3 = c.step([P.Block(5, 1, e2.base, e2.prefix(0), k)], timeout=10)
+        assert np.array_equal(rep3.drafts[0, :k], fresh_drafts(host, port, ctx2, k))
+        # a plain STEP's reply is not followed by a table; a late table is skipped by seq
+        c.step([P.Block(6, 1, 9, prompt[9:12], k)], timeout=10, fanout=F)
+        c.step([P.Block(6, 1, 12, prompt[12:13], k)], timeout=10)  # the unread BRANCHES frame is skipped
+        assert c.stats["skipped_late_replies"] >= 1
+
+
+def test_test_drafter_answers_an_empty_table():
+    from draftrelay.wire.client import DrafterClient
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.server import WorkerServer
+
+    srv = WorkerServer(WorkerCore(load_drafter("test"), max_requests=2))
+    host, port = srv.start()
+    try:
+        with DrafterClient(host, port, max_requests=1, timeout=5) as c:
+            c.step([P.Block(1, 1, 0, np.array([1, 2, 3], np.int32), 3)], timeout=5, fanout=4)
+            assert TB.decode(c.recv_branches(5), 1000).entries == []
+    finally:
+        srv.stop()
+
+
+def test_device_selection_equals_the_host_selection():
+    """SpecCache.select_on_device (tensor ops only, the CUDA path's selection) picks exactly what
+    table.select picks, row by row, over random tables and outcomes (hits, misses, wrong keys)."""
+    import torch
+
+    from draftrelay.engine.spec_cache import SpecCache
+
+    rng = np.random.default_rng(0)
+    k, F, B = 4, 6, 5
+    for trial in range(40):
+        entries, keys, news = [], [], []
+        for i in range(B):
+            f = rng.integers(0, V, k).astype(np.int32)
+            pairs = {(int(rng.integers(0, k + 1)), int(rng.integers(0, V))) for _ in range(F)}
+            pairs = [(a, y) for a, y in pairs if a == k or y != f[a]]
+            e = TB.Entry(100 + i, 1, 10 + i, f, np.array([a for a, _ in pairs], np.int32),
+                         np.array([y for _, y in pairs], np.int32),
+                         rng.integers(0, V, (len(pairs), k)).astype(np.int32))
+            entries.append(e)
+            key = (100 + i, 1 + int(rng.random() < 0.1), 10 + i + int(rng.random() < 0.1))
+            keys.append(key)
+            if pairs and rng.random() < 0.6:
+                new = e.prefix(int(rng.integers(0, len(pairs)))).tolist()
+            else:
+                a = int(rng.integers(0, k + 1))
+                new = f[:a].tolist() + [int(rng.integers(0, V))]
+            news.append(new)
+        table = TB.decode(TB.encode(TB.Table(entries[:B - 1] if trial % 3 == 0 else entries)), V)
+        ok, pfx, plen, dr = TB.dense(table, keys, k, F)
+        new_t = torch.full((B, k + 1), -1, dtype=torch.int32)
+        for i, n in enumerate(news):
+            new_t[i, :len(n)] = torch.tensor(n, dtype=torch.int32)
+        got, hit = SpecCache.select_on_device(torch.from_numpy(ok), torch.from_numpy(pfx), torch.from_numpy(plen),
+                                              torch.from_numpy(dr), new_t, torch.tensor([len(n) for n in news]))
+        for i, (rid, gen, base) in enumerate(keys):
+            b = TB.select(table.entry(rid), rid, gen, base, news[i])
+            assert bool(hit[i]) == (b >= 0), (trial, i)
+            if b >= 0:
+                assert got[i].tolist() == table.entry(rid).branch_drafts[b].tolist()
+            else:
+                assert got[i].tolist() == [0] * k
+
+
+def test_an_engine_that_cannot_start_leaves_no_table_memory():
+    from draftrelay.engine.engine import Engine, EngineConfig
+    from draftrelay.handoff.rounds import AsyncRefused, HandoffConfig
+    from draftrelay.model import tiny_pair
+
+    target = tiny_pair()[0]
+    before = set(os.listdir("/proc/self/fd"))
+    h = HandoffConfig(backend="no-such-backend", strict=True)
+    with pytest.raises(AsyncRefused, match="no-such-backend"):
+        Engine(target, EngineConfig(mode="async", handoff=h, spec_fanout=8))
+    assert set(os.listdir("/proc/self/fd")) <= before
+    with Engine(target, EngineConfig(mode="off", spec_fanout=8)) as eng:  # no rounds: the cache says why
+        assert not eng.spec_cache.active and "needs async rounds" in eng.spec_cache.refusal
+    assert set(os.listdir("/proc/self/fd")) <= before
