@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from draftrelay.checkpoint.hf import save_hf_dir
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig
-from draftrelay.model import ModelConfig, Transformer, save_hf_dir, tiny_model_id, tiny_pair
+from draftrelay.model import ModelConfig, Transformer, tiny_model_id, tiny_pair
 from draftrelay.speculation import table as TB
 from draftrelay.worker.prefetch import TOP_M
 from draftrelay.worker.process import start_worker_process
