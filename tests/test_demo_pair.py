@@ -73,7 +73,8 @@ def test_an_incomplete_pair_is_named(monkeypatch, tmp_path):
 
 def test_the_demo_writes_python_identically_in_every_mode(tmp_path):
     out_json = tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-m", "draftrelay.cli", "demo", "--device", "cpu", "--max-tokens", "40", "--k", "4",
+    proc = subprocess.run([sys.executable, "-m", "draftrelay.cli", "demo", "--device", "cpu", "--max-tokens", "40",
+                           "--k", "4",
                            "--json", str(out_json)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
