@@ -80,11 +80,9 @@ def p50(xs) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def run_group(eng: Engine, prompts: list[list[int]], modes: dict, warmup: int, steps: int, k: int) -> dict:
-    """Prefill the prompts together, then decode them in each mode in turn from the same KV."""
-    # untimed: the warm-up steps plus the rounds in which the drafter catches up on the context
-    warmup += -(-(max(len(p) for p in prompts) + 1) // eng.cfg.max_round_tokens)
-    params = SamplingParams(max_tokens=(warmup + steps + 2) * (k + 1) + 2)
+def prefill_held(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, list[float]]:
+    """Prefill the prompts together and keep their rows, so every mode can `resume` from the same KV:
+    (the requests, their TTFT in seconds)."""
     reqs = [eng.add_request(p, params) for p in prompts]
     if eng.stream is not None:
         torch.cuda.synchronize()
@@ -92,6 +90,15 @@ def run_group(eng: Engine, prompts: list[list[int]], modes: dict, warmup: int, s
     ttft = [r.t_first - r.t_arrive for r in reqs]
     for r in reqs:
         eng.cancel(r, keep_row=True)
+    return reqs, ttft
+
+
+def run_group(eng: Engine, prompts: list[list[int]], modes: dict, warmup: int, steps: int, k: int) -> dict:
+    """Prefill the prompts together, then decode them in each mode in turn from the same KV."""
+    # untimed: the warm-up steps plus the rounds in which the drafter catches up on the context
+    warmup += -(-(max(len(p) for p in prompts) + 1) // eng.cfg.max_round_tokens)
+    params = SamplingParams(max_tokens=(warmup + steps + 2) * (k + 1) + 2)
+    reqs, ttft = prefill_held(eng, prompts, params)
     out = {"ttft_s": ttft, "modes": {}}
     for name, rounds in modes.items():
         eng.set_rounds(rounds)

@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay import model as M  # noqa: E402
+from draftrelay.capture import kv_bucket  # noqa: E402  (the bucket the drafter itself uses)
 from draftrelay.checkpoint.hf import save_hf_dir  # noqa: E402
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from draftrelay.engine.loading import handoff_config  # noqa: E402
@@ -45,7 +46,7 @@ from draftrelay.handoff.rounds import SyncRounds, open_rounds  # noqa: E402
 from draftrelay.replay import CostTable, Trace, install_replay_target, with_fillers  # noqa: E402
 from draftrelay.worker.drafters import Job, load_drafter  # noqa: E402
 from draftrelay.worker.process import start_worker_process  # noqa: E402
-from engine_workloads import DRAFTER_SHAPES, TARGET_SHAPES, random_model  # noqa: E402
+from engine_workloads import DRAFTER_SHAPES, TARGET_SHAPES, prefill_held, random_model  # noqa: E402
 
 CONTEXTS = {"short": 0, "32k": 32768}
 
@@ -78,7 +79,6 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                     d.run(jb, n)
                     sync()
                     times.append(time.perf_counter() - t0)
-                from draftrelay.capture import kv_bucket  # the bucket the drafter itself uses
                 out[(b, n, kv_bucket(L + 3 + n, d.cache.max_len))] = p50(times[2:])
     del d
     if dev.startswith("cuda"):
@@ -93,15 +93,7 @@ def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens:
     # stops while every request is still inside the trace
     params = SamplingParams(max_tokens=max_tokens + 64)
     stop_at = max_tokens - eng.cfg.n_draft - 1
-    reqs = [eng.add_request(p, params) for p in prompts]
-    if eng.stream is not None:
-        torch.cuda.synchronize()
-    eng.prefill_waiting()
-    if eng.stream is not None:
-        torch.cuda.synchronize()
-    ttft = [r.t_first - r.t_arrive for r in reqs]
-    for r in reqs:
-        eng.cancel(r, keep_row=True)
+    reqs, ttft = prefill_held(eng, prompts, params)
     out = {"ttft_s": ttft, "modes": {m: [] for m in modes}}
     for _ in range(repeats):
         for name, rounds in modes.items():
