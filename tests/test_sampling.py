@@ -5,27 +5,12 @@ without removing the rejected draft) are rejected by the same test that passes t
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from draftrelay.engine.sampling import accept_greedy, accept_sampled, probs_from_logits, sample_from
-
-
-def chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
-    """Pearson chi-square p-value (Wilson-Hilferty approximation; no scipy in CI). Cells with an
-    expected count below 5 are pooled into one."""
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    x = float(((obs - exp) ** 2 / exp).sum())
-    k = len(exp) - 1
-    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
+from draftrelay.testing import chi2_pvalue
 
 
 def test_greedy_acceptance():

@@ -9,6 +9,7 @@ chosen, reproducible ways (deterministic per round). numpy-only: the proxy proce
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -146,3 +147,21 @@ def faulty(fn: RoundFn, plan: FaultPlan, vocab_size: int) -> RoundFn:
         return out
 
     return wrapped
+
+
+def chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson chi-square p-value of observed counts against expected ones (Wilson-Hilferty
+    approximation; no scipy needed). Cells with an expected count below 5 are pooled into one; an
+    observation where nothing was expected (an impossible outcome) gives 0."""
+    observed, expected = np.asarray(observed, np.float64), np.asarray(expected, np.float64)
+    if (observed[expected <= 0] > 0).any():
+        return 0.0
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    x = float(((obs - exp) ** 2 / exp).sum())
+    k = len(exp) - 1
+    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
