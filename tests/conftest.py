@@ -26,3 +26,23 @@ def install_driver(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu_name)
 
     return install
+
+
+def write_hf_pair(tmp_path, target, drafter) -> list[str]:
+    """`target` and `drafter` written as two HF checkpoints (tmp_path/target, tmp_path/drafter) sharing
+    one byte-level tokenizer.json: the directories, target first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from draftrelay.checkpoint.hf import save_hf_dir
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    dirs = []
+    for name, model in (("target", target), ("drafter", drafter)):
+        d = tmp_path / name
+        save_hf_dir(model, d)
+        tok.save(str(d / "tokenizer.json"))
+        dirs.append(str(d))
+    return dirs

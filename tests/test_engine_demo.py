@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from conftest import write_hf_pair
 from draftrelay import cli
 
 
@@ -60,23 +61,9 @@ def test_generate_bad_arguments(capsys):
 
 def _hf_dirs(tmp_path):
     """The tiny pair written as two HF checkpoints sharing a byte-level tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from draftrelay.checkpoint.hf import save_hf_dir
     from draftrelay.model import tiny_pair
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    target, drafter = tiny_pair()
-    dirs = []
-    for name, model in (("target", target), ("drafter", drafter)):
-        d = tmp_path / name
-        save_hf_dir(model, d)
-        tok.save(str(d / "tokenizer.json"))
-        dirs.append(str(d))
-    return dirs
+    return write_hf_pair(tmp_path, *tiny_pair())
 
 
 def test_generate_with_hf_checkpoints_and_a_local_worker(tmp_path, capsys):

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import write_hf_pair
 from draftrelay import cli
 
 
@@ -73,25 +74,12 @@ def test_long_prompt_shows_prefill_progress(capsys):
 
 def _hf_pair(tmp_path, drafter_vocab: int):
     """A tiny target and a drafter of `drafter_vocab` tokens, both with the same tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from draftrelay.checkpoint.hf import save_hf_dir
     from draftrelay.model import ModelConfig, Transformer, tiny_pair
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     target, _ = tiny_pair()
     drafter = Transformer.random(ModelConfig(vocab_size=drafter_vocab, hidden_size=32, n_layers=1, n_heads=2,
                                              n_kv_heads=1, head_dim=16, intermediate_size=64))
-    dirs = []
-    for name, model in (("target", target), ("drafter", drafter)):
-        d = tmp_path / name
-        save_hf_dir(model, d)
-        tok.save(str(d / "tokenizer.json"))
-        dirs.append(str(d))
-    return dirs
+    return write_hf_pair(tmp_path, target, drafter)
 
 
 def test_drafter_of_another_vocabulary_is_refused_at_start_naming_both_sizes(tmp_path, capsys):
