@@ -23,6 +23,7 @@ import zlib
 import numpy as np
 
 from draftrelay.handoff import native
+from draftrelay.handoff.region import shared_memfd
 
 MAGIC = 0x48435253  # "SRCH"
 VERSION = 1
@@ -54,13 +55,7 @@ class TableShm:
             raise ShmError(f"table capacity {capacity} outside [1 KiB, 64 MiB]")
         capacity = (capacity + LINE - 1) // LINE * LINE
         size = cls.size_for(capacity)
-        fd = os.memfd_create("draftrelay-branches", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
+        fd, mm = shared_memfd("draftrelay-branches", size)
         _HEAD.pack_into(mm, 0, MAGIC, VERSION, capacity, 1)
         return cls(fd, mm, capacity, owner=True)
 

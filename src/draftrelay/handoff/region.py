@@ -88,6 +88,18 @@ REPLY_HEADER = struct.Struct("<IIII")  # round, status, n_req, reserved
 FLAG_SELFTEST = 1  # staging flag: answer with the built-in deterministic drafter, no network
 
 
+def shared_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A new memfd of `size` bytes, mapped shared read-write (close-on-exec; children get it through
+    pass_fds). Nothing is left open if the mapping fails."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        return fd, mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class RegionError(ValueError):
     """A region that is not ours, or not of the shape we expect."""
 
@@ -190,13 +202,7 @@ class Region:
         cfg = cfg or RegionConfig()
         cfg.validate()
         size = Layout(cfg).total_size
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
+        fd, mm = shared_memfd(name, size)
         region = cls(fd, mm, cfg, owner=True)
         _HEADER.pack_into(mm, 0, MAGIC, VERSION, size, cfg.max_requests, cfg.max_tokens,
                           cfg.max_drafts, cfg.vocab_size)
