@@ -37,6 +37,27 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tenso
     return x, torch.nn.functional.linear(h, w, b)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T + b, accumulated in fp32 and rounded once (a GEMM): the row-parallel products (o_proj)
+    and the head."""
+    return torch.nn.functional.linear(x, w, b)
+
+
+def act_linear(gu: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_mul(gu) @ w^T + b: SwiGLU's activations and the down product that reads them (the
+    activations rounded to gu's dtype first, as silu_mul rounds)."""
+    return torch.nn.functional.linear(silu_mul(gu), w, b)
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (any float dtype) -> (argmax int64 [B], its softmax probability float32 [B]):
+    greedy drafting's token and confidence. Ties go to the lower id (torch.argmax); the probability is
+    computed in fp32 from the logits as given (softmax at the argmax: 1 / sum exp(l - max))."""
+    lf = logits.float()
+    tok = lf.argmax(-1)
+    return tok, torch.softmax(lf, -1).gather(-1, tok[:, None])[:, 0]
+
+
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """gu [..., 2n] (rows gate | up of one GEMM) -> silu(gate) * up [..., n]; silu rounded first, as
     F.silu(gate) * up rounds."""
