@@ -68,7 +68,8 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
         if bk > NORM_MAX_K:
             return []
         if M == 1:
-            out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1), SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 1)]
+            out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1),
+                    SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 1)]
         if bk <= 1024:
             out.append(SkinnyConfig(16, bk, True, 4, 1))
         return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from draftrelay.kernels.plan import MAX_ROWS
+
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,9 +26,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
-    """Whether the forward fuses the norm into the next product: always here (the same function either
-    way, so the CPU tests run the fused call's code path too)."""
-    return True
+    """Whether the forward takes norm_linear for the product: for decode and verify rows (at most
+    plan.MAX_ROWS), as on CUDA, so a CPU runs the fast forward's structure."""
+    return rows <= MAX_ROWS
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
