@@ -162,16 +162,16 @@ def test_skinny_candidates_fit_the_kernel_rules():
     shapes = [(896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 151936), (3584, 4608), (18944, 3584), (7, 5)]
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
         for K, N in shapes:
-            for M in (1, 2, 5, 16):
-                cands = P.candidates(pro, M, N, K)
+            for rows in (1, 2, 5, 16):
+                cands = P.candidates(pro, rows, N, K)
                 for c in cands:
                     pow2 = all(v & (v - 1) == 0 for v in (c.block_n, c.block_k))
-                    assert pow2 and c.warps in (4, 8) and (c.dot or M == 1), (pro, M, N, K, c)
+                    assert pow2 and c.warps in (4, 8) and (c.dot or rows == 1), (pro, rows, N, K, c)
                     assert not c.dot or c.block_n >= 16  # tensor-core dots: tiles of at least 16
                     if pro == P.PRO_NORM:
                         assert c.block_k >= K  # the norm needs the whole row in one tile
                 if pro != P.PRO_NORM or K <= 1024:
-                    assert cands, (pro, M, N, K)
+                    assert cands, (pro, rows, N, K)
             assert P.candidates(pro, 17, 896, 896) == [] and P.candidates(pro, 0, 896, 896) == []
     assert P.candidates(P.PRO_NORM, 1, 10, 5000) == []  # K beyond one tile: add_rms_norm + cuBLAS
 
