@@ -194,8 +194,7 @@ def drafter_section(dev, ctxs, iters, out) -> None:
     torch.cuda.empty_cache()
 
 
-def target_section(dev, ctxs, iters, out, compile_tokens: list[int], with_hf: bool, budget_s: float,
-                   t_start: float) -> None:
+def target_section(dev, ctxs, iters, out) -> None:
     cfg = M.ModelConfig(**TARGET_7B, name="qwen2.5-7b")
     model = M.Transformer.random(cfg, seed=0, device=dev, dtype=torch.bfloat16, draw_on="device")
     wb = weight_bytes(model)
@@ -213,31 +212,9 @@ def target_section(dev, ctxs, iters, out, compile_tokens: list[int], with_hf: bo
             graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
             res.setdefault("capture_s", {})[f"T{T}_{fast}"] = round(time.perf_counter() - t0, 2)
     fast_path(model, True)
-    compiled = {}
-    if compile_tokens:
-        try:
-            t0 = time.perf_counter()
-            for T in compile_tokens:
-                kv = 1024
-                model.fast = False  # the plain forward, as torch.compile would see any torch model
-
-                def fwd(toks, start, rows, kv=kv):
-                    return model(toks, start, cache, rows, kv_len=kv)
-                compiled[T] = torch.compile(fwd, mode="reduce-overhead", fullgraph=False, dynamic=False)
-                toks = torch.zeros(1, T, dtype=torch.long, device=dev)
-                st = torch.tensor([100], device=dev)
-                rw = torch.tensor([0], device=dev)
-                with torch.no_grad():  # the weights are parameters: outside no_grad autograd would track
-                    for _ in range(3):
-                        compiled[T](toks, st, rw)
-            res["compile_s"] = round(time.perf_counter() - t0, 1)
-        except Exception as exc:  # a comparison column: report, do not stop
-            res["compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            compiled = {}
     for ctx in ctxs:
         for T in (1, 5):
             toks_h = torch.randint(0, cfg.vocab_size, (1, T))
-            toks_d = toks_h.to(dev)
             start_h = torch.tensor([ctx])
             rows_h = torch.tensor([0])
 
@@ -257,13 +234,6 @@ def target_section(dev, ctxs, iters, out, compile_tokens: list[int], with_hf: bo
 
             fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast_cublas": graph("cublas"),
                    "graphs_fast": graph(True), "eager_fast": eager(True)}
-            if T in compiled and ctx < 1024 - 8:
-                st_d, rw_d = torch.tensor([ctx], device=dev), torch.tensor([0], device=dev)
-                def comp(T=T, st_d=st_d, rw_d=rw_d, toks_d=toks_d):
-                    model.fast = False  # compiled with the plain path: the same guard, no recompile
-                    with torch.no_grad():
-                        return compiled[T](toks_d, st_d, rw_d)
-                fns["torch_compile"] = comp
             t = interleaved(fns, iters)
             row = {"context": ctx, "tokens": T, "step": t,
                    "bytes_per_step": wb + (ctx + T) * kv_bytes_per_token(cfg)}
@@ -275,13 +245,49 @@ def target_section(dev, ctxs, iters, out, compile_tokens: list[int], with_hf: bo
                   + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}",
                   flush=True)
     model.fast = None
-    torch.cuda.empty_cache()
-    if with_hf and time.perf_counter() - t_start < budget_s:
-        try:
-            hf_section(dev, ctxs, out)
-        except Exception as exc:
-            out["hf_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            traceback.print_exc()
+
+
+def compile_section(dev, iters, out, tokens: list[int]) -> None:
+    """Plain torch.compile (inductor, mode reduce-overhead) of the 7B forward at context 128 (the plain
+    path, as torch.compile sees any torch model), timed interleaved with this project's graphs of the
+    fast forward on the same model."""
+    cfg = M.ModelConfig(**TARGET_7B, name="qwen2.5-7b")
+    model = M.Transformer.random(cfg, seed=0, device=dev, dtype=torch.bfloat16, draw_on="device")
+    cache = model.new_cache(2, 2048)
+    ctx, kv = 128, 1024
+    with torch.no_grad():
+        cache.k[:, 0, :, :ctx].normal_(0, 1)
+        cache.v[:, 0, :, :ctx].normal_(0, 1)
+    res = out.setdefault("torch_compile_7b", {"context": ctx, "kv_len": kv, "rows": []})
+    for T in tokens:
+        fast_path(model, True)
+        graphs = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
+        model.fast = False
+
+        def fwd(toks, start, rows, model=model, cache=cache, kv=kv):
+            return model(toks, start, cache, rows, kv_len=kv)
+        compiled = torch.compile(fwd, mode="reduce-overhead", fullgraph=False, dynamic=False)
+        toks_h = torch.randint(0, cfg.vocab_size, (1, T))
+        toks_d, st_d, rw_d = toks_h.to(dev), torch.tensor([ctx], device=dev), torch.tensor([0], device=dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():  # the weights are parameters: outside no_grad autograd would track them
+            for _ in range(3):
+                compiled(toks_d, st_d, rw_d)
+        torch.cuda.synchronize()
+        compile_s = round(time.perf_counter() - t0, 1)
+
+        def comp(compiled=compiled, toks_d=toks_d, st_d=st_d, rw_d=rw_d):
+            with torch.no_grad():
+                compiled(toks_d, st_d, rw_d)
+
+        def ours(graphs=graphs, toks_h=toks_h):
+            with torch.inference_mode():
+                graphs.run(toks_h, torch.tensor([ctx]), torch.tensor([0]))
+        t = interleaved({"torch_compile": comp, "graphs_fast": ours}, iters)
+        res["rows"].append({"tokens": T, "compile_s": compile_s, "step": t})
+        print(f"torch.compile 7B ctx {ctx} T={T}: compiled {t['torch_compile']['p50_ms']:.2f} ms, "
+              f"graphs_fast {t['graphs_fast']['p50_ms']:.2f} ms (compile {compile_s} s)", flush=True)
+    model.fast = None
 
 
 def hf_section(dev, ctxs, out) -> None:
@@ -324,10 +330,11 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="128,32768")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--compile-tokens", default="1",
-                    help="token counts whose 7B forward torch.compile builds (comma list; empty: none)")
+                    help="token counts whose 7B forward torch.compile builds (comma list)")
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="skip the HF column past this many seconds")
-    ap.add_argument("--sections", default="gemm,drafter,target")
+    ap.add_argument("--budget-s", type=float, default=330.0,
+                    help="skip the HF and compile sections past this many seconds")
+    ap.add_argument("--sections", default="gemm,drafter,target,hf,compile")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "fast_forward.json"))
     args = ap.parse_args(argv)
@@ -354,13 +361,19 @@ def main(argv=None) -> int:
             elif sec == "gemm":
                 gemm_section(dev, out)
             elif sec == "target":
-                target_section(dev, ctxs, args.iters, out, [int(t) for t in args.compile_tokens.split(",") if t],
-                               not args.no_hf, args.budget_s, t_start)
+                target_section(dev, ctxs, args.iters, out)
+            elif sec in ("hf", "compile") and time.perf_counter() - t_start > args.budget_s:
+                out[f"{sec}_skipped"] = f"past the {args.budget_s} s budget"
+            elif sec == "hf" and not args.no_hf:
+                hf_section(dev, ctxs, out)
+            elif sec == "compile":
+                compile_section(dev, args.iters, out, [int(t) for t in args.compile_tokens.split(",") if t])
         except Exception as exc:
             out[f"{sec}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
             traceback.print_exc()
         out["plans"] = plan_rows()  # every product shape measured so far, the forwards' own included
         save()
+        torch.cuda.empty_cache()  # the section's models are gone: their blocks back for the next one
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
     save()
     print(f"wrote {args.out} ({out['wall_s']} s)")
