@@ -435,7 +435,12 @@ def _plan(pro: int, x: torch.Tensor, w: torch.Tensor, b, delta) -> P.SkinnyConfi
            str(x.dtype).replace("torch.", ""), b is not None, delta is not None)
     if key not in PLANNER.table and torch.cuda.is_current_stream_capturing():
         return None  # no measuring inside a capture (the forward is warmed up first, so this is rare)
-    return PLANNER.choose(key, P.candidates(pro, M, N, K))
+    try:
+        return PLANNER.choose(key, P.candidates(pro, M, N, K))
+    except Exception:  # the measurement itself failed (memory, a capture refused): cuBLAS for this shape
+        log.exception("skinny GEMM plan for %s failed; cuBLAS", key)
+        PLANNER.table[key] = None
+        return None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
