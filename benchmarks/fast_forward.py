@@ -29,6 +29,7 @@ from draftrelay import model as M
 from draftrelay.engine.graphs import DecodeGraphs
 from draftrelay.handoff.procinfo import machine_info
 from draftrelay.kernels import plan as P
+from draftrelay.kernels import reference as R
 from draftrelay.kernels import triton_ops
 from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
 
@@ -140,6 +141,46 @@ def gemm_section(dev, out) -> None:
         f"{r['gemm']} M{r['M']} {r['GBps'].get('cublas')}/"
         f"{max((v for c, v in r['GBps'].items() if c != 'cublas'), default=None)} ({r['choice']})" for r in rows),
         flush=True)
+
+
+def attention_section(dev, out) -> None:
+    """decode_attention alone at the drafter's and the target's shapes and short contexts, for each tile
+    size of the one-program-per-(row, kv head) case (triton_ops.SINGLE_BLOCK): one graph replays a
+    launch per layer over 24 layers' caches (cold in L2, as in a forward), per launch."""
+    rows = []
+    saved = dict(triton_ops.SINGLE_BLOCK)
+    g = torch.Generator(device=dev).manual_seed(0)
+    cases = (("0.5b", (14, 2, 64), 1, 1, 128, 256), ("0.5b", (14, 2, 64), 4, 1, 128, 256),
+             ("0.5b", (14, 2, 64), 1, 1, 1000, 1024), ("7b", (28, 4, 128), 1, 1, 128, 1024),
+             ("7b", (28, 4, 128), 1, 5, 128, 1024))
+    for name, (H, HK, D), B, T, ctx, kv in cases:
+        L = 24
+        ck = torch.randn(L, B + 1, HK, kv + 16, D, device=dev, generator=g).to(torch.bfloat16)
+        cv = torch.randn(L, B + 1, HK, kv + 16, D, device=dev, generator=g).to(torch.bfloat16)
+        q = torch.randn(B, T, H, D, device=dev, generator=g).to(torch.bfloat16)
+        start = torch.full((B,), ctx, device=dev, dtype=torch.long)
+        rws = torch.arange(B, device=dev)
+        res = {}
+        ref = R.decode_attention(q, ck[0], cv[0], rws, start, kv)
+        for blk in (64, 128, 256):
+            triton_ops.SINGLE_BLOCK[D] = blk
+            try:
+                got = triton_ops.decode_attention(q, ck[0], cv[0], rws, start, kv)
+                err = float((got.float() - ref.float()).norm() / ref.float().norm())
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for i in range(L):
+                        triton_ops.decode_attention(q, ck[i], cv[i], rws, start, kv)
+                graph.replay()
+                per = float(np.median([timed(graph.replay) for _ in range(20)])) / L
+                res[str(blk)] = {"us": round(per * 1e6, 2), "rel_err": err}
+            except Exception as exc:
+                res[str(blk)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        triton_ops.SINGLE_BLOCK.update(saved)
+        rows.append({"shape": name, "B": B, "T": T, "context": ctx, "kv_len": kv, "block": res})
+        print(f"attention {name} B={B} T={T} ctx {ctx}: " + ", ".join(
+            f"{k}: {v.get('us')} us" for k, v in res.items()), flush=True)
+    out["attention"] = rows
 
 
 def weight_bytes(model: M.Transformer) -> int:
@@ -360,6 +401,8 @@ def main(argv=None) -> int:
                 drafter_section(dev, ctxs, args.iters, out)
             elif sec == "gemm":
                 gemm_section(dev, out)
+            elif sec == "attention":
+                attention_section(dev, out)
             elif sec == "target":
                 target_section(dev, ctxs, args.iters, out)
             elif sec in ("hf", "compile") and time.perf_counter() - t_start > args.budget_s:

@@ -250,13 +250,21 @@ rt, rc = R.greedy_pick(lg)
 assert torch.equal(tok, rt) and int(tok[0]) == 4100, (tok, rt)
 torch.testing.assert_close(conf, rc)
 assert T.linear(torch.ones(1, 96), torch.ones(5, 96)).sum() == 5 * 96  # not CUDA: cuBLAS's place, F.linear
+for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLOCK), one row and a verify
+    T.SINGLE_BLOCK[16] = blk
+    for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400])):
+        q = torch.randn(B, Tq, 4, 16, generator=g)
+        ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)
+        rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
+        torch.testing.assert_close(T.decode_attention(q, ck, cv, rows, st, kv),
+                                   R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
 print("checked", n)
 '''
 
 
 def test_triton_kernels_under_the_interpreter_equal_their_definitions(tmp_path):
-    """The skinny GEMM (every candidate configuration of a few shapes, each prologue) and greedy_pick run
-    by Triton's interpreter in fp32 (its bf16 emulation is not faithful; bf16 runs on the GPU tests)."""
+    """The skinny GEMM (every candidate configuration of a few shapes, each prologue), greedy_pick and
+    the attention at each one-program tile size run by Triton's interpreter in fp32 (its bf16 emulation is not faithful; bf16 runs on the GPU tests)."""
     import importlib.util
     import os
     import subprocess

@@ -38,7 +38,10 @@ from draftrelay.kernels import reference as R
 log = logging.getLogger("draftrelay.kernels")
 
 NEG_INF = tl.constexpr(float("-inf"))
-BLOCK_N = 64  # keys per tile of the attention loop
+BLOCK_N = 64  # keys per tile of the attention loop (split chunks)
+# keys per tile when one program reads all of a row's keys (up to SINGLE_MAX), by head dim: larger tiles
+# mean fewer dependent load rounds for the short contexts of drafting (the loop runs ceil(keys / tile))
+SINGLE_BLOCK = {64: 64, 128: 64}
 SINGLE_MAX = 1024  # up to this many keys one program per (row, kv head) reads them all: no combine launch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_CHUNK = 256  # the smallest key chunk of a split (below it the combine costs more than it spreads)
@@ -523,11 +526,12 @@ def _n_sm(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_plan(kv_len: int, n_programs: int, n_sm: int) -> tuple[int, int]:
-    """(chunk, n_split) for a static kv_len: one chunk up to SINGLE_MAX keys; beyond, enough chunks
-    (>= MIN_CHUNK keys each) that all (row, kv head) programs together fill about two waves of SMs."""
+def split_plan(kv_len: int, n_programs: int, n_sm: int, block: int = BLOCK_N) -> tuple[int, int]:
+    """(chunk, n_split) for a static kv_len: one chunk up to SINGLE_MAX keys (a multiple of `block`, the
+    tile of that case); beyond, enough chunks (>= MIN_CHUNK keys each) that all (row, kv head) programs
+    together fill about two waves of SMs."""
     if kv_len <= SINGLE_MAX:
-        return triton.cdiv(kv_len, BLOCK_N) * BLOCK_N, 1
+        return triton.cdiv(kv_len, block) * block, 1
     n_split = max(1, min(triton.cdiv(kv_len, MIN_CHUNK), triton.cdiv(2 * n_sm, n_programs)))
     chunk = triton.cdiv(triton.cdiv(kv_len, n_split), BLOCK_N) * BLOCK_N
     return chunk, triton.cdiv(kv_len, chunk)
@@ -541,7 +545,9 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
     R_PAD = max(16, triton.next_power_of_2(rep * T))
     if ck.stride(-1) != 1 or cv.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError("decode_attention: q must be contiguous and the cache's last dim dense")
-    chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device))
+    sblock = SINGLE_BLOCK.get(D, BLOCK_N)
+    chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device), sblock)
+    block = sblock if n_split == 1 else BLOCK_N
     out = torch.empty_like(q)
     single = n_split == 1
     if single:
@@ -553,8 +559,8 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
     _attn_kernel[(B * n_kv, n_split)](
         q, ck, cv, rows, start, out, acc, ml, T, H,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
-        chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=BLOCK_N, SINGLE=single,
-        IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // BLOCK_N if _INTERPRETED else 0,
+        chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
+        IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if _INTERPRETED else 0,
         num_warps=warps, num_stages=2)
     if not single:
         _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D,
