@@ -264,7 +264,8 @@ print("checked", n)
 
 def test_triton_kernels_under_the_interpreter_equal_their_definitions(tmp_path):
     """The skinny GEMM (every candidate configuration of a few shapes, each prologue), greedy_pick and
-    the attention at each one-program tile size run by Triton's interpreter in fp32 (its bf16 emulation is not faithful; bf16 runs on the GPU tests)."""
+    the attention at each one-program tile size run by Triton's interpreter in fp32 (its bf16 emulation
+    is not faithful; bf16 runs on the GPU tests)."""
     import importlib.util
     import os
     import subprocess
