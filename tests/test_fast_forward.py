@@ -251,7 +251,7 @@ assert torch.equal(tok, rt) and int(tok[0]) == 4100, (tok, rt)
 torch.testing.assert_close(conf, rc)
 assert T.linear(torch.ones(1, 96), torch.ones(5, 96)).sum() == 5 * 96  # not CUDA: cuBLAS's place, F.linear
 for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLOCK), one row and a verify
-    T.SINGLE_BLOCK[16] = blk
+    T.SINGLE_BLOCK[16, 16] = T.SINGLE_BLOCK[16, 32] = blk
     for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400])):
         q = torch.randn(B, Tq, 4, 16, generator=g)
         ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)

@@ -39,9 +39,12 @@ log = logging.getLogger("draftrelay.kernels")
 
 NEG_INF = tl.constexpr(float("-inf"))
 BLOCK_N = 64  # keys per tile of the attention loop (split chunks)
-# keys per tile when one program reads all of a row's keys (up to SINGLE_MAX), by head dim: larger tiles
-# mean fewer dependent load rounds for the short contexts of drafting (the loop runs ceil(keys / tile))
-SINGLE_BLOCK = {64: 64, 128: 64}
+# keys per tile when one program reads all of a row's keys (up to SINGLE_MAX), by (head dim, padded query
+# rows), else BLOCK_N: larger tiles mean fewer dependent load rounds (the loop runs ceil(keys / tile)).
+# Measured alone on the H200 (benchmarks/fast_forward.py, "attention"): head dim 64 with one token (the
+# 0.5B drafter) 4.0 / 4.2 us at 128 keys and 10.4 / 15.6 us at 1,000 keys for 256 / 64 keys a tile; head
+# dim 128 gained nothing from 128 and a 5-token verify lost (9.1 / 8.0 us), 256 there overflows shared memory
+SINGLE_BLOCK: dict[tuple[int, int], int] = {(64, 16): 256}
 SINGLE_MAX = 1024  # up to this many keys one program per (row, kv head) reads them all: no combine launch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_CHUNK = 256  # the smallest key chunk of a split (below it the combine costs more than it spreads)
@@ -545,7 +548,7 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
     R_PAD = max(16, triton.next_power_of_2(rep * T))
     if ck.stride(-1) != 1 or cv.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError("decode_attention: q must be contiguous and the cache's last dim dense")
-    sblock = SINGLE_BLOCK.get(D, BLOCK_N)
+    sblock = SINGLE_BLOCK.get((D, R_PAD), BLOCK_N)
     chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device), sblock)
     block = sblock if n_split == 1 else BLOCK_N
     out = torch.empty_like(q)
