@@ -168,6 +168,7 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     pow2 = all(v & (v - 1) == 0 for v in (c.block_n, c.block_k))
                     assert pow2 and c.warps in (4, 8) and (c.dot or rows == 1), (pro, rows, N, K, c)
                     assert not c.dot or c.block_n >= 16  # tensor-core dots: tiles of at least 16
+                    assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
                     if pro == P.PRO_NORM:
                         assert c.block_k >= K  # the norm needs the whole row in one tile
                 if pro != P.PRO_NORM or K <= 1024:

@@ -39,15 +39,18 @@ NORM_MAX_K = 4096  # the norm prologue holds the whole row in one tile (its RMS 
 class SkinnyConfig:
     """One launch configuration of the skinny GEMM: each program computes block_n output columns for
     all rows, reading its block_n weight rows once, block_k elements of K per step. dot: tensor-core
-    dots over rows padded to 16 (any row count); otherwise fp32 multiply-and-sum (one row only)."""
+    dots over rows padded to 16 (any row count); otherwise fp32 multiply-and-sum (one row only).
+    unroll: the K loop as straight-line code (a compiled kernel per K), for K beyond one tile."""
     block_n: int
     block_k: int
     dot: bool
     warps: int
     stages: int
+    unroll: bool = False  # K's tiles unrolled (compiled per K): loads issued ahead instead of a loop
 
     def label(self) -> str:
-        return f"{'dot' if self.dot else 'sum'}{self.block_n}x{self.block_k}w{self.warps}s{self.stages}"
+        return (f"{'dot' if self.dot else 'sum'}{self.block_n}x{self.block_k}w{self.warps}s{self.stages}"
+                + ("u" if self.unroll else ""))
 
 
 def next_pow2(n: int) -> int:
@@ -58,7 +61,8 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     """The configurations measured against cuBLAS for one product of M rows by an [N, K] weight.
 
     One row: two multiply-and-sum tiles (4,096 elements with 4 warps: many programs for the small
-    weights; 16,384 with 8 warps: fewer, larger reads for the big ones) and one dot tile. More rows:
+    weights; 16,384 with 8 warps: fewer, larger reads for the big ones) and one dot tile, and for K
+    beyond 1,024 two unrolled multiply-and-sum tiles (1 and 4 weight rows a program). More rows:
     two dot tiles (16 and 64 columns per program). The norm prologue needs a row's whole K in one tile."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
@@ -77,6 +81,9 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
         bk = next_pow2(K) if K <= 1024 else 512
         out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2), SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 2),
                 SkinnyConfig(16, 128, True, 4, 4)]
+        if K > 1024:  # long K (down_proj): the run-time loop's tiles wait on each other; unrolled, one or
+            # four weight rows a program, their loads can all be in flight at once
+            out += [SkinnyConfig(1, 1024, False, 4, 1, True), SkinnyConfig(4, 1024, False, 4, 1, True)]
     else:
         out += [SkinnyConfig(16, 128, True, 4, 4), SkinnyConfig(64, 128, True, 4, 4)]
     return out

@@ -290,7 +290,7 @@ def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, K, BLOCK_K: tl.constexp
 def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, M, N, K, eps,
                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
                    HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                   FIXED_TRIPS: tl.constexpr):
+                   FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
     x = [M, 2K] (gate | up). Each program reads its BLOCK_N weight rows once."""
@@ -319,6 +319,9 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, M, N, K, e
         nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
         h = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xv.dtype)
         acc = _skinny_dot(acc, h, w, DOT, IEEE)
+    elif K_UNROLL:  # K's tiles as straight-line code: their loads are independent, issued ahead of the sums
+        for it in tl.static_range(K_UNROLL):
+            acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, it * BLOCK_K, K, BLOCK_K, PRO, DOT, IEEE)
     elif FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound
         for it in range(0, FIXED_TRIPS):
             acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, it * BLOCK_K, K, BLOCK_K, PRO, DOT, IEEE)
@@ -354,7 +357,8 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         b if b is not None else w, y, M, N, K, eps,
         M_PAD=16 if cfg.dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
         HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
-        FIXED_TRIPS=triton.cdiv(K, cfg.block_k) if _INTERPRETED else 0, num_warps=cfg.warps, num_stages=cfg.stages)
+        FIXED_TRIPS=triton.cdiv(K, cfg.block_k) if _INTERPRETED else 0,
+        K_UNROLL=triton.cdiv(K, cfg.block_k) if cfg.unroll else 0, num_warps=cfg.warps, num_stages=cfg.stages)
     return xo, y
 
 
