@@ -1,6 +1,9 @@
 """The fast forward on a GPU, side by side in one process: drafter STEP (0.5B shape) and target decode /
-verify (7B shape), this project's eager, graphs (plain forward) and graphs with the fused kernels
-(Transformer.fast), plain torch.compile of the same model, and Hugging Face transformers (target decode).
+verify (7B shape), this project's eager, graphs (plain forward), graphs with the fused kernels and
+cuBLAS for every product ("graphs_fast_cublas"), graphs with the fused kernels and the products chosen
+per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"), plain torch.compile of the same model
+(7B decode), and Hugging Face transformers (target decode). The "gemm" section and "plans" list each
+product shape's cuBLAS and skinny-GEMM times.
 
 Random bf16 weights of the real shapes; KV filled with random values up to the context (timing does not
 depend on values). Variants are timed interleaved (each iteration runs every variant once), p50 with
@@ -25,6 +28,8 @@ import torch
 from draftrelay import model as M
 from draftrelay.engine.graphs import DecodeGraphs
 from draftrelay.handoff.procinfo import machine_info
+from draftrelay.kernels import plan as P
+from draftrelay.kernels import reference as R
 from draftrelay.kernels import triton_ops
 from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
 
@@ -90,58 +95,98 @@ def gbps(nbytes: int, t: dict) -> dict:
     return {k: round(nbytes / (v["p50_ms"] / 1e3) / 1e9, 1) for k, v in t.items()}
 
 
-GEMV_DEFAULT = triton_ops.GEMV_MAX_BYTES
-
-
 def fast_path(model: M.Transformer, fast) -> None:
-    """True: the fused kernels with the default policy (cuBLAS for every product); "gemv": the same
-    with the norm fused into the q|k|v and gate|up products (kernels.norm_linear) for every weight;
-    False: the plain forward."""
+    """True: the fused kernels with the products chosen per shape (kernels.plan, skinny GEMM or cuBLAS)
+    and the fused greedy pick; "cublas": the same fused kernels with cuBLAS for every product and the
+    separate norm / SiLU / pick kernels (plan MODE "off"); False: the plain forward."""
     model.fast = bool(fast)
-    triton_ops.GEMV_MAX_BYTES = 1 << 40 if fast == "gemv" else GEMV_DEFAULT
+    P.MODE = "off" if fast == "cublas" else "auto"
+
+
+def plan_rows() -> list[dict]:
+    """Every product shape the planner measured so far: cuBLAS's and each candidate's time, the choice."""
+    rows = []
+    for key, times in triton_ops.PLANNER.report.items():
+        _, pro, m, n, k, dtype, bias, delta = key
+        choice = triton_ops.PLANNER.table[key]
+        nbytes = n * k * 2
+        rows.append({"product": P.PRO_NAMES[pro], "M": m, "N": n, "K": k, "bias": bias, "residual": delta,
+                     "us": {c: round(t * 1e6, 2) for c, t in times.items() if np.isfinite(t)},
+                     "failed": [c for c, t in times.items() if not np.isfinite(t)],
+                     "GBps": {c: round(nbytes / t / 1e9, 1) for c, t in times.items() if np.isfinite(t)},
+                     "choice": "cublas" if choice is None else choice.label()})
+    return rows
 
 
 def gemm_section(dev, out) -> None:
-    """cuBLAS (F.linear) on the layer GEMMs of both shapes at M = 1 and 5 rows: achieved GB/s of the
-    weight read (8 distinct weights in turn, so the 60 MB L2 does not serve the repeats)."""
-    shapes = {"0.5b qkv": (896, 1152), "0.5b o": (896, 896), "0.5b gate_up": (896, 9728), "0.5b down": (4864, 896),
-              "0.5b head": (896, 151936), "7b qkv": (3584, 4608), "7b o": (3584, 3584),
-              "7b gate_up": (3584, 37888), "7b down": (18944, 3584), "7b head": (3584, 151936)}
+    """The layer products of both shapes at M = 1 and 5 rows through the planner's measurement: cuBLAS
+    against each skinny-GEMM configuration (plain, with the norm prologue for q|k|v and gate|up, with
+    SiLU * up for down), achieved GB/s of the weight read over distinct weight copies."""
+    shapes = {"0.5b qkv": (P.PRO_NORM, 896, 1152, True), "0.5b o": (P.PRO_NONE, 896, 896, False),
+              "0.5b gate_up": (P.PRO_NORM, 896, 9728, False), "0.5b down": (P.PRO_SILU, 4864, 896, False),
+              "0.5b head": (P.PRO_NONE, 896, 151936, False), "7b qkv": (P.PRO_NORM, 3584, 4608, True),
+              "7b o": (P.PRO_NONE, 3584, 3584, False), "7b gate_up": (P.PRO_NORM, 3584, 37888, False),
+              "7b down": (P.PRO_SILU, 18944, 3584, False), "7b head": (P.PRO_NONE, 3584, 151936, False)}
+    P.MODE = "auto"
     rows = []
-    for name, (k, n) in shapes.items():
-        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2 if n * k > 1e8 else 8)]
+    for name, (pro, k, n, bias) in shapes.items():
         for m in (1, 5):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            g = torch.cuda.CUDAGraph()
-            torch.nn.functional.linear(x, ws[0])
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                for _ in range(5):
-                    for w in ws:
-                        torch.nn.functional.linear(x, w)
-            g.replay()
-            ts = [timed(g.replay) for _ in range(10)]
-            per = float(np.median(ts)) / (5 * len(ws))
-            row = {"gemm": name, "M": m, "us": round(per * 1e6, 2), "GBps": round(n * k * 2 / per / 1e9, 1)}
-            try:  # the fused norm + GEMV on the same weights (the norm included in its time)
-                nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
-                triton_ops.norm_linear(x, None, nw, 1e-6, ws[0], None)
-                torch.cuda.synchronize()
-                g2 = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g2):
-                    for _ in range(5):
-                        for w in ws:
-                            triton_ops.norm_linear(x, None, nw, 1e-6, w, None)
-                g2.replay()
-                per2 = float(np.median([timed(g2.replay) for _ in range(10)])) / (5 * len(ws))
-                row.update(triton_us=round(per2 * 1e6, 2), triton_GBps=round(n * k * 2 / per2 / 1e9, 1))
+            key = (dev.index or 0, pro, m, n, k, "bfloat16", bias, pro == P.PRO_NORM)
+            cands = P.candidates(pro, m, n, k)
+            if not cands:  # no configuration for the shape (the norm prologue past one tile): cuBLAS
+                rows.append({"gemm": name, "M": m, "N": n, "K": k, "choice": "cublas", "GBps": {}})
+                continue
+            triton_ops.PLANNER.choose(key, cands)
+            r = next(r for r in plan_rows() if (r["product"], r["M"], r["N"], r["K"]) == (P.PRO_NAMES[pro], m, n, k)
+                     and r["bias"] == bias and r["residual"] == (pro == P.PRO_NORM))
+            rows.append({"gemm": name, **r})
+    out["gemm"] = rows
+    print("GEMM GB/s cuBLAS / best skinny (choice): " + ", ".join(
+        f"{r['gemm']} M{r['M']} {r['GBps'].get('cublas')}/"
+        f"{max((v for c, v in r['GBps'].items() if c != 'cublas'), default=None)} ({r['choice']})" for r in rows),
+        flush=True)
+
+
+def attention_section(dev, out) -> None:
+    """decode_attention alone at the drafter's and the target's shapes and short contexts, for each tile
+    size of the one-program-per-(row, kv head) case (triton_ops.SINGLE_BLOCK): one graph replays a
+    launch per layer over 24 layers' caches (cold in L2, as in a forward), per launch."""
+    rows = []
+    saved = dict(triton_ops.SINGLE_BLOCK)
+    g = torch.Generator(device=dev).manual_seed(0)
+    cases = (("0.5b", (14, 2, 64), 1, 1, 128, 256), ("0.5b", (14, 2, 64), 4, 1, 128, 256),
+             ("0.5b", (14, 2, 64), 1, 1, 1000, 1024), ("7b", (28, 4, 128), 1, 1, 128, 1024),
+             ("7b", (28, 4, 128), 1, 5, 128, 1024))
+    for name, (H, HK, D), B, T, ctx, kv in cases:
+        L = 24
+        ck = torch.randn(L, B + 1, HK, kv + 16, D, device=dev, generator=g).to(torch.bfloat16)
+        cv = torch.randn(L, B + 1, HK, kv + 16, D, device=dev, generator=g).to(torch.bfloat16)
+        q = torch.randn(B, T, H, D, device=dev, generator=g).to(torch.bfloat16)
+        start = torch.full((B,), ctx, device=dev, dtype=torch.long)
+        rws = torch.arange(B, device=dev)
+        res = {}
+        ref = R.decode_attention(q, ck[0], cv[0], rws, start, kv)
+        r_pad = max(16, triton_ops.triton.next_power_of_2(H // HK * T))
+        for blk in (64, 128, 256):
+            triton_ops.SINGLE_BLOCK[D, r_pad] = blk
+            try:
+                got = triton_ops.decode_attention(q, ck[0], cv[0], rws, start, kv)
+                err = float((got.float() - ref.float()).norm() / ref.float().norm())
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for i in range(L):
+                        triton_ops.decode_attention(q, ck[i], cv[i], rws, start, kv)
+                graph.replay()
+                per = float(np.median([timed(graph.replay) for _ in range(20)])) / L
+                res[str(blk)] = {"us": round(per * 1e6, 2), "rel_err": err}
             except Exception as exc:
-                row["triton_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append(row)
-        del ws
-    out["gemm_cublas"] = rows
-    print("GEMM GB/s cuBLAS / norm+GEMV: " + ", ".join(f"{r['gemm']} M{r['M']} {r['GBps']}/{r.get('triton_GBps')}"
-                                                       for r in rows), flush=True)
+                res[str(blk)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        triton_ops.SINGLE_BLOCK.clear()
+        triton_ops.SINGLE_BLOCK.update(saved)
+        rows.append({"shape": name, "B": B, "T": T, "context": ctx, "kv_len": kv, "block": res})
+        print(f"attention {name} B={B} T={T} ctx {ctx}: " + ", ".join(
+            f"{k}: {v.get('us')} us" for k, v in res.items()), flush=True)
+    out["attention"] = rows
 
 
 def weight_bytes(model: M.Transformer) -> int:
@@ -157,8 +202,8 @@ def drafter_section(dev, ctxs, iters, out) -> None:
     model = M.Transformer.random(cfg, seed=0, device=dev, dtype=torch.bfloat16, draw_on="device")
     max_ctx = max(ctxs) + 64
     n_out = 4
-    variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast": ("graph", True),
-                "graphs_fast_gemv": ("graph", "gemv"), "eager_fast": ("eager", True)}
+    variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast_cublas": ("graph", "cublas"),
+                "graphs_fast": ("graph", True), "eager_fast": ("eager", True)}
     drafters = {k: LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m) for k, (m, _) in variants.items()}
     wb = weight_bytes(model)
     res = out.setdefault("drafter_0p5b", {"weight_bytes": wb, "n_out": n_out, "rows": []})
@@ -185,7 +230,7 @@ def drafter_section(dev, ctxs, iters, out) -> None:
             kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)
             row["bytes_per_step"] = n_out * wb + kv_read
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
-            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast", "graphs_fast_gemv")}
+            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast_cublas", "graphs_fast")}
             fast_path(model, True)
             res["rows"].append(row)
             print(f"drafter 0.5B ctx {ctx} B={B}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
@@ -196,7 +241,7 @@ def drafter_section(dev, ctxs, iters, out) -> None:
     torch.cuda.empty_cache()
 
 
-def target_section(dev, ctxs, iters, out, with_compile: bool, with_hf: bool, budget_s: float, t_start: float) -> None:
+def target_section(dev, ctxs, iters, out) -> None:
     cfg = M.ModelConfig(**TARGET_7B, name="qwen2.5-7b")
     model = M.Transformer.random(cfg, seed=0, device=dev, dtype=torch.bfloat16, draw_on="device")
     wb = weight_bytes(model)
@@ -208,37 +253,15 @@ def target_section(dev, ctxs, iters, out, with_compile: bool, with_hf: bool, bud
     res = out.setdefault("target_7b", {"weight_bytes": wb, "rows": []})
     graphs = {}
     for T in (1, 5):
-        for fast in (False, True, "gemv"):
+        for fast in (False, "cublas", True):
             fast_path(model, fast)
             t0 = time.perf_counter()
             graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
             res.setdefault("capture_s", {})[f"T{T}_{fast}"] = round(time.perf_counter() - t0, 2)
     fast_path(model, True)
-    compiled = {}
-    if with_compile:
-        try:
-            t0 = time.perf_counter()
-            for T in (1, 5):
-                kv = 1024
-                model.fast = False  # the plain forward, as torch.compile would see any torch model
-
-                def fwd(toks, start, rows, kv=kv):
-                    return model(toks, start, cache, rows, kv_len=kv)
-                compiled[T] = torch.compile(fwd, mode="reduce-overhead", fullgraph=False, dynamic=False)
-                toks = torch.zeros(1, T, dtype=torch.long, device=dev)
-                st = torch.tensor([100], device=dev)
-                rw = torch.tensor([0], device=dev)
-                with torch.no_grad():  # the weights are parameters: outside no_grad autograd would track
-                    for _ in range(3):
-                        compiled[T](toks, st, rw)
-            res["compile_s"] = round(time.perf_counter() - t0, 1)
-        except Exception as exc:  # a comparison column: report, do not stop
-            res["compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            compiled = {}
     for ctx in ctxs:
         for T in (1, 5):
             toks_h = torch.randint(0, cfg.vocab_size, (1, T))
-            toks_d = toks_h.to(dev)
             start_h = torch.tensor([ctx])
             rows_h = torch.tensor([0])
 
@@ -256,33 +279,62 @@ def target_section(dev, ctxs, iters, out, with_compile: bool, with_hf: bool, bud
                         graphs[T, fast].run(toks_h, start_h, rows_h)
                 return go
 
-            fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast": graph(True),
-                   "graphs_fast_gemv": graph("gemv"), "eager_fast": eager(True)}
-            if T in compiled and ctx < 1024 - 8:
-                st_d, rw_d = torch.tensor([ctx], device=dev), torch.tensor([0], device=dev)
-                def comp(T=T, st_d=st_d, rw_d=rw_d, toks_d=toks_d):
-                    model.fast = False  # compiled with the plain path: the same guard, no recompile
-                    with torch.no_grad():
-                        return compiled[T](toks_d, st_d, rw_d)
-                fns["torch_compile"] = comp
+            fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast_cublas": graph("cublas"),
+                   "graphs_fast": graph(True), "eager_fast": eager(True)}
             t = interleaved(fns, iters)
             row = {"context": ctx, "tokens": T, "step": t,
                    "bytes_per_step": wb + (ctx + T) * kv_bytes_per_token(cfg)}
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
-            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast", "graphs_fast_gemv")}
+            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast_cublas", "graphs_fast")}
             fast_path(model, True)
             res["rows"].append(row)
             print(f"target 7B ctx {ctx} T={T}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
                   + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}",
                   flush=True)
     model.fast = None
-    torch.cuda.empty_cache()
-    if with_hf and time.perf_counter() - t_start < budget_s:
-        try:
-            hf_section(dev, ctxs, out)
-        except Exception as exc:
-            out["hf_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            traceback.print_exc()
+
+
+def compile_section(dev, iters, out, tokens: list[int]) -> None:
+    """Plain torch.compile (inductor, mode reduce-overhead) of the 7B forward at context 128 (the plain
+    path, as torch.compile sees any torch model), timed interleaved with this project's graphs of the
+    fast forward on the same model."""
+    cfg = M.ModelConfig(**TARGET_7B, name="qwen2.5-7b")
+    model = M.Transformer.random(cfg, seed=0, device=dev, dtype=torch.bfloat16, draw_on="device")
+    cache = model.new_cache(2, 2048)
+    ctx, kv = 128, 1024
+    with torch.no_grad():
+        cache.k[:, 0, :, :ctx].normal_(0, 1)
+        cache.v[:, 0, :, :ctx].normal_(0, 1)
+    res = out.setdefault("torch_compile_7b", {"context": ctx, "kv_len": kv, "rows": []})
+    for T in tokens:
+        fast_path(model, True)
+        graphs = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
+        model.fast = False
+
+        def fwd(toks, start, rows, model=model, cache=cache, kv=kv):
+            return model(toks, start, cache, rows, kv_len=kv)
+        compiled = torch.compile(fwd, mode="reduce-overhead", fullgraph=False, dynamic=False)
+        toks_h = torch.randint(0, cfg.vocab_size, (1, T))
+        toks_d, st_d, rw_d = toks_h.to(dev), torch.tensor([ctx], device=dev), torch.tensor([0], device=dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():  # the weights are parameters: outside no_grad autograd would track them
+            for _ in range(3):
+                compiled(toks_d, st_d, rw_d)
+        torch.cuda.synchronize()
+        compile_s = round(time.perf_counter() - t0, 1)
+
+        def comp(compiled=compiled, toks_d=toks_d, st_d=st_d, rw_d=rw_d):
+            with torch.no_grad():
+                compiled(toks_d, st_d, rw_d)
+
+        def ours(graphs=graphs, toks_h=toks_h):
+            with torch.inference_mode():
+                graphs.run(toks_h, torch.tensor([ctx]), torch.tensor([0]))
+        t = interleaved({"torch_compile": comp, "graphs_fast": ours}, iters)
+        res["rows"].append({"tokens": T, "compile_s": compile_s, "step": t})
+        print(f"torch.compile 7B ctx {ctx} T={T}: compiled {t['torch_compile']['p50_ms']:.2f} ms, "
+              f"graphs_fast {t['graphs_fast']['p50_ms']:.2f} ms (compile {compile_s} s)", flush=True)
+    model.fast = None
 
 
 def hf_section(dev, ctxs, out) -> None:
@@ -324,10 +376,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="128,32768")
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile-tokens", default="1",
+                    help="token counts whose 7B forward torch.compile builds (comma list)")
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="skip the HF column past this many seconds")
-    ap.add_argument("--sections", default="gemm,drafter,target")
+    ap.add_argument("--budget-s", type=float, default=330.0,
+                    help="skip the HF and compile sections past this many seconds")
+    ap.add_argument("--sections", default="gemm,drafter,target,hf,compile")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "fast_forward.json"))
     args = ap.parse_args(argv)
@@ -338,7 +392,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda:0")
     ctxs = [int(x) for x in args.contexts.split(",")]
     out: dict = {"benchmark": "fast_forward", "machine": machine_info(), "contexts": ctxs, "iters": args.iters,
-                 "weights": "random bf16, real shapes"}
+                 "weights": "random bf16, real shapes", "argv": sys.argv[1:]}
     out["copy_GBps"] = round(copy_bandwidth(dev) / 1e9, 1)
     print(f"device copy {out['copy_GBps']} GB/s (read + write)", flush=True)
 
@@ -353,12 +407,22 @@ def main(argv=None) -> int:
                 drafter_section(dev, ctxs, args.iters, out)
             elif sec == "gemm":
                 gemm_section(dev, out)
+            elif sec == "attention":
+                attention_section(dev, out)
             elif sec == "target":
-                target_section(dev, ctxs, args.iters, out, not args.no_compile, not args.no_hf, args.budget_s, t_start)
+                target_section(dev, ctxs, args.iters, out)
+            elif sec in ("hf", "compile") and time.perf_counter() - t_start > args.budget_s:
+                out[f"{sec}_skipped"] = f"past the {args.budget_s} s budget"
+            elif sec == "hf" and not args.no_hf:
+                hf_section(dev, ctxs, out)
+            elif sec == "compile":
+                compile_section(dev, args.iters, out, [int(t) for t in args.compile_tokens.split(",") if t])
         except Exception as exc:
             out[f"{sec}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
             traceback.print_exc()
+        out["plans"] = plan_rows()  # every product shape measured so far, the forwards' own included
         save()
+        torch.cuda.empty_cache()  # the section's models are gone: their blocks back for the next one
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
     save()
     print(f"wrote {args.out} ({out['wall_s']} s)")

@@ -153,3 +153,132 @@ def test_engine_greedy_identical_across_round_modes_with_the_fast_path():
     ref = _engine_outputs(plain, "off")
     for mode in ("off", "sync", "async"):
         assert _engine_outputs(fast, mode) == ref, mode
+
+
+# ---- the skinny-GEMM plan, the greedy pick, and the Triton kernels under Triton's interpreter ----------
+
+def test_skinny_candidates_fit_the_kernel_rules():
+    from draftrelay.kernels import plan as P
+    shapes = [(896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 151936), (3584, 4608), (18944, 3584), (7, 5)]
+    for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
+        for K, N in shapes:
+            for rows in (1, 2, 5, 16):
+                cands = P.candidates(pro, rows, N, K)
+                for c in cands:
+                    pow2 = all(v & (v - 1) == 0 for v in (c.block_n, c.block_k))
+                    assert pow2 and c.warps in (4, 8) and (c.dot or rows == 1), (pro, rows, N, K, c)
+                    assert not c.dot or c.block_n >= 16  # tensor-core dots: tiles of at least 16
+                    assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
+                    if pro == P.PRO_NORM:
+                        assert c.block_k >= K  # the norm needs the whole row in one tile
+                if pro != P.PRO_NORM or K <= 1024:
+                    assert cands, (pro, rows, N, K)
+            assert P.candidates(pro, 17, 896, 896) == [] and P.candidates(pro, 0, 896, 896) == []
+    assert P.candidates(P.PRO_NORM, 1, 10, 5000) == []  # K beyond one tile: add_rms_norm + cuBLAS
+
+
+def test_planner_measures_each_key_once_and_keeps_cublas_unless_clearly_faster():
+    import math
+
+    from draftrelay.kernels import plan as P
+    a, b = P.SkinnyConfig(4, 1024, False, 4, 2), P.SkinnyConfig(16, 128, True, 4, 4)
+    calls = []
+    speeds = {("fast",): {None: 10e-6, a: 6e-6, b: 7e-6}, ("close",): {None: 10e-6, a: 9.9e-6, b: math.inf},
+              ("broken",): {None: 10e-6, a: math.inf, b: math.inf}}
+
+    def measure(key, cands):
+        calls.append(key)
+        assert cands == [a, b]
+        return speeds[key]
+
+    pl = P.Planner(measure)
+    assert pl.choose(("fast",), [a, b]) == a
+    assert pl.choose(("close",), [a, b]) is None  # within MARGIN of cuBLAS: cuBLAS
+    assert pl.choose(("broken",), [a, b]) is None  # every candidate failed its check
+    assert pl.choose(("fast",), [a, b]) == a and calls == [("fast",), ("close",), ("broken",)]
+    assert pl.choose(("none",), []) is None and ("none",) not in calls  # nothing to measure
+    assert pl.report[("fast",)]["cublas"] == 10e-6 and pl.report[("fast",)][a.label()] == 6e-6
+
+
+def test_greedy_pick_definition_and_the_forward_greedy_output():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    lg = torch.randn(4, 300, generator=g)
+    lg[1, 7] = lg[1, 250] = lg[1].max() + 1  # a tie: the lower id, as torch.argmax
+    tok, conf = R.greedy_pick(lg.to(torch.bfloat16))
+    ref = lg.to(torch.bfloat16).float()
+    assert tok.dtype == torch.int64 and int(tok[1]) == 7 and torch.equal(tok, ref.argmax(-1))
+    torch.testing.assert_close(conf, torch.softmax(ref, -1).max(-1).values)
+    cfg = small_cfg(n_layers=2, qkv_bias=True)
+    for fast in (False, True):
+        m = Transformer.random(cfg, seed=int(torch.randint(0, 1 << 30, ())), std=0.1)
+        m.fast = fast
+        toks = torch.randint(0, cfg.vocab_size, (2, 3))
+        at = torch.tensor([2, 0])
+        c1, c2 = m.new_cache(2, 16), m.new_cache(2, 16)
+        with torch.no_grad():
+            lg = m(toks, torch.tensor([0, 0]), c1, torch.tensor([0, 1]), kv_len=16, logits_at=at)[:, 0]
+            t, c = m(toks, torch.tensor([0, 0]), c2, torch.tensor([0, 1]), kv_len=16, logits_at=at, greedy=True)
+            assert torch.equal(t, lg.argmax(-1)), fast
+            torch.testing.assert_close(c, torch.softmax(lg, -1).max(-1).values)
+            with pytest.raises(ValueError, match="one position"):
+                m(toks, torch.tensor([0, 0]), c2, torch.tensor([0, 1]), kv_len=16, greedy=True)
+
+
+INTERPRETED_CHECK = r'''
+import os, sys, torch
+os.environ["TRITON_INTERPRET"] = "1"
+from draftrelay.kernels import plan as P, reference as R, triton_ops as T
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+n = 0
+for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64)):
+    for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
+        for cfg in P.candidates(pro, M, N, K):
+            x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
+            w, b = torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
+            d, nw = torch.randn(M, K, generator=g), torch.randn(K, generator=g)
+            if pro == P.PRO_NORM:
+                rx, ref = R.norm_linear(x, d, nw, 1e-6, w, b)
+            else:
+                rx, ref = x, (R.act_linear if pro == P.PRO_SILU else R.linear)(x, w, b)
+            gx, got = T.skinny_linear(pro, cfg, x, w, b, d if pro == P.PRO_NORM else None, nw, 1e-6)
+            assert torch.equal(gx, rx), (pro, cfg)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
+            n += 1
+lg = torch.randn(3, 9000, generator=g)
+lg[0, 8999] = lg[0, 4100] = lg[0].max() + 1  # tied across two chunks of the first pass
+tok, conf = T.greedy_pick(lg)
+rt, rc = R.greedy_pick(lg)
+assert torch.equal(tok, rt) and int(tok[0]) == 4100, (tok, rt)
+torch.testing.assert_close(conf, rc)
+assert T.linear(torch.ones(1, 96), torch.ones(5, 96)).sum() == 5 * 96  # not CUDA: cuBLAS's place, F.linear
+for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLOCK), one row and a verify
+    T.SINGLE_BLOCK[16, 16] = T.SINGLE_BLOCK[16, 32] = blk
+    for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400])):
+        q = torch.randn(B, Tq, 4, 16, generator=g)
+        ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)
+        rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
+        torch.testing.assert_close(T.decode_attention(q, ck, cv, rows, st, kv),
+                                   R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
+print("checked", n)
+'''
+
+
+def test_triton_kernels_under_the_interpreter_equal_their_definitions(tmp_path):
+    """The skinny GEMM (every candidate configuration of a few shapes, each prologue), greedy_pick and
+    the attention at each one-program tile size run by Triton's interpreter in fp32 (its bf16 emulation
+    is not faithful; bf16 runs on the GPU tests)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (CPU-only CI)")
+    script = tmp_path / "check.py"
+    script.write_text(INTERPRETED_CHECK)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(script), str(int(torch.randint(0, 1 << 30, ())))], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "checked" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert int(r.stdout.split("checked")[1]) >= 25  # configurations checked

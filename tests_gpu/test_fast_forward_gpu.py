@@ -20,6 +20,7 @@ import torch
 
 from draftrelay import kernels
 from draftrelay import model as M
+from draftrelay.kernels import plan as P
 from draftrelay.kernels import reference as R
 from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
 
@@ -52,7 +53,7 @@ def test_kernels_equal_their_definitions(H, HK, D, T, kv, starts):
     for delta in (None, dl, dl.to(bf)):
         a, b = K.add_rms_norm(x, delta, w, 1e-6), R.add_rms_norm(x, delta, w, 1e-6)
         assert torch.equal(a[0], b[0]) and rel(a[1], b[1]) < 4e-3
-    for n_out, b in ((1152, True), (9728, False), (4608, True)):
+    for n_out, b in ((1152, True), (9728, False), (4608, True)):  # through the planner (as the forward)
         wt = (torch.randn(n_out, 896, device=DEV, generator=g) * 0.05).to(bf)
         bias = torch.randn(n_out, device=DEV, generator=g).to(bf) if b else None
         for delta in (None, dl):
@@ -77,6 +78,47 @@ def test_kernels_equal_their_definitions(H, HK, D, T, kv, starts):
     assert torch.isfinite(o1).all() and e < 1e-2, e
 
 
+@pytest.mark.parametrize("pro,K,N,bias", [
+    (P.PRO_NORM, 896, 1152, True), (P.PRO_NONE, 896, 896, False), (P.PRO_NORM, 896, 9728, False),
+    (P.PRO_SILU, 4864, 896, False), (P.PRO_NONE, 896, 151936, False), (P.PRO_NORM, 3584, 4608, True),
+    (P.PRO_NONE, 3584, 3584, False), (P.PRO_SILU, 18944, 3584, False)])
+@pytest.mark.parametrize("M", [1, 5])
+def test_every_skinny_config_equals_its_definition(pro, K, N, bias, M):
+    """Each configuration the planner may choose, at the 0.5B and 7B product shapes, against the plain
+    product (and x + delta bit for bit)."""
+    from draftrelay.kernels import triton_ops as TO
+    g = fresh()
+    bf = torch.bfloat16
+    x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, device=DEV, generator=g).to(bf)
+    w = (torch.randn(N, K, device=DEV, generator=g) * K ** -0.5).to(bf)
+    b = torch.randn(N, device=DEV, generator=g).to(bf) if bias else None
+    d = torch.randn(M, K, device=DEV, generator=g) if pro == P.PRO_NORM else None
+    nw = torch.randn(K, device=DEV, generator=g).to(bf)
+    if pro == P.PRO_NORM:
+        ref_x, ref = R.norm_linear(x, d, nw, 1e-6, w, b)
+    else:
+        ref_x, ref = x, (R.act_linear(x, w, b) if pro == P.PRO_SILU else R.linear(x, w, b))
+    cands = P.candidates(pro, M, N, K)
+    errs = {}
+    for cfg in cands:
+        got_x, got = TO.skinny_linear(pro, cfg, x, w, b, d, nw, 1e-6)
+        errs[cfg.label()] = rel(got, ref)
+        assert torch.equal(got_x, ref_x) and errs[cfg.label()] < 1e-2, (cfg, errs)
+    REPORT.setdefault("skinny", []).append({"product": P.PRO_NAMES[pro], "M": M, "N": N, "K": K, "rel": errs})
+
+
+def test_greedy_pick_equals_argmax_and_softmax():
+    K = kernels.backend(DEV)
+    g = fresh()
+    for dtype in (torch.bfloat16, torch.float32):
+        lg = (torch.randn(5, 151936, device=DEV, generator=g) * 3).to(dtype)
+        lg[2, 70000] = lg[2, 9] = lg[2].max() + 1  # a tie across chunks: the lower id
+        tok, conf = K.greedy_pick(lg)
+        rt, rc = R.greedy_pick(lg)
+        assert torch.equal(tok, rt) and int(tok[2]) == 9
+        torch.testing.assert_close(conf, rc, rtol=1e-4, atol=1e-7)
+
+
 def _forward_hidden_and_logits(model, cache, toks, start, kv):
     """Logits and the final hidden state (the normed output: the head replaced by the identity)."""
     with torch.inference_mode():
@@ -93,11 +135,10 @@ def _forward_hidden_and_logits(model, cache, toks, start, kv):
     return hid, lg
 
 
-@pytest.mark.parametrize("gemv", [True, False])
+@pytest.mark.parametrize("mode", ["auto", "off"])
 @pytest.mark.parametrize("T", [1, 5])
-def test_fast_forward_error_vs_float64_within_bf16_bounds(T, gemv, monkeypatch):
-    from draftrelay.kernels import triton_ops
-    monkeypatch.setattr(triton_ops, "GEMV_MAX_BYTES", 1 << 40 if gemv else 0)
+def test_fast_forward_error_vs_float64_within_bf16_bounds(T, mode, monkeypatch):
+    monkeypatch.setattr(P, "MODE", mode)  # off: cuBLAS for every product (as the forward without skinny GEMMs)
     cfg = M.ModelConfig(**{**SHAPES["qwen2.5-0.5b"], "n_layers": 6, "vocab_size": 8192,
                            "tie_word_embeddings": False}, name="0.5b-6L")
     seed = int.from_bytes(os.urandom(2), "little")
@@ -117,7 +158,7 @@ def test_fast_forward_error_vs_float64_within_bf16_bounds(T, gemv, monkeypatch):
         out[name] = _forward_hidden_and_logits(m, cache, toks[:, ctx:], torch.tensor([ctx], device=DEV), 4096)
     errs = {k: {"hidden": rel(out[k][0], out["f64"][0]), "logits": rel(out[k][1], out["f64"][1])}
             for k in ("plain", "fast")}
-    REPORT.setdefault("f64", []).append({"T": T, "gemv": gemv, **errs})
+    REPORT.setdefault("f64", []).append({"T": T, "mode": mode, **errs})
     for what in ("hidden", "logits"):
         assert errs["fast"][what] < 3e-2, errs  # bf16 operands over 6 layers: a few 1e-3 expected
         assert errs["fast"][what] <= 2 * errs["plain"][what] + 2e-3, errs
@@ -185,6 +226,10 @@ def test_drafts_graph_equals_eager_and_fast_vs_plain_are_near_ties():
 
 
 def teardown_module(module):
+    from draftrelay.kernels import triton_ops as TO
+    REPORT["plans"] = [{"key": list(k), "us": {c: t * 1e6 for c, t in v.items()},
+                        "choice": None if TO.PLANNER.table[k] is None else TO.PLANNER.table[k].label()}
+                       for k, v in TO.PLANNER.report.items()]
     path = os.environ.get("FAST_FORWARD_GPU_JSON")
     if path:
         with open(path, "w") as f:

@@ -477,34 +477,62 @@ def mlp_half(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
     return x, mlp_act(gu, st)
 
 
+def out_product(o: torch.Tensor, wo: torch.Tensor, st: StepState) -> torch.Tensor:
+    """o_proj's product on one card (the skinny GEMM or cuBLAS on the fast path, as measured)."""
+    return F.linear(o, wo) if st.kernels is None else st.kernels.linear(o, wo)
+
+
+def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's second half on one card, down_proj included: (x, down_proj's product). The same values
+    as mlp_half then the product; on the fast path SiLU * up is computed where the down product reads
+    it (kernels.act_linear) instead of by a launch of its own."""
+    x, gu = norm_linear(x, red, w.ln2, eps, w.wgu, None, st)
+    if st.kernels is None:
+        return x, F.linear(mlp_act(gu, st), w.wd)
+    return x, st.kernels.act_linear(gu, w.wd)
+
+
 def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: torch.Tensor, head: torch.Tensor,
-                eps: float, last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                eps: float, last_only: bool = False, logits_at: torch.Tensor | None = None,
+                greedy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The last product added, the positions wanted picked, the final norm and the head -> fp32 logits
-    [B, T, V] ([B, 1, V] with last_only or logits_at [B])."""
-    x = x + red.to(x.dtype)
+    [B, T, V] ([B, 1, V] with last_only or logits_at [B]). greedy (one position per row: last_only,
+    logits_at or T = 1): (argmax [B], its softmax probability [B]) instead of the logits, computed from
+    the head's output as the logits would give them (kernels.greedy_pick)."""
+    K = st.kernels
+    if K is not None:  # the add fused into the norm; the norm is per row, so rows are picked after it
+        _, x = K.add_rms_norm(x, red, final_norm, eps)
+    else:
+        x = x + red.to(x.dtype)
     if last_only:
         x = x[:, -1:]
     elif logits_at is not None:
         x = x[torch.arange(st.B, device=x.device), logits_at][:, None]
-    if st.kernels is not None:
-        x = st.kernels.add_rms_norm(x.contiguous(), None, final_norm, eps)[1]
+    if K is not None:
+        out = K.linear(x.contiguous(), head)
     else:
-        x = rms_norm(x, final_norm, eps)
-    return F.linear(x, head).float()
+        out = F.linear(rms_norm(x, final_norm, eps), head)
+    if greedy:
+        if out.shape[1] != 1:
+            raise ValueError(f"greedy picks one position per row, got {out.shape[1]}")
+        from draftrelay.kernels import reference
+        return (K or reference).greedy_pick(out[:, 0])
+    return out.float()
 
 
 def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
             v: torch.Tensor, st: StepState, eps: float, final_norm: torch.Tensor, head: torch.Tensor,
-            last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+            last_only: bool = False, logits_at: torch.Tensor | None = None,
+            greedy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The decoder stack on one card: embedding, the layers (k / v: caches [L, rows, n_kv, len, D]), the
     head. `decoder_steps` is the same stack for a tensor-parallel rank."""
     x, red = F.embedding(tokens, embed), None
     for i, w in enumerate(layers):
         x, o = attn_half(x, red, w, st, k[i], v[i], eps)
-        red = F.linear(o, w.wo)
-        x, a = mlp_half(x, red, w, st, eps)
-        red = F.linear(a, w.wd)
-    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at)
+        red = out_product(o, w.wo, st)
+        x, red = mlp_down(x, red, w, st, eps)
+    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy)
 
 
 def decoder_steps(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
@@ -574,7 +602,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor,
                 kv_len: int | None = None, last_only: bool = False,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None,
+                greedy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [B,T] at positions start_pos[b].. of cache rows rows[b] -> float32 logits [B,T,V].
 
         rows: a [B] tensor of cache rows, or a slice(r0, r0 + B) of consecutive rows (read in
@@ -583,6 +612,8 @@ class Transformer(nn.Module):
         Graph capture: pass a static kv_len (>= every start_pos+T); nothing syncs and the caller
         keeps cache.lengths itself. last_only: logits of the last position only ([B,1,V]);
         logits_at [B]: logits of position logits_at[b] of each row only ([B,1,V]; right-padded rows).
+        greedy (with last_only, logits_at or T = 1): (argmax int64 [B], its softmax probability fp32 [B])
+        of that position instead of the logits (the drafting loop's pick, fused on the fast path).
         """
         dev = self.device
         eager = kv_len is None
@@ -621,7 +652,7 @@ class Transformer(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits_at = None if logits_at is None else to_device(logits_at, dev)
         logits = decoder(tokens, self.embed_tokens.weight, self.layer_weights(), cache.k, cache.v, st,
-                         self.cfg.rms_norm_eps, self.norm.weight, w, last_only, logits_at)
+                         self.cfg.rms_norm_eps, self.norm.weight, w, last_only, logits_at, greedy)
         if eager:
             for s, r in zip(sp, rw, strict=True):
                 cache.lengths[r] = s + T

@@ -7,11 +7,15 @@ plain-torch definitions: the same function, not faster). Both modules define
     add_rms_norm(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta) * weight)
     norm_linear(x, delta, weight, eps, w, b) -> (x + delta, add_rms_norm's output @ w^T + b)
     use_norm_linear(rows, w) -> whether the forward takes norm_linear for that product
+    linear(x, w, b) -> x @ w^T + b
+    act_linear(gu, w, b) -> silu_mul(gu) @ w^T + b
+    greedy_pick(logits) -> (argmax, its softmax probability)
     silu_mul(gu) -> silu(gate) * up
     rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows) -> q rotated (k, v into the cache)
     decode_attention(q, ck, cv, rows, start, kv_len) -> causal GQA attention over the cache rows
 
-with the signatures and rounding documented in `reference`.
+with the signatures and rounding documented in `reference`. On CUDA the products of decode and verify
+rows run cuBLAS or the skinny GEMM, whichever `kernels.plan` measured faster for the shape.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from draftrelay.kernels.plan import MAX_ROWS
+
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,9 +26,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
-    """Whether the forward fuses the norm into the next product: always here (the same function either
-    way, so the CPU tests run the fused call's code path too)."""
-    return True
+    """Whether the forward takes norm_linear for the product: for decode and verify rows (at most
+    plan.MAX_ROWS), as on CUDA, so a CPU runs the fast forward's structure."""
+    return rows <= MAX_ROWS
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
@@ -35,6 +37,27 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tenso
     product accumulates in fp32 and rounds once (as a GEMM with its bias)."""
     x, h = add_rms_norm(x, delta, norm_w, eps)
     return x, torch.nn.functional.linear(h, w, b)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T + b, accumulated in fp32 and rounded once (a GEMM): the row-parallel products (o_proj)
+    and the head."""
+    return torch.nn.functional.linear(x, w, b)
+
+
+def act_linear(gu: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_mul(gu) @ w^T + b: SwiGLU's activations and the down product that reads them (the
+    activations rounded to gu's dtype first, as silu_mul rounds)."""
+    return torch.nn.functional.linear(silu_mul(gu), w, b)
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (any float dtype) -> (argmax int64 [B], its softmax probability float32 [B]):
+    greedy drafting's token and confidence. Ties go to the lower id (torch.argmax); the probability is
+    computed in fp32 from the logits as given (softmax at the argmax: 1 / sum exp(l - max))."""
+    lf = logits.float()
+    tok = lf.argmax(-1)
+    return tok, torch.softmax(lf, -1).gather(-1, tok[:, None])[:, 0]
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

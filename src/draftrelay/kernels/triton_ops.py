@@ -5,9 +5,12 @@ each instead of the plain forward's several per op.
   silu_mul          SiLU(gate) * up of the fused gate|up GEMM's output              (plain: 2)
   rope_kv_write     RoPE of q and k from positions (angles in-kernel), k and v stored (plain: ~12 with
                     into the cache rows at their positions, q written head-major      the step's tables)
-  norm_linear       add_rms_norm fused into the GEMV that reads its output (q|k|v, gate|up) for
-                    decode and verify rows, where the weight is small enough (GEMV_MAX_BYTES; off:
-                    slower than cuBLAS here, see there)
+  skinny_linear     the products of decode and verify rows (M <= 16): each program reads a few
+                    weight rows once, whole-K tiles, fp32 sums (one row) or tensor-core dots (more);
+                    optionally with add_rms_norm computed in the prologue (norm_linear) or SiLU*up
+                    (act_linear, the down product); chosen against cuBLAS per shape (kernels.plan)
+  greedy_pick       argmax and its softmax probability over the vocabulary: per-chunk (max, argmax,
+                    sum exp) partials, merged by a one-program-per-row kernel     (plain: ~6)
   decode_attention  flash-decoding: each program streams one key chunk of one (row, kv head) once, for
                     all n_rep * T query rows of that kv head (GQA without repeating K/V), online
                     softmax in fp32; long contexts split over many programs whose partials one combine
@@ -20,14 +23,28 @@ Shapes and dtypes are the reference's; inputs must be contiguous where the refer
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from draftrelay.kernels import plan as P
+from draftrelay.kernels import reference as R
+
+log = logging.getLogger("draftrelay.kernels")
+
 NEG_INF = tl.constexpr(float("-inf"))
-BLOCK_N = 64  # keys per tile of the attention loop
+BLOCK_N = 64  # keys per tile of the attention loop (split chunks)
+# keys per tile when one program reads all of a row's keys (up to SINGLE_MAX), by (head dim, padded query
+# rows), else BLOCK_N: larger tiles mean fewer dependent load rounds (the loop runs ceil(keys / tile)).
+# Measured alone on the H200 (benchmarks/fast_forward.py, "attention"): head dim 64 with one token (the
+# 0.5B drafter) 4.0 / 4.2 us at 128 keys and 10.4 / 15.6 us at 1,000 keys for 256 / 64 keys a tile; head
+# dim 128 gained nothing from 128 and a 5-token verify lost (9.1 / 8.0 us), 256 there overflows shared memory
+SINGLE_BLOCK: dict[tuple[int, int], int] = {(64, 16): 256}
 SINGLE_MAX = 1024  # up to this many keys one program per (row, kv head) reads them all: no combine launch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_CHUNK = 256  # the smallest key chunk of a split (below it the combine costs more than it spreads)
@@ -237,83 +254,276 @@ def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split: tl.constexpr,
 
 
 @triton.jit
-def _norm_linear_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, out_ptr, M, N, eps,
-                        K: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
-    """out[M, N] = rms_norm(x + delta) * nw @ W[N, K]^T (+ b); program 0 also writes x + delta. Every
-    program recomputes the (tiny) normalised rows, then streams its BLOCK_N rows of W once."""
+def _skinny_dot(acc, xv, w, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc [M_PAD, BLOCK_N] += xv [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in fp32."""
+    if DOT:
+        if IEEE:
+            acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(xv, tl.trans(w))
+    else:  # one row: the weight tile times the broadcast row, summed along K
+        acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32), axis=1)[None, :]
+    return acc
+
+
+@triton.jit
+def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, K, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+                 DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_K slice of K: the weight tile, the rows' slice (SiLU * up computed for PRO 2), the dot."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    km = kk < K
+    msk = mm[:, None] & km[None, :]
+    w = tl.load(w_ptr + wrow + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+    if PRO == 2:
+        ga = m.to(tl.int64)[:, None] * (2 * K) + kk[None, :]
+        g = tl.load(x_ptr + ga, mask=msk, other=0.0)
+        u = tl.load(x_ptr + ga + K, mask=msk, other=0.0)
+        gf = g.to(tl.float32)
+        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        xv = (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+    else:
+        xv = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + kk[None, :], mask=msk, other=0.0)
+    return _skinny_dot(acc, xv, w, DOT, IEEE)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, M, N, K, eps,
+                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+                   HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+                   FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr):
+    """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
+    normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
+    x = [M, 2K] (gate | up). Each program reads its BLOCK_N weight rows once."""
     pid = tl.program_id(0)
-    m = tl.arange(0, M_PAD)
-    mm = m < M
-    rows = m.to(tl.int64)[:, None] * K
-    ss = tl.zeros([M_PAD], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        msk = mm[:, None] & (kk < K)[None, :]
-        xv = tl.load(x_ptr + rows + kk[None, :], mask=msk, other=0.0)
-        if HAS_DELTA:
-            dv = tl.load(d_ptr + rows + kk[None, :], mask=msk, other=0.0)
-            xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
-            if pid == 0:
-                tl.store(xo_ptr + rows + kk[None, :], xv, mask=msk)
-        xf = xv.to(tl.float32)
-        ss += tl.sum(xf * xf, 1)
-    rstd = 1.0 / tl.sqrt(ss / K + eps)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
+    wrow = n.to(tl.int64)[:, None] * K
+    m = tl.arange(0, M_PAD)
+    mm = m < M
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
+    if PRO == 1:
+        kk = tl.arange(0, BLOCK_K)
         km = kk < K
         msk = mm[:, None] & km[None, :]
-        xv = tl.load(x_ptr + rows + kk[None, :], mask=msk, other=0.0)
+        xa = m.to(tl.int64)[:, None] * K + kk[None, :]
+        w = tl.load(w_ptr + wrow + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        xv = tl.load(x_ptr + xa, mask=msk, other=0.0)
         if HAS_DELTA:
-            dv = tl.load(d_ptr + rows + kk[None, :], mask=msk, other=0.0)
+            dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
             xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
-        normed = (xv.to(tl.float32) * rstd[:, None]).to(xv.dtype)
+            if pid == 0:
+                tl.store(xo_ptr + xa, xv, mask=msk)
+        xf = xv.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
+        normed = (xf * rstd[:, None]).to(xv.dtype)
         nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
         h = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xv.dtype)
-        wt = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(h, tl.trans(wt), input_precision="ieee")
-        else:
-            acc += tl.dot(h, tl.trans(wt))
+        acc = _skinny_dot(acc, h, w, DOT, IEEE)
+    elif K_UNROLL:  # K's tiles as straight-line code: their loads are independent, issued ahead of the sums
+        for it in tl.static_range(K_UNROLL):
+            acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, it * BLOCK_K, K, BLOCK_K, PRO, DOT, IEEE)
+    elif FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound
+        for it in range(0, FIXED_TRIPS):
+            acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, it * BLOCK_K, K, BLOCK_K, PRO, DOT, IEEE)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, K, BLOCK_K, PRO, DOT, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & nm[None, :])
 
 
-# the fused norm + GEMV is used up to this many rows and this many weight bytes. 0: never, because on the
-# H200 cuBLAS's GEMM (plus the separate add_rms_norm launch) was faster at every layer shape of the 0.5B
-# and 7B models (benchmarks/fast_forward.py, "gemm_cublas": e.g. 0.5B down 7.5 us against 41.8 us, 7B
-# gate_up 74.0 us against 98.5 us), and the forward with it was 0.7-0.8 ms slower per step
-GEMV_MAX_ROWS = 16
-GEMV_MAX_BYTES = 0
+def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                  delta: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
+                  eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of the skinny GEMM with configuration cfg -> (x + delta or x, the product [..., N]).
+    pro: plan.PRO_NONE (x @ w^T + b), PRO_NORM (norm_linear's product), PRO_SILU (act_linear's; x holds
+    gate | up, 2K wide). The forward calls it through `linear` / `norm_linear` / `act_linear`."""
+    x = x.contiguous()
+    N, K = w.shape
+    M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
+    if not w.is_contiguous():
+        raise ValueError("skinny_linear: the weight must be contiguous")
+    if not cfg.dot and M != 1:
+        raise ValueError(f"skinny_linear: the multiply-and-sum tile takes one row, got {M}")
+    if pro == P.PRO_NORM and K > cfg.block_k:
+        raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k})")
+    delta = None if delta is None else delta.contiguous()
+    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    xo = torch.empty_like(x) if delta is not None else x
+    _skinny_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, delta if delta is not None else x, norm_w if norm_w is not None else w, xo, w,
+        b if b is not None else w, y, M, N, K, eps,
+        M_PAD=16 if cfg.dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
+        HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
+        FIXED_TRIPS=triton.cdiv(K, cfg.block_k) if _INTERPRETED else 0,
+        K_UNROLL=triton.cdiv(K, cfg.block_k) if cfg.unroll else 0, num_warps=cfg.warps, num_stages=cfg.stages)
+    return xo, y
+
+
+def _fallback(pro: int, x, w, b, delta, norm_w, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same product with cuBLAS (and the separate norm / SiLU kernel before it)."""
+    if pro == P.PRO_NORM:
+        xo, h = add_rms_norm(x, delta, norm_w, eps)
+        return xo, F.linear(h, w, b)
+    if pro == P.PRO_SILU:
+        return x, F.linear(silu_mul(x), w, b)
+    return x, F.linear(x, w, b)
+
+
+L2_BEAT_BYTES = 192 << 20  # the measurement cycles through this many bytes of weight copies (L2: 50-60 MB)
+MEASURE_CALLS = 64  # launches per timed graph
+
+
+def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
+    """Seconds per call of cuBLAS (None) and each candidate for `key`, timed in a CUDA graph over
+    distinct weight copies; a candidate that fails to build or to match cuBLAS's output gets inf."""
+    dev_index, pro, M, N, K, dtype_name, has_bias, has_delta = key
+    dev = torch.device("cuda", dev_index)
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device=dev).manual_seed(1234)
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, device=dev, generator=gen) * std).to(dtype)
+
+    wbytes = N * K * torch.empty((), dtype=dtype).element_size()
+    copies = max(2, min(64, math.ceil(L2_BEAT_BYTES / wbytes)))
+    ws = [rnd(N, K, std=K ** -0.5) for _ in range(copies)]
+    x = rnd(M, 2 * K if pro == P.PRO_SILU else K)
+    delta = rnd(M, K) if has_delta else None
+    nw = rnd(K) if pro == P.PRO_NORM else None
+    b = rnd(N) if has_bias else None
+    eps = 1e-6
+    ref_x, ref = _fallback(pro, x, ws[0], b, delta, nw, eps)
+    reps = max(1, math.ceil(MEASURE_CALLS / copies))
+    times: dict = {}
+    for cfg in [None, *cands]:
+        def call(w, cfg=cfg):
+            return _fallback(pro, x, w, b, delta, nw, eps) if cfg is None else \
+                skinny_linear(pro, cfg, x, w, b, delta, nw, eps)
+        try:
+            got_x, got = call(ws[0])
+            torch.cuda.synchronize(dev)
+            err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+            if not (math.isfinite(err) and err < (1e-4 if dtype == torch.float32 else 2e-2)
+                    and torch.equal(got_x, ref_x)):
+                raise ValueError(f"output differs from cuBLAS's (relative error {err:.2e})")
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                for _ in range(reps):
+                    for w in ws:
+                        call(w)
+            g.replay()
+            best = math.inf
+            for _ in range(3):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                g.replay()
+                e1.record()
+                e1.synchronize()
+                best = min(best, e0.elapsed_time(e1) / 1e3 / (reps * copies))
+            times[cfg] = best
+            del g
+        except Exception as exc:  # a configuration this card or Triton cannot run: not a candidate
+            log.warning("skinny GEMM %s %s for %s: %s", P.PRO_NAMES[pro], cfg, key, exc)
+            times[cfg] = math.inf
+    del ws
+    torch.cuda.synchronize(dev)
+    return times
+
+
+PLANNER = P.Planner(_measure)
+
+
+def _plan(pro: int, x: torch.Tensor, w: torch.Tensor, b, delta) -> P.SkinnyConfig | None:
+    if P.MODE == "off" or x.device.type != "cuda" or w.dim() != 2 or not w.is_contiguous():
+        return None
+    N, K = w.shape
+    M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
+    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), pro, M, N, K,
+           str(x.dtype).replace("torch.", ""), b is not None, delta is not None)
+    if key not in PLANNER.table and torch.cuda.is_current_stream_capturing():
+        return None  # no measuring inside a capture (the forward is warmed up first, so this is rare)
+    try:
+        return PLANNER.choose(key, P.candidates(pro, M, N, K))
+    except Exception:  # the measurement itself failed (memory, a capture refused): cuBLAS for this shape
+        log.exception("skinny GEMM plan for %s failed; cuBLAS", key)
+        PLANNER.table[key] = None
+        return None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    cfg = _plan(P.PRO_NONE, x, w, b, None)
+    return F.linear(x, w, b) if cfg is None else skinny_linear(P.PRO_NONE, cfg, x, w, b)[1]
+
+
+def act_linear(gu: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    cfg = _plan(P.PRO_SILU, gu, w, b, None)
+    return F.linear(silu_mul(gu), w, b) if cfg is None else skinny_linear(P.PRO_SILU, cfg, gu, w, b)[1]
 
 
 def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
-    return rows <= GEMV_MAX_ROWS and w.numel() * w.element_size() <= GEMV_MAX_BYTES
+    """Decode and verify rows take norm_linear (which chooses, per shape, the fused kernel or
+    add_rms_norm + cuBLAS); prefill chunks take add_rms_norm and cuBLAS directly."""
+    return rows <= P.MAX_ROWS
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
                 b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x.contiguous()
-    delta = None if delta is None else delta.contiguous()
-    K = x.shape[-1]
-    M = x.numel() // K
-    N = w.shape[0]
-    if not w.is_contiguous():
-        raise ValueError("norm_linear: the weight must be contiguous")
-    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    xo = torch.empty_like(x) if delta is not None else x
-    BLOCK_N = 16 if N <= 16384 else 32
-    _norm_linear_kernel[(triton.cdiv(N, BLOCK_N),)](
-        x, delta if delta is not None else x, norm_w, xo, w, b if b is not None else w, out, M, N, eps,
-        K=K, M_PAD=max(16, triton.next_power_of_2(M)), BLOCK_N=BLOCK_N, BLOCK_K=128,
-        HAS_DELTA=delta is not None, HAS_BIAS=b is not None, IEEE=x.dtype == torch.float32,
-        num_warps=4, num_stages=3)
-    return xo, out
+    cfg = _plan(P.PRO_NORM, x, w, b, delta)
+    if cfg is None:
+        return _fallback(P.PRO_NORM, x, w, b, delta, norm_w, eps)
+    return skinny_linear(P.PRO_NORM, cfg, x, w, b, delta, norm_w, eps)
+
+
+PICK_CHUNK = 4096  # vocabulary entries per program of greedy_pick's first pass
+
+
+@triton.jit
+def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    msk = offs < V
+    x = tl.load(l_ptr + b * V + offs, mask=msk, other=float("-inf")).to(tl.float32)
+    mx = tl.max(x, axis=0)
+    idx = tl.min(tl.where(x == mx, offs, V), axis=0)  # the lowest id of the chunk's maximum
+    s = tl.sum(tl.exp(x - mx), axis=0)
+    tl.store(pm_ptr + b * n_chunk + c, mx)
+    tl.store(pi_ptr + b * n_chunk + c, idx)
+    tl.store(ps_ptr + b * n_chunk + c, s)
+
+
+@triton.jit
+def _pick_merge_kernel(pm_ptr, pi_ptr, ps_ptr, tok_ptr, conf_ptr, V, n_chunk, NC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, NC)
+    cm = c < n_chunk
+    m = tl.load(pm_ptr + b * n_chunk + c, mask=cm, other=float("-inf"))
+    i = tl.load(pi_ptr + b * n_chunk + c, mask=cm, other=V)
+    s = tl.load(ps_ptr + b * n_chunk + c, mask=cm, other=0.0)
+    mx = tl.max(m, axis=0)
+    idx = tl.min(tl.where(m == mx, i, V), axis=0)  # chunks in id order: the lowest id overall
+    total = tl.sum(tl.where(cm, s * tl.exp(m - mx), 0.0), axis=0)
+    tl.store(tok_ptr + b, idx.to(tl.int64))
+    tl.store(conf_ptr + b, 1.0 / total)  # softmax at the argmax: exp(0) / sum exp(l - max)
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if P.MODE == "off":
+        return R.greedy_pick(logits)
+    logits = logits.contiguous()
+    B, V = logits.shape
+    nc = triton.cdiv(V, PICK_CHUNK)
+    pm = torch.empty(B, nc, device=logits.device, dtype=torch.float32)
+    pi = torch.empty(B, nc, device=logits.device, dtype=torch.int32)
+    ps = torch.empty(B, nc, device=logits.device, dtype=torch.float32)
+    _pick_part_kernel[(B, nc)](logits, pm, pi, ps, V, nc, CHUNK=PICK_CHUNK, num_warps=8)
+    tok = torch.empty(B, device=logits.device, dtype=torch.int64)
+    conf = torch.empty(B, device=logits.device, dtype=torch.float32)
+    _pick_merge_kernel[(B,)](pm, pi, ps, tok, conf, V, nc, NC=max(16, triton.next_power_of_2(nc)), num_warps=1)
+    return tok, conf
 
 
 @functools.lru_cache(maxsize=8)
@@ -323,11 +533,12 @@ def _n_sm(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_plan(kv_len: int, n_programs: int, n_sm: int) -> tuple[int, int]:
-    """(chunk, n_split) for a static kv_len: one chunk up to SINGLE_MAX keys; beyond, enough chunks
-    (>= MIN_CHUNK keys each) that all (row, kv head) programs together fill about two waves of SMs."""
+def split_plan(kv_len: int, n_programs: int, n_sm: int, block: int = BLOCK_N) -> tuple[int, int]:
+    """(chunk, n_split) for a static kv_len: one chunk up to SINGLE_MAX keys (a multiple of `block`, the
+    tile of that case); beyond, enough chunks (>= MIN_CHUNK keys each) that all (row, kv head) programs
+    together fill about two waves of SMs."""
     if kv_len <= SINGLE_MAX:
-        return triton.cdiv(kv_len, BLOCK_N) * BLOCK_N, 1
+        return triton.cdiv(kv_len, block) * block, 1
     n_split = max(1, min(triton.cdiv(kv_len, MIN_CHUNK), triton.cdiv(2 * n_sm, n_programs)))
     chunk = triton.cdiv(triton.cdiv(kv_len, n_split), BLOCK_N) * BLOCK_N
     return chunk, triton.cdiv(kv_len, chunk)
@@ -341,7 +552,9 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
     R_PAD = max(16, triton.next_power_of_2(rep * T))
     if ck.stride(-1) != 1 or cv.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError("decode_attention: q must be contiguous and the cache's last dim dense")
-    chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device))
+    sblock = SINGLE_BLOCK.get((D, R_PAD), BLOCK_N)
+    chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device), sblock)
+    block = sblock if n_split == 1 else BLOCK_N
     out = torch.empty_like(q)
     single = n_split == 1
     if single:
@@ -353,8 +566,8 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
     _attn_kernel[(B * n_kv, n_split)](
         q, ck, cv, rows, start, out, acc, ml, T, H,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
-        chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=BLOCK_N, SINGLE=single,
-        IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // BLOCK_N if _INTERPRETED else 0,
+        chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
+        IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if _INTERPRETED else 0,
         num_warps=warps, num_stages=2)
     if not single:
         _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D,

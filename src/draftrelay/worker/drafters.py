@@ -240,19 +240,20 @@ class LlamaDrafter(Drafter):
     # ---- static shapes / CUDA graphs ------------------------------------------------------------------
 
     def _static_step(self, g) -> None:
-        """Everything of one draft step from g's input buffers into g's output buffers, no host sync."""
+        """Everything of one draft step from g's input buffers into g's output buffers, no host sync.
+        Each forward ends in its greedy pick (Transformer.forward(greedy=True): one fused kernel pair on
+        the fast path, the logits' argmax and softmax otherwise)."""
         torch, model, cache = self.torch, self.model, self.cache
         B, T, n_steps, kv = g.key  # attention spans the first kv positions of the rows (masked)
         tokens, start, rows, last = g.tokens, g.start, g.rows, g.last
-        logits = model(tokens, start, cache, rows, kv_len=kv, logits_at=last)[:, 0]
+        tok, conf = model(tokens, start, cache, rows, kv_len=kv, logits_at=last, greedy=True)
         pos = start + last + 1  # position of the first draft
         out_t, out_c = [], []
         for s in range(n_steps):
-            tok = logits.argmax(-1)
             out_t.append(tok)
-            out_c.append(torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+            out_c.append(conf)
             if s < n_steps - 1:
-                logits = model(tok[:, None], pos + s, cache, rows, kv_len=kv)[:, 0]
+                tok, conf = model(tok[:, None], pos + s, cache, rows, kv_len=kv, greedy=True)
         g.out_tok.copy_(torch.stack(out_t, 1))
         g.out_conf.copy_(torch.stack(out_c, 1))
 
@@ -269,8 +270,10 @@ class LlamaDrafter(Drafter):
         g.host = torch.zeros(n_in, dtype=torch.int64, pin_memory=dev.type == "cuda")
         g.tokens = g.inbuf[:B * T].view(B, T)
         g.start, g.rows, g.last = (g.inbuf[B * T + i * B:B * T + (i + 1) * B] for i in range(3))
-        g.out_tok = torch.zeros(B, n_steps, dtype=torch.int64, device=dev)
-        g.out_conf = torch.zeros(B, n_steps, dtype=torch.float32, device=dev)
+        # drafts (int32) and confidences (fp32 bits) side by side in one buffer: one D2H copy per step
+        g.out = torch.zeros(B, 2 * n_steps, dtype=torch.int32, device=dev)
+        g.out_tok, g.out_conf = g.out[:, :n_steps], g.out[:, n_steps:].view(torch.float32)
+        g.host_out = torch.zeros(B, 2 * n_steps, dtype=torch.int32, pin_memory=dev.type == "cuda")
         g.graph = None
         if self.mode == "graph":
             g.rows.fill_(self.n_rows)  # warm-up and capture write only into the scratch row
@@ -302,8 +305,12 @@ class LlamaDrafter(Drafter):
                 g.graph.replay()
             else:
                 self._static_step(g)
-            drafts = g.out_tok.to(torch.int32).cpu().numpy()
-            confs = g.out_conf.cpu().numpy()
+            g.host_out.copy_(g.out, non_blocking=True)
+            if g.out.device.type == "cuda":
+                torch.cuda.current_stream(g.out.device).synchronize()
+            out = g.host_out.numpy()
+            drafts = out[:, :n_steps].copy()
+            confs = out[:, n_steps:].view(np.float32).copy()
         for j in jobs:  # the same row lengths the eager path leaves: context + first n_steps-1 drafts
             cache.lengths[j.row] = j.keep + len(j.tokens) + n_steps - 1
         return drafts, confs
