@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
 from draftrelay.wire import protocol as P
 from draftrelay.worker.drafters import Job, LlamaDrafter
@@ -48,7 +49,8 @@ class Prefetcher:
         # STEP that extends that row by a branch's prefix can be answered with (HitDrafter), until the
         # next prefetch reuses the scratch rows
         self.records: dict[int, tuple[int, np.ndarray, list]] = {}
-        self.stats = {"tables": 0, "branches": 0, "prefetch_us": 0, "worker_side_hits": 0, "observed": 0}
+        self.stats = {"tables": 0, "branches": 0, "prefetch_us": 0, "worker_side_hits": 0, "observed": 0,
+                      "hit_mismatches": 0}
         # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch)
         self.delay_s = float(os.environ.get("DRAFTRELAY_PREFETCH_DELAY_MS", "0") or 0) / 1000
 
@@ -107,6 +109,18 @@ class Prefetcher:
         return Table(entries, us, sid)
 
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
+        top_t, top_p, base_rows = self._stop_distributions(blocks, result, todo, fanout)
+        choices = []
+        for n, (i, _st, k) in enumerate(todo):
+            f = result.drafts[i, :k].astype(np.int32)
+            choices.append([(a, y) for a, y, _ in choose_branches(top_t[n, :k + 1], top_p[n, :k + 1], f, acc.rates(k),
+                                                                  fanout)])
+        out_d, out_c = self._branch_run(result, todo, base_rows, choices)
+        return self._entries(blocks, result, todo, choices, base_rows, out_d, out_c)
+
+    def _stop_distributions(self, blocks, result, todo, fanout: int):
+        """Step 1: one padded forward over (C[-1], f1..fk) for every request, each in the first of its
+        `fanout` scratch rows. Returns the top TOP_M (tokens [R, k+1, m], probs) and those base rows."""
         d = self.drafter
         torch = d.torch
         main = d.cache
@@ -114,7 +128,6 @@ class Prefetcher:
         cache = sc.cache
         model = d.model
         with torch.inference_mode():
-            # 1. the drafter's distributions at the k+1 stopping places, one padded forward for all requests
             T = 1 + max(k for _, _, k in todo)
             toks = np.zeros((len(todo), T), np.int64)
             starts = []
@@ -132,38 +145,48 @@ class Prefetcher:
             probs = torch.softmax(logits.float(), -1)
             m = min(TOP_M, probs.shape[-1])
             top_p, top_t = probs.topk(m, dim=-1)  # ties: torch's order; choice only, never correctness
-            top_p, top_t = top_p.cpu().numpy(), top_t.cpu().numpy()
-            # 2. branch choice; 3. one batched draft run over every branch of every request
-            jobs: list[Job] = []
-            plan = []  # (todo index, [(a, y)], first job index)
-            for n, (i, st, k) in enumerate(todo):
+        return top_t.cpu().numpy(), top_p.cpu().numpy(), base_rows
+
+    def _branch_run(self, result, todo, base_rows, choices):
+        """Step 3: every branch (a, y) of every request gets a scratch row (the KV of C + f1..fa) and all
+        are drafted in one batched run (extension by [y], then k steps). Returns (drafts, confidences),
+        one row per branch in `choices` order."""
+        sc = self._scratch
+        cache = sc.cache
+        jobs: list[Job] = []
+        with self.drafter.torch.inference_mode():
+            for n, (_i, st, k) in enumerate(todo):
                 L = st.ctx_len
-                f = result.drafts[i, :k].astype(np.int32)
-                rows = choose_branches(top_t[n, :k + 1], top_p[n, :k + 1], f, acc.rates(k), fanout)
                 base = base_rows[n]
                 cache.lengths[base] = L + k  # (C[-1], f1..fk) fed: KV of C + f1..fk
-                for b in range(1, len(rows)):
-                    _copy_row(cache, base, cache, base + b, L + rows[b][0])
-                first = len(jobs)
-                for b, (a, y, _) in enumerate(rows):
+                for b in range(1, len(choices[n])):
+                    _copy_row(cache, base, cache, base + b, L + choices[n][b][0])
+                for b, (a, y) in enumerate(choices[n]):
                     if b == 0:
                         cache.truncate(base, L + a)
                     jobs.append(Job(base + b, L + a, np.array([y], np.int32)))
-                plan.append((n, [(a, y) for a, y, _ in rows], first))
-            k_max = max(k for _, _, k in todo)
-            out_d, out_c = sc.run(jobs, k_max) if jobs else (np.zeros((0, k_max), np.int32), None)
+        k_max = max(k for _, _, k in todo)
+        if not jobs:
+            return np.zeros((0, k_max), np.int32), np.zeros((0, k_max), np.float32)
+        return sc.run(jobs, k_max)
+
+    def _entries(self, blocks, result, todo, choices, base_rows, out_d, out_c) -> list[Entry]:
+        """The table's entries, and the records a next STEP can be answered from (HitDrafter)."""
         entries = []
-        for n, pairs, first in plan:
+        first = 0
+        for n, pairs in enumerate(choices):
             i, st, k = todo[n]
             b = blocks[i]
             nb = len(pairs)
             f = result.drafts[i, :k].astype(np.int32)
+            rows = [base_rows[n] + j if base_rows[n] >= 0 else -1 for j in range(nb)]
             self.records[st.row] = (st.ctx_len, f, [
-                (np.concatenate([f[:a], [y]]).astype(np.int32), base_rows[n] + j, out_d[first + j, :k].copy(),
+                (np.concatenate([f[:a], [y]]).astype(np.int32), rows[j], out_d[first + j, :k].copy(),
                  out_c[first + j, :k].copy()) for j, (a, y) in enumerate(pairs)])
-            entries.append(Entry(b.request_id, b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32),
+            entries.append(Entry(b.request_id, b.generation, st.ctx_len, f,
                                  np.array([a for a, _ in pairs], np.int32), np.array([y for _, y in pairs], np.int32),
                                  out_d[first:first + nb, :k].astype(np.int32).reshape(nb, k)))
+            first += nb
         return entries
 
 
@@ -218,6 +241,97 @@ class HitDrafter:
         return drafts, confs
 
 
+class ReplayPrefetcher(Prefetcher):
+    """Branches for a ReplayDrafter (benchmarks: a real pair's acceptance replayed from a trace). The
+    outcomes (a, y) are chosen with `choose_branches` from the trace's recorded top candidates at the k + 1
+    stopping places (ReplayDrafter.stops) and the session's running acceptance, as for a real drafter;
+    each branch's drafts are what the ReplayDrafter would draft after context + f1..fa, y. The cost is
+    the real branch work: with a real inner drafter, Prefetcher's forward and batched run on scratch rows
+    of the inner model (their tokens replaced by the trace's); for a drafter on an emulated second
+    device, the measured seconds of that work (CostTable.prefetch) spent as wall time."""
+
+    def __init__(self, drafter: ReplayDrafter, max_fanout: int = 16) -> None:
+        inner = drafter.inner
+        real = isinstance(inner, LlamaDrafter)
+        super().__init__(inner if real else drafter, max_fanout)
+        self.replay = drafter
+        self.real = real
+        self.supported = real or (drafter.cost is not None and bool(drafter.cost.prefetch))
+        if not self.supported:
+            log.warning("replay prefetch: no branch cost (inner %r, no prefetch entries in the cost table): "
+                        "empty tables", type(inner).__name__)
+
+    def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
+        rd = self.replay
+        m = min(TOP_M, rd.trace.top_f)
+        base_rows = [-1] * len(todo)
+        if self.real:  # the real step 1 (its distributions are the random model's: only its cost is used)
+            _, _, base_rows = self._stop_distributions(blocks, result, todo, fanout)
+        choices = []
+        for i, st, k in todo:
+            f = result.drafts[i, :k].astype(np.int32)
+            tok, prob = rd.stops(st.row, st.ctx_len, f, m)
+            choices.append([(a, y) for a, y, _ in choose_branches(tok, prob, f, acc.rates(k), fanout)])
+        k_max = max(k for _, _, k in todo)
+        if self.real:  # the real step 3 on the chosen outcomes
+            _, out_c = self._branch_run(result, todo, base_rows, choices)
+        else:
+            ctx = max(st.ctx_len for _, st, _ in todo)
+            spend(rd.cost.lookup_prefetch(len(todo), fanout, k_max, ctx))
+            out_c = None
+        out_d = np.zeros((sum(len(c) for c in choices), k_max), np.int32)
+        row = 0
+        for (i, st, k), pairs in zip(todo, choices, strict=True):
+            f = result.drafts[i, :k].astype(np.int32)
+            for a, y in pairs:
+                out_d[row, :k] = rd.branch_drafts(st.row, st.ctx_len, np.concatenate([f[:a], [y]]), k)
+                row += 1
+        if out_c is None:
+            out_c = np.zeros(out_d.shape, np.float32)
+        return self._entries(blocks, result, todo, choices, base_rows, out_d, out_c)
+
+
+class ReplayHitDrafter(HitDrafter):
+    """HitDrafter for a ReplayDrafter: a job answered from a branch costs nothing (no inner run, no
+    emulated wall time) and goes through ReplayDrafter.book, so hist, lengths and on_trace end exactly as
+    an ordinary run leaves them; with a real inner drafter the branch's KV is copied back into the inner
+    drafter's row as HitDrafter does. `stats["hit_mismatches"]` counts hits whose booked drafts differ
+    from the branch's (none, by construction: the branch's drafts are what book returns)."""
+
+    def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        hits = {i: h for i, j in enumerate(jobs) if (h := self._hit(j, n_steps)) is not None}
+        for j in jobs:
+            self._pf.records.pop(j.row, None)
+        if not hits:
+            return self._d.run(jobs, n_steps)
+        drafts = np.zeros((len(jobs), n_steps), np.int32)
+        confs = np.zeros((len(jobs), n_steps), np.float32)
+        idx = [i for i in range(len(jobs)) if i not in hits]
+        if idx:
+            drafts[idx], confs[idx] = self._d.run([jobs[i] for i in idx], n_steps)
+        hi = sorted(hits)
+        drafts[hi], confs[hi] = self._d.book([jobs[i] for i in hi], n_steps)
+        pf = self._pf
+        for i in hi:
+            srow, d, _ = hits[i]
+            pf.stats["hit_mismatches"] += int(not np.array_equal(d, drafts[i]))
+            if pf.real:
+                j = jobs[i]
+                _copy_row(pf._scratch.cache, srow, self._d.inner.cache, j.row, j.keep + len(j.tokens) + n_steps - 1)
+        pf.stats["worker_side_hits"] += len(hits)
+        return drafts, confs
+
+
+def make_prefetcher(drafter) -> tuple[Prefetcher, object]:
+    """The prefetcher for a core's drafter and the drafter the core then uses (a HitDrafter where the
+    prefetcher can branch, so hits skip the drafting)."""
+    if isinstance(drafter, ReplayDrafter):
+        pf = ReplayPrefetcher(drafter)
+        return pf, (ReplayHitDrafter(drafter, pf) if pf.supported else drafter)
+    pf = Prefetcher(drafter)
+    return pf, (HitDrafter(drafter, pf) if pf.supported else drafter)
+
+
 def _copy_row(src, src_row: int, dst, dst_row: int, n: int) -> None:
     """KV of the first n positions of src's row into dst's row (the two caches share the model's shape)."""
     if n > 0:
@@ -232,9 +346,8 @@ def branches_payload(core, session, blocks: list[P.Block], result, fanout: int) 
     with core.lock:
         pf = core.prefetcher
         if pf is None:
-            pf = core.prefetcher = Prefetcher(core.drafter)
-            if pf.supported:
-                core.drafter = HitDrafter(core.drafter, pf)
+            pf, core.drafter = make_prefetcher(core.drafter)
+            core.prefetcher = pf
         if session.id not in core.sessions:
             return encode(Table([], 0, session.id))
         try:
