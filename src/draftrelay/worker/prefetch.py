@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from draftrelay.capture import kv_bucket, kv_buckets
 from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
 from draftrelay.wire import protocol as P
@@ -63,9 +64,24 @@ class Prefetcher:
         d = self.drafter
         if self._scratch is None or self._scratch.n_rows < rows:
             n = 1 << max(0, rows - 1).bit_length()
+            # the branch run is a batched 1-token extension + k steps: on a GPU the drafter's CUDA graphs
+            # (one per (branches, k, kv bucket)), else eager
+            mode = "graph" if getattr(d, "mode", "eager") == "graph" else "eager"
             self._scratch = LlamaDrafter(d.model, n, d.max_ctx, d.n_out_max, d.model_id, d.tokenizer_hash,
-                                         mode="eager")
+                                         mode=mode)
         return self._scratch
+
+    def _warm_branch_graphs(self, sc: LlamaDrafter, n_jobs: int, k: int, ctx: int) -> None:
+        """Capture the branch run's graphs for this context's kv bucket and the next ones up to ctx + 512
+        at once, so a growing context does not pay a capture in the middle of a run."""
+        if sc.mode != "graph":
+            return
+        lo = kv_bucket(ctx + 1 + k, sc.cache.max_len)
+        hi = kv_bucket(ctx + 512 + 1 + k, sc.cache.max_len)
+        with sc._on_model_gpu():
+            for kv in kv_buckets(sc.cache.max_len):
+                if lo <= kv <= hi:
+                    sc._get_static((n_jobs, 1, k, kv))
 
     def _observe(self, sid: int, blocks: list[P.Block]) -> Acceptance:
         acc = self._acc.setdefault(sid, Acceptance())
@@ -168,6 +184,7 @@ class Prefetcher:
         k_max = max(k for _, _, k in todo)
         if not jobs:
             return np.zeros((0, k_max), np.int32), np.zeros((0, k_max), np.float32)
+        self._warm_branch_graphs(sc, len(jobs), k_max, max(j.keep for j in jobs))
         return sc.run(jobs, k_max)
 
     def _entries(self, blocks, result, todo, choices, base_rows, out_d, out_c) -> list[Entry]:
