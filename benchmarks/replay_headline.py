@@ -186,11 +186,13 @@ def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens:
             live = [eng.resume(r) for r in reqs]
             # untimed: the drafter catches up on the context (rounds that ask no drafts), then warm-up
             steps, caught, k0 = 0, None, [0] * len(live)
+            # rounds that fail never offer drafts: the timed window then starts where catching up ends
+            catchup = -(-(max(len(p) for p in prompts) + 1) // eng.cfg.max_round_tokens) + 1
             t0, n0, timed = time.perf_counter(), 0, False
             fast_ms, waited_ms = [], []  # step wall times (the engine syncs every step) by kind
             while max(len(r.output) for r in live) < stop_at:
                 # caught up: every request has been offered drafts once (off: at once)
-                if caught is None and (rounds is None or all(r.kept for r in live)):
+                if caught is None and (rounds is None or all(r.kept for r in live) or steps >= catchup):
                     caught = steps
                 if caught is not None and steps == caught + warmup:
                     if eng.stream is not None:
@@ -356,8 +358,11 @@ def main() -> int:
     try:
         # every speculative mode holds its own worker session of n_max rows
         sessions = sum(len(fanouts) if m == "cache" else 1 for m in modes if m != "off")
+        # --prefill-slice-ms -1: the modes run one at a time, so no session ever waits for another's prefill;
+        # slicing (on whenever a worker has several sessions) would cut a 4096-token catch-up round at 32K
+        # into ~16-token forwards, which on a GPU shared with the target outlast the round budget
         common = ["--max-ctx", str(max_row + 64), "--rows", str(max(2, sessions) * n_max + 2),
-                  "--max-requests", str(n_max),
+                  "--max-requests", str(n_max), "--prefill-slice-ms", "-1",
                   "--n-out-max", str(max(8, args.k))]
         env = {"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None
         if "same" in placements:
