@@ -148,13 +148,15 @@ def test_step_fanout_on_the_wire():
 # ---- the worker's branch drafting ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=["eager", "static"])
+def served(request):
+    """A worker whose drafter runs eagerly, or with static shapes (the forwards a GPU captures as graphs:
+    the branch step's forward over the stopping places and its batched branch run included)."""
     from draftrelay.worker.core import WorkerCore
     from draftrelay.worker.drafters import load_drafter
     from draftrelay.worker.server import WorkerServer
 
-    core = WorkerCore(load_drafter("tiny", n_rows=8, max_ctx=512), max_requests=4)
+    core = WorkerCore(load_drafter("tiny", n_rows=8, max_ctx=512, mode=request.param), max_requests=4)
     srv = WorkerServer(core)
     host, port = srv.start()
     yield core, host, port
@@ -182,6 +184,7 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         assert e.base == len(prompt) and e.n_branches == F and np.array_equal(e.drafts, rep.drafts[0, :k])
         outcomes = {(int(a), int(y)) for a, y in zip(e.accepted, e.token, strict=True)}
         assert len(outcomes) == F and all(y != e.drafts[a] for a, y in outcomes if a < k)
+        assert bool(core.prefetcher._stops) == (core.drafter.mode == "static")  # which forward ran step 1
         for b in range(F):  # batched over all branches, each equals a fresh round of its context
             ctx = np.concatenate([prompt, e.prefix(b)])
             assert np.array_equal(fresh_drafts(host, port, ctx, k), e.branch_drafts[b]), b

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from draftrelay.capture import kv_bucket, kv_buckets
+from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
 from draftrelay.wire import protocol as P
@@ -50,6 +50,7 @@ class Prefetcher:
         # STEP that extends that row by a branch's prefix can be answered with (HitDrafter), until the
         # next prefetch reuses the scratch rows
         self.records: dict[int, tuple[int, np.ndarray, list]] = {}
+        self._stops: dict[tuple[int, int, int], object] = {}  # static step-1 forwards by (requests, T, kv)
         self.stats = {"tables": 0, "branches": 0, "prefetch_us": 0, "worker_side_hits": 0, "observed": 0,
                       "hit_mismatches": 0}
         # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch)
@@ -66,22 +67,59 @@ class Prefetcher:
             n = 1 << max(0, rows - 1).bit_length()
             # the branch run is a batched 1-token extension + k steps: on a GPU the drafter's CUDA graphs
             # (one per (branches, k, kv bucket)), else eager
-            mode = "graph" if getattr(d, "mode", "eager") == "graph" else "eager"
+            mode = getattr(d, "mode", "eager")
             self._scratch = LlamaDrafter(d.model, n, d.max_ctx, d.n_out_max, d.model_id, d.tokenizer_hash,
                                          mode=mode)
         return self._scratch
 
+    def _next_buckets(self, sc: LlamaDrafter, need: int) -> list[int]:
+        """The kv bucket holding `need` keys and the next ones up to need + 512: built at once, so a
+        growing context does not pay a capture in the middle of a run."""
+        lo, hi = kv_bucket(need, sc.cache.max_len), kv_bucket(need + 512, sc.cache.max_len)
+        return [kv for kv in kv_buckets(sc.cache.max_len) if lo <= kv <= hi]
+
     def _warm_branch_graphs(self, sc: LlamaDrafter, n_jobs: int, k: int, ctx: int) -> None:
-        """Capture the branch run's graphs for this context's kv bucket and the next ones up to ctx + 512
-        at once, so a growing context does not pay a capture in the middle of a run."""
         if sc.mode != "graph":
             return
-        lo = kv_bucket(ctx + 1 + k, sc.cache.max_len)
-        hi = kv_bucket(ctx + 512 + 1 + k, sc.cache.max_len)
         with sc._on_model_gpu():
-            for kv in kv_buckets(sc.cache.max_len):
-                if lo <= kv <= hi:
-                    sc._get_static((n_jobs, 1, k, kv))
+            for kv in self._next_buckets(sc, ctx + 1 + k):
+                sc._get_static((n_jobs, 1, k, kv))
+
+    def _stops_static(self, sc: LlamaDrafter, R: int, T: int, kv: int, m: int):
+        """Step 1 with static shapes (the drafter in static or graph mode): inputs in one device buffer,
+        the forward over the first kv positions, softmax and top-m into static outputs; in graph mode
+        captured once per (R, T, kv bucket) like the drafter's own steps."""
+        key = (R, T, kv)
+        g = self._stops.get(key)
+        if g is not None:
+            return g
+        torch, model, cache = sc.torch, sc.model, sc.cache
+        dev = model.device
+        g = type("StopStep", (), {})()
+        g.inbuf = torch.zeros(R * T + 2 * R, dtype=torch.int64, device=dev)
+        g.host = torch.zeros(R * T + 2 * R, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        g.tokens = g.inbuf[:R * T].view(R, T)
+        g.start, g.rows = g.inbuf[R * T:R * T + R], g.inbuf[R * T + R:]
+        g.top_p = torch.zeros(R, T, m, dtype=torch.float32, device=dev)
+        g.top_t = torch.zeros(R, T, m, dtype=torch.int64, device=dev)
+        g.graph = None
+
+        def step():
+            logits = model(g.tokens, g.start, cache, g.rows, kv_len=kv)
+            tp, tt = torch.softmax(logits.float(), -1).topk(m, dim=-1)
+            g.top_p.copy_(tp)
+            g.top_t.copy_(tt)
+
+        g.step = step
+        if sc.mode == "graph":
+            g.rows.fill_(sc.n_rows)  # warm-up and capture write only into the scratch drafter's spare row
+            if sc._capture is None:
+                sc._capture = GraphCapture(dev)
+            with torch.inference_mode():
+                sc._capture.warm(step)
+                g.graph, _ = sc._capture.capture(step)
+        self._stops[key] = g
+        return g
 
     def _observe(self, sid: int, blocks: list[P.Block]) -> Acceptance:
         acc = self._acc.setdefault(sid, Acceptance())
@@ -156,12 +194,32 @@ class Prefetcher:
                 toks[n, 1:1 + k] = result.drafts[i, :k]
                 starts.append(L - 1)
                 base_rows.append(row)
-            logits = model(torch.from_numpy(toks).to(model.device), torch.tensor(starts), cache,
-                           torch.tensor(base_rows))
-            probs = torch.softmax(logits.float(), -1)
-            m = min(TOP_M, probs.shape[-1])
-            top_p, top_t = probs.topk(m, dim=-1)  # ties: torch's order; choice only, never correctness
-        return top_t.cpu().numpy(), top_p.cpu().numpy(), base_rows
+            m = min(TOP_M, model.cfg.vocab_size)
+            if sc.mode == "eager":
+                logits = model(torch.from_numpy(toks).to(model.device), torch.tensor(starts), cache,
+                               torch.tensor(base_rows))
+                probs = torch.softmax(logits.float(), -1)
+                top_p, top_t = probs.topk(m, dim=-1)  # ties: torch's order; choice only, never correctness
+                return top_t.cpu().numpy(), top_p.cpu().numpy(), base_rows
+            R = len(todo)
+            with sc._on_model_gpu():
+                if sc.mode == "graph":
+                    for kv in self._next_buckets(sc, max(starts) + T):
+                        self._stops_static(sc, R, T, kv, m)
+                g = self._stops_static(sc, R, T, kv_bucket(max(starts) + T, cache.max_len), m)
+                host = g.host.numpy()
+                host[:R * T] = toks.reshape(-1)
+                host[R * T:R * T + R] = starts
+                host[R * T + R:] = base_rows
+                g.inbuf.copy_(g.host, non_blocking=True)
+                if g.graph is not None:
+                    g.graph.replay()
+                else:
+                    g.step()
+                top_t, top_p = g.top_t.cpu().numpy(), g.top_p.cpu().numpy()
+            for n, row in enumerate(base_rows):  # a static forward leaves the row lengths to its caller
+                cache.lengths[row] = starts[n] + T
+        return top_t, top_p, base_rows
 
     def _branch_run(self, result, todo, base_rows, choices):
         """Step 3: every branch (a, y) of every request gets a scratch row (the KV of C + f1..fa) and all
