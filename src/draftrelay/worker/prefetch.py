@@ -51,6 +51,7 @@ class Prefetcher:
         # next prefetch reuses the scratch rows
         self.records: dict[int, tuple[int, np.ndarray, list]] = {}
         self._stops: dict[tuple[int, int, int], object] = {}  # static step-1 forwards by (requests, T, kv)
+        self._stops_failed = False
         self.stats = {"tables": 0, "branches": 0, "prefetch_us": 0, "worker_side_hits": 0, "observed": 0,
                       "hit_mismatches": 0}
         # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch)
@@ -195,13 +196,24 @@ class Prefetcher:
                 starts.append(L - 1)
                 base_rows.append(row)
             m = min(TOP_M, model.cfg.vocab_size)
-            if sc.mode == "eager":
-                logits = model(torch.from_numpy(toks).to(model.device), torch.tensor(starts), cache,
-                               torch.tensor(base_rows))
-                probs = torch.softmax(logits.float(), -1)
-                top_p, top_t = probs.topk(m, dim=-1)  # ties: torch's order; choice only, never correctness
-                return top_t.cpu().numpy(), top_p.cpu().numpy(), base_rows
-            R = len(todo)
+            if sc.mode != "eager" and not self._stops_failed:
+                try:
+                    top_t, top_p = self._stops_run(sc, toks, starts, base_rows, T, m)
+                    return top_t, top_p, base_rows
+                except Exception:  # like the drafter's own capture failure: eager from now on, not no tables
+                    log.exception("prefetch: the static forward over the stopping places failed; eager from now on")
+                    self._stops_failed = True
+            logits = model(torch.from_numpy(toks).to(model.device), torch.tensor(starts), cache,
+                           torch.tensor(base_rows))
+            probs = torch.softmax(logits.float(), -1)
+            top_p, top_t = probs.topk(m, dim=-1)  # ties: torch's order; choice only, never correctness
+            return top_t.cpu().numpy(), top_p.cpu().numpy(), base_rows
+
+    def _stops_run(self, sc: LlamaDrafter, toks: np.ndarray, starts: list[int], base_rows: list[int], T: int,
+                   m: int) -> tuple[np.ndarray, np.ndarray]:
+        cache = sc.cache
+        R = len(starts)
+        with sc.torch.inference_mode():
             with sc._on_model_gpu():
                 if sc.mode == "graph":
                     for kv in self._next_buckets(sc, max(starts) + T):
@@ -217,9 +229,9 @@ class Prefetcher:
                 else:
                     g.step()
                 top_t, top_p = g.top_t.cpu().numpy(), g.top_p.cpu().numpy()
-            for n, row in enumerate(base_rows):  # a static forward leaves the row lengths to its caller
-                cache.lengths[row] = starts[n] + T
-        return top_t, top_p, base_rows
+        for n, row in enumerate(base_rows):  # a static forward leaves the row lengths to its caller
+            cache.lengths[row] = starts[n] + T
+        return top_t, top_p
 
     def _branch_run(self, result, todo, base_rows, choices):
         """Step 3: every branch (a, y) of every request gets a scratch row (the KV of C + f1..fa) and all
