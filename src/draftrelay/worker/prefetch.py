@@ -33,6 +33,10 @@ from draftrelay.worker.drafters import Job, LlamaDrafter
 log = logging.getLogger("draftrelay.worker")
 
 TOP_M = 8  # candidates per position considered for branches (F <= (k + 1) * TOP_M)
+# the forward over the stopping places runs with static shapes (a CUDA graph on a GPU) up to this kv
+# bucket, eagerly beyond: on the H200 it ran at contexts up to 512 and hit an illegal memory access at
+# 33K (T = k + 1 = 5 query positions, kv = the cache's full length), not yet explained
+STATIC_STOPS_MAX_KV = 4096
 
 
 class Prefetcher:
@@ -196,7 +200,8 @@ class Prefetcher:
                 starts.append(L - 1)
                 base_rows.append(row)
             m = min(TOP_M, model.cfg.vocab_size)
-            if sc.mode != "eager" and not self._stops_failed:
+            kv = kv_bucket(max(starts) + T, cache.max_len)
+            if sc.mode != "eager" and not self._stops_failed and kv <= STATIC_STOPS_MAX_KV:
                 try:
                     top_t, top_p = self._stops_run(sc, toks, starts, base_rows, T, m)
                     return top_t, top_p, base_rows
