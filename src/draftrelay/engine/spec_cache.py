@@ -50,8 +50,9 @@ from .metrics import StepClock
 from .verify import VerifyInputs
 
 POLL_S = 0.0005  # how often a verify waiting for its table looks again (it wakes at once when the round ends)
-# F when the cache is switched on without one: on the tiny pair (k = 4) 8 branches catch 83-84 % of
-# outcomes (1: 24 %, 2: 34-37 %, 4: 58 %, 16: 93 %; benchmarks/results/spec_cache_cpu.json), and the
+# F when the cache is switched on without one: the smallest fan-out above 80 % of outcomes at k = 4, on
+# the tiny pair (83-84 %; benchmarks/results/spec_cache_cpu.json) and on the replayed Qwen2.5-Coder
+# 0.5B -> 1.5B trace (83.0 %; 4: 73 %, 16: 89 %; benchmarks/results/replay_headline_cache.json); the
 # worker's branch step grows with F
 DEFAULT_FANOUT = 8
 
