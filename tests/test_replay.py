@@ -287,3 +287,20 @@ def test_cache_on_replay_keeps_the_trace_count_and_hits_as_counted(tmp_path, inn
         acc.update(len(f), mm if eq.all() else int(np.argmin(eq)))
     assert sc["hits"] == sum(rec["hit"] for rec in log) == expect > 5, (sc, expect)
     assert set(sc["misses"]) <= {"no_match", "no_entry", "no_table"}, sc["misses"]
+
+
+def test_cost_table_keeps_the_branch_work_and_takes_the_nearest_entry(tmp_path):
+    t = CostTable({(1, 4, 256): 0.004, (4, 4, 256): 0.005}, "test",
+                  prefetch={(1, 4, 4, 256): 0.006, (1, 8, 4, 256): 0.007, (4, 8, 4, 32768): 0.020})
+    path = str(tmp_path / "cost.json")
+    t.save(path)
+    back = CostTable.load(path)
+    assert back.seconds == t.seconds and back.prefetch == t.prefetch
+    assert back.lookup_prefetch(1, 8, 4, 300) == 0.007 and back.lookup_prefetch(4, 8, 4, 30000) == 0.020
+    assert back.lookup_prefetch(2, 5, 4, 200) == 0.006  # nearest: requests first, then F
+    with pytest.raises(TraceError, match="no prefetch entries"):
+        CostTable({(1, 4, 256): 0.004}).lookup_prefetch(1, 8, 4, 256)
+    (tmp_path / "bad.json").write_text(json.dumps({"entries": [{"kind": "prefetch", "jobs": 1, "fanout": 8,
+                                                                 "k": 4, "kv": 256, "s": 0.1}]}))
+    with pytest.raises(TraceError, match="no STEP entries"):
+        CostTable.load(str(tmp_path / "bad.json"))

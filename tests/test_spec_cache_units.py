@@ -279,3 +279,32 @@ def test_an_engine_that_cannot_start_leaves_no_table_memory():
     with Engine(target, EngineConfig(mode="off", spec_fanout=8)) as eng:  # no rounds: the cache says why
         assert not eng.spec_cache.active and "needs async rounds" in eng.spec_cache.refusal
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_host_rounds_on_a_gpu_select_on_the_host():
+    """handoff_config: CUDA rounds on a GPU by default (the cache then refuses), the emulated stream with
+    host_rounds (the cache's host selection applies); runs without a GPU."""
+    import torch
+
+    from draftrelay.engine.loading import handoff_config
+    from draftrelay.engine.spec_cache import SpecCache
+
+    spec = {"kind": "worker", "host": "127.0.0.1", "port": 1}
+    gpu = torch.device("cuda")
+    cuda = handoff_config(spec, gpu, 200, True)
+    host = handoff_config(spec, gpu, 200, True, host_rounds=True)
+    assert (cuda.backend, cuda.cuda_wait) == ("cuda", "memop")
+    assert (host.backend, host.cuda_wait, host.wait_mode) == ("emulated", "", "poll")
+    assert handoff_config(spec, torch.device("cpu"), 200, False, host_rounds=True).backend == "emulated"
+    from draftrelay.handoff.rounds import AsyncRounds
+
+    sc = SpecCache(4)
+    try:
+        host.round_spec = sc.round_spec(host.round_spec, host.round_budget_ms)
+        rounds = AsyncRounds(host)  # not started: bind only reads what the rounds are
+        sc.bind(rounds, 256, device_drafts=True)  # CUDA rounds: the verify reads device replies
+        assert not sc.active and "host_rounds=True" in sc.refusal and sc.stats()["selection"] == ""
+        sc.bind(rounds, 256, device_drafts=False)
+        assert sc.active and sc.stats()["selection"] == "host"
+    finally:
+        sc.shm.close()
