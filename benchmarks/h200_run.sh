@@ -9,9 +9,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 TRACE=${TRACE:-benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json}
 T0=$(date +%s)
-echo "== replay headline"
-timeout "${HEADLINE_S:-330}" python3 benchmarks/replay_headline.py --trace "$TRACE" --repeats 3 \
-    --out "$OUT/replay_headline.json" 2>&1 | tee "$OUT/replay_headline.log" | grep -v "^\[W" | tail -25
+echo "== replay headline, with the speculation cache (short contexts)"
+timeout "${HEADLINE_S:-200}" python3 benchmarks/replay_headline.py --trace "$TRACE" --repeats 2 \
+    --workloads short:1,short:1@1,short:4 --modes off,sync,async,cache --fanout 4,8 --hit-curve 1,2,4,8,16 \
+    --out "$OUT/replay_headline_cache.json" 2>&1 | tee "$OUT/replay_headline.log" | grep -v "^\[W" | tail -8
+echo "== replay headline, 32K ($(( $(date +%s) - T0 )) s so far)"
+timeout "${HEADLINE_32K_S:-250}" python3 benchmarks/replay_headline.py --trace "$TRACE" --repeats 2 \
+    --workloads 32k:1,32k:4 --modes off,sync,async,cache --fanout 4,8 \
+    --out "$OUT/replay_headline_cache_32k.json" 2>&1 | tee "$OUT/replay_headline_32k.log" | grep -v "^\[W" | tail -6
 echo "== fast-forward GPU tests ($(( $(date +%s) - T0 )) s so far)"
 timeout 120 python3 -m pytest -q tests_gpu/test_fast_forward_gpu.py --out "$OUT" 2>&1 | tail -6
 echo "== engine workloads, short ($(( $(date +%s) - T0 )) s so far)"

@@ -6,6 +6,12 @@ model at random weights in a real `draftrelay worker` process, proposing the tra
 tokens (its real forward runs too). Engine, proxy, worker and wire run unmodified between them, so the
 acceptance is the recorded pair's and every cost is the shapes'.
 
+Modes: off (target only), sync, async (CUDA rounds), cache (the speculation cache: async rounds on the
+host stream, "host selection", with F pre-drafted branches per request; `--fanout 4,8` gives one cache
+mode per F, named cacheF). `--hit-curve F1,F2,..` first counts, on the CPU and without models, the hit
+rate of every F on the trace itself (a worker core with the replay drafter, driven like the engine at
+batch 1): the curve of hit rate against F.
+
 Placements: `same` = the worker on the engine's GPU (the two processes time-slice it); `emulated` = a
 worker that spends, as wall time and without touching the GPU, the drafter STEP times measured in this
 run on this GPU (a drafter on an emulated second device). Figures from it say so.
@@ -30,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 
 import numpy as np
 import torch
@@ -41,10 +48,16 @@ from draftrelay.capture import kv_bucket  # noqa: E402  (the bucket the drafter 
 from draftrelay.checkpoint.hf import save_hf_dir  # noqa: E402
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from draftrelay.engine.loading import handoff_config  # noqa: E402
+from draftrelay.engine.spec_cache import DEFAULT_FANOUT, SpecCache  # noqa: E402
 from draftrelay.handoff.procinfo import machine_info  # noqa: E402
 from draftrelay.handoff.rounds import SyncRounds, open_rounds  # noqa: E402
-from draftrelay.replay import CostTable, Trace, install_replay_target, with_fillers  # noqa: E402
+from draftrelay.replay import CostTable, ReplayDrafter, Trace, install_replay_target, with_fillers  # noqa: E402
+from draftrelay.speculation import table as TB  # noqa: E402
+from draftrelay.speculation.table import Acceptance  # noqa: E402
+from draftrelay.wire import protocol as P  # noqa: E402
+from draftrelay.worker.core import WorkerCore  # noqa: E402
 from draftrelay.worker.drafters import Job, load_drafter  # noqa: E402
+from draftrelay.worker.prefetch import Prefetcher, branches_payload  # noqa: E402
 from draftrelay.worker.process import start_worker_process  # noqa: E402
 from engine_workloads import DRAFTER_SHAPES, TARGET_SHAPES, prefill_held, random_model  # noqa: E402
 
@@ -56,13 +69,19 @@ def p50(xs) -> float:
 
 
 def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: int, max_ctx: int,
-                  iters: int) -> CostTable:
+                  iters: int, fanouts: list[int]) -> CostTable:
     """The real drafter's STEP seconds (median of `iters`) for every (jobs, n_steps <= k, context) the
-    runs use, in this process on this GPU: the emulated second device spends them as wall time."""
+    runs use, and the seconds of its speculation-cache branch work (worker.prefetch.Prefetcher: the
+    forward over the k + 1 stopping places, the scratch-row copies, one batched k-step run over
+    jobs x F branches) for every F of `fanouts`, in this process on this GPU: the emulated second device
+    spends them as wall time."""
     d = load_drafter(ddir, device=dev, n_rows=max(jobs) + 1, max_ctx=max_ctx, n_out_max=max(8, k))
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     rng = np.random.default_rng(0)
     out: dict[tuple[int, int, int], float] = {}
+    pre: dict[tuple[int, int, int, int], float] = {}
+    pf = Prefetcher(d, max_fanout=max(fanouts, default=1))
+    failed: list[str] = []
     for ctx in contexts:
         for b in jobs:
             for r in range(b):  # each row holds a context of `ctx` tokens
@@ -80,33 +99,107 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                     sync()
                     times.append(time.perf_counter() - t0)
                 out[(b, n, kv_bucket(L + 3 + n, d.cache.max_len))] = p50(times[2:])
-    del d
+            for F in fanouts:  # the branch work after a STEP of b requests with k drafts each
+                times = []
+                for _ in range(iters + 2) if not failed else ():
+                    jb = [Job(r, L, rng.integers(0, d.vocab_size, 3).astype(np.int32)) for r in range(b)]
+                    drafts, _ = d.run(jb, k)
+                    blocks = [P.Block(r, 1, L, jb[r].tokens, k) for r in range(b)]
+                    res = types.SimpleNamespace(drafts=drafts)
+                    todo = [(r, types.SimpleNamespace(row=r, ctx_len=L + 3), k) for r in range(b)]
+                    sync()
+                    t0 = time.perf_counter()
+                    try:
+                        pf._draft(blocks, res, todo, Acceptance(), F)
+                    except Exception:  # no prefetch entries: the emulated worker then answers empty tables
+                        traceback.print_exc()
+                        failed.append(f"{b}x{F}@{ctx}")
+                        break
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                if len(times) > 2:
+                    pre[(b, F, k, kv_bucket(L + 3 + k, d.cache.max_len))] = p50(times[2:])
+    del d, pf
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
-    return CostTable(out, source=f"measured in this run on {dev}")
+    return CostTable(out, source=f"measured in this run on {dev}", prefetch=pre)
+
+
+def hit_curve(trace: Trace, k: int, fanouts: list[int], max_tokens: int) -> dict:
+    """Hit rate against F counted on the trace alone: for each entry, a worker core with a cost-free
+    replay drafter, driven as the engine drives it at batch 1 (greedy; each round carries the accepted
+    drafts and the target's token), its branch table checked against the next round's tokens with the
+    engine's own selection. A request-round that has a table is a lookup; its first round has none."""
+    out = {}
+    for F in fanouts:
+        cost = CostTable({(1, k, 256): 0.0}, prefetch={(1, F, k, 256): 0.0})
+        by_kind: dict[str, list[int]] = {}
+        for e in trace.entries:
+            rd = ReplayDrafter(trace, cost=cost, n_rows=2, max_ctx=len(e.sequence) + 64, vocab_size=trace.vocab_size)
+            core = WorkerCore(rd)
+            session, _ = core.open_session(P.Hello(max_requests=1, n_out_max=8))
+            seq, T = e.sequence, min(max_tokens, len(e.target))
+            held, n, pos, table = len(e.prompt) + 1, 1, 0, None
+            hits = lookups = 0
+            while n < T - 1:
+                offered = min(k, T - n - 1)
+                block = P.Block(1, 1, pos, np.asarray(seq[pos:held], np.int32), offered)
+                if table is not None:
+                    lookups += 1
+                    hits += TB.select(table.entry(1), 1, 1, pos, block.tokens) >= 0
+                res = core.step(session, [block])
+                table = TB.decode(branches_payload(core, session, [block], res, F), rd.vocab_size)
+                f = res.drafts[0, :offered].tolist()
+                kept = 0
+                while kept < offered and f[kept] == seq[held + kept]:
+                    kept += 1
+                pos, held, n = held, held + kept + 1, n + kept + 1
+            kind = e.name.split(":")[0] or "all"
+            acc = by_kind.setdefault(kind, [0, 0])
+            acc[0] += hits
+            acc[1] += lookups
+        tot = [sum(v[0] for v in by_kind.values()), sum(v[1] for v in by_kind.values())]
+        out[F] = {"hit_rate": tot[0] / max(1, tot[1]), "lookups": tot[1],
+                  "by_kind": {kk: v[0] / max(1, v[1]) for kk, v in sorted(by_kind.items())}}
+    return out
+
+
+def reset_cache_stats(sc: SpecCache) -> None:
+    """Count only the timed steps (the cache's counters otherwise run across every run)."""
+    sc.c.clear()
+    sc.miss_reasons.clear()
+    sc.wait_hit_s.clear()
+    sc.wait_miss_s.clear()
 
 
 def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens: int, warmup: int,
-                 repeats: int) -> dict:
-    """Prefill once, then decode the prompts in every mode from that KV, interleaved, `repeats` times."""
+                 repeats: int, caches: dict | None = None) -> dict:
+    """Prefill once, then decode the prompts in every mode from that KV, interleaved, `repeats` times.
+    caches: mode -> the SpecCache its rounds were opened with (the engine uses it for that mode only)."""
     # rows must outlive every mode's run: no request may finish (that frees its row); the loop below
     # stops while every request is still inside the trace
+    caches = caches or {}
     params = SamplingParams(max_tokens=max_tokens + 64)
     stop_at = max_tokens - eng.cfg.n_draft - 1
     reqs, ttft = prefill_held(eng, prompts, params)
     out = {"ttft_s": ttft, "modes": {m: [] for m in modes}}
     for _ in range(repeats):
         for name, rounds in modes.items():
+            sc = caches.get(name)
+            eng.spec_cache = sc
             eng.set_rounds(rounds)
             for v in eng.timing.values():
                 v.clear()
             live = [eng.resume(r) for r in reqs]
             # untimed: the drafter catches up on the context (rounds that ask no drafts), then warm-up
             steps, caught, k0 = 0, None, [0] * len(live)
-            t0, n0 = time.perf_counter(), 0
+            # rounds that fail never offer drafts: the timed window then starts where catching up ends
+            catchup = -(-(max(len(p) for p in prompts) + 1) // eng.cfg.max_round_tokens) + 1
+            t0, n0, timed = time.perf_counter(), 0, False
+            fast_ms, waited_ms = [], []  # step wall times (the engine syncs every step) by kind
             while max(len(r.output) for r in live) < stop_at:
                 # caught up: every request has been offered drafts once (off: at once)
-                if caught is None and (rounds is None or all(r.kept for r in live)):
+                if caught is None and (rounds is None or all(r.kept for r in live) or steps >= catchup):
                     caught = steps
                 if caught is not None and steps == caught + warmup:
                     if eng.stream is not None:
@@ -114,23 +207,36 @@ def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens:
                     t0, n0, k0 = time.perf_counter(), sum(len(r.output) for r in live), [len(r.kept) for r in live]
                     for v in eng.timing.values():
                         v.clear()
+                    if sc is not None:
+                        reset_cache_stats(sc)
+                    timed = True
+                fast0 = sc.c["fast_steps"] if sc is not None else 0
+                ts = time.perf_counter()
                 eng.step()
+                if timed and sc is not None:
+                    (fast_ms if sc.c["fast_steps"] > fast0 else waited_ms).append(1e3 * (time.perf_counter() - ts))
                 steps += 1
             if eng.stream is not None:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             n_tok = sum(len(r.output) for r in live) - n0
             kept = [x for r, a in zip(live, k0, strict=True) for x in r.kept[a:]]
-            out["modes"][name].append({
+            rep = {
                 "round_mode": eng.round_mode, "tokens_per_s": n_tok / dt if dt > 0 else 0.0,
                 "timed_tokens": n_tok, "timed_steps": len(eng.timing["step"]),
                 "mean_accepted": float(np.mean(kept)) if kept else 0.0,
                 "parts_p50_ms": {k: 1e3 * p50(v) for k, v in eng.timing.items()},
                 "rounds": [dict(r.rounds) for r in live],
                 "outputs_equal_trace": None,  # filled by the caller
-                "outputs": [r.output for r in live]})
+                "outputs": [r.output for r in live]}
+            if sc is not None:
+                rep["spec_cache"] = {**sc.stats(), "step_ms_p50_fast": p50(fast_ms),
+                                     "step_ms_p50_waited": p50(waited_ms)}
+            out["modes"][name].append(rep)
             for r in live:
                 eng.cancel(r, keep_row=True)
+            eng.set_rounds(None)  # settles a round the cache left in flight, with its own rounds
+            eng.spec_cache = None
     for r in reqs:
         eng.release_row(r.row)
     eng.set_rounds(None)
@@ -147,7 +253,11 @@ def main() -> int:
                     help="CONTEXT:REQUESTS[@FIRST], comma-separated; requests take --entries from position FIRST on")
     ap.add_argument("--entries", default="",
                     help="trace entry indices in the order requests take them (default: code and prose alternating)")
-    ap.add_argument("--modes", default="off,sync,async")
+    ap.add_argument("--modes", default="off,sync,async,cache")
+    ap.add_argument("--fanout", default=str(DEFAULT_FANOUT),
+                    help="branches per request of the cache mode; a list (4,8) runs one cache mode per F")
+    ap.add_argument("--hit-curve", default="",
+                    help="F values: first count the hit rate of each on the trace itself (CPU, no models)")
     ap.add_argument("--placements", default="same,emulated", help="same (worker on this GPU) and/or emulated")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default: the trace's length)")
@@ -188,11 +298,28 @@ def main() -> int:
         if p not in ("same", "emulated"):
             ap.error(f"--placements: {p!r} is not same or emulated")
     modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in ("off", "sync", "async", "cache"):
+            ap.error(f"--modes: {m!r} is not off, sync, async or cache")
+    try:
+        fanouts = [int(x) for x in args.fanout.split(",") if x] if "cache" in modes else []
+        curve_fs = [int(x) for x in args.hit_curve.split(",") if x]
+    except ValueError:
+        ap.error("--fanout / --hit-curve: comma-separated integers")
+    if any(not 1 <= f <= TB.MAX_BRANCHES for f in fanouts + curve_fs):
+        ap.error(f"--fanout / --hit-curve: F must be within 1..{TB.MAX_BRANCHES}")
     max_tokens = args.max_tokens or min(len(e.target) for e in trace.entries)
     label = f"replayed acceptance of {trace.pair}"
     result = {"label": label, "env": {**machine_info(), "device": str(dev)}, "args": vars(args),
               "trace": {"pair": trace.pair, "entries": len(trace.entries), "file": os.path.basename(args.trace)},
               "workloads": {}}
+
+    if curve_fs:
+        t0 = time.perf_counter()
+        result["hit_curve"] = {"k": args.k, "max_tokens": max_tokens, "by_fanout": hit_curve(trace, args.k, curve_fs,
+                                                                                             max_tokens)}
+        print(f"hit rate against F (k = {args.k}, counted on the trace, {time.perf_counter() - t0:.1f} s): " +
+              ", ".join(f"F={f} {v['hit_rate']:.1%}" for f, v in result["hit_curve"]["by_fanout"].items()), flush=True)
 
     def save() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -231,11 +358,18 @@ def main() -> int:
     big_path = os.path.join(tmp, "trace_workloads.json")
     big.save(big_path)
     wdev = str(dev)
-    workers, rounds = {}, {}
+    cost = None
+    workers, rounds, caches = {}, {}, {}
     stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
     hook = install_replay_target(target, big, n_rows=n_max + 1, max_len=max_row)
     try:
-        common = ["--max-ctx", str(max_row + 64), "--rows", str(2 * n_max + 2), "--max-requests", str(n_max),
+        # every speculative mode holds its own worker session of n_max rows
+        sessions = sum(len(fanouts) if m == "cache" else 1 for m in modes if m != "off")
+        # --prefill-slice-ms -1: the modes run one at a time, so no session ever waits for another's prefill;
+        # slicing (on whenever a worker has several sessions) would cut a 4096-token catch-up round at 32K
+        # into ~16-token forwards, which on a GPU shared with the target outlast the round budget
+        common = ["--max-ctx", str(max_row + 64), "--rows", str(max(2, sessions) * n_max + 2),
+                  "--max-requests", str(n_max), "--prefill-slice-ms", "-1",
                   "--n-out-max", str(max(8, args.k))]
         env = {"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None
         if "same" in placements:
@@ -244,10 +378,13 @@ def main() -> int:
         if "emulated" in placements:
             t0 = time.perf_counter()
             cost = measure_costs(inner, wdev, sorted({max(c, 16) for _, c, _ in plan}), sorted({n for *_, n in plan}),
-                                 args.k, max_row + 64, args.cost_iters)
+                                 args.k, max_row + 64, args.cost_iters, fanouts)
             cpath = os.path.join(tmp, "cost.json")
             cost.save(cpath)
             result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}
+            result["prefetch_cost_ms"] = {f"{j}x{f}xk{k}@{kv}": 1e3 * s
+                                          for (j, f, k, kv), s in sorted(cost.prefetch.items())}
+            print(f"branch work measured: {result['prefetch_cost_ms']}", flush=True)
             print(f"drafter STEP table measured in {time.perf_counter() - t0:.1f} s: {result['cost_table_ms']}",
                   flush=True)
             workers["emulated"] = start_worker_process(["--model", f"replay:{big_path}:emulated={cpath}",
@@ -263,8 +400,18 @@ def main() -> int:
                                    max_requests=n_max, max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),
                                    round_budget_ms=args.deadline_ms * 0.9)
                 for m in modes:
-                    if m != "off":
+                    if m in ("sync", "async"):
                         rounds[f"{m}@{p}"] = SyncRounds(h) if m == "sync" else open_rounds(h)
+                    elif m == "cache":  # async rounds on the host stream, the cache's table memfd to the proxy
+                        for F in fanouts:
+                            name = f"cache{F}@{p}" if len(fanouts) > 1 else f"cache@{p}"
+                            sc = caches[name] = SpecCache(F)
+                            hh = handoff_config(spec, dev, args.deadline_ms, p == "same", host_rounds=True,
+                                                vocab_size=V, max_drafts=max(8, args.k), max_requests=n_max,
+                                                max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),
+                                                round_budget_ms=args.deadline_ms * 0.9)
+                            hh.round_spec = sc.round_spec(hh.round_spec, hh.round_budget_ms)
+                            rounds[name] = open_rounds(hh)
         runs = {"off": None} if "off" in modes else {}
         runs.update(rounds)
         for item, ctx, n in plan:
@@ -275,7 +422,7 @@ def main() -> int:
                                    max_round_tokens=args.max_round_tokens, graphs=graphs)
                 eng = Engine(target, cfg, stream=stream)
                 prompts = [big.entries[index[(item, i)]].prompt for i in range(n)]
-                res = decode_modes(eng, prompts, runs, max_tokens, args.warmup, args.repeats)
+                res = decode_modes(eng, prompts, runs, max_tokens, args.warmup, args.repeats, caches)
                 want = [big.entries[index[(item, i)]].target[:max_tokens] for i in range(n)]
                 for reps in res["modes"].values():
                     for rep in reps:
@@ -284,12 +431,15 @@ def main() -> int:
                 names = [big.entries[index[(item, i)]].name for i in range(n)]
                 result["workloads"][item] = {"context": ctx, "requests": n, "graphs": graphs, "entries": names, **res,
                                              "wall_s": time.perf_counter() - t0}
+                if cost is not None:
+                    result["workloads"][item]["cache_bound"] = cache_bound(res, cost, n, ctx, args.k)
             except Exception as exc:
                 traceback.print_exc()
                 result["workloads"][item] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             finally:
                 if eng is not None:
-                    eng.rounds = None  # shared rounds: closed below
+                    eng.rounds = None  # shared rounds and caches: closed below
+                    eng.spec_cache = None
                     eng.close()
                 del eng
                 if dev.type == "cuda":
@@ -302,6 +452,8 @@ def main() -> int:
         hook.remove()
         for r in rounds.values():
             r.close()
+        for sc in caches.values():
+            sc.shm.close()
         for p, w in workers.items():
             result.setdefault("worker_log_tail", {})[p] = w.log()[-2000:]
             w.stop()
@@ -316,6 +468,28 @@ def main() -> int:
         print(f"wrote {plot}")
     print(f"wrote {args.out}")
     return 0
+
+
+def cache_bound(res: dict, cost: CostTable, n: int, ctx: int, k: int) -> dict:
+    """Per cache mode: the step time on hits (verifies that did not wait) against max(verify, drafter
+    STEP), with the verify of the same run and the drafter STEP (and branch work) from the cost table."""
+    out = {}
+    L = max(ctx, 16) + 64
+    for name, reps in res["modes"].items():
+        if not reps or "spec_cache" not in reps[0]:
+            continue
+        fast = p50([r["spec_cache"]["step_ms_p50_fast"] for r in reps])
+        verify = p50([r["parts_p50_ms"]["verify"] for r in reps])
+        step = 1e3 * cost.lookup(n, k, L)
+        F = reps[0]["spec_cache"]["fanout"]
+        branch = 1e3 * cost.lookup_prefetch(n, F, k, L) if cost.prefetch else 0.0
+        bound = max(verify, step)
+        out[name] = {"hit_rate": p50([r["spec_cache"]["hit_rate"] for r in reps]),
+                     "fast_step_fraction": p50([r["spec_cache"]["fast_steps"] / max(1, r["timed_steps"])
+                                                for r in reps]),
+                     "step_ms_on_hits": fast, "verify_ms": verify, "drafter_step_ms": step, "branch_work_ms": branch,
+                     "bound_ms": bound, "hit_step_over_bound": fast / bound if bound else 0.0}
+    return out
 
 
 def summary(w: dict, mode: str) -> tuple[float, float, float]:
@@ -333,7 +507,9 @@ def format_row(item: str, w: dict, modes: list[str]) -> str:
         acc = statistics.mean(rep["mean_accepted"] for rep in w["modes"][m])
         ok = all(rep["outputs_equal_trace"] for rep in w["modes"][m])
         rel = f" {med / base:.2f}x" if base else ""
-        cells.append(f"{m} {med:.1f} ({lo:.1f}-{hi:.1f}){rel} acc {acc:.2f}{'' if ok else ' OUTPUT DIFFERS'}")
+        sc = [rep["spec_cache"] for rep in w["modes"][m] if "spec_cache" in rep]
+        hit = f" hit {p50([x['hit_rate'] for x in sc]):.0%}" if sc else ""
+        cells.append(f"{m} {med:.1f} ({lo:.1f}-{hi:.1f}){rel} acc {acc:.2f}{hit}{'' if ok else ' OUTPUT DIFFERS'}")
     return f"{item:<9} " + " | ".join(cells)
 
 

@@ -27,8 +27,9 @@ VOCAB = 256
 MAX_TOKENS = 40
 
 
-def synthetic_trace(seed: int = 0, n: int = 3, length: int = 48, hit: float = 0.7) -> Trace:
-    """Random target sequences; the drafter's top-1 is the target's token with probability `hit`."""
+def synthetic_trace(seed: int = 0, n: int = 3, length: int = 48, hit: float = 0.7, second: bool = False) -> Trace:
+    """Random target sequences; the drafter's top-1 is the target's token with probability `hit`
+    (second: where it is not, the target's token is the drafter's second choice)."""
     rng = np.random.default_rng(seed)
     entries = []
     for i in range(n):
@@ -37,7 +38,9 @@ def synthetic_trace(seed: int = 0, n: int = 3, length: int = 48, hit: float = 0.
         top = []
         for t in target:
             first = t if rng.random() < hit else int((t + 1 + rng.integers(0, VOCAB - 1)) % VOCAB)
-            rest = [int(x) for x in rng.choice([v for v in range(VOCAB) if v != first], 3, replace=False)]
+            rest = [int(x) for x in rng.choice([v for v in range(VOCAB) if v not in (first, t)], 3, replace=False)]
+            if second and first != t:
+                rest[0] = t
             top.append([first, *rest])
         entries.append(TraceEntry(prompt, target, top, name=f"e{i}"))
     return Trace(pair="synthetic test pair", top_f=4, entries=entries, vocab_size=VOCAB)
@@ -133,3 +136,171 @@ def test_emulated_device_spends_the_table():
     d.run([Job(0, 0, np.asarray(tr.entries[0].prompt, np.int32))], 4)
     dt = time.perf_counter() - t0
     assert 0.029 <= dt < 0.2
+
+
+# ---- the speculation cache on replayed acceptance ------------------------------------------------------
+
+ZERO_COST = {"entries": [{"jobs": 1, "n_steps": 4, "kv": 256, "s": 0.0},
+                         {"kind": "prefetch", "jobs": 1, "fanout": 4, "k": 4, "kv": 256, "s": 0.0}]}
+
+
+def lockstep(core, entry, k: int, fanout: int):
+    """Drive one WorkerCore like the engine would for one trace entry (greedy, the target is the trace):
+    per round the block, the drafts, the decoded branch table."""
+    from draftrelay.speculation import table as TB
+    from draftrelay.wire import protocol as P
+    from draftrelay.worker.prefetch import branches_payload
+
+    seq = entry.sequence
+    session, _ = core.open_session(P.Hello(max_requests=1, n_out_max=8))
+    held, n, pos = len(entry.prompt) + 1, 1, 0  # engine: prompt + first token; drafter: nothing yet
+    out = []
+    while n < len(entry.target) - k - 1:
+        block = P.Block(7, 1, pos, np.asarray(seq[pos:held], np.int32), k)
+        res = core.step(session, [block])
+        f = res.drafts[0, :k].tolist()
+        table = TB.decode(branches_payload(core, session, [block], res, fanout), VOCAB) if fanout else None
+        kept = 0
+        while kept < k and f[kept] == seq[held + kept]:
+            kept += 1
+        out.append((block, f, table))
+        pos, held, n = held, held + kept + 1, n + kept + 1
+    return out
+
+
+def test_replay_branches_leave_the_drafter_as_plain_rounds_do(tmp_path):
+    """The replay prefetcher's worker-side hits (STEPs answered from a branch, at no cost) leave the
+    ReplayDrafter's drafts and bookkeeping exactly as plain rounds leave them, and every branch holds what a
+    fresh round of its context would draft."""
+    from draftrelay.speculation import table as TB
+    from draftrelay.worker.core import WorkerCore
+
+    tr = synthetic_trace(seed=5, n=1, length=64, hit=0.6, second=True)
+    e = tr.entries[0]
+    cost = CostTable.load(_write(tmp_path / "cost.json", ZERO_COST))
+    plain = WorkerCore(ReplayDrafter(tr, cost=cost, n_rows=2, max_ctx=128, vocab_size=VOCAB))
+    cached = WorkerCore(ReplayDrafter(tr, cost=cost, n_rows=2, max_ctx=128, vocab_size=VOCAB))
+    a = lockstep(plain, e, 4, 0)
+    b = lockstep(cached, e, 4, 8)
+    assert [f for _, f, _ in a] == [f for _, f, _ in b]
+    da, db = plain.drafter, cached.drafter._d
+    for name in ("lengths", "on_trace", "follow"):
+        assert np.array_equal(getattr(da, name), getattr(db, name)), name
+    for r in range(2):
+        assert np.array_equal(da.hist[r, :da.lengths[r]], db.hist[r, :db.lengths[r]])
+    pf = cached.prefetcher
+    expect_hits = 0
+    for (_, _, table), (nxt, _, _) in zip(b, b[1:], strict=False):
+        ent = table.entry(7)
+        assert ent is not None and ent.n_branches == 8
+        hit = TB.select(ent, 7, 1, nxt.position, nxt.tokens) >= 0
+        expect_hits += hit
+        for j in range(ent.n_branches):  # each branch = what a fresh replay drafter drafts after its context
+            fresh = ReplayDrafter(tr, cost=cost, n_rows=1, max_ctx=128, vocab_size=VOCAB)
+            fresh.run([Job(0, 0, np.asarray(e.sequence[:ent.base], np.int32))], 0)  # the request's context
+            want, _ = fresh.run([Job(0, ent.base, ent.prefix(j))], 4)
+            assert ent.branch_drafts[j].tolist() == want[0].tolist(), (ent.base, j)
+    assert pf.stats["worker_side_hits"] == expect_hits > 3 and pf.stats["hit_mismatches"] == 0
+
+
+def _write(path, obj) -> str:
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def trace_candidates(e: TraceEntry, base: int, f: list[int], m: int):
+    """The replay's branch candidates recomputed from the trace alone (docs/REPLAY.md): recorded top-m
+    where the first a drafts are true, the recorded probabilities on placeholder tokens elsewhere."""
+    seq = e.sequence
+    k = len(f)
+    tok = np.zeros((k + 1, m), np.int64)
+    prob = np.zeros((k + 1, m))
+    for a in range(k + 1):
+        n = base + a
+        j = n - len(e.prompt)
+        if not 0 <= j < len(e.target):
+            tok[a] = (np.arange(m) + 1 + (seq[n] if n < len(seq) else 0)) % VOCAB
+            continue
+        prob[a] = e.draft_prob[j][:m]
+        true_so_far = f[:a] == seq[base:base + a]
+        tok[a] = e.draft_top[j][:m] if true_so_far else (seq[n] + 1 + np.arange(m)) % VOCAB
+    return tok, prob
+
+
+@pytest.mark.parametrize("inner,F", [("emulated", 4), ("emulated", 8), ("tiny", 8)])
+def test_cache_on_replay_keeps_the_trace_count_and_hits_as_counted(tmp_path, inner, F):
+    """Through the worker process, proxy and engine (host selection): greedy output = the trace's,
+    acceptance = the trace's count exactly, and the hit count = a direct count from the trace and the
+    branch choice (the worker's acceptance estimate replayed from the rounds)."""
+    from draftrelay.engine.engine import Engine, EngineConfig
+    from draftrelay.speculation import table as TB
+    from draftrelay.worker.prefetch import TOP_M
+
+    tr = synthetic_trace(seed=7, n=3, length=48, hit=0.7, second=True)
+    rng = np.random.default_rng(1)
+    for ent in tr.entries:  # probabilities, so the branch choice has something to rank
+        ent.draft_prob = [sorted(rng.dirichlet(np.ones(4)).round(4).tolist(), reverse=True) for _ in ent.target]
+    path = str(tmp_path / "trace.json")
+    tr.save(path)
+    k = 4
+    if inner == "emulated":
+        cost = {"entries": [{"jobs": 1, "n_steps": k, "kv": 256, "s": 0.001},
+                            {"kind": "prefetch", "jobs": 1, "fanout": F, "k": k, "kv": 256, "s": 0.001}]}
+        spec_model = f"replay:{path}:emulated={_write(tmp_path / 'cost.json', cost)}"
+    else:
+        spec_model = f"replay:{path}:tiny"
+    w = start_worker_process(["--model", spec_model, "--device", "cpu", "--dtype", "float32"],
+                             env={"OMP_NUM_THREADS": "1"})
+    target, _ = tiny_pair()
+    spec = {"kind": "worker", "host": w.host, "port": w.port,
+            "model_id": tiny_model_id() if inner == "tiny" else "replay-emulated"}
+    cfg = EngineConfig(mode="async", n_draft=k, max_batch=1, max_len=256, spec_fanout=F, spec_options={"log": True},
+                       handoff=HandoffConfig(round_spec=spec, deadline_ms=5000, round_budget_ms=4000))
+    hook = install_replay_target(target, tr, n_rows=2, max_len=cfg.max_len)
+    try:
+        with Engine(target, cfg) as eng:
+            reqs = eng.generate([e.prompt for e in tr.entries], SamplingParams(max_tokens=MAX_TOKENS))
+            m = eng.metrics()
+            log = eng.spec_cache.log
+    finally:
+        hook.remove()
+        w.stop()
+    sc = m["total"]["spec_cache"]
+    assert sc["active"] and m["total"]["rounds"]["failed"] == 0 and m["total"]["rounds"]["watchdog"] == 0
+    for r, e in zip(reqs, tr.entries, strict=True):
+        assert r.output == e.target[:MAX_TOKENS]  # = target-only (test_off_mode_follows_the_trace)
+        assert r.kept == [kept for offered, kept in count_accepted(e, k, MAX_TOKENS) if offered], e.name
+    # the direct count: per lookup, the candidates from the trace, the worker's acceptance replayed
+    by_id = {r.id: e for r, e in zip(reqs, tr.entries, strict=True)}
+    acc = TB.Acceptance()
+    expect = 0
+    for rec in log:
+        if rec["drafts"] is None:
+            continue
+        e, f, new = by_id[rec["request"]], rec["drafts"], rec["new"]
+        tok, prob = trace_candidates(e, rec["base"], f, min(TOP_M, tr.top_f))
+        chosen = TB.choose_branches(tok, prob, np.asarray(f, np.int32), acc.rates(len(f)), F)
+        a = len(new) - 1
+        expect += new[:a] == f[:a] and any(ca == a and cy == new[a] for ca, cy, _ in chosen)
+        mm = min(len(f), a)
+        eq = np.asarray(new[:mm]) == np.asarray(f[:mm])
+        acc.update(len(f), mm if eq.all() else int(np.argmin(eq)))
+    assert sc["hits"] == sum(rec["hit"] for rec in log) == expect > 5, (sc, expect)
+    assert set(sc["misses"]) <= {"no_match", "no_entry", "no_table"}, sc["misses"]
+
+
+def test_cost_table_keeps_the_branch_work_and_takes_the_nearest_entry(tmp_path):
+    t = CostTable({(1, 4, 256): 0.004, (4, 4, 256): 0.005}, "test",
+                  prefetch={(1, 4, 4, 256): 0.006, (1, 8, 4, 256): 0.007, (4, 8, 4, 32768): 0.020})
+    path = str(tmp_path / "cost.json")
+    t.save(path)
+    back = CostTable.load(path)
+    assert back.seconds == t.seconds and back.prefetch == t.prefetch
+    assert back.lookup_prefetch(1, 8, 4, 300) == 0.007 and back.lookup_prefetch(4, 8, 4, 30000) == 0.020
+    assert back.lookup_prefetch(2, 5, 4, 200) == 0.006  # nearest: requests first, then F
+    with pytest.raises(TraceError, match="no prefetch entries"):
+        CostTable({(1, 4, 256): 0.004}).lookup_prefetch(1, 8, 4, 256)
+    (tmp_path / "bad.json").write_text(json.dumps({"entries": [{"kind": "prefetch", "jobs": 1, "fanout": 8,
+                                                                 "k": 4, "kv": 256, "s": 0.1}]}))
+    with pytest.raises(TraceError, match="no STEP entries"):
+        CostTable.load(str(tmp_path / "bad.json"))

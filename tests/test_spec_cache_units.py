@@ -148,13 +148,15 @@ def test_step_fanout_on_the_wire():
 # ---- the worker's branch drafting ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=["eager", "static"])
+def served(request):
+    """A worker whose drafter runs eagerly, or with static shapes (the forwards a GPU captures as graphs:
+    the branch step's forward over the stopping places and its batched branch run included)."""
     from draftrelay.worker.core import WorkerCore
     from draftrelay.worker.drafters import load_drafter
     from draftrelay.worker.server import WorkerServer
 
-    core = WorkerCore(load_drafter("tiny", n_rows=8, max_ctx=512), max_requests=4)
+    core = WorkerCore(load_drafter("tiny", n_rows=8, max_ctx=512, mode=request.param), max_requests=4)
     srv = WorkerServer(core)
     host, port = srv.start()
     yield core, host, port
@@ -182,6 +184,7 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         assert e.base == len(prompt) and e.n_branches == F and np.array_equal(e.drafts, rep.drafts[0, :k])
         outcomes = {(int(a), int(y)) for a, y in zip(e.accepted, e.token, strict=True)}
         assert len(outcomes) == F and all(y != e.drafts[a] for a, y in outcomes if a < k)
+        assert bool(core.prefetcher._stops) == (core.drafter.mode == "static")  # which forward ran step 1
         for b in range(F):  # batched over all branches, each equals a fresh round of its context
             ctx = np.concatenate([prompt, e.prefix(b)])
             assert np.array_equal(fresh_drafts(host, port, ctx, k), e.branch_drafts[b]), b
@@ -276,3 +279,32 @@ def test_an_engine_that_cannot_start_leaves_no_table_memory():
     with Engine(target, EngineConfig(mode="off", spec_fanout=8)) as eng:  # no rounds: the cache says why
         assert not eng.spec_cache.active and "needs async rounds" in eng.spec_cache.refusal
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_host_rounds_on_a_gpu_select_on_the_host():
+    """handoff_config: CUDA rounds on a GPU by default (the cache then refuses), the emulated stream with
+    host_rounds (the cache's host selection applies); runs without a GPU."""
+    import torch
+
+    from draftrelay.engine.loading import handoff_config
+    from draftrelay.engine.spec_cache import SpecCache
+
+    spec = {"kind": "worker", "host": "127.0.0.1", "port": 1}
+    gpu = torch.device("cuda")
+    cuda = handoff_config(spec, gpu, 200, True)
+    host = handoff_config(spec, gpu, 200, True, host_rounds=True)
+    assert (cuda.backend, cuda.cuda_wait) == ("cuda", "memop")
+    assert (host.backend, host.cuda_wait, host.wait_mode) == ("emulated", "", "poll")
+    assert handoff_config(spec, torch.device("cpu"), 200, False, host_rounds=True).backend == "emulated"
+    from draftrelay.handoff.rounds import AsyncRounds
+
+    sc = SpecCache(4)
+    try:
+        host.round_spec = sc.round_spec(host.round_spec, host.round_budget_ms)
+        rounds = AsyncRounds(host)  # not started: bind only reads what the rounds are
+        sc.bind(rounds, 256, device_drafts=True)  # CUDA rounds: the verify reads device replies
+        assert not sc.active and "host_rounds=True" in sc.refusal and sc.stats()["selection"] == ""
+        sc.bind(rounds, 256, device_drafts=False)
+        assert sc.active and sc.stats()["selection"] == "host"
+    finally:
+        sc.shm.close()

@@ -248,37 +248,59 @@ def install_replay_target(model, trace: Trace, n_rows: int, max_len: int) -> Rep
 
 @dataclass
 class CostTable:
-    """Measured STEP seconds of the real drafter by (jobs, n_steps, kv bucket): the emulated second
-    device spends them as wall time. Lookup takes the nearest measured key (jobs, then n_steps, then
-    context), never extrapolates silently beyond the table (it takes the largest entry)."""
+    """Measured seconds of the real drafter's work, which the emulated second device spends as wall time.
+
+    seconds[(jobs, n_steps, kv)]: one STEP (jobs requests, n_steps drafts, kv bucket of the context);
+    prefetch[(requests, fanout, k, kv)]: the speculation cache's branch work after a STEP of `requests`
+        requests with k drafts each (worker.prefetch.Prefetcher: the forward over the k + 1 stopping
+        places, the scratch-row copies and one batched k-step run over requests x fanout branches).
+    Lookup takes the nearest measured key (jobs or requests first, then n_steps or fanout and k, then
+    context), never extrapolating silently beyond the table (it takes the largest entry). In the file,
+    a prefetch entry is {"kind": "prefetch", "jobs", "fanout", "k", "kv", "s"}; other entries are STEPs."""
 
     seconds: dict[tuple[int, int, int], float]
     source: str = ""
+    prefetch: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str) -> CostTable:
         try:
             with open(path) as f:
                 d = json.load(f)
-            sec = {(int(e["jobs"]), int(e["n_steps"]), int(e["kv"])): float(e["s"]) for e in d["entries"]}
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            sec, pre = {}, {}
+            for e in d["entries"]:
+                if e.get("kind", "step") == "prefetch":
+                    pre[(int(e["jobs"]), int(e["fanout"]), int(e["k"]), int(e["kv"]))] = float(e["s"])
+                else:
+                    sec[(int(e["jobs"]), int(e["n_steps"]), int(e["kv"]))] = float(e["s"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TraceError(f"{path}: not a replay cost table: {exc}") from None
         if not sec:
-            raise TraceError(f"{path}: the cost table is empty")
-        return cls(sec, str(d.get("source", "")))
+            raise TraceError(f"{path}: the cost table has no STEP entries")
+        return cls(sec, str(d.get("source", "")), pre)
 
     def save(self, path: str) -> None:
+        steps = [{"jobs": j, "n_steps": n, "kv": kv, "s": s} for (j, n, kv), s in sorted(self.seconds.items())]
+        pre = [{"kind": "prefetch", "jobs": j, "fanout": f, "k": k, "kv": kv, "s": s}
+               for (j, f, k, kv), s in sorted(self.prefetch.items())]
         with open(path, "w") as f:
-            json.dump({"source": self.source, "entries": [{"jobs": j, "n_steps": n, "kv": kv, "s": s}
-                                                          for (j, n, kv), s in sorted(self.seconds.items())]}, f)
+            json.dump({"source": self.source, "entries": steps + pre}, f)
+
+    @staticmethod
+    def _nearest(table: dict, want: tuple, ctx: int):
+        def dist(key):
+            return (*(abs(a - b) for a, b in zip(key[:-1], want, strict=True)),
+                    abs(np.log2(max(key[-1], 1)) - np.log2(max(ctx, 1))))
+
+        return table[min(table, key=dist)]
 
     def lookup(self, jobs: int, n_steps: int, ctx: int) -> float:
-        keys = list(self.seconds)
+        return self._nearest(self.seconds, (jobs, n_steps), ctx)
 
-        def dist(k):
-            return (abs(k[0] - jobs), abs(k[1] - n_steps), abs(np.log2(max(k[2], 1)) - np.log2(max(ctx, 1))))
-
-        return self.seconds[min(keys, key=dist)]
+    def lookup_prefetch(self, requests: int, fanout: int, k: int, ctx: int) -> float:
+        if not self.prefetch:
+            raise TraceError("replay cost table: no prefetch entries (the branch work was not measured)")
+        return self._nearest(self.prefetch, (requests, fanout, k), ctx)
 
 
 def spend(seconds: float) -> None:
@@ -351,6 +373,11 @@ class ReplayDrafter:
         elif jobs:
             ctx = max(j.keep + len(j.tokens) for j in jobs)
             spend(self.cost.lookup(len(jobs), n_steps, ctx))
+        return self.book(jobs, n_steps)
+
+    def book(self, jobs, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens and the bookkeeping (hist, lengths, on_trace) of `run`, without its cost: a STEP
+        answered from a pre-drafted branch (worker.prefetch.ReplayHitDrafter) leaves the same state."""
         drafts = np.zeros((len(jobs), n_steps), np.int32)
         confs = np.zeros((len(jobs), n_steps), np.float32)
         for b, j in enumerate(jobs):
@@ -376,14 +403,17 @@ class ReplayDrafter:
         return drafts, confs
 
     def _draft(self, row: int, n: int) -> tuple[int, float]:
-        at = self._entry_pos(row, n) if self.on_trace[row] == n else None
-        if at is None:
+        return self._draft_at(int(self.follow[row]), int(self.on_trace[row]) == n, n)
+
+    def _draft_at(self, script: int, on: bool, n: int) -> tuple[int, float]:
+        """The draft after a context of length n of script `script` (-1: none), on the script or not."""
+        seq = self.scripts.seqs[script] if script >= 0 else None
+        j = n - len(self.trace.entries[script].prompt) if script >= 0 else -1
+        if not on or not 0 <= j < len(self.trace.entries[script].target):
             # off the script: a token the target will not accept there (any id but the script's)
-            i = int(self.follow[row])
-            seq = self.scripts.seqs[i] if i >= 0 else None
             bad = int(seq[n]) + 1 if seq is not None and n < len(seq) else 0
             return bad % self.vocab_size, 0.0
-        e, j = at
+        e = self.trace.entries[script]
         p = e.draft_prob[j][0] if e.draft_prob else 0.5
         return int(e.draft_top[j][0]), float(p)
 
@@ -396,6 +426,67 @@ class ReplayDrafter:
         e, j = at
         probs = e.draft_prob[j] if e.draft_prob else [0.0] * len(e.draft_top[j])
         return list(zip(e.draft_top[j][:f], probs[:f], strict=False))
+
+    # -- the speculation cache's branches (worker.prefetch.ReplayPrefetcher) ------------------------------
+    def _on_after(self, row: int, base: int, tokens) -> tuple[int, int]:
+        """(script, on-script length) of the row's first `base` tokens followed by `tokens`."""
+        i = int(self.follow[row])
+        if i < 0:
+            return -1, 0
+        seq = self.scripts.seqs[i]
+        on = min(int(self.on_trace[row]), base)
+        if on == base and len(tokens):
+            ref = seq[base:base + len(tokens)]
+            m = min(len(ref), len(tokens))
+            neq = np.nonzero(np.asarray(tokens[:m]) != ref[:m])[0]
+            on = base + (int(neq[0]) if len(neq) else m)
+        return i, on
+
+    def stops(self, row: int, base: int, drafts: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """The drafter's top-m candidates (tokens, probs [k+1, m]) at the k + 1 places where a verify of
+        `drafts` after the row's first `base` tokens can stop (position a: after f1..fa).
+
+        Where the row is on its script there (the first a drafts all true), they are the trace's recorded
+        top-m. Elsewhere the verify cannot stop (the engine appends only true tokens), but a real drafter
+        does not know that and spends branches there too: those places get the probabilities recorded
+        at the same position of the script (the nearest thing to the drafter's confidence there) on
+        placeholder tokens (script token + 1 + rank), which can never match; past the trace's end, zeros."""
+        k = len(drafts)
+        tok = np.zeros((k + 1, m), np.int64)
+        prob = np.zeros((k + 1, m), np.float64)
+        i, on = self._on_after(row, base, drafts)
+        e = self.trace.entries[i] if i >= 0 else None
+        seq = self.scripts.seqs[i] if i >= 0 else None
+        for a in range(k + 1):
+            n = base + a
+            j = n - len(e.prompt) if e is not None else -1
+            if e is None or not 0 <= j < len(e.target):
+                tok[a] = (np.arange(m) + 1 + (int(seq[n]) if seq is not None and n < len(seq) else 0)) % self.vocab_size
+                continue
+            row_t = list(e.draft_top[j][:m])
+            row_p = list(e.draft_prob[j][:m]) if e.draft_prob else [0.5 ** (r + 1) for r in range(len(row_t))]
+            row_t += [row_t[-1]] * (m - len(row_t))  # a trace with fewer than m: repeats at probability 0
+            row_p += [0.0] * (m - len(row_p))
+            prob[a] = row_p
+            if on >= n:
+                tok[a] = row_t
+            else:
+                tok[a] = (int(seq[n]) + 1 + np.arange(m)) % self.vocab_size
+        return tok, prob
+
+    def branch_drafts(self, row: int, base: int, prefix: np.ndarray, n_steps: int) -> np.ndarray:
+        """What `run` would draft (n_steps tokens) for this row after its first `base` tokens and then
+        `prefix`, without touching the row: a branch's drafts."""
+        i, on = self._on_after(row, base, prefix)
+        n = base + len(prefix)
+        out = np.zeros(n_steps, np.int32)
+        for s in range(n_steps):
+            tok, _ = self._draft_at(i, on == n, n)
+            out[s] = tok
+            if on == n and i >= 0 and n < len(self.scripts.seqs[i]) and int(self.scripts.seqs[i][n]) == tok:
+                on += 1
+            n += 1
+        return out
 
 
 def load_replay_drafter(spec: str, load_inner, *, n_rows: int, max_ctx: int, n_out_max: int,

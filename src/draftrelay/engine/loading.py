@@ -142,17 +142,26 @@ def worker_spec(host: str, port: int, model_id: str, tokenizer_hash: str, n_draf
 SPIN_NAP_US = {"cuda": (50, 20), "cpu": (0, 200)}
 
 
-def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_shares_gpu: bool, **fields):
+def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_shares_gpu: bool,
+                   host_rounds: bool = False, **fields):
     """The hand-off for rounds to the worker `spec`: the CUDA stream on a GPU, the emulated one on a
-    CPU. A worker on the engine's own GPU gets memop parking (HandoffConfig.cuda_wait says why)."""
+    CPU. A worker on the engine's own GPU gets memop parking (HandoffConfig.cuda_wait says why).
+
+    host_rounds (GPU): the emulated stream even on a GPU, so drafts reach the engine on the host and the
+    speculation cache selects its branches there ("host selection", engine/spec_cache.py). The engine
+    reads each step's acceptance on the host anyway; what it adds is one host-to-device copy of the
+    drafts per verify (a few hundred bytes) instead of the verify reading them from the reply buffer."""
     from draftrelay.handoff.rounds import HandoffConfig
 
-    spin, nap = SPIN_NAP_US["cuda" if device.type == "cuda" else "cpu"]
-    if device.type == "cpu":  # the watchdog wakes every 1 % of its deadline (1 ms at least): a CPU is shared
+    gpu = device.type == "cuda"
+    spin, nap = SPIN_NAP_US["cuda" if gpu else "cpu"]
+    if not gpu:  # the watchdog wakes every 1 % of its deadline (1 ms at least): a CPU is shared
         fields.setdefault("watchdog_poll_us", max(1000, int(deadline_ms * 10)))
+    if gpu and host_rounds:  # a GPU host has cores to spare: the emulated stream polls (spin, then nap)
+        fields.setdefault("wait", "poll")
     return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,
-                         backend="cuda" if device.type == "cuda" else "emulated",
-                         cuda_wait="memop" if worker_shares_gpu and device.type == "cuda" else "", **fields)
+                         backend="cuda" if gpu and not host_rounds else "emulated",
+                         cuda_wait="memop" if worker_shares_gpu and gpu and not host_rounds else "", **fields)
 
 
 def check_worker(spec: dict, timeout_s: float = 5.0) -> str:

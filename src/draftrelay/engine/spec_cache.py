@@ -17,14 +17,16 @@ shared memory (draftrelay.handoff.branch_shm) while verify N-1 runs. Step N then
      ordinary round. A table that has not arrived is waited for only while round N is not done (the
      proxy writes a table before it starts the next round, so after that it will not come).
 
-Host selection (emulated stream). On the CUDA path the same choice would be made on the device: the
+Host selection: rounds on the emulated stream, on a CPU or on a GPU (loading.handoff_config with
+host_rounds=True: the drafts reach the engine on the host and are copied to the device with the verify's
+other inputs). With CUDA rounds the same choice would be made on the device: the
 table slot's bytes copied to device memory on the engine's stream right after the reply, a kernel
 comparing each row's accepted tokens with the branch prefixes and gathering the matching branch's
 drafts into the verify's input (the `drafts_from_reply` buffer), with a per-row hit flag the host
 reads after the verify. `select_on_device` is that selection as tensor ops (tested on the CPU against the
 host selection); the CUDA rounds do not use it yet (the proxy would write the dense layout, table.dense,
 and the engine would enqueue the copy and the selection behind the reply), so with CUDA rounds the cache
-stays off and says why (`refusal`).
+stays off and says why (`refusal`); on a GPU it runs with host rounds.
 
 Correctness: a branch is used only when request id, generation, base position and the whole prefix
 match, which pins its drafts to the drafter's continuation of the true sequence; anything else
@@ -48,8 +50,9 @@ from .metrics import StepClock
 from .verify import VerifyInputs
 
 POLL_S = 0.0005  # how often a verify waiting for its table looks again (it wakes at once when the round ends)
-# F when the cache is switched on without one: on the tiny pair (k = 4) 8 branches catch 83-84 % of
-# outcomes (1: 24 %, 2: 34-37 %, 4: 58 %, 16: 93 %; benchmarks/results/spec_cache_cpu.json), and the
+# F when the cache is switched on without one: the smallest fan-out above 80 % of outcomes at k = 4, on
+# the tiny pair (83-84 %; benchmarks/results/spec_cache_cpu.json) and on the replayed Qwen2.5-Coder
+# 0.5B -> 1.5B trace (83.0 %; 4: 73 %, 16: 89 %; benchmarks/results/replay_headline_cache.json); the
 # worker's branch step grows with F
 DEFAULT_FANOUT = 8
 
@@ -98,7 +101,8 @@ class SpecCache:
             why = getattr(rounds, "refusal", "")
             self.refusal = f"needs async rounds (rounds are {mode}{': ' + why if why else ''})"
         elif device_drafts:
-            self.refusal = "CUDA rounds: device-side branch selection (select_on_device) is not wired in yet"
+            self.refusal = ("CUDA rounds: device-side branch selection (select_on_device) is not wired in; "
+                            "host rounds on the GPU (handoff_config host_rounds=True) select on the host")
         elif rounds.round_spec.get("spec_cache", {}).get("fd") != self.shm.fd:
             self.refusal = "the rounds were not opened with this cache's table (round_spec)"
         elif rounds.round_spec.get("kind") != "worker":
@@ -268,6 +272,7 @@ class SpecCache:
         wh, wm = self.wait_hit_s, self.wait_miss_s
         return {
             "active": self.active, "refusal": self.refusal, "fanout": self.fanout,
+            "selection": "host" if self.active else "",
             "request_rounds": n, "hits": self.c["hits"], "hit_rate": self.c["hits"] / n if n else 0.0,
             "misses": dict(sorted(self.miss_reasons.items())),
             "branches_per_round": self.c["branches"] / self.c["entries"] if self.c["entries"] else 0.0,
