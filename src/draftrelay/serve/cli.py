@@ -21,8 +21,8 @@ import threading
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="target: 'tiny' (built-in) or a local HF model directory")
-    p.add_argument("--drafter", default="tiny", help="drafter of the local worker: 'tiny' or a local HF directory")
+    p.add_argument("--model", default="tiny", help="target: 'tiny' (built-in), a local HF model directory or a .gguf file")
+    p.add_argument("--drafter", default="tiny", help="drafter of the local worker: 'tiny', a local HF directory or a .gguf file")
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -126,8 +126,14 @@ def _chat_encoder(target, model_spec: str):
 
     from .chat import compile_template, find_template
 
-    holder = target if getattr(target, "chat_template", None) else target.model  # a loader sets either
+    # the tokenizer carries the checkpoint's template (tokenizer_config.json, or a GGUF file's
+    # tokenizer.chat_template); a model object may carry one too
+    holder = next((h for h in (target.tokenizer, target.model) if getattr(h, "chat_template", None)),
+                  target.tokenizer)
     src, where, bos, eos = find_template(holder, model_spec if os.path.isdir(model_spec) else None)
+    if where == "the model file":
+        where = (f"{model_spec} (tokenizer.chat_template)" if L.is_gguf(model_spec)
+                 else os.path.join(model_spec, "tokenizer_config.json") if os.path.isdir(model_spec) else where)
     render = compile_template(src, bos, eos)
     tok = target.tokenizer
     if isinstance(tok, L.HFTokenizer):
