@@ -21,8 +21,10 @@ import threading
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="target: 'tiny' (built-in), a local HF model directory or a .gguf file")
-    p.add_argument("--drafter", default="tiny", help="drafter of the local worker: 'tiny', a local HF directory or a .gguf file")
+    p.add_argument("--model", default="tiny",
+                   help="target: 'tiny' (built-in), a local HF model directory or a .gguf file")
+    p.add_argument("--drafter", default="tiny",
+                   help="drafter of the local worker: 'tiny', a local HF directory or a .gguf file")
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
