@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens one round sends the drafter (a longer prompt catches up over several)")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up (first requests are then slower)")
+    p.add_argument("--warmup-prompt-len", type=int, default=0, metavar="N",
+                   help="the warm-up's long prompt: at most N tokens (default: the longest the context allows)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -57,6 +59,8 @@ def _check(args: argparse.Namespace) -> str:
         return f"--port must be within [0, 65535], got {args.port}"
     if not 0 <= args.k <= 16:
         return f"--k must be within [0, 16], got {args.k}"
+    if args.warmup_prompt_len < 0:
+        return f"--warmup-prompt-len must be >= 0, got {args.warmup_prompt_len}"
     if args.max_round_tokens < 1:
         return f"--max-round-tokens must be >= 1, got {args.max_round_tokens}"
     if not args.deadline_ms > 0:
@@ -216,33 +220,38 @@ def run(args: argparse.Namespace) -> int:
         with Engine(target.model, cfg) as eng:
             if eng.rounds is not None and eng.rounds.refusal:
                 say(f"async refused, serving sync rounds: {eng.rounds.refusal}")
-            if not args.no_warmup:
-                w = warm_up(eng, max_model_len)
-                say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
-                    f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})"
-                    + ("" if w["rounds_healthy"] else "; rounds to the drafter still fail (decoding target-only "
-                       "until they succeed)"))
             sched = None
             metrics = ServeMetrics(name, lambda: sched.handoff if sched else {"mode": "off"})
             sched = Scheduler(eng, metrics, args.max_queue)
-            lim = Limits(name, max_model_len, eng.vocab, target.stop_ids, target.tokenizer.encode, render_chat)
-            def announce() -> None:
-                why = "" if args.no_warmup else self_request(args.host, bound, api_key)
-                say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}, max batch "
-                    f"{args.max_batch}, context {max_model_len}, chat template: {template_from})"
-                    + (f"; warning: the start-up request failed: {why}" if why else ""))
-
-            # the announcement waits for one request through the whole HTTP path, served once
-            # uvicorn accepts (after this start-up hook returns)
-            ready = lambda: threading.Thread(target=announce, name="announce", daemon=True).start()  # noqa: E731
-            app = build_app(sched, lim, metrics, target.tokenizer.decode, api_key, on_ready=ready)
-            server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                                   timeout_graceful_shutdown=3))
-            sched.start()
-            # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again once it is done:
-            # it must then find a handler that lets the cleanup below run
-            signal.signal(signal.SIGTERM, lambda *a: None)
+            # the warm-up runs on the engine thread, the one that serves (see Scheduler.start)
             try:
+                if args.no_warmup:
+                    sched.start()
+                else:
+                    w = sched.start(lambda: warm_up(eng, max_model_len, long_prompt=args.warmup_prompt_len))
+                    say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
+                        f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})"
+                        + ("" if w["rounds_healthy"] else "; rounds to the drafter still fail (decoding target-only "
+                           "until they succeed)"))
+                lim = Limits(name, max_model_len, eng.vocab, target.stop_ids, target.tokenizer.encode, render_chat)
+
+                def announce() -> None:
+                    why = "" if args.no_warmup else self_request(args.host, bound, api_key)
+                    say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}, max "
+                        f"batch {args.max_batch}, context {max_model_len}, chat template: {template_from})"
+                        + (f"; warning: the start-up request failed: {why}" if why else ""))
+
+                # the announcement waits for one request through the whole HTTP path, served once
+                # uvicorn accepts (after this start-up hook returns)
+                def ready() -> None:
+                    threading.Thread(target=announce, name="announce", daemon=True).start()
+
+                app = build_app(sched, lim, metrics, target.tokenizer.decode, api_key, on_ready=ready)
+                server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                                       timeout_graceful_shutdown=3))
+                # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again once it is done:
+                # it must then find a handler that lets the cleanup below run
+                signal.signal(signal.SIGTERM, lambda *a: None)
                 server.run(sockets=[sock])
             finally:
                 sched.stop()

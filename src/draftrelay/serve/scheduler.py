@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -96,12 +97,27 @@ class Scheduler:
         self.handoff: dict = {"mode": "off"}  # the last snapshot of rounds.stats() (thread: scheduler)
         self._t_handoff = 0.0
         self._stop = False
+        self._warm: Callable[[], dict] | None = None
+        self._warm_out: dict | BaseException = {}
+        self._warm_done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draftrelay-engine", daemon=True)
         self._snapshot()
 
     # -- the HTTP side --------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, warm: Callable[[], dict] | None = None) -> dict:
+        """Start the engine thread. warm: run first, on that thread, before any job (the warm-up:
+        per-thread state such as CUDA's BLAS handles and workspaces is then the serving thread's
+        own); start returns its result once it is done, or raises what it raised."""
+        self._warm, self._warm_out = warm, {}
+        done = threading.Event()
+        self._warm_done = done
         self._thread.start()
+        if warm is None:
+            return {}
+        done.wait()
+        if isinstance(self._warm_out, BaseException):
+            raise self._warm_out
+        return self._warm_out
 
     def stop(self, timeout: float = 30.0) -> None:
         with self.cv:
@@ -139,6 +155,15 @@ class Scheduler:
     # -- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
+        if self._warm is not None:
+            try:
+                self._warm_out = self._warm()
+            except BaseException as exc:  # handed to start(), which raises it on the caller's thread
+                self._warm_out = exc
+                self._stop = True
+            finally:
+                self._warm_done.set()
+            self._snapshot()
         while True:
             with self.cv:
                 while not (self.inbox or self.cancels or self._stop or eng.has_work()):
@@ -292,12 +317,18 @@ class Scheduler:
             self._t_handoff = now
 
 
-def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0) -> dict:
+def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_prompt: int = 0) -> dict:
     """Run every path a first request can take before the server accepts one: prefill of a short
     and of a long prompt (several chunks), decode steps of width 1 and verify steps of width k+1 at
     batch sizes 1 and several, the drafter's catch-up rounds on a prompt longer than one round
     carries (where the context allows one), greedy and sampled acceptance; then until a round
-    succeeds again (at most settle_s). Returns what ran."""
+    succeeds again (at most settle_s). Returns what ran.
+
+    The long prompt is the longest the context allows (long_prompt > 0: at most that many tokens),
+    so the largest activations, attention masks and KV reads a request can need have been
+    allocated once (the caching allocator keeps them), decode and verify have run over that long a
+    context, and the drafter has caught up on that many tokens: a first request of any length then
+    pays no first-use cost, only its own work."""
     cfg, V = engine.cfg, engine.vocab
     k = cfg.n_draft
 
@@ -307,8 +338,11 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0) -> dict:
     def params(p: list[int], n: int, **kw) -> SamplingParams:
         return SamplingParams(max_tokens=max(1, min(n, max_model_len - len(p))), **kw)
 
-    catchup = max(2 * cfg.prefill_chunk + 3, cfg.max_round_tokens + 17)
-    long_len = max(1, min(catchup, max_model_len - (2 * k + 8)))
+    # output tokens of the long request: one per catch-up round, then a few verify steps
+    n_out = -(-max_model_len // cfg.max_round_tokens) + 2 * k + 2
+    long_len = max(1, max_model_len - n_out)
+    if long_prompt > 0:
+        long_len = min(long_len, long_prompt)
     rounds_to_sync = -(-long_len // cfg.max_round_tokens)
     t0 = time.perf_counter()
     lone = prompt(8, 1)
