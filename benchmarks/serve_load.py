@@ -70,6 +70,7 @@ class Server:
                 m = _LISTEN.search(f.read())
             if m:
                 self.url = m.group(1)
+                self.t_ready = time.perf_counter()
                 break
             time.sleep(0.05)
         self.start_s = time.perf_counter() - self.t_start

@@ -47,7 +47,7 @@ from draftrelay.handoff.procinfo import machine_info  # noqa: E402
 from draftrelay.replay import Trace, install_replay_target  # noqa: E402
 from draftrelay.serve.app import build_app  # noqa: E402
 from draftrelay.serve.chat import CHATML, compile_template  # noqa: E402
-from draftrelay.serve.cli import listen, self_request  # noqa: E402
+from draftrelay.serve.cli import listen, round_tokens, self_request  # noqa: E402
 from draftrelay.serve.metrics import ServeMetrics  # noqa: E402
 from draftrelay.serve.protocol import Limits  # noqa: E402
 from draftrelay.serve.scheduler import Scheduler, warm_up  # noqa: E402
@@ -201,7 +201,8 @@ def main() -> int:
             h = None
             if mode != "off":
                 spec = L.worker_spec(worker.host, worker.port, model_id, "", args.k, args.max_batch)
-                h = L.handoff_config(spec, dev, args.deadline_ms, True)
+                h = L.handoff_config(spec, dev, args.deadline_ms, True,
+                                     max_tokens=round_tokens(args.max_batch, EngineConfig.max_round_tokens, args.k))
             cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
                                graphs=graphs)
             t0 = time.perf_counter()

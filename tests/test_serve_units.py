@@ -225,3 +225,29 @@ def test_serve_flags_refused_by_name(tmp_path):
     r = subprocess.run([sys.executable, "-m", "draftrelay", "serve", "--mode", "off", "--max-model-len", "99999",
                         "--port", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--max-model-len 99999 exceeds the model's context of 4096" in r.stderr
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_a_round_of_every_row_catching_up_fits_the_region(sized):
+    """Every row catching up on its prompt in the same async round (max_round_tokens each): the
+    hand-off region `draftrelay serve` sizes (round_tokens) carries it; with a little less staging
+    the round cannot even be packed, and the step fails (the server would end every running request
+    with an error)."""
+    from draftrelay import model as M
+    from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+    from draftrelay.handoff.rounds import HandoffConfig
+    from draftrelay.serve.cli import round_tokens
+
+    n, chunk, k = 4, 200, 2
+    target, _ = M.tiny_pair(M.TINY_SEED)
+    h = HandoffConfig(backend="emulated", strict=True,
+                      max_tokens=round_tokens(n, chunk, k) - (0 if sized else n * (k + 1) + 1))
+    cfg = EngineConfig(mode="async", n_draft=k, max_batch=n, max_len=512, max_round_tokens=chunk, handoff=h)
+    prompts = [[(i * 31 + j) % 256 for j in range(2 * chunk + 5)] for i in range(n)]
+    with Engine(target, cfg) as eng:
+        if sized:
+            reqs = eng.generate(prompts, SamplingParams(max_tokens=6))
+            assert all(r.rounds.get("ok", 0) > 0 and not r.rounds.get("failed") for r in reqs), [r.rounds for r in reqs]
+        else:
+            with pytest.raises(ValueError, match=f"{n * chunk} tokens in one round, the region holds"):
+                eng.generate(prompts, SamplingParams(max_tokens=6))

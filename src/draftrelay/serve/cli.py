@@ -110,6 +110,13 @@ def self_request(host: str, port: int, api_key: str, timeout: float = 60.0) -> s
     return ""
 
 
+def round_tokens(max_batch: int, max_round_tokens: int, k: int) -> int:
+    """Tokens one round may carry to the drafter: every running request catching up on a long
+    prompt at once (max_round_tokens each) or sending its accepted tokens (k + 1 at most). The
+    hand-off region's staging is sized by it; a smaller one would refuse such a round."""
+    return max_batch * (max_round_tokens + k + 1)
+
+
 def _exit_on_term(signum, frame):
     raise SystemExit(0)
 
@@ -208,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
             if why:
                 say(f"the worker refused us: {why}")
                 return 1
-            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker)
+            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker,
+                                 max_tokens=round_tokens(args.max_batch, args.max_round_tokens, args.k))
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
                            graphs=args.graphs, max_round_tokens=args.max_round_tokens)
         try:
