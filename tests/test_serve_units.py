@@ -251,3 +251,42 @@ def test_a_round_of_every_row_catching_up_fits_the_region(sized):
         else:
             with pytest.raises(ValueError, match=f"{n * chunk} tokens in one round, the region holds"):
                 eng.generate(prompts, SamplingParams(max_tokens=6))
+
+
+def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt():
+    """Scheduler.start(warm) runs the warm-up on the thread that serves and hands back its result (or
+    its exception); the warm-up's long prompt is the longest the context leaves room for."""
+    import threading
+
+    from draftrelay import model as M
+    from draftrelay.engine.engine import Engine, EngineConfig
+    from draftrelay.serve.metrics import ServeMetrics
+    from draftrelay.serve.scheduler import Scheduler, warm_up
+
+    target, _ = M.tiny_pair(M.TINY_SEED)
+    with Engine(target, EngineConfig(mode="off", max_batch=3, max_len=512 + 5)) as eng:
+        seen = []
+
+        def warm():
+            seen.append(threading.current_thread())
+            return warm_up(eng, 512)
+
+        sched = Scheduler(eng, ServeMetrics("m", lambda: {"mode": "off"}), max_queue=1)
+        try:
+            w = sched.start(warm)
+        finally:
+            sched.stop()
+        assert seen == [sched._thread] and seen[0] is not threading.current_thread()
+        assert 512 - 16 <= w["long_prompt"] < 512 and w["rounds_healthy"]
+        assert warm_up(eng, 512, long_prompt=100)["long_prompt"] == 100
+
+        def broken():
+            raise RuntimeError("warm-up failed")
+
+        sched = Scheduler(eng, ServeMetrics("m2", lambda: {"mode": "off"}), max_queue=1)
+        try:
+            with pytest.raises(RuntimeError, match="warm-up failed"):
+                sched.start(broken)
+        finally:
+            sched.stop()
+        assert not sched._thread.is_alive()
