@@ -20,6 +20,7 @@ import asyncio
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -34,6 +35,12 @@ from serve_load import Server, timed  # noqa: E402
 SHORT = "Hello there, how are you?"
 
 
+async def gc_pause_s(client: httpx.AsyncClient, url: str) -> float:
+    """The server's garbage-collector pauses so far (all generations), from /metrics."""
+    text = (await client.get(url + "/metrics")).text
+    return sum(float(v) for v in re.findall(r"^draftrelay_gc_pause_seconds_total\{[^}]*\} (\S+)$", text, re.M))
+
+
 def long_prompt(n: int) -> list[int]:
     return [(i * 7 + 3) % 200 + 32 for i in range(n)]
 
@@ -45,8 +52,11 @@ async def first_then_warm(url: str, prompt, warm: int, idle_repeats: int, gap_s:
             await client.get(url + "/health")
             await client.get(url + "/metrics")
         t_ready = time.perf_counter()
+        gc0 = await gc_pause_s(client, url)
         first, first_srv = await timed(client, url, prompt)
+        gc1 = await gc_pause_s(client, url)
         reps = [await timed(client, url, prompt) for _ in range(warm)]
+        gc2 = await gc_pause_s(client, url)
         # the same request after the server sat idle as long as before the first (>= 0.5 s): what
         # an idle pause costs any request (cold caches, sleeping threads), not only the first
         idle = []
@@ -59,6 +69,9 @@ async def first_then_warm(url: str, prompt, warm: int, idle_repeats: int, gap_s:
             "warm_ms": [1e3 * x for x in w], "warm_server_ms": [1e3 * x for x in ws],
             "after_idle_ms": [1e3 * x[0] for x in idle], "after_idle_server_ms": [1e3 * x[1] for x in idle],
             "idle_s": max(0.5, gap_s), "client_setup_s": t_ready - t_setup,
+            # garbage-collector pauses of the server during the first request (and the scrapes around
+            # it), and during all the warm ones
+            "gc_pause_first_ms": 1e3 * (gc1 - gc0), "gc_pause_warm_ms": 1e3 * (gc2 - gc1),
             "first_over_warm": first / statistics.median(w),
             "first_over_warm_server": first_srv / statistics.median(ws) if statistics.median(ws) > 0 else 0.0}
 
@@ -115,7 +128,8 @@ def main() -> int:
                 print(f"[{rep}] {name:18s} {kind:5s} ({run['prompt_tokens']} tokens): first {run['first_ms']:8.1f} ms, "
                       f"warm median {statistics.median(run['warm_ms']):8.1f} ms (x{run['first_over_warm']:.2f}; "
                       f"server x{run['first_over_warm_server']:.2f}; after idle "
-                      f"{statistics.median(run['after_idle_ms'] or [0]):8.1f} ms)", flush=True)
+                      f"{statistics.median(run['after_idle_ms'] or [0]):8.1f} ms; GC {run['gc_pause_first_ms']:.1f} / "
+                      f"{run['gc_pause_warm_ms']:.1f} ms)", flush=True)
     for name, kinds in result["runs"].items():
         result["summary"][name] = {kind: summary(runs) for kind, runs in kinds.items()}
         for kind, s in result["summary"][name].items():

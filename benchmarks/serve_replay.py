@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -48,7 +49,7 @@ from draftrelay.replay import Trace, install_replay_target  # noqa: E402
 from draftrelay.serve.app import build_app  # noqa: E402
 from draftrelay.serve.chat import CHATML, compile_template  # noqa: E402
 from draftrelay.serve.cli import listen, round_tokens, self_request  # noqa: E402
-from draftrelay.serve.metrics import ServeMetrics  # noqa: E402
+from draftrelay.serve.metrics import ServeMetrics, freeze_startup_objects  # noqa: E402
 from draftrelay.serve.protocol import Limits  # noqa: E402
 from draftrelay.serve.scheduler import Scheduler, warm_up  # noqa: E402
 from draftrelay.worker.process import start_worker_process  # noqa: E402
@@ -101,8 +102,12 @@ class Served:
             self.stop()
             raise RuntimeError("uvicorn did not start")
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics.gc.start()
 
     def stop(self) -> None:
+        self.metrics.gc.stop()
+        # the next mode's engine replaces this one: what was frozen must be collectable again
+        gc.unfreeze()
         self.server.should_exit = True
         self.thread.join(30)
         self.sched.stop()
@@ -139,6 +144,7 @@ def main() -> int:
     ap.add_argument("--ttft-repeats", type=int, default=3)
     ap.add_argument("--deadline-ms", type=float, default=200.0, help="as `draftrelay serve --deadline-ms`")
     ap.add_argument("--no-graphs", action="store_true", help="eager verify (graphs are the GPU default)")
+    ap.add_argument("--gc-freeze", type=int, default=1, help="1: freeze the start-up heap as the server does")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop starting modes once this much wall time has gone (0: no limit)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_replay_h200.json"))
@@ -214,6 +220,8 @@ def main() -> int:
                     row["warm_up"] = srv.warm
                     try:
                         row["startup_request"] = self_request("127.0.0.1", srv.port, "") or "ok"
+                        if args.gc_freeze:  # as `draftrelay serve` does before it announces itself
+                            freeze_startup_objects()
                         row["ready_s"] = time.perf_counter() - t0
                         print(f"{mode}: ready in {row['ready_s']:.1f} s ({row['warm_up']})", flush=True)
                         out = os.path.join(tmp, f"{mode}.json")
@@ -233,6 +241,8 @@ def main() -> int:
                         row["trace_check"] = asyncio.run(check_outputs(
                             srv.url, prompts, [e.target for e in trace.entries], max_tokens))
                         row["handoff"] = srv.sched.handoff
+                        row["gc"] = {"collections": list(srv.metrics.gc.count),
+                                     "pause_s": list(srv.metrics.gc.seconds)}
                     finally:
                         srv.stop()
             except Exception as exc:

@@ -290,3 +290,34 @@ def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt():
         finally:
             sched.stop()
         assert not sched._thread.is_alive()
+
+
+def test_gc_pauses_are_counted_and_the_startup_heap_is_frozen():
+    import gc
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from draftrelay.serve.metrics import ServeMetrics, freeze_startup_objects
+
+    m = ServeMetrics("m", lambda: {"mode": "off"})
+
+    def full_collections() -> float:
+        fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+        return next(s.value for s in fams["draftrelay_gc_collections"].samples
+                    if s.labels["generation"] == "2" and s.name.endswith("_total"))
+
+    assert full_collections() == 0
+    m.gc.start()
+    try:
+        gc.collect()
+        gc.collect()
+        assert full_collections() == 2 and m.gc.seconds[2] > 0
+    finally:
+        m.gc.stop()
+    gc.collect()
+    assert full_collections() == 2  # stopped: no longer counted
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > 1000  # this test process's modules and objects
+    finally:
+        gc.unfreeze()  # the other tests' garbage must stay collectable

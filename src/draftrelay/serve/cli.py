@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .app import build_app
     from .chat import TemplateError
-    from .metrics import ServeMetrics
+    from .metrics import ServeMetrics, freeze_startup_objects
     from .protocol import Limits
     from .scheduler import Scheduler, warm_up
 
@@ -245,6 +245,9 @@ def run(args: argparse.Namespace) -> int:
 
                 def announce() -> None:
                     why = "" if args.no_warmup else self_request(args.host, bound, api_key)
+                    # before a client may send: a full collection would otherwise walk the whole
+                    # start-up heap during some request (and hold the engine thread meanwhile)
+                    freeze_startup_objects()
                     say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}, max "
                         f"batch {args.max_batch}, context {max_model_len}, chat template: {template_from})"
                         + (f"; warning: the start-up request failed: {why}" if why else ""))
@@ -260,8 +263,10 @@ def run(args: argparse.Namespace) -> int:
                 # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again once it is done:
                 # it must then find a handler that lets the cleanup below run
                 signal.signal(signal.SIGTERM, lambda *a: None)
+                metrics.gc.start()
                 server.run(sockets=[sock])
             finally:
+                metrics.gc.stop()
                 sched.stop()
     finally:
         if sock is not None:
