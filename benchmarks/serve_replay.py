@@ -145,6 +145,8 @@ def main() -> int:
     ap.add_argument("--deadline-ms", type=float, default=200.0, help="as `draftrelay serve --deadline-ms`")
     ap.add_argument("--no-graphs", action="store_true", help="eager verify (graphs are the GPU default)")
     ap.add_argument("--gc-freeze", type=int, default=1, help="1: freeze the start-up heap as the server does")
+    ap.add_argument("--warm-drafter", type=int, default=1,
+                    help="1: the worker captures its draft-step graphs at start, as serve's local worker does")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop starting modes once this much wall time has gone (0: no limit)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_replay_h200.json"))
@@ -181,7 +183,10 @@ def main() -> int:
     if any(m != "off" for m in modes):  # started first: it loads while the target is built
         worker = start_worker_process(["--model", f"replay:{os.path.abspath(args.trace)}:{inner}", "--device", str(dev),
                                        "--max-ctx", str(max_len + 64), "--rows", str(2 * args.max_batch + 2),
-                                       "--max-requests", str(args.max_batch), "--n-out-max", str(max(8, args.k))],
+                                       "--max-requests", str(args.max_batch), "--n-out-max", str(max(8, args.k)),
+                                       # as `draftrelay serve` starts its local worker (loading.start_local_worker)
+                                       *(["--warm-graphs", str(args.k), "--warm-batch", str(args.max_batch)]
+                                         if dev.type == "cuda" and args.warm_drafter else [])],
                                       timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
     if args.target == "tiny":
         target, _ = M.tiny_pair(device=dev, dtype=dtype)

@@ -264,8 +264,15 @@ def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt():
     from draftrelay.serve.scheduler import Scheduler, warm_up
 
     target, _ = M.tiny_pair(M.TINY_SEED)
-    with Engine(target, EngineConfig(mode="off", max_batch=3, max_len=512 + 5)) as eng:
-        seen = []
+    with Engine(target, EngineConfig(mode="off", max_batch=5, max_len=512 + 5)) as eng:
+        seen, sizes = [], set()
+        step = eng.step
+
+        def counted_step():
+            sizes.add(len(eng.running))
+            return step()
+
+        eng.step = counted_step
 
         def warm():
             seen.append(threading.current_thread())
@@ -277,6 +284,7 @@ def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt():
         finally:
             sched.stop()
         assert seen == [sched._thread] and seen[0] is not threading.current_thread()
+        assert {1, 2, 3, 4, 5} <= sizes  # decode steps at every batch size up to max_batch
         assert 512 - 16 <= w["long_prompt"] < 512 and w["rounds_healthy"]
         assert warm_up(eng, 512, long_prompt=100)["long_prompt"] == 100
 
@@ -321,3 +329,22 @@ def test_gc_pauses_are_counted_and_the_startup_heap_is_frozen():
         assert gc.get_freeze_count() > 1000  # this test process's modules and objects
     finally:
         gc.unfreeze()  # the other tests' garbage must stay collectable
+
+
+def test_the_local_worker_on_a_gpu_captures_its_draft_graphs_at_start(monkeypatch):
+    """serve's local worker gets --warm-graphs k --warm-batch max_batch on a GPU (its draft-step graphs
+    for every batch size and context are captured before it listens); a CPU drafter runs eagerly."""
+    import torch
+
+    import draftrelay.worker.process as wp
+    from draftrelay.engine import loading as L
+
+    seen = {}
+    monkeypatch.setattr(wp, "start_worker_process", lambda args, env=None: seen.update(args=args))
+    L.start_local_worker("some/dir", torch.device("cuda"), 4, 256, 8, warm_batch=8)
+    a = seen["args"]
+    assert a[a.index("--warm-graphs") + 1] == "4" and a[a.index("--warm-batch") + 1] == "8"
+    L.start_local_worker("some/dir", torch.device("cpu"), 4, 256, 8, warm_batch=8)
+    assert "--warm-graphs" not in seen["args"]
+    L.start_local_worker("some/dir", torch.device("cuda"), 4, 256, 8)
+    assert "--warm-graphs" not in seen["args"]  # demo and generate: as before

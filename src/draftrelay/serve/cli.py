@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         if args.mode != "off":
             if not args.worker:
                 try:
-                    worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch)
+                    worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch,
+                                                  warm_batch=0 if args.no_warmup else args.max_batch)
                 except RuntimeError as exc:
                     say(f"the local worker did not start: {exc}")
                     return 1

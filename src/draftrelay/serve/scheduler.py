@@ -320,8 +320,8 @@ class Scheduler:
 def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_prompt: int = 0) -> dict:
     """Run every path a first request can take before the server accepts one: prefill of a short
     and of a long prompt (several chunks), decode steps of width 1 and verify steps of width k+1 at
-    batch sizes 1 and several, the drafter's catch-up rounds on a prompt longer than one round
-    carries (where the context allows one), greedy and sampled acceptance; then until a round
+    every batch size from 1 to max_batch, the drafter's catch-up rounds on a prompt longer than one
+    round carries (where the context allows one), greedy and sampled acceptance; then until a round
     succeeds again (at most settle_s). Returns what ran.
 
     The long prompt is the longest the context allows (long_prompt > 0: at most that many tokens),
@@ -352,6 +352,14 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
              (b, params(b, 2 * k + 4, temperature=0.8, top_k=20, top_p=0.9, seed=1)),
              (c, params(c, rounds_to_sync + 2 * k + 2))]
     engine.generate([p for p, _ in batch], [s for _, s in batch])
+    # Every batch size from max_batch down to 1: as many short requests as there are rows, each
+    # ending at least k + 2 tokens after the one before, so one leaves the batch at a time. The
+    # drafter then has run its draft step at each batch size (a GPU worker captures a graph per
+    # size on first use; its --warm-graphs covers n = k at every context, this also the shorter
+    # drafts of requests near their end), and the engine has decoded at each padded size.
+    n = cfg.max_batch
+    stagger = [prompt(5 + 3 * i, 10 + i) for i in range(n)]
+    engine.generate(stagger, [params(p, 2 * k + 4 + i * (k + 2)) for i, p in enumerate(stagger)])
     # A slow drafter (a loaded CPU) may have missed deadlines on the long prompt and opened the
     # worker client's breaker; the server is ready once a round succeeds again.
     healthy = engine.rounds is None
@@ -361,7 +369,7 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
         healthy = r.rounds.get("ok", 0) > 0 and not r.rounds.get("failed", 0) and not r.rounds.get("watchdog", 0)
         if not healthy:
             time.sleep(0.2)
-    done = {"seconds": time.perf_counter() - t0, "long_prompt": long_len,
+    done = {"seconds": time.perf_counter() - t0, "long_prompt": long_len, "batch_sizes": n,
             "catch_up_rounds": long_len > cfg.max_round_tokens and engine.rounds is not None,
             "rounds_healthy": healthy}
     engine.reset_metrics()
