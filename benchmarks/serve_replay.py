@@ -5,7 +5,9 @@ scheduler, metrics, app, the listening socket, the start-up request through HTTP
 `draftrelay serve` assembles them, except for the target: a Qwen2.5-7B-shaped model at random weights
 whose logits are forced to a recorded trace (`draftrelay.replay.install_replay_target`), beside a
 `draftrelay worker` process running `replay:TRACE:INNER` (a Qwen2.5-0.5B-shaped drafter at random
-weights proposing the trace's recorded drafter tokens) on the same GPU. Replay models exist only here:
+weights proposing the trace's recorded drafter tokens) on the same GPU, started with `--warm-graphs k
+--warm-batch MAX_BATCH` as serve starts its local worker (`--warm-drafter 0`: graphs captured on first
+use), and the start-up heap frozen as serve freezes it (`--gc-freeze 0`: not). Replay models exist only here:
 `draftrelay serve` cannot load one. Every figure is labelled "replayed acceptance of <pair>".
 
 For each mode (off, sync, async; one engine each, side by side in one run, the worker shared) the

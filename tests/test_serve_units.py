@@ -285,7 +285,7 @@ def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt():
             sched.stop()
         assert seen == [sched._thread] and seen[0] is not threading.current_thread()
         assert {1, 2, 3, 4, 5} <= sizes  # decode steps at every batch size up to max_batch
-        assert 512 - 16 <= w["long_prompt"] < 512 and w["rounds_healthy"]
+        assert w["long_prompt"] == 511 and 512 - 16 <= w["long_decoded"] < 511 and w["rounds_healthy"]
         assert warm_up(eng, 512, long_prompt=100)["long_prompt"] == 100
 
         def broken():

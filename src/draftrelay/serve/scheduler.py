@@ -324,11 +324,11 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
     round carries (where the context allows one), greedy and sampled acceptance; then until a round
     succeeds again (at most settle_s). Returns what ran.
 
-    The long prompt is the longest the context allows (long_prompt > 0: at most that many tokens),
-    so the largest activations, attention masks and KV reads a request can need have been
-    allocated once (the caching allocator keeps them), decode and verify have run over that long a
-    context, and the drafter has caught up on that many tokens: a first request of any length then
-    pays no first-use cost, only its own work."""
+    The long prompts are the longest the context allows (long_prompt > 0: at most that many
+    tokens): one of max_model_len - 1 tokens, prefilled only, so the largest activations, attention
+    masks and KV reads a request can need have been allocated once; one a few tokens shorter whose
+    decode and verify steps run over that long a context while the drafter catches up on it. A first
+    request of any length then pays no first-use cost, only its own work."""
     cfg, V = engine.cfg, engine.vocab
     k = cfg.n_draft
 
@@ -352,6 +352,11 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
              (b, params(b, 2 * k + 4, temperature=0.8, top_k=20, top_p=0.9, seed=1)),
              (c, params(c, rounds_to_sync + 2 * k + 2))]
     engine.generate([p for p, _ in batch], [s for _, s in batch])
+    # The longest prompt a request may have (one output token fits): its prefill makes the largest
+    # allocations a prefill can (a host allocator hands a size it has not had back as fresh pages,
+    # which cost faults on first touch; a GPU's caching allocator grows a segment)
+    full = prompt(min(max_model_len - 1, long_prompt) if long_prompt > 0 else max_model_len - 1, 5)
+    engine.generate([full], params(full, 1))
     # Every batch size from max_batch down to 1: as many short requests as there are rows, each
     # ending at least k + 2 tokens after the one before, so one leaves the batch at a time. The
     # drafter then has run its draft step at each batch size (a GPU worker captures a graph per
@@ -369,7 +374,8 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
         healthy = r.rounds.get("ok", 0) > 0 and not r.rounds.get("failed", 0) and not r.rounds.get("watchdog", 0)
         if not healthy:
             time.sleep(0.2)
-    done = {"seconds": time.perf_counter() - t0, "long_prompt": long_len, "batch_sizes": n,
+    done = {"seconds": time.perf_counter() - t0, "long_prompt": len(full), "long_decoded": long_len,
+            "batch_sizes": n,
             "catch_up_rounds": long_len > cfg.max_round_tokens and engine.rounds is not None,
             "rounds_healthy": healthy}
     engine.reset_metrics()
