@@ -19,6 +19,8 @@ import socket
 import sys
 import threading
 
+CPU_WARMUP_PROMPT = 8192  # the warm-up's longest prompt on a CPU unless --warmup-prompt-len says
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny",
@@ -44,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up (first requests are then slower)")
     p.add_argument("--warmup-prompt-len", type=int, default=0, metavar="N",
-                   help="the warm-up's long prompt: at most N tokens (default: the longest the context allows)")
+                   help="the warm-up's long prompts: at most N tokens (default: the longest the context allows "
+                        f"on a GPU, at most {CPU_WARMUP_PROMPT} on a CPU)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -237,7 +240,9 @@ def run(args: argparse.Namespace) -> int:
                 if args.no_warmup:
                     sched.start()
                 else:
-                    w = sched.start(lambda: warm_up(eng, max_model_len, long_prompt=args.warmup_prompt_len))
+                    # a CPU's prefill of a whole long context can take minutes: capped there by default
+                    cap = args.warmup_prompt_len or (0 if dev.type == "cuda" else CPU_WARMUP_PROMPT)
+                    w = sched.start(lambda: warm_up(eng, max_model_len, long_prompt=cap))
                     say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
                         f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})"
                         + ("" if w["rounds_healthy"] else "; rounds to the drafter still fail (decoding target-only "
