@@ -104,7 +104,6 @@ class Served:
             self.stop()
             raise RuntimeError("uvicorn did not start")
         self.url = f"http://127.0.0.1:{self.port}"
-        self.metrics.gc.start()
 
     def stop(self) -> None:
         self.metrics.gc.stop()
@@ -229,6 +228,7 @@ def main() -> int:
                         row["startup_request"] = self_request("127.0.0.1", srv.port, "") or "ok"
                         if args.gc_freeze:  # as `draftrelay serve` does before it announces itself
                             freeze_startup_objects()
+                        srv.metrics.gc.start()
                         row["ready_s"] = time.perf_counter() - t0
                         print(f"{mode}: ready in {row['ready_s']:.1f} s ({row['warm_up']})", flush=True)
                         out = os.path.join(tmp, f"{mode}.json")

@@ -254,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
                     # before a client may send: a full collection would otherwise walk the whole
                     # start-up heap during some request (and hold the engine thread meanwhile)
                     freeze_startup_objects()
+                    metrics.gc.start()  # the pauses clients may see, from here on
                     say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}, max "
                         f"batch {args.max_batch}, context {max_model_len}, chat template: {template_from})"
                         + (f"; warning: the start-up request failed: {why}" if why else ""))
@@ -269,7 +270,6 @@ def run(args: argparse.Namespace) -> int:
                 # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again once it is done:
                 # it must then find a handler that lets the cleanup below run
                 signal.signal(signal.SIGTERM, lambda *a: None)
-                metrics.gc.start()
                 server.run(sockets=[sock])
             finally:
                 metrics.gc.stop()
