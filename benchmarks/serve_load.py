@@ -14,6 +14,11 @@ draft tokens, from the usage of each response). JSON under benchmarks/results/.
 
     python benchmarks/serve_load.py                                       # CPU, tiny pair
     python benchmarks/serve_load.py --model DIR --drafter DIR --device cuda --max-tokens 256
+    python benchmarks/serve_load.py --url http://HOST:PORT --label NAME --out R.json   # a running server
+
+`--url` measures a server that is already running (one row, named by `--label`; the first request
+it sees should be this script's, for the first-request TTFT to mean one). `--prompts FILE`: a JSON
+list of prompts (strings or token-id lists) the load levels cycle through instead of the built-in ones.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ SEEDS = ["Once upon a time", "The quick brown fox jumps over", "In the beginning
          "def fibonacci(n):", "A remote drafter runs on", "Dear colleagues, ", "The weather today"]
 
 
-def prompts(n: int) -> list[str]:
+def prompts(n: int, fixed: list | None = None) -> list:
+    if fixed:
+        return [fixed[i % len(fixed)] for i in range(n)]
     return [f"{SEEDS[i % len(SEEDS)]} [{i}]" for i in range(n)]
 
 
@@ -63,6 +70,7 @@ class Server:
                 m = _LISTEN.search(f.read())
             if m:
                 self.url = m.group(1)
+                self.t_ready = time.perf_counter()
                 break
             time.sleep(0.05)
         self.start_s = time.perf_counter() - self.t_start
@@ -108,7 +116,7 @@ def p(xs, q) -> float:
     return float(np.percentile(xs, q)) * 1e3 if len(xs) else 0.0
 
 
-async def load_level(url: str, conc: int, n_req: int, max_tokens: int) -> dict:
+async def load_level(url: str, conc: int, n_req: int, max_tokens: int, fixed: list | None = None) -> dict:
     sem = asyncio.Semaphore(conc)
     limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -117,7 +125,7 @@ async def load_level(url: str, conc: int, n_req: int, max_tokens: int) -> dict:
                 return await stream_one(client, url, pr, max_tokens)
 
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(one(pr) for pr in prompts(n_req)))
+        res = await asyncio.gather(*(one(pr) for pr in prompts(n_req, fixed)))
         wall = time.perf_counter() - t0
     ttft = [r["ttft_s"] for r in res]
     gaps = [g for r in res for g in r["gaps_s"]]
@@ -148,9 +156,9 @@ async def timed(client: httpx.AsyncClient, url: str, prompt) -> tuple[float, flo
     return e2e, await ttft_sum(client, url) - before
 
 
-async def ttft_first_vs_warm(url: str, ctx: int, repeats: int) -> dict:
+async def ttft_first_vs_warm(url: str, ctx: int, repeats: int, long_len: int = 0) -> dict:
     out = {}
-    long_len = max(16, ctx - 16)
+    long_len = min(long_len, ctx - 16) if long_len > 0 else max(16, ctx - 16)
     cases = {"short": "Hello there, how are you?", "long": [(i * 7 + 3) % 200 + 32 for i in range(long_len)]}
     async with httpx.AsyncClient(timeout=600) as client:
         for _ in range(2):  # the client's own first-use costs (connection, lazy imports) are not the server's
@@ -169,6 +177,25 @@ async def ttft_first_vs_warm(url: str, ctx: int, repeats: int) -> dict:
     return out
 
 
+def measure(url: str, ctx: int, args, fixed: list | None, label: str, row: dict) -> dict:
+    """First-request TTFT, then every load level, on the server at url (filled into row)."""
+    row["ttft_first_vs_warm"] = t = asyncio.run(ttft_first_vs_warm(url, ctx, args.ttft_repeats, args.long_len))
+    print(f"{label:5s} TTFT first/warm: short {t['short']['first_ms']:.1f}/{t['short']['warm_ms_median']:.1f} ms "
+          f"(server {t['short']['first_server_ms']:.1f}/{t['short']['warm_server_ms_median']:.1f}), "
+          f"long ({t['long']['prompt_tokens']}) {t['long']['first_ms']:.1f}/{t['long']['warm_ms_median']:.1f} ms "
+          f"(server {t['long']['first_server_ms']:.1f}/{t['long']['warm_server_ms_median']:.1f})", flush=True)
+    row["levels"] = []
+    for c in [int(c) for c in args.concurrency.split(",")]:
+        n = args.requests or max(8, 2 * c)
+        lv = asyncio.run(load_level(url, c, n, args.max_tokens, fixed))
+        row["levels"].append(lv)
+        print(f"{label:5s} c={c:2d}: {lv['output_tokens_per_s']:7.1f} tok/s  TTFT p50/p99 "
+              f"{lv['ttft_ms_p50']:7.1f}/{lv['ttft_ms_p99']:7.1f} ms  ITL p50/p99 {lv['itl_ms_p50']:6.1f}/"
+              f"{lv['itl_ms_p99']:6.1f} ms  TPOT {lv['tpot_ms_mean']:5.1f} ms  acceptance "
+              f"{lv['acceptance']:.2f} ({lv['accepted_per_draft_step']:.2f}/step)", flush=True)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
@@ -184,38 +211,37 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-round-tokens", type=int, default=0, help="passed to the server (0: its default)")
     ap.add_argument("--ttft-repeats", type=int, default=5)
+    ap.add_argument("--long-len", type=int, default=0,
+                    help="tokens of the long first-request prompt (0: the longest the context allows)")
+    ap.add_argument("--url", default="", help="measure this running server instead of starting servers")
+    ap.add_argument("--label", default="server", help="the row's name with --url")
+    ap.add_argument("--prompts", default="", metavar="FILE", help="JSON list of prompts for the load levels")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "serve_load_cpu.json"))
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
-    levels = [int(c) for c in args.concurrency.split(",")]
+    fixed = None
+    if args.prompts:
+        with open(args.prompts) as f:
+            fixed = json.load(f)
+        if not isinstance(fixed, list) or not fixed:
+            ap.error(f"--prompts {args.prompts}: expected a JSON list of prompts")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "argv": sys.argv[1:], "machine": machine_info(), "modes": {}}
+    if args.url:
+        ctx = httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+        result["modes"][args.label] = measure(args.url, ctx, args, fixed, args.label, {"context": ctx})
+        modes = []
     for mode in modes:
         srv = Server(args, mode, warmup=True)
         try:
-            row = {"start_s": srv.start_s, "context": srv.ctx,
-                   "ttft_first_vs_warm": asyncio.run(ttft_first_vs_warm(srv.url, srv.ctx, args.ttft_repeats)),
-                   "levels": []}
-            for c in levels:
-                n = args.requests or max(8, 2 * c)
-                lv = asyncio.run(load_level(srv.url, c, n, args.max_tokens))
-                row["levels"].append(lv)
-                print(f"{mode:5s} c={c:2d}: {lv['output_tokens_per_s']:7.1f} tok/s  TTFT p50/p99 "
-                      f"{lv['ttft_ms_p50']:7.1f}/{lv['ttft_ms_p99']:7.1f} ms  ITL p50/p99 {lv['itl_ms_p50']:6.1f}/"
-                      f"{lv['itl_ms_p99']:6.1f} ms  TPOT {lv['tpot_ms_mean']:5.1f} ms  acceptance "
-                      f"{lv['acceptance']:.2f} ({lv['accepted_per_draft_step']:.2f}/step)", flush=True)
+            row = measure(srv.url, srv.ctx, args, fixed, mode, {"start_s": srv.start_s, "context": srv.ctx})
         finally:
             srv.stop()
-        t = row["ttft_first_vs_warm"]
-        print(f"{mode:5s} TTFT first/warm: short {t['short']['first_ms']:.1f}/{t['short']['warm_ms_median']:.1f} ms "
-              f"(server {t['short']['first_server_ms']:.1f}/{t['short']['warm_server_ms_median']:.1f}), "
-              f"long ({t['long']['prompt_tokens']}) {t['long']['first_ms']:.1f}/{t['long']['warm_ms_median']:.1f} ms "
-              f"(server {t['long']['first_server_ms']:.1f}/{t['long']['warm_server_ms_median']:.1f})", flush=True)
         if mode in args.cold_modes.split(","):
             cold = Server(args, mode, warmup=False)
             try:
                 row["ttft_first_vs_warm_no_warmup"] = t = asyncio.run(
-                    ttft_first_vs_warm(cold.url, cold.ctx, args.ttft_repeats))
+                    ttft_first_vs_warm(cold.url, cold.ctx, args.ttft_repeats, args.long_len))
                 row["start_s_no_warmup"] = cold.start_s
             finally:
                 cold.stop()

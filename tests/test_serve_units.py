@@ -225,3 +225,126 @@ def test_serve_flags_refused_by_name(tmp_path):
     r = subprocess.run([sys.executable, "-m", "draftrelay", "serve", "--mode", "off", "--max-model-len", "99999",
                         "--port", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--max-model-len 99999 exceeds the model's context of 4096" in r.stderr
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_a_round_of_every_row_catching_up_fits_the_region(sized):
+    """Every row catching up on its prompt in the same async round (max_round_tokens each): the
+    hand-off region `draftrelay serve` sizes (round_tokens) carries it; with a little less staging
+    the round cannot even be packed, and the step fails (the server would end every running request
+    with an error)."""
+    from draftrelay import model as M
+    from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+    from draftrelay.handoff.rounds import HandoffConfig
+    from draftrelay.serve.cli import round_tokens
+
+    n, chunk, k = 4, 200, 2
+    target, _ = M.tiny_pair(M.TINY_SEED)
+    h = HandoffConfig(backend="emulated", strict=True,
+                      max_tokens=round_tokens(n, chunk, k) - (0 if sized else n * (k + 1) + 1))
+    cfg = EngineConfig(mode="async", n_draft=k, max_batch=n, max_len=512, max_round_tokens=chunk, handoff=h)
+    prompts = [[(i * 31 + j) % 256 for j in range(2 * chunk + 5)] for i in range(n)]
+    with Engine(target, cfg) as eng:
+        if sized:
+            reqs = eng.generate(prompts, SamplingParams(max_tokens=6))
+            assert all(r.rounds.get("ok", 0) > 0 and not r.rounds.get("failed") for r in reqs), [r.rounds for r in reqs]
+        else:
+            with pytest.raises(ValueError, match=f"{n * chunk} tokens in one round, the region holds"):
+                eng.generate(prompts, SamplingParams(max_tokens=6))
+
+
+def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt():
+    """Scheduler.start(warm) runs the warm-up on the thread that serves and hands back its result (or
+    its exception); the warm-up's long prompt is the longest the context leaves room for."""
+    import threading
+
+    from draftrelay import model as M
+    from draftrelay.engine.engine import Engine, EngineConfig
+    from draftrelay.serve.metrics import ServeMetrics
+    from draftrelay.serve.scheduler import Scheduler, warm_up
+
+    target, _ = M.tiny_pair(M.TINY_SEED)
+    with Engine(target, EngineConfig(mode="off", max_batch=5, max_len=512 + 5)) as eng:
+        seen, sizes = [], set()
+        step = eng.step
+
+        def counted_step():
+            sizes.add(len(eng.running))
+            return step()
+
+        eng.step = counted_step
+
+        def warm():
+            seen.append(threading.current_thread())
+            return warm_up(eng, 512)
+
+        sched = Scheduler(eng, ServeMetrics("m", lambda: {"mode": "off"}), max_queue=1)
+        try:
+            w = sched.start(warm)
+        finally:
+            sched.stop()
+        assert seen == [sched._thread] and seen[0] is not threading.current_thread()
+        assert {1, 2, 3, 4, 5} <= sizes  # decode steps at every batch size up to max_batch
+        assert w["long_prompt"] == 511 and 512 - 16 <= w["long_decoded"] < 511 and w["rounds_healthy"]
+        assert warm_up(eng, 512, long_prompt=100)["long_prompt"] == 100
+
+        def broken():
+            raise RuntimeError("warm-up failed")
+
+        sched = Scheduler(eng, ServeMetrics("m2", lambda: {"mode": "off"}), max_queue=1)
+        try:
+            with pytest.raises(RuntimeError, match="warm-up failed"):
+                sched.start(broken)
+        finally:
+            sched.stop()
+        assert not sched._thread.is_alive()
+
+
+def test_gc_pauses_are_counted_and_the_startup_heap_is_frozen():
+    import gc
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from draftrelay.serve.metrics import ServeMetrics, freeze_startup_objects
+
+    m = ServeMetrics("m", lambda: {"mode": "off"})
+
+    def full_collections() -> float:
+        fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+        return next(s.value for s in fams["draftrelay_gc_collections"].samples
+                    if s.labels["generation"] == "2" and s.name.endswith("_total"))
+
+    assert full_collections() == 0
+    m.gc.start()
+    try:
+        gc.collect()
+        gc.collect()
+        assert full_collections() == 2 and m.gc.seconds[2] > 0
+    finally:
+        m.gc.stop()
+    gc.collect()
+    assert full_collections() == 2  # stopped: no longer counted
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > 1000  # this test process's modules and objects
+    finally:
+        gc.unfreeze()  # the other tests' garbage must stay collectable
+
+
+def test_the_local_worker_on_a_gpu_captures_its_draft_graphs_at_start(monkeypatch):
+    """serve's local worker gets --warm-graphs k --warm-batch max_batch on a GPU (its draft-step graphs
+    for every batch size and context are captured before it listens); a CPU drafter runs eagerly."""
+    import torch
+
+    import draftrelay.worker.process as wp
+    from draftrelay.engine import loading as L
+
+    seen = {}
+    monkeypatch.setattr(wp, "start_worker_process", lambda args, env=None: seen.update(args=args))
+    L.start_local_worker("some/dir", torch.device("cuda"), 4, 256, 8, warm_batch=8)
+    a = seen["args"]
+    assert a[a.index("--warm-graphs") + 1] == "4" and a[a.index("--warm-batch") + 1] == "8"
+    L.start_local_worker("some/dir", torch.device("cpu"), 4, 256, 8, warm_batch=8)
+    assert "--warm-graphs" not in seen["args"]
+    L.start_local_worker("some/dir", torch.device("cuda"), 4, 256, 8)
+    assert "--warm-graphs" not in seen["args"]  # demo and generate: as before

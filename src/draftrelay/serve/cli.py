@@ -19,10 +19,14 @@ import socket
 import sys
 import threading
 
+CPU_WARMUP_PROMPT = 8192  # the warm-up's longest prompt on a CPU unless --warmup-prompt-len says
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="target: 'tiny' (built-in) or a local HF model directory")
-    p.add_argument("--drafter", default="tiny", help="drafter of the local worker: 'tiny' or a local HF directory")
+    p.add_argument("--model", default="tiny",
+                   help="target: 'tiny' (built-in), a local HF model directory or a .gguf file")
+    p.add_argument("--drafter", default="tiny",
+                   help="drafter of the local worker: 'tiny', a local HF directory or a .gguf file")
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -41,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens one round sends the drafter (a longer prompt catches up over several)")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up (first requests are then slower)")
+    p.add_argument("--warmup-prompt-len", type=int, default=0, metavar="N",
+                   help="the warm-up's long prompts: at most N tokens (default: the longest the context allows "
+                        f"on a GPU, at most {CPU_WARMUP_PROMPT} on a CPU)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -55,6 +62,8 @@ def _check(args: argparse.Namespace) -> str:
         return f"--port must be within [0, 65535], got {args.port}"
     if not 0 <= args.k <= 16:
         return f"--k must be within [0, 16], got {args.k}"
+    if args.warmup_prompt_len < 0:
+        return f"--warmup-prompt-len must be >= 0, got {args.warmup_prompt_len}"
     if args.max_round_tokens < 1:
         return f"--max-round-tokens must be >= 1, got {args.max_round_tokens}"
     if not args.deadline_ms > 0:
@@ -104,6 +113,13 @@ def self_request(host: str, port: int, api_key: str, timeout: float = 60.0) -> s
     return ""
 
 
+def round_tokens(max_batch: int, max_round_tokens: int, k: int) -> int:
+    """Tokens one round may carry to the drafter: every running request catching up on a long
+    prompt at once (max_round_tokens each) or sending its accepted tokens (k + 1 at most). The
+    hand-off region's staging is sized by it; a smaller one would refuse such a round."""
+    return max_batch * (max_round_tokens + k + 1)
+
+
 def _exit_on_term(signum, frame):
     raise SystemExit(0)
 
@@ -126,8 +142,14 @@ def _chat_encoder(target, model_spec: str):
 
     from .chat import compile_template, find_template
 
-    holder = target if getattr(target, "chat_template", None) else target.model  # a loader sets either
+    # the tokenizer carries the checkpoint's template (tokenizer_config.json, or a GGUF file's
+    # tokenizer.chat_template); a model object may carry one too
+    holder = next((h for h in (target.tokenizer, target.model) if getattr(h, "chat_template", None)),
+                  target.tokenizer)
     src, where, bos, eos = find_template(holder, model_spec if os.path.isdir(model_spec) else None)
+    if where == "the model file":
+        where = (f"{model_spec} (tokenizer.chat_template)" if L.is_gguf(model_spec)
+                 else os.path.join(model_spec, "tokenizer_config.json") if os.path.isdir(model_spec) else where)
     render = compile_template(src, bos, eos)
     tok = target.tokenizer
     if isinstance(tok, L.HFTokenizer):
@@ -154,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .app import build_app
     from .chat import TemplateError
-    from .metrics import ServeMetrics
+    from .metrics import ServeMetrics, freeze_startup_objects
     from .protocol import Limits
     from .scheduler import Scheduler, warm_up
 
@@ -185,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
         if args.mode != "off":
             if not args.worker:
                 try:
-                    worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch)
+                    worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch,
+                                                  warm_batch=0 if args.no_warmup else args.max_batch)
                 except RuntimeError as exc:
                     say(f"the local worker did not start: {exc}")
                     return 1
@@ -196,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
             if why:
                 say(f"the worker refused us: {why}")
                 return 1
-            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker)
+            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker,
+                                 max_tokens=round_tokens(args.max_batch, args.max_round_tokens, args.k))
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
                            graphs=args.graphs, max_round_tokens=args.max_round_tokens)
         try:
@@ -208,35 +232,47 @@ def run(args: argparse.Namespace) -> int:
         with Engine(target.model, cfg) as eng:
             if eng.rounds is not None and eng.rounds.refusal:
                 say(f"async refused, serving sync rounds: {eng.rounds.refusal}")
-            if not args.no_warmup:
-                w = warm_up(eng, max_model_len)
-                say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
-                    f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})"
-                    + ("" if w["rounds_healthy"] else "; rounds to the drafter still fail (decoding target-only "
-                       "until they succeed)"))
             sched = None
             metrics = ServeMetrics(name, lambda: sched.handoff if sched else {"mode": "off"})
             sched = Scheduler(eng, metrics, args.max_queue)
-            lim = Limits(name, max_model_len, eng.vocab, target.stop_ids, target.tokenizer.encode, render_chat)
-            def announce() -> None:
-                why = "" if args.no_warmup else self_request(args.host, bound, api_key)
-                say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}, max batch "
-                    f"{args.max_batch}, context {max_model_len}, chat template: {template_from})"
-                    + (f"; warning: the start-up request failed: {why}" if why else ""))
-
-            # the announcement waits for one request through the whole HTTP path, served once
-            # uvicorn accepts (after this start-up hook returns)
-            ready = lambda: threading.Thread(target=announce, name="announce", daemon=True).start()  # noqa: E731
-            app = build_app(sched, lim, metrics, target.tokenizer.decode, api_key, on_ready=ready)
-            server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                                   timeout_graceful_shutdown=3))
-            sched.start()
-            # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again once it is done:
-            # it must then find a handler that lets the cleanup below run
-            signal.signal(signal.SIGTERM, lambda *a: None)
+            # the warm-up runs on the engine thread, the one that serves (see Scheduler.start)
             try:
+                if args.no_warmup:
+                    sched.start()
+                else:
+                    # a CPU's prefill of a whole long context can take minutes: capped there by default
+                    cap = args.warmup_prompt_len or (0 if dev.type == "cuda" else CPU_WARMUP_PROMPT)
+                    w = sched.start(lambda: warm_up(eng, max_model_len, long_prompt=cap))
+                    say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
+                        f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})"
+                        + ("" if w["rounds_healthy"] else "; rounds to the drafter still fail (decoding target-only "
+                           "until they succeed)"))
+                lim = Limits(name, max_model_len, eng.vocab, target.stop_ids, target.tokenizer.encode, render_chat)
+
+                def announce() -> None:
+                    why = "" if args.no_warmup else self_request(args.host, bound, api_key)
+                    # before a client may send: a full collection would otherwise walk the whole
+                    # start-up heap during some request (and hold the engine thread meanwhile)
+                    freeze_startup_objects()
+                    metrics.gc.start()  # the pauses clients may see, from here on
+                    say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}, max "
+                        f"batch {args.max_batch}, context {max_model_len}, chat template: {template_from})"
+                        + (f"; warning: the start-up request failed: {why}" if why else ""))
+
+                # the announcement waits for one request through the whole HTTP path, served once
+                # uvicorn accepts (after this start-up hook returns)
+                def ready() -> None:
+                    threading.Thread(target=announce, name="announce", daemon=True).start()
+
+                app = build_app(sched, lim, metrics, target.tokenizer.decode, api_key, on_ready=ready)
+                server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                                       timeout_graceful_shutdown=3))
+                # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again once it is done:
+                # it must then find a handler that lets the cleanup below run
+                signal.signal(signal.SIGTERM, lambda *a: None)
                 server.run(sockets=[sock])
             finally:
+                metrics.gc.stop()
                 sched.stop()
     finally:
         if sock is not None:

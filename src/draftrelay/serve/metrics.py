@@ -10,9 +10,12 @@ collector `draftrelay stats` renders.
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from draftrelay.handoff import metrics as handoff_metrics
 
@@ -34,6 +37,59 @@ class _Delegate:
 
     def collect(self):
         yield from self.registry.collect()
+
+
+class GcWatch:
+    """Python garbage-collector pauses: each one holds the interpreter lock, so the engine thread
+    and the event loop stand still meanwhile (a full collection walks every tracked object). The
+    callback only adds to plain numbers: it may run inside any allocation, also one made while a
+    metric's lock is held, so it must take no lock; the collector reads the numbers at a scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model = model_name
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._t0 = 0.0
+        self._on = False
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            g = info.get("generation", 0)
+            if 0 <= g < 3:
+                self.count[g] += 1
+                self.seconds[g] += time.perf_counter() - self._t0
+
+    def start(self) -> None:
+        if not self._on:
+            gc.callbacks.append(self._callback)
+            self._on = True
+
+    def stop(self) -> None:
+        if self._on:
+            gc.callbacks.remove(self._callback)
+            self._on = False
+
+    def collect(self):
+        n = CounterMetricFamily(P + "gc_collections", "Python garbage collections, by generation",
+                                labels=["model_name", "generation"])
+        t = CounterMetricFamily(P + "gc_pause_seconds", "Time Python garbage collections held the interpreter",
+                                labels=["model_name", "generation"])
+        for g in range(3):
+            n.add_metric([self.model, str(g)], self.count[g])
+            t.add_metric([self.model, str(g)], self.seconds[g])
+        yield n
+        yield t
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then move every object alive now (modules, the model's and the engine's Python
+    objects, captured graphs) into the permanent generation, which no later collection walks: a
+    full collection then costs what was allocated since, not the whole start-up heap (130 ms for
+    the ~330,000 objects of a CPU server with the tiny pair; more where more is loaded)."""
+    gc.collect()
+    gc.freeze()
 
 
 class ServeMetrics:
@@ -67,6 +123,8 @@ class ServeMetrics:
                                         "Draft tokens accepted, by position in the draft", lab + ["position"],
                                         registry=r)
         r.register(_Delegate(handoff_metrics.registry_for(handoff_stats)))
+        self.gc = GcWatch(model_name)
+        r.register(self.gc)
 
     def labels(self, m, *values):
         return m.labels(self.model, *values)

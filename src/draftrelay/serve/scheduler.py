@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -96,12 +97,27 @@ class Scheduler:
         self.handoff: dict = {"mode": "off"}  # the last snapshot of rounds.stats() (thread: scheduler)
         self._t_handoff = 0.0
         self._stop = False
+        self._warm: Callable[[], dict] | None = None
+        self._warm_out: dict | BaseException = {}
+        self._warm_done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draftrelay-engine", daemon=True)
         self._snapshot()
 
     # -- the HTTP side --------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, warm: Callable[[], dict] | None = None) -> dict:
+        """Start the engine thread. warm: run first, on that thread, before any job (the warm-up:
+        per-thread state such as CUDA's BLAS handles and workspaces is then the serving thread's
+        own); start returns its result once it is done, or raises what it raised."""
+        self._warm, self._warm_out = warm, {}
+        done = threading.Event()
+        self._warm_done = done
         self._thread.start()
+        if warm is None:
+            return {}
+        done.wait()
+        if isinstance(self._warm_out, BaseException):
+            raise self._warm_out
+        return self._warm_out
 
     def stop(self, timeout: float = 30.0) -> None:
         with self.cv:
@@ -139,6 +155,15 @@ class Scheduler:
     # -- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
+        if self._warm is not None:
+            try:
+                self._warm_out = self._warm()
+            except BaseException as exc:  # handed to start(), which raises it on the caller's thread
+                self._warm_out = exc
+                self._stop = True
+            finally:
+                self._warm_done.set()
+            self._snapshot()
         while True:
             with self.cv:
                 while not (self.inbox or self.cancels or self._stop or eng.has_work()):
@@ -292,12 +317,18 @@ class Scheduler:
             self._t_handoff = now
 
 
-def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0) -> dict:
+def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_prompt: int = 0) -> dict:
     """Run every path a first request can take before the server accepts one: prefill of a short
     and of a long prompt (several chunks), decode steps of width 1 and verify steps of width k+1 at
-    batch sizes 1 and several, the drafter's catch-up rounds on a prompt longer than one round
-    carries (where the context allows one), greedy and sampled acceptance; then until a round
-    succeeds again (at most settle_s). Returns what ran."""
+    every batch size from 1 to max_batch, the drafter's catch-up rounds on a prompt longer than one
+    round carries (where the context allows one), greedy and sampled acceptance; then until a round
+    succeeds again (at most settle_s). Returns what ran.
+
+    The long prompts are the longest the context allows (long_prompt > 0: at most that many
+    tokens): one of max_model_len - 1 tokens, prefilled only, so the largest activations, attention
+    masks and KV reads a request can need have been allocated once; one a few tokens shorter whose
+    decode and verify steps run over that long a context while the drafter catches up on it. A first
+    request of any length then pays no first-use cost, only its own work."""
     cfg, V = engine.cfg, engine.vocab
     k = cfg.n_draft
 
@@ -307,8 +338,11 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0) -> dict:
     def params(p: list[int], n: int, **kw) -> SamplingParams:
         return SamplingParams(max_tokens=max(1, min(n, max_model_len - len(p))), **kw)
 
-    catchup = max(2 * cfg.prefill_chunk + 3, cfg.max_round_tokens + 17)
-    long_len = max(1, min(catchup, max_model_len - (2 * k + 8)))
+    # output tokens of the long request: one per catch-up round, then a few verify steps
+    n_out = -(-max_model_len // cfg.max_round_tokens) + 2 * k + 2
+    long_len = max(1, max_model_len - n_out)
+    if long_prompt > 0:
+        long_len = min(long_len, long_prompt)
     rounds_to_sync = -(-long_len // cfg.max_round_tokens)
     t0 = time.perf_counter()
     lone = prompt(8, 1)
@@ -318,6 +352,19 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0) -> dict:
              (b, params(b, 2 * k + 4, temperature=0.8, top_k=20, top_p=0.9, seed=1)),
              (c, params(c, rounds_to_sync + 2 * k + 2))]
     engine.generate([p for p, _ in batch], [s for _, s in batch])
+    # The longest prompt a request may have (one output token fits): its prefill makes the largest
+    # allocations a prefill can (a host allocator hands a size it has not had back as fresh pages,
+    # which cost faults on first touch; a GPU's caching allocator grows a segment)
+    full = prompt(min(max_model_len - 1, long_prompt) if long_prompt > 0 else max_model_len - 1, 5)
+    engine.generate([full], params(full, 1))
+    # Every batch size from max_batch down to 1: as many short requests as there are rows, each
+    # ending at least k + 2 tokens after the one before, so one leaves the batch at a time. The
+    # drafter then has run its draft step at each batch size (a GPU worker captures a graph per
+    # size on first use; its --warm-graphs covers n = k at every context, this also the shorter
+    # drafts of requests near their end), and the engine has decoded at each padded size.
+    n = cfg.max_batch
+    stagger = [prompt(5 + 3 * i, 10 + i) for i in range(n)]
+    engine.generate(stagger, [params(p, 2 * k + 4 + i * (k + 2)) for i, p in enumerate(stagger)])
     # A slow drafter (a loaded CPU) may have missed deadlines on the long prompt and opened the
     # worker client's breaker; the server is ready once a round succeeds again.
     healthy = engine.rounds is None
@@ -327,7 +374,8 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0) -> dict:
         healthy = r.rounds.get("ok", 0) > 0 and not r.rounds.get("failed", 0) and not r.rounds.get("watchdog", 0)
         if not healthy:
             time.sleep(0.2)
-    done = {"seconds": time.perf_counter() - t0, "long_prompt": long_len,
+    done = {"seconds": time.perf_counter() - t0, "long_prompt": len(full), "long_decoded": long_len,
+            "batch_sizes": n,
             "catch_up_rounds": long_len > cfg.max_round_tokens and engine.rounds is not None,
             "rounds_healthy": healthy}
     engine.reset_metrics()

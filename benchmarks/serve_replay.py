@@ -1,0 +1,284 @@
+"""Load test of the HTTP server at REPLAYED acceptance: the serve stack over replay models.
+
+The server is assembled here, in this benchmark's process, from `draftrelay.serve`'s parts (warm-up,
+scheduler, metrics, app, the listening socket, the start-up request through HTTP), exactly as
+`draftrelay serve` assembles them, except for the target: a Qwen2.5-7B-shaped model at random weights
+whose logits are forced to a recorded trace (`draftrelay.replay.install_replay_target`), beside a
+`draftrelay worker` process running `replay:TRACE:INNER` (a Qwen2.5-0.5B-shaped drafter at random
+weights proposing the trace's recorded drafter tokens) on the same GPU, started with `--warm-graphs k
+--warm-batch MAX_BATCH` as serve starts its local worker (`--warm-drafter 0`: graphs captured on first
+use), and the start-up heap frozen as serve freezes it (`--gc-freeze 0`: not). Replay models exist only here:
+`draftrelay serve` cannot load one. Every figure is labelled "replayed acceptance of <pair>".
+
+For each mode (off, sync, async; one engine each, side by side in one run, the worker shared) the
+server is warmed up and measured by `benchmarks/serve_load.py --url` in a separate process (the
+client does not share this process's interpreter lock): the first request's TTFT against warm ones at
+a short prompt and at `--long-len` tokens, then concurrency 1, 4, 16 of streaming requests whose
+prompts are the trace's (fixed, greedy, `--max-tokens` each). Then the greedy outputs of the trace's
+prompts are checked against the trace's tokens (the acceptance then is the recorded pair's). The
+JSON is written after every mode.
+
+    python benchmarks/serve_replay.py --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json     # H200
+    python benchmarks/serve_replay.py --device cpu --target tiny --drafter tiny --long-len 2048 \\
+        --trace T.json --out /tmp/r.json                                                    # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import httpx
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from draftrelay import model as M  # noqa: E402
+from draftrelay.checkpoint.hf import save_hf_dir  # noqa: E402
+from draftrelay.engine import loading as L  # noqa: E402
+from draftrelay.engine.engine import Engine, EngineConfig  # noqa: E402
+from draftrelay.handoff.procinfo import machine_info  # noqa: E402
+from draftrelay.replay import Trace, install_replay_target  # noqa: E402
+from draftrelay.serve.app import build_app  # noqa: E402
+from draftrelay.serve.chat import CHATML, compile_template  # noqa: E402
+from draftrelay.serve.cli import listen, round_tokens, self_request  # noqa: E402
+from draftrelay.serve.metrics import ServeMetrics, freeze_startup_objects  # noqa: E402
+from draftrelay.serve.protocol import Limits  # noqa: E402
+from draftrelay.serve.scheduler import Scheduler, warm_up  # noqa: E402
+from draftrelay.worker.process import start_worker_process  # noqa: E402
+from engine_workloads import DRAFTER_SHAPES, TARGET_SHAPES, random_model  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PLANE = 0x10000  # token id i is the character chr(PLANE + i): text <-> ids without a tokenizer
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(PLANE + i) for i in ids)
+
+
+def ids_of(text: str) -> list[int]:
+    return [ord(c) - PLANE for c in text]
+
+
+def encode(text: str) -> list[int]:  # text prompts (the start-up request, the short TTFT prompt): bytes
+    return list(text.encode("utf-8"))
+
+
+class Served:
+    """One mode's server: engine, scheduler and uvicorn on a thread of this process."""
+
+    def __init__(self, eng: Engine, name: str, max_model_len: int) -> None:
+        import uvicorn
+
+        self.eng = eng
+        self.metrics = ServeMetrics(name, lambda: self.sched.handoff)
+        self.sched = Scheduler(eng, self.metrics, max_queue=256)
+        # as `draftrelay serve`: the warm-up on the engine thread, before the socket is served
+        self.warm = self.sched.start(lambda: warm_up(eng, max_model_len))
+        lim = Limits(name, max_model_len, eng.vocab, (), encode,
+                     (lambda render: lambda msgs: encode(render(msgs)))(compile_template(CHATML)))
+        try:
+            self.sock = listen("127.0.0.1", 0)
+        except OSError:
+            self.sched.stop()
+            raise
+        self.port = self.sock.getsockname()[1]
+        app = build_app(self.sched, lim, self.metrics, decode)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                    timeout_graceful_shutdown=3))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started and time.monotonic() < deadline and self.thread.is_alive():
+            time.sleep(0.02)
+        if not self.server.started:
+            self.stop()
+            raise RuntimeError("uvicorn did not start")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.metrics.gc.stop()
+        # the next mode's engine replaces this one: what was frozen must be collectable again
+        gc.unfreeze()
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sched.stop()
+        self.sock.close()
+
+
+async def check_outputs(url: str, prompts: list[list[int]], want: list[list[int]], max_tokens: int) -> dict:
+    """Greedy outputs of the trace's prompts, all at once, against the trace's tokens."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(p):
+            r = await client.post(url + "/v1/completions", json={"prompt": p, "max_tokens": max_tokens,
+                                                                   "temperature": 0})
+            r.raise_for_status()
+            return ids_of(r.json()["choices"][0]["text"])
+
+        outs = await asyncio.gather(*(one(p) for p in prompts))
+    equal = [o == w[:len(o)] and len(o) == min(max_tokens, len(w)) for o, w in zip(outs, want, strict=True)]
+    return {"requests": len(prompts), "outputs_equal_trace": sum(equal)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--target", default="qwen2.5-7b", help="qwen2.5-7b or tiny (shape of the replay target)")
+    ap.add_argument("--drafter", default="qwen2.5-0.5b", help="qwen2.5-0.5b or tiny (shape of the replay drafter)")
+    ap.add_argument("--modes", default="off,sync,async")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (0: serve_load's default)")
+    ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (0: the trace's length)")
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--long-len", type=int, default=32768, help="prompt tokens of the long first-request TTFT")
+    ap.add_argument("--ttft-repeats", type=int, default=3)
+    ap.add_argument("--deadline-ms", type=float, default=200.0, help="as `draftrelay serve --deadline-ms`")
+    ap.add_argument("--no-graphs", action="store_true", help="eager verify (graphs are the GPU default)")
+    ap.add_argument("--gc-freeze", type=int, default=1, help="1: freeze the start-up heap as the server does")
+    ap.add_argument("--warm-drafter", type=int, default=1,
+                    help="1: the worker captures its draft-step graphs at start, as serve's local worker does")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="stop starting modes once this much wall time has gone (0: no limit)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_replay_h200.json"))
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    trace = Trace.load(args.trace)
+    dev = L.pick_device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    graphs = dev.type == "cuda" and not args.no_graphs
+    modes = [m for m in args.modes.split(",") if m]
+    max_tokens = args.max_tokens or min(len(e.target) for e in trace.entries)
+    label = f"replayed acceptance of {trace.pair}"
+    result = {"label": label, "machine": {**machine_info(), "device": str(dev)}, "args": vars(args),
+              "trace": {"pair": trace.pair, "entries": len(trace.entries), "file": os.path.basename(args.trace)},
+              "graphs": graphs, "modes": {}}
+
+    def save() -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    tmp = tempfile.mkdtemp(prefix="draftrelay-serve-replay-")
+    longest = max(len(e.prompt) for e in trace.entries) + max_tokens
+    max_model_len = max(args.long_len + 32, longest + 8)
+    max_len = max_model_len + args.k + 1  # as `draftrelay serve`: the row also holds the last verify's drafts
+    if args.drafter == "tiny":
+        inner, model_id = "tiny", M.tiny_model_id()
+    else:
+        inner = os.path.join(tmp, f"random-{args.drafter}")
+        save_hf_dir(random_model(M.ModelConfig(**DRAFTER_SHAPES[args.drafter], name=args.drafter),
+                                 torch.device("cpu"), torch.bfloat16, 2), inner)
+        model_id = os.path.basename(inner)
+    worker = None
+    if any(m != "off" for m in modes):  # started first: it loads while the target is built
+        worker = start_worker_process(["--model", f"replay:{os.path.abspath(args.trace)}:{inner}", "--device", str(dev),
+                                       "--max-ctx", str(max_len + 64), "--rows", str(2 * args.max_batch + 2),
+                                       "--max-requests", str(args.max_batch), "--n-out-max", str(max(8, args.k)),
+                                       # as `draftrelay serve` starts its local worker (loading.start_local_worker)
+                                       *(["--warm-graphs", str(args.k), "--warm-batch", str(args.max_batch)]
+                                         if dev.type == "cuda" and args.warm_drafter else [])],
+                                      timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
+    if args.target == "tiny":
+        target, _ = M.tiny_pair(device=dev, dtype=dtype)
+    else:
+        target = random_model(M.ModelConfig(**TARGET_SHAPES[args.target], name=args.target), dev, dtype, 1)
+    if max_model_len > target.cfg.max_position_embeddings:
+        ap.error(f"--long-len {args.long_len}: beyond the target's context {target.cfg.max_position_embeddings}")
+    hook = install_replay_target(target, trace, n_rows=args.max_batch + 1, max_len=max_len)
+    prompts = [e.prompt for e in trace.entries]
+    pfile = os.path.join(tmp, "prompts.json")
+    with open(pfile, "w") as f:
+        json.dump(prompts, f)
+    result["setup_s"] = time.perf_counter() - t_start
+    try:
+        for mode in modes:
+            left = args.budget_s - (time.perf_counter() - t_start) if args.budget_s else 1e9
+            if left < 30:
+                result["modes"][mode] = {"skipped": f"the time budget ({args.budget_s:.0f} s) was spent"}
+                save()
+                continue
+            row: dict = {}
+            result["modes"][mode] = row
+            h = None
+            if mode != "off":
+                spec = L.worker_spec(worker.host, worker.port, model_id, "", args.k, args.max_batch)
+                h = L.handoff_config(spec, dev, args.deadline_ms, True,
+                                     max_tokens=round_tokens(args.max_batch, EngineConfig.max_round_tokens, args.k))
+            cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
+                               graphs=graphs)
+            t0 = time.perf_counter()
+            try:
+                with Engine(target, cfg) as eng:
+                    row["engine_start_s"] = time.perf_counter() - t0
+                    row["round_mode"] = eng.round_mode
+                    srv = Served(eng, f"{args.target}-replay", max_model_len)
+                    row["warm_up"] = srv.warm
+                    try:
+                        row["startup_request"] = self_request("127.0.0.1", srv.port, "") or "ok"
+                        if args.gc_freeze:  # as `draftrelay serve` does before it announces itself
+                            freeze_startup_objects()
+                        srv.metrics.gc.start()
+                        row["ready_s"] = time.perf_counter() - t0
+                        print(f"{mode}: ready in {row['ready_s']:.1f} s ({row['warm_up']})", flush=True)
+                        out = os.path.join(tmp, f"{mode}.json")
+                        cmd = [sys.executable, os.path.join(HERE, "serve_load.py"), "--url", srv.url, "--label", mode,
+                               "--prompts", pfile, "--concurrency", args.concurrency, "--max-tokens", str(max_tokens),
+                               "--requests", str(args.requests), "--ttft-repeats", str(args.ttft_repeats),
+                               "--long-len", str(args.long_len), "--out", out]
+                        timeout = max(30.0, left - 15)
+                        cp = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+                        sys.stdout.write(cp.stdout)
+                        if cp.returncode != 0:
+                            row["client_error"] = cp.stderr[-2000:]
+                            print(cp.stderr[-2000:], file=sys.stderr)
+                        else:
+                            with open(out) as f:
+                                row.update(json.load(f)["modes"][mode])
+                        row["trace_check"] = asyncio.run(check_outputs(
+                            srv.url, prompts, [e.target for e in trace.entries], max_tokens))
+                        row["handoff"] = srv.sched.handoff
+                        row["gc"] = {"collections": list(srv.metrics.gc.count),
+                                     "pause_s": list(srv.metrics.gc.seconds)}
+                    finally:
+                        srv.stop()
+            except Exception as exc:
+                traceback.print_exc()
+                row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            row["wall_s"] = time.perf_counter() - t0
+            print(f"{mode}: {json.dumps(row.get('trace_check'))} in {row['wall_s']:.1f} s", flush=True)
+            save()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+    finally:
+        hook.remove()
+        if worker is not None:
+            result["worker_log_tail"] = worker.log()[-2000:]
+            worker.stop()
+    result["wall_s"] = time.perf_counter() - t_start
+    table = [label, "mode | concurrency | output tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | accepted/drafted"]
+    for mode, row in result["modes"].items():
+        for lv in row.get("levels", []):
+            table.append(f"{mode} | {lv['concurrency']} | {lv['output_tokens_per_s']:.0f} | {lv['ttft_ms_p50']:.1f} / "
+                         f"{lv['ttft_ms_p99']:.1f} | {lv['itl_ms_p50']:.1f} / {lv['itl_ms_p99']:.1f} | "
+                         f"{lv['acceptance']:.2f}")
+    result["table"] = table
+    save()
+    print("\n".join(table))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
