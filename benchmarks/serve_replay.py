@@ -236,7 +236,8 @@ def main() -> int:
                                "--prompts", pfile, "--concurrency", args.concurrency, "--max-tokens", str(max_tokens),
                                "--requests", str(args.requests), "--ttft-repeats", str(args.ttft_repeats),
                                "--long-len", str(args.long_len), "--out", out]
-                        timeout = max(30.0, left - 15)
+                        # no budget: no limit (a huge timeout overflows the selector's poll)
+                        timeout = max(30.0, left - 15) if args.budget_s else None
                         cp = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
                         sys.stdout.write(cp.stdout)
                         if cp.returncode != 0:
