@@ -80,6 +80,27 @@ def test_greedy_identical_with_the_cache(pair, reference, worker, max_batch, k):
     assert sc["request_rounds"] == sum(r["rounds"]["ok"] for r in m["requests"])
 
 
+def test_a_miss_does_not_hold_back_the_rows_that_hit(pair, reference, worker):
+    """Batch 4, F = 2 (many misses): under the per-row rule a step verifies the rows that hit on their
+    branches and the others without drafts or on their round tail, not waiting for the round; output
+    stays target-only's and every round is booked once. The all-rows rule waits on any miss."""
+    out, m, _ = run(pair[0], spec_of(worker), F=2, max_batch=4)
+    out_all, m_all, _ = run(pair[0], spec_of(worker), F=2, max_batch=4, wait_rule="all")
+    assert out == reference and out_all == reference
+    sc, sa = m["total"]["spec_cache"], m_all["total"]["spec_cache"]
+    assert sc["wait_rule"] == "rows" and sa["wait_rule"] == "all"
+    assert sc["bare_rows"] > 0 and sc["tail_rows"] > 0, sc
+    assert sa["bare_rows"] == 0 and sa["tail_rows"] == 0, sa
+    frac = sc["fast_steps"] / (sc["fast_steps"] + sc["waited_steps"])
+    frac_all = sa["fast_steps"] / (sa["fast_steps"] + sa["waited_steps"])
+    assert frac > frac_all, (sc, sa)
+    for mm in (m, m_all):
+        assert mm["total"]["rounds"]["failed"] == 0
+        assert mm["total"]["spec_cache"]["request_rounds"] == sum(r["rounds"]["ok"] for r in mm["requests"])
+    with pytest.raises(ValueError, match="wait_rule"):
+        run(pair[0], spec_of(worker), F=2, wait_rule="some")
+
+
 @pytest.mark.parametrize("fault, reason", [
     ("drop", "late"), ("late", "late"), ("duplicate", "stale_entry"), ("reorder", "stale_entry"),
     ("corrupt", "corrupt"), ("forge", None),

@@ -308,3 +308,36 @@ def test_host_rounds_on_a_gpu_select_on_the_host():
         assert sc.active and sc.stats()["selection"] == "host"
     finally:
         sc.shm.close()
+
+
+class _Row:
+    def __init__(self, seq, synced, generation=0, rid=1):
+        self.seq, self.synced, self.generation, self.id = seq, synced, generation, rid
+
+    @property
+    def seq_len(self):
+        return len(self.seq)
+
+    def tokens(self, a, b):
+        return self.seq[a:b]
+
+
+def test_round_tail_is_used_only_on_the_true_sequence():
+    """A row that verified without drafts while round N was in flight may take the rest of round N's
+    drafts only if what it appended since the round's base is a proper prefix of them, with the same
+    generation and base; anything else gives no drafts."""
+    from draftrelay.engine.spec_cache import SpecCache
+
+    sc = SpecCache(2)
+    try:
+        ctx = [5, 6, 7]
+        sc._tails[1] = (0, 3, [9, 10, 11, 12])
+        assert sc._tail(_Row(ctx + [9], 3), 4) == [10, 11, 12]
+        assert sc._tail(_Row(ctx + [9, 10], 3), 1) == [11]  # at most what the step asks
+        assert sc._tail(_Row(ctx + [8], 3), 4) == []  # the verify disagreed with the first draft
+        assert sc._tail(_Row(ctx + [9, 10, 11, 12], 3), 4) == []  # nothing left to offer
+        assert sc._tail(_Row(ctx + [9], 3, generation=1), 4) == []  # restarted request
+        assert sc._tail(_Row(ctx + [9], 2), 4) == []  # another base
+        assert sc._tail(_Row(ctx + [9], 3, rid=2), 4) == []  # no tail for that request
+    finally:
+        sc.shm.close()

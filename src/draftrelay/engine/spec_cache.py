@@ -55,21 +55,30 @@ POLL_S = 0.0005  # how often a verify waiting for its table looks again (it wake
 # 0.5B -> 1.5B trace (83.0 %; 4: 73 %, 16: 89 %; benchmarks/results/replay_headline_cache.json); the
 # worker's branch step grows with F
 DEFAULT_FANOUT = 8
+# when a step waits for its round: "rows" when no request that asks for drafts has any (a hit or a round
+# tail), so one miss does not hold back the rows that hit; "all" when any request missed
+WAIT_RULES = ("rows", "all")
 
 
 class SpecCache:
     def __init__(self, fanout: int, branch_budget_ms: float | None = None, push_faults: dict | None = None,
-                 capacity: int = 1 << 20, log: bool = False) -> None:
+                 capacity: int = 1 << 20, log: bool = False, wait_rule: str = "rows") -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
+        if wait_rule not in WAIT_RULES:
+            raise ValueError(f"spec-cache wait_rule must be one of {WAIT_RULES}, got {wait_rule!r}")
         self.fanout = fanout
+        self.wait_rule = wait_rule
         self.branch_budget_ms = branch_budget_ms
         self.push_faults = push_faults
         self.shm = TableShm.create(capacity)
         self.active = False
         self.refusal = ""
         self.vocab = 0
-        self._inflight = None  # (rid, RoundPlan) of a round the verify did not wait for
+        self._inflight = None  # (rid, RoundPlan, rows verified without drafts) of a round not waited for
+        # request id -> (generation, base, drafts): the drafts of the settled round for a row that verified
+        # without drafts while that round was in flight; usable at the next step only (see _tail)
+        self._tails: dict[int, tuple[int, int, list[int]]] = {}
         self._early: dict[int, object] = {}  # results collected while polling for a table
         self._stamp: int | None = None  # stream round of the last collected OK round
         self._proxy_gen = None
@@ -154,11 +163,15 @@ class SpecCache:
         (planner.settle) exactly as a waited-for round's does."""
         if self._inflight is None:
             return
-        rid, plan = self._inflight
+        rid, plan, bare = self._inflight
         self._inflight = None
         res = self._result(eng.rounds, rid)
-        eng.planner.settle(plan, res, eng.vocab)
+        out = eng.planner.settle(plan, res, eng.vocab)
         self._collected(res)
+        for i in bare:  # rows that verified without drafts: keep the round's drafts for the next step
+            r = plan.batch[i]
+            if out[i]:
+                self._tails[r.id] = (r.generation, r.synced, out[i])
         kind = "ok" if res.ok else ("watchdog" if res.status == Status.WATCHDOG else "failed")
         for i, r in enumerate(plan.batch):
             if plan.n_out[i]:
@@ -227,9 +240,27 @@ class SpecCache:
                                  else None, "why": "" if b >= 0 else (why or "no_match")})
         return hits
 
+    def _tail(self, r, n_out: int) -> list[int]:
+        """Drafts for a request that missed, from the round it verified without: that round's drafts
+        continue the sequence at r.synced (the position the round brought the drafter to); the step that
+        verified without them appended `new`. If `new` is a proper prefix of those drafts, the rest of them
+        is the drafter's continuation of the true sequence (the branch-selection criterion: base and
+        prefix pin the context), i.e. what a just-in-time round would return first."""
+        t = self._tails.get(r.id)
+        if t is None or t[0] != r.generation or t[1] != r.synced:
+            return []
+        d = t[2]
+        new = r.tokens(r.synced, r.seq_len)
+        n = len(new)
+        if not 0 < n < len(d) or list(new) != d[:n]:
+            return []
+        return d[n:n + n_out]
+
     def decode(self, eng, batch: list) -> None:
         """One step (Engine._decode with the cache active): settle the round left in flight, submit
-        round N, verify on the branch drafts when every request that asks hits, else on round N's."""
+        round N; each request that asks for drafts takes its branch (a hit) or else its round tail
+        (`_tail`); if any has drafts (wait_rule "rows"; "all": if every one hit) the verify starts now,
+        the others verify without drafts and round N stays in flight; else the step waits for round N."""
         clock = StepClock(eng.timing)
         rounds = eng.rounds
         self._check_generation(rounds)
@@ -246,19 +277,27 @@ class SpecCache:
         fast = False
         with clock.part("wait"):
             t_wait = time.perf_counter()
-            need = any(plan.n_out)
-            hits = self._lookup(rounds, batch, plan, t, stamp) if t and need else {}
-            fast = bool(need and len(hits) == sum(1 for n in plan.n_out if n))
-            if fast:  # every request that asks hit: verify now, round N stays in flight
-                self._inflight = (t, plan)
-                drafts = [hits.get(i, []) for i in range(len(batch))]
+            asking = [i for i, n in enumerate(plan.n_out) if n]
+            hits = self._lookup(rounds, batch, plan, t, stamp) if t and asking else {}
+            tails = {i: d for i in asking if i not in hits and (d := self._tail(batch[i], plan.n_out[i]))}
+            self._tails.clear()
+            if self.wait_rule == "all":
+                fast = bool(asking) and len(hits) == len(asking)
+            else:
+                fast = bool(hits or tails)
+            if fast:  # verify now on what the rows have; round N stays in flight
+                bare = [i for i in asking if i not in hits and i not in tails]
+                self._inflight = (t, plan, bare)
+                drafts = [hits.get(i) or tails.get(i) or [] for i in range(len(batch))]
                 self.c["fast_steps"] += 1
+                self.c["tail_rows"] += len(tails)
+                self.c["bare_rows"] += len(bare)
                 self.wait_hit_s.append(time.perf_counter() - t_wait)
             elif t:
                 res = self._result(rounds, t)
                 drafts = eng.planner.settle(plan, res, eng.vocab)
                 self._collected(res)
-                if need:
+                if asking:
                     self.c["waited_steps"] += 1
                     self.wait_miss_s.append(time.perf_counter() - t_wait)
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
@@ -276,7 +315,9 @@ class SpecCache:
             "request_rounds": n, "hits": self.c["hits"], "hit_rate": self.c["hits"] / n if n else 0.0,
             "misses": dict(sorted(self.miss_reasons.items())),
             "branches_per_round": self.c["branches"] / self.c["entries"] if self.c["entries"] else 0.0,
+            "wait_rule": self.wait_rule,
             "fast_steps": self.c["fast_steps"], "waited_steps": self.c["waited_steps"],
+            "tail_rows": self.c["tail_rows"], "bare_rows": self.c["bare_rows"],
             "wait_ms_p50_hit": 1e3 * float(np.median(wh)) if wh else 0.0,
             "wait_ms_p50_miss": 1e3 * float(np.median(wm)) if wm else 0.0,
             "wait_ms_mean": 1e3 * float(np.mean(wh + wm)) if wh or wm else 0.0,
@@ -290,4 +331,5 @@ class SpecCache:
             except Exception:  # closing: the result no longer matters
                 self._inflight = None
         self._early.clear()
+        self._tails.clear()
         self.shm.close()
