@@ -48,7 +48,7 @@ from draftrelay.capture import kv_bucket  # noqa: E402  (the bucket the drafter 
 from draftrelay.checkpoint.hf import save_hf_dir  # noqa: E402
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from draftrelay.engine.loading import handoff_config  # noqa: E402
-from draftrelay.engine.spec_cache import DEFAULT_FANOUT, SpecCache  # noqa: E402
+from draftrelay.engine.spec_cache import DEFAULT_FANOUT, WAIT_RULES, SpecCache  # noqa: E402
 from draftrelay.handoff.procinfo import machine_info  # noqa: E402
 from draftrelay.handoff.rounds import SyncRounds, open_rounds  # noqa: E402
 from draftrelay.replay import CostTable, ReplayDrafter, Trace, install_replay_target, with_fillers  # noqa: E402
@@ -256,6 +256,9 @@ def main() -> int:
     ap.add_argument("--modes", default="off,sync,async,cache")
     ap.add_argument("--fanout", default=str(DEFAULT_FANOUT),
                     help="branches per request of the cache mode; a list (4,8) runs one cache mode per F")
+    ap.add_argument("--wait-rules", default="rows",
+                    help="the cache's wait rule(s) (rows: a step waits only when no row has drafts; all: when any "
+                         "row missed); a list runs one cache mode per rule, all's named cacheF-all")
     ap.add_argument("--hit-curve", default="",
                     help="F values: first count the hit rate of each on the trace itself (CPU, no models)")
     ap.add_argument("--placements", default="same,emulated", help="same (worker on this GPU) and/or emulated")
@@ -306,6 +309,9 @@ def main() -> int:
         curve_fs = [int(x) for x in args.hit_curve.split(",") if x]
     except ValueError:
         ap.error("--fanout / --hit-curve: comma-separated integers")
+    wait_rules = [w for w in args.wait_rules.split(",") if w]
+    if not wait_rules or any(w not in WAIT_RULES for w in wait_rules):
+        ap.error(f"--wait-rules: each must be one of {WAIT_RULES}")
     if any(not 1 <= f <= TB.MAX_BRANCHES for f in fanouts + curve_fs):
         ap.error(f"--fanout / --hit-curve: F must be within 1..{TB.MAX_BRANCHES}")
     max_tokens = args.max_tokens or min(len(e.target) for e in trace.entries)
@@ -364,7 +370,7 @@ def main() -> int:
     hook = install_replay_target(target, big, n_rows=n_max + 1, max_len=max_row)
     try:
         # every speculative mode holds its own worker session of n_max rows
-        sessions = sum(len(fanouts) if m == "cache" else 1 for m in modes if m != "off")
+        sessions = sum(len(fanouts) * len(wait_rules) if m == "cache" else 1 for m in modes if m != "off")
         # --prefill-slice-ms -1: the modes run one at a time, so no session ever waits for another's prefill;
         # slicing (on whenever a worker has several sessions) would cut a 4096-token catch-up round at 32K
         # into ~16-token forwards, which on a GPU shared with the target outlast the round budget
@@ -403,9 +409,10 @@ def main() -> int:
                     if m in ("sync", "async"):
                         rounds[f"{m}@{p}"] = SyncRounds(h) if m == "sync" else open_rounds(h)
                     elif m == "cache":  # async rounds on the host stream, the cache's table memfd to the proxy
-                        for F in fanouts:
-                            name = f"cache{F}@{p}" if len(fanouts) > 1 else f"cache@{p}"
-                            sc = caches[name] = SpecCache(F)
+                        for F, rule in ((F, rule) for F in fanouts for rule in wait_rules):
+                            name = (f"cache{F}" if len(fanouts) > 1 else "cache") + \
+                                   ("" if rule == "rows" else f"-{rule}") + f"@{p}"
+                            sc = caches[name] = SpecCache(F, wait_rule=rule)
                             hh = handoff_config(spec, dev, args.deadline_ms, p == "same", host_rounds=True,
                                                 vocab_size=V, max_drafts=max(8, args.k), max_requests=n_max,
                                                 max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),

@@ -208,15 +208,16 @@ class SpecCache:
             except TB.TableError:
                 return None, "corrupt"
 
-    def _lookup(self, rounds: StampedRounds, batch: list, plan, t: int, stamp: int | None) -> dict[int, list[int]]:
-        """The branch drafts of every request of the plan that asks for drafts and hits, by index; each
+    def _lookup(self, rounds: StampedRounds, batch: list, plan, t: int, stamp: int | None,
+                need: list[int]) -> dict[int, list[int]]:
+        """The branch drafts of every request of `need` (indices into the plan) that hits, by index; each
         lookup is counted (a hit, or a miss with its reason)."""
-        need = [i for i in range(len(batch)) if plan.n_out[i]]
         table, why = (None, "no_table") if stamp is None else self._await_table(rounds, t, stamp)
         hits: dict[int, list[int]] = {}
         for i in need:
             r = batch[i]
             self.c["request_rounds"] += 1
+            self.c["lookups"] += 1
             entry = table.entry(r.id) if table is not None else None
             new = r.tokens(r.synced, r.seq_len)
             b = TB.select(entry, r.id, r.generation, r.synced, new) if entry is not None else -1
@@ -259,8 +260,9 @@ class SpecCache:
     def decode(self, eng, batch: list) -> None:
         """One step (Engine._decode with the cache active): settle the round left in flight, submit
         round N; each request that asks for drafts takes its branch (a hit) or else its round tail
-        (`_tail`); if any has drafts (wait_rule "rows"; "all": if every one hit) the verify starts now,
-        the others verify without drafts and round N stays in flight; else the step waits for round N."""
+        (`_tail`, decided before round N is submitted); if any has drafts (wait_rule "rows"; "all": if
+        every one hit) the verify starts now, the others verify without drafts and round N stays in
+        flight; else the step waits for round N."""
         clock = StepClock(eng.timing)
         rounds = eng.rounds
         self._check_generation(rounds)
@@ -268,6 +270,16 @@ class SpecCache:
             self.settle(eng)
         stamp = self._stamp
         plan = eng.planner.plan(batch, drafting=True)
+        # rows with a round tail verify it, and round N asks each of them exactly that many drafts: then
+        # round N's drafts are the tail itself (the drafter's continuation of the same context), so its
+        # table models the outcomes of this verify and the row is back in step with the tables
+        tails: dict[int, list[int]] = {}
+        if self.wait_rule == "rows":
+            for i, n in enumerate(plan.n_out):
+                if n and (d := self._tail(batch[i], n)):
+                    tails[i] = d
+                    plan.n_out[i] = len(d)
+        self._tails.clear()
         t = res = None
         if plan.asks:
             with clock.part("submit"):
@@ -278,19 +290,17 @@ class SpecCache:
         with clock.part("wait"):
             t_wait = time.perf_counter()
             asking = [i for i, n in enumerate(plan.n_out) if n]
-            hits = self._lookup(rounds, batch, plan, t, stamp) if t and asking else {}
-            tails = {i: d for i in asking if i not in hits and (d := self._tail(batch[i], plan.n_out[i]))}
-            self._tails.clear()
+            lookup = [i for i in asking if i not in tails]
+            hits = self._lookup(rounds, batch, plan, t, stamp, lookup) if t and lookup else {}
             if self.wait_rule == "all":
                 fast = bool(asking) and len(hits) == len(asking)
             else:
                 fast = bool(hits or tails)
             if fast:  # verify now on what the rows have; round N stays in flight
-                bare = [i for i in asking if i not in hits and i not in tails]
+                bare = [i for i in lookup if i not in hits]
                 self._inflight = (t, plan, bare)
                 drafts = [hits.get(i) or tails.get(i) or [] for i in range(len(batch))]
                 self.c["fast_steps"] += 1
-                self.c["tail_rows"] += len(tails)
                 self.c["bare_rows"] += len(bare)
                 self.wait_hit_s.append(time.perf_counter() - t_wait)
             elif t:
@@ -300,6 +310,10 @@ class SpecCache:
                 if asking:
                     self.c["waited_steps"] += 1
                     self.wait_miss_s.append(time.perf_counter() - t_wait)
+            self.c["tail_rows"] += len(tails)
+            self.c["request_rounds"] += len(tails)  # a request-round that took its tail, not the table
+            self.c["asking_rows"] += len(asking)
+            self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
         if fast and not eng.waiting and all(r.done for r in eng.running):
@@ -307,17 +321,20 @@ class SpecCache:
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        n = self.c["request_rounds"]
+        n = self.c["lookups"]
         wh, wm = self.wait_hit_s, self.wait_miss_s
         return {
             "active": self.active, "refusal": self.refusal, "fanout": self.fanout,
             "selection": "host" if self.active else "",
-            "request_rounds": n, "hits": self.c["hits"], "hit_rate": self.c["hits"] / n if n else 0.0,
+            "request_rounds": self.c["request_rounds"], "lookups": n, "hits": self.c["hits"],
+            "hit_rate": self.c["hits"] / n if n else 0.0,
             "misses": dict(sorted(self.miss_reasons.items())),
             "branches_per_round": self.c["branches"] / self.c["entries"] if self.c["entries"] else 0.0,
             "wait_rule": self.wait_rule,
             "fast_steps": self.c["fast_steps"], "waited_steps": self.c["waited_steps"],
             "tail_rows": self.c["tail_rows"], "bare_rows": self.c["bare_rows"],
+            # rows that asked for drafts and verified some without waiting for their round, or on its drafts
+            "rows_with_drafts": (self.c["rows_with_drafts"] / self.c["asking_rows"]) if self.c["asking_rows"] else 0.0,
             "wait_ms_p50_hit": 1e3 * float(np.median(wh)) if wh else 0.0,
             "wait_ms_p50_miss": 1e3 * float(np.median(wm)) if wm else 0.0,
             "wait_ms_mean": 1e3 * float(np.mean(wh + wm)) if wh or wm else 0.0,
