@@ -412,7 +412,7 @@ def main() -> int:
                         for F, rule in ((F, rule) for F in fanouts for rule in wait_rules):
                             name = (f"cache{F}" if len(fanouts) > 1 else "cache") + \
                                    ("" if rule == "rows" else f"-{rule}") + f"@{p}"
-                            sc = caches[name] = SpecCache(F, wait_rule=rule)
+                            sc = caches[name] = SpecCache(F, wait_rule=rule, shared_gpu=True)  # measure the split
                             hh = handoff_config(spec, dev, args.deadline_ms, p == "same", host_rounds=True,
                                                 vocab_size=V, max_drafts=max(8, args.k), max_requests=n_max,
                                                 max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),

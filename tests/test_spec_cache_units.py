@@ -287,7 +287,7 @@ def test_host_rounds_on_a_gpu_select_on_the_host():
     import torch
 
     from draftrelay.engine.loading import handoff_config
-    from draftrelay.engine.spec_cache import SpecCache
+    from draftrelay.engine.spec_cache import SHARED_GPU_REFUSAL, SpecCache
 
     spec = {"kind": "worker", "host": "127.0.0.1", "port": 1}
     gpu = torch.device("cuda")
@@ -304,10 +304,23 @@ def test_host_rounds_on_a_gpu_select_on_the_host():
         rounds = AsyncRounds(host)  # not started: bind only reads what the rounds are
         sc.bind(rounds, 256, device_drafts=True)  # CUDA rounds: the verify reads device replies
         assert not sc.active and "host_rounds=True" in sc.refusal and sc.stats()["selection"] == ""
-        sc.bind(rounds, 256, device_drafts=False)
+        sc.bind(rounds, 256, device_drafts=False)  # the worker shares this GPU: declined by default
+        assert not sc.active and sc.refusal == SHARED_GPU_REFUSAL and "time-slice" in sc.refusal
+        assert host.round_spec["worker_shares_gpu"] is True
+        other = handoff_config(spec, gpu, 200, False, host_rounds=True)  # a worker elsewhere
+        assert "worker_shares_gpu" not in other.round_spec
+        other.round_spec = sc.round_spec(other.round_spec, other.round_budget_ms)
+        sc.bind(AsyncRounds(other), 256, device_drafts=False)
         assert sc.active and sc.stats()["selection"] == "host"
     finally:
         sc.shm.close()
+    forced = SpecCache(4, shared_gpu=True)  # asked for on the shared GPU: it runs (the benchmarks' split)
+    try:
+        host.round_spec = forced.round_spec(host.round_spec, host.round_budget_ms)
+        forced.bind(AsyncRounds(host), 256, device_drafts=False)
+        assert forced.active and forced.refusal == ""
+    finally:
+        forced.shm.close()
 
 
 class _Row:

@@ -58,17 +58,23 @@ DEFAULT_FANOUT = 8
 # when a step waits for its round: "rows" when no request that asks for drafts has any (a hit or a round
 # tail), so one miss does not hold back the rows that hit; "all" when any request missed
 WAIT_RULES = ("rows", "all")
+SHARED_GPU_REFUSAL = (
+    "the worker shares the engine's GPU: its branch work runs during the verify and the two time-slice the "
+    "GPU, so cache steps are slower than sequential ones (benchmarks/results/replay_headline_cache.json); "
+    "spec_options shared_gpu=True runs it anyway")
 
 
 class SpecCache:
     def __init__(self, fanout: int, branch_budget_ms: float | None = None, push_faults: dict | None = None,
-                 capacity: int = 1 << 20, log: bool = False, wait_rule: str = "rows") -> None:
+                 capacity: int = 1 << 20, log: bool = False, wait_rule: str = "rows",
+                 shared_gpu: bool = False) -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
         if wait_rule not in WAIT_RULES:
             raise ValueError(f"spec-cache wait_rule must be one of {WAIT_RULES}, got {wait_rule!r}")
         self.fanout = fanout
         self.wait_rule = wait_rule
+        self.shared_gpu = shared_gpu  # run even when the worker shares the engine's GPU (benchmarks)
         self.branch_budget_ms = branch_budget_ms
         self.push_faults = push_faults
         self.shm = TableShm.create(capacity)
@@ -116,6 +122,8 @@ class SpecCache:
             self.refusal = "the rounds were not opened with this cache's table (round_spec)"
         elif rounds.round_spec.get("kind") != "worker":
             self.refusal = "needs a worker round function"
+        elif rounds.round_spec.get("worker_shares_gpu") and not self.shared_gpu:
+            self.refusal = SHARED_GPU_REFUSAL
         else:
             self.active = True
             self._proxy_gen = rounds.generation
