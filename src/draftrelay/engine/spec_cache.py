@@ -49,7 +49,11 @@ from draftrelay.speculation import table as TB
 from .metrics import StepClock
 from .verify import VerifyInputs
 
-POLL_S = 0.0005  # how often a verify waiting for its table looks again (it wakes at once when the round ends)
+# how often a verify waiting for its table looks again (it wakes at once when the round ends): on a host
+# whose hand-off polls (a GPU host: cores to spare) every 0.1 ms, else every 0.5 ms (a small CPU machine,
+# where the worker and the proxy need the cores this thread would take)
+POLL_S = 0.0005
+POLL_S_BUSY = 0.0001
 # F when the cache is switched on without one: the smallest fan-out above 80 % of outcomes at k = 4, on
 # the tiny pair (83-84 %; benchmarks/results/spec_cache_cpu.json) and on the replayed Qwen2.5-Coder
 # 0.5B -> 1.5B trace (83.0 %; 4: 73 %, 16: 89 %; benchmarks/results/replay_headline_cache.json); the
@@ -81,6 +85,7 @@ class SpecCache:
         self.active = False
         self.refusal = ""
         self.vocab = 0
+        self.poll_s = POLL_S
         self._inflight = None  # (rid, RoundPlan, rows verified without drafts) of a round not waited for
         # request id -> (generation, base, drafts): the drafts of the settled round for a row that verified
         # without drafts while that round was in flight; usable at the next step only (see _tail)
@@ -111,6 +116,8 @@ class SpecCache:
     def bind(self, rounds, vocab: int, device_drafts: bool) -> None:
         self.vocab = vocab
         self.active, self.refusal = False, ""
+        cfg = getattr(rounds, "cfg", None)
+        self.poll_s = POLL_S_BUSY if getattr(cfg, "wait_mode", "") == "poll" else POLL_S
         mode = getattr(rounds, "mode", "off")
         if mode != "async" or not isinstance(rounds, StampedRounds):
             why = getattr(rounds, "refusal", "")
@@ -201,7 +208,7 @@ class SpecCache:
         while True:
             body, why = self.shm.read(stamp)
             if body is None and why in ("absent", "torn"):
-                if self._round_done(rounds, rid, POLL_S):
+                if self._round_done(rounds, rid, self.poll_s):
                     body, why = self.shm.read(stamp)  # written just before the round was picked up?
                     if body is None:
                         return None, "late" if why == "absent" else why
