@@ -258,9 +258,10 @@ def main() -> int:
     ap.add_argument("--modes", default="off,sync,async,cache")
     ap.add_argument("--fanout", default=str(DEFAULT_FANOUT),
                     help="branches per request of the cache mode; a list (4,8) runs one cache mode per F")
-    ap.add_argument("--wait-rules", default="rows",
-                    help="the cache's wait rule(s) (rows: a step waits only when no row has drafts; all: when any "
-                         "row missed); a list runs one cache mode per rule, all's named cacheF-all")
+    ap.add_argument("--wait-rules", default="all",
+                    help="the cache's wait rule(s) (all, the engine's default: a step waits when any row missed; "
+                         "rows: only when no row has drafts); with both, one cache mode per rule: cacheF for rows, "
+                         "cacheF-all for all")
     ap.add_argument("--hit-curve", default="",
                     help="F values: first count the hit rate of each on the trace itself (CPU, no models)")
     ap.add_argument("--placements", default="same,emulated", help="same (worker on this GPU) and/or emulated")
@@ -413,7 +414,7 @@ def main() -> int:
                     elif m == "cache":  # async rounds on the host stream, the cache's table memfd to the proxy
                         for F, rule in ((F, rule) for F in fanouts for rule in wait_rules):
                             name = (f"cache{F}" if len(fanouts) > 1 else "cache") + \
-                                   ("" if rule == "rows" else f"-{rule}") + f"@{p}"
+                                   ("-all" if rule == "all" and len(wait_rules) > 1 else "") + f"@{p}"
                             sc = caches[name] = SpecCache(F, wait_rule=rule, shared_gpu=True)  # measure the split
                             hh = handoff_config(spec, dev, args.deadline_ms, p == "same", host_rounds=True,
                                                 vocab_size=V, max_drafts=max(8, args.k), max_requests=n_max,

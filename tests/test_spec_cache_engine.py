@@ -83,9 +83,9 @@ def test_greedy_identical_with_the_cache(pair, reference, worker, max_batch, k):
 def test_a_miss_does_not_hold_back_the_rows_that_hit(pair, reference, worker):
     """Batch 4, F = 2 (many misses): under the per-row rule a step verifies the rows that hit on their
     branches and the others without drafts or on their round tail, not waiting for the round; output
-    stays target-only's and every round is booked once. The all-rows rule waits on any miss."""
-    out, m, _ = run(pair[0], spec_of(worker), F=2, max_batch=4)
-    out_all, m_all, _ = run(pair[0], spec_of(worker), F=2, max_batch=4, wait_rule="all")
+    stays target-only's and every round is booked once. The all-rows rule (the default) waits on any miss."""
+    out, m, _ = run(pair[0], spec_of(worker), F=2, max_batch=4, wait_rule="rows")
+    out_all, m_all, _ = run(pair[0], spec_of(worker), F=2, max_batch=4)
     assert out == reference and out_all == reference
     sc, sa = m["total"]["spec_cache"], m_all["total"]["spec_cache"]
     assert sc["wait_rule"] == "rows" and sa["wait_rule"] == "all"

@@ -59,9 +59,13 @@ POLL_S_BUSY = 0.0001
 # 0.5B -> 1.5B trace (83.0 %; 4: 73 %, 16: 89 %; benchmarks/results/replay_headline_cache.json); the
 # worker's branch step grows with F
 DEFAULT_FANOUT = 8
-# when a step waits for its round: "rows" when no request that asks for drafts has any (a hit or a round
-# tail), so one miss does not hold back the rows that hit; "all" when any request missed
-WAIT_RULES = ("rows", "all")
+# when a step waits for its round: "all" (the default) when any request that asks for drafts missed;
+# "rows" only when none has drafts (a hit or a round tail), so one miss does not hold back the rows that
+# hit. Measured on the H200 at four requests (benchmarks/results/replay_headline_cache.json, short:4),
+# "rows" is the slower one (0.54-0.56 x sync against 0.83-0.84 x): a step that does not wait still waits
+# for the table, which comes after the worker's STEP (real drafting for every row that missed or took
+# its tail) plus the branch work of all four rows, and its miss rows verify one token or k - 1 drafts
+WAIT_RULES = ("all", "rows")
 SHARED_GPU_REFUSAL = (
     "the worker shares the engine's GPU: its branch work runs during the verify and the two time-slice the "
     "GPU, so cache steps are slower than sequential ones (benchmarks/results/replay_headline_cache.json); "
@@ -70,7 +74,7 @@ SHARED_GPU_REFUSAL = (
 
 class SpecCache:
     def __init__(self, fanout: int, branch_budget_ms: float | None = None, push_faults: dict | None = None,
-                 capacity: int = 1 << 20, log: bool = False, wait_rule: str = "rows",
+                 capacity: int = 1 << 20, log: bool = False, wait_rule: str = "all",
                  shared_gpu: bool = False) -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
