@@ -185,6 +185,11 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         outcomes = {(int(a), int(y)) for a, y in zip(e.accepted, e.token, strict=True)}
         assert len(outcomes) == F and all(y != e.drafts[a] for a, y in outcomes if a < k)
         assert bool(core.prefetcher._stops) == (core.drafter.mode == "static")  # which forward ran step 1
+        from draftrelay.worker.prefetch import PIECES
+
+        st = core.prefetcher.stats  # every piece of the branch work is booked, within the table's own time
+        assert all(st[f"{p}_us"] > 0 for p in ("stops", "choose", "run", "entries", "encode")), st
+        assert sum(st[f"{p}_us"] for p in PIECES if p != "encode") <= st["prefetch_us"] + len(PIECES), st
         for b in range(F):  # batched over all branches, each equals a fresh round of its context
             ctx = np.concatenate([prompt, e.prefix(b)])
             assert np.array_equal(fresh_drafts(host, port, ctx, k), e.branch_drafts[b]), b
