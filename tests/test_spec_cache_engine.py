@@ -101,6 +101,21 @@ def test_a_miss_does_not_hold_back_the_rows_that_hit(pair, reference, worker):
         run(pair[0], spec_of(worker), F=2, wait_rule="some")
 
 
+def test_adapt_turns_tables_off_when_they_do_not_pay(pair, reference, worker):
+    """adapt=True with a margin no cache can beat: after one probe the tables are paused and the steps are
+    ordinary ones; with a margin any cache beats, they stay on. Output is target-only's either way."""
+    out, m, _ = run(pair[0], spec_of(worker), F=8, max_batch=1, adapt=True, probe_steps=3, adapt_margin=1e6)
+    assert out == reference
+    sc = m["total"]["spec_cache"]
+    assert sc["adapt"]["decisions"][0] == "plain" and sc["plain_steps"] > 0, sc
+    assert "tables off" in sc["adapt"]["off_reason"] or sc["adapt"]["phase"] == "cache"
+    assert m["total"]["rounds"]["failed"] == 0
+    out2, m2, _ = run(pair[0], spec_of(worker), F=8, max_batch=1, adapt=True, probe_steps=3, adapt_margin=-1)
+    assert out2 == reference
+    sc2 = m2["total"]["spec_cache"]
+    assert sc2["adapt"]["decisions"][0] == "tables" and sc2["hits"] > 0, sc2
+
+
 @pytest.mark.parametrize("fault, reason", [
     ("drop", "late"), ("late", "late"), ("duplicate", "stale_entry"), ("reorder", "stale_entry"),
     ("corrupt", "corrupt"), ("forge", None),

@@ -359,3 +359,67 @@ def test_round_tail_is_used_only_on_the_true_sequence():
         assert sc._tail(_Row(ctx + [9], 3, rid=2), 4) == []  # no tail for that request
     finally:
         sc.shm.close()
+
+
+def test_adapt_keeps_tables_only_when_measured_faster():
+    """The probe: a window with tables, two settling steps and a window without; tables stay on only if
+    they were faster by more than the margin, and the next probe switches them on again."""
+    from draftrelay.engine.spec_cache import Adapt
+
+    a = Adapt(probe_steps=3, margin=0.02, reprobe_steps=4)
+    assert [a.step(10, 1.0) for _ in range(3)] == [False, False, True]  # with tables: 10 tokens/s
+    assert [a.step(1, 1.0) for _ in range(2)] == [True, True]  # settling: not measured
+    assert [a.step(20, 1.0) for _ in range(3)] == [True, True, True]  # without: 20 tokens/s -> plain
+    st = a.stats()
+    assert st["decisions"] == ["plain"] and st["paused"] and "10.0 tokens/s" in st["off_reason"]
+    assert [a.step(1, 1.0) for _ in range(4)] == [True, True, True, False]  # the next probe: tables on
+    assert a.phase == "cache"
+    for _ in range(3):
+        a.step(30, 1.0)  # with tables 30/s
+    for _ in range(2):
+        a.step(0, 1.0)
+    for _ in range(3):
+        a.step(29.5, 1.0)  # 30 > 29.5 but not by 2 %: sequential steps win the tie
+    assert a.decisions == ["plain", "plain"]
+    b = Adapt(probe_steps=2, margin=0.02, reprobe_steps=9)
+    for tok in (50, 50, 0, 0, 40, 40):
+        b.step(tok, 1.0)
+    assert b.decisions == ["tables"] and not b.plain and b.stats()["off_reason"] == ""
+
+
+def test_paused_tables_send_steps_without_a_fanout():
+    """The proxy side of a pause: while the engine's word is set, STEPs go out without a fan-out, so the
+    worker does no branch work and no BRANCHES frame is read."""
+    from draftrelay.handoff.branch_push import BranchRounds
+    from draftrelay.handoff.branch_shm import TableShm
+
+    calls = []
+
+    class Client:
+        def step(self, blocks, timeout=None, **kw):
+            calls.append(kw.get("fanout", 0))
+            return "reply"
+
+    class Inner:
+        def __init__(self):
+            self.client = Client()
+
+        def __call__(self, t, requests, budget_s):
+            return self.client.step(requests, budget_s)
+
+    shm = TableShm.create(4096)
+    try:
+        br = BranchRounds(Inner(), {"fd": shm.fd, "fanout": 6}, 256)
+        assert br(1, [], 0.1) == "reply" and calls == [6] and br._want
+        shm.set_paused(True)
+        assert br.shm.paused
+        br(2, [], 0.1)
+        assert calls == [6, 0] and not br._want and br.stats["paused_steps"] == 1
+        br.after_release(2)  # nothing to read: no BRANCHES frame follows a paused STEP
+        assert br.stats["missing"] == 0
+        shm.set_paused(False)
+        br(3, [], 0.1)
+        assert calls == [6, 0, 6]
+        br.shm.close()
+    finally:
+        shm.close()

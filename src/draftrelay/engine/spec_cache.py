@@ -72,10 +72,57 @@ SHARED_GPU_REFUSAL = (
     "spec_options shared_gpu=True runs it anyway")
 
 
+class Adapt:
+    """Whether tables pay, measured: `probe_steps` steps with tables, then (tables paused: the proxy sends
+    STEPs without a fan-out, so the worker does no branch work) two steps to let the last table pass and
+    `probe_steps` ordinary steps; output tokens per second of the two windows decide. Tables stay on only
+    if they were faster by more than `margin` (the goal is never to be slower than sequential steps);
+    the next probe comes `reprobe_steps` steps later (the batch and the text change)."""
+
+    def __init__(self, probe_steps: int, margin: float, reprobe_steps: int) -> None:
+        self.n, self.margin, self.reprobe = probe_steps, margin, reprobe_steps
+        self.phase, self.left = "cache", probe_steps  # cache -> settle -> plain -> decided -> cache ...
+        self.plain = False  # tables paused
+        self.win = [0, 0.0]  # tokens, seconds of the window being measured
+        self.tok_s = {"cache": 0.0, "plain": 0.0}
+        self.decisions: list[str] = []
+
+    def step(self, tokens: int, seconds: float) -> bool:
+        """Book one step; returns whether tables are paused from the next step on."""
+        if self.phase in ("cache", "plain"):
+            self.win[0] += tokens
+            self.win[1] += seconds
+        self.left -= 1
+        if self.left > 0:
+            return self.plain
+        if self.phase == "cache":
+            self.tok_s["cache"] = self.win[0] / self.win[1] if self.win[1] > 0 else 0.0
+            self.phase, self.left, self.plain = "settle", 2, True
+        elif self.phase == "settle":
+            self.phase, self.left, self.win = "plain", self.n, [0, 0.0]
+        elif self.phase == "plain":
+            self.tok_s["plain"] = self.win[0] / self.win[1] if self.win[1] > 0 else 0.0
+            keep = self.tok_s["cache"] > self.tok_s["plain"] * (1 + self.margin)
+            self.decisions.append("tables" if keep else "plain")
+            self.phase, self.left, self.plain = "decided", self.reprobe, not keep
+        else:  # decided: probe again, tables on
+            self.phase, self.left, self.plain, self.win = "cache", self.n, False, [0, 0.0]
+        return self.plain
+
+    def stats(self) -> dict:
+        why = ""
+        if self.decisions and self.decisions[-1] == "plain":
+            why = (f"tables off: {self.tok_s['cache']:.1f} tokens/s with them against {self.tok_s['plain']:.1f} "
+                   f"without (measured; the next probe in {self.left} steps)")
+        return {"phase": self.phase, "paused": self.plain, "tok_s_with_tables": self.tok_s["cache"],
+                "tok_s_without": self.tok_s["plain"], "decisions": list(self.decisions), "off_reason": why}
+
+
 class SpecCache:
     def __init__(self, fanout: int, branch_budget_ms: float | None = None, push_faults: dict | None = None,
                  capacity: int = 1 << 20, log: bool = False, wait_rule: str = "all",
-                 shared_gpu: bool = False) -> None:
+                 shared_gpu: bool = False, adapt: bool = False, probe_steps: int = 16,
+                 adapt_margin: float = 0.02, reprobe_steps: int = 512) -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
         if wait_rule not in WAIT_RULES:
@@ -83,6 +130,10 @@ class SpecCache:
         self.fanout = fanout
         self.wait_rule = wait_rule
         self.shared_gpu = shared_gpu  # run even when the worker shares the engine's GPU (benchmarks)
+        if probe_steps < 2 or reprobe_steps < 1:
+            raise ValueError(f"spec-cache probe_steps must be >= 2 and reprobe_steps >= 1, got {probe_steps}, "
+                             f"{reprobe_steps}")
+        self.adapt = Adapt(probe_steps, adapt_margin, reprobe_steps) if adapt else None
         self.branch_budget_ms = branch_budget_ms
         self.push_faults = push_faults
         self.shm = TableShm.create(capacity)
@@ -283,6 +334,7 @@ class SpecCache:
         every one hit) the verify starts now, the others verify without drafts and round N stays in
         flight; else the step waits for round N."""
         clock = StepClock(eng.timing)
+        t_step, n_before = time.perf_counter(), sum(len(r.output) for r in batch)
         rounds = eng.rounds
         self._check_generation(rounds)
         with clock.part("wait"):
@@ -293,7 +345,8 @@ class SpecCache:
         # round N's drafts are the tail itself (the drafter's continuation of the same context), so its
         # table models the outcomes of this verify and the row is back in step with the tables
         tails: dict[int, list[int]] = {}
-        if self.wait_rule == "rows":
+        plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
+        if self.wait_rule == "rows" and not plain:
             for i, n in enumerate(plan.n_out):
                 if n and (d := self._tail(batch[i], n)):
                     tails[i] = d
@@ -309,7 +362,7 @@ class SpecCache:
         with clock.part("wait"):
             t_wait = time.perf_counter()
             asking = [i for i, n in enumerate(plan.n_out) if n]
-            lookup = [i for i in asking if i not in tails]
+            lookup = [] if plain else [i for i in asking if i not in tails]
             hits = self._lookup(rounds, batch, plan, t, stamp, lookup) if t and lookup else {}
             if self.wait_rule == "all":
                 fast = bool(asking) and len(hits) == len(asking)
@@ -326,7 +379,9 @@ class SpecCache:
                 res = self._result(rounds, t)
                 drafts = eng.planner.settle(plan, res, eng.vocab)
                 self._collected(res)
-                if asking:
+                if asking and plain:
+                    self.c["plain_steps"] += 1
+                elif asking:
                     self.c["waited_steps"] += 1
                     self.wait_miss_s.append(time.perf_counter() - t_wait)
             self.c["tail_rows"] += len(tails)
@@ -337,6 +392,10 @@ class SpecCache:
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
         if fast and not eng.waiting and all(r.done for r in eng.running):
             self.settle(eng)  # no next step will: settle now, so the drafter's bookkeeping is complete
+        if self.adapt is not None:
+            paused = self.adapt.step(sum(len(r.output) for r in batch) - n_before, time.perf_counter() - t_step)
+            if paused != self.shm.paused:
+                self.shm.set_paused(paused)
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -358,6 +417,8 @@ class SpecCache:
             "wait_ms_p50_miss": 1e3 * float(np.median(wm)) if wm else 0.0,
             "wait_ms_mean": 1e3 * float(np.mean(wh + wm)) if wh or wm else 0.0,
             "epochs": self.c["epochs"],
+            "plain_steps": self.c["plain_steps"],
+            "adapt": self.adapt.stats() if self.adapt is not None else None,
         }
 
     def close(self, eng) -> None:
