@@ -266,10 +266,12 @@ def small_target() -> Transformer:
     return Transformer.random(cfg, seed=5, std=0.25)
 
 
-def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path):
+@pytest.mark.parametrize("rule", ["all", "rows"])
+def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path, rule):
     """Temperature 1, k = 2, the worker's drafter is the target itself (greedy drafts), F = 12 branches:
     later steps verify branch drafts without waiting. The joint law of the third and fourth output tokens
-    (produced by hit steps in most samples) equals the target's exact law (chi-square, 64 cells, 1,024 samples)."""
+    (produced by hit steps in most samples) equals the target's exact law (chi-square, 64 cells, 1,024
+    samples), under both wait rules (rows: miss rows verify their round tails or no drafts)."""
     target = small_target()
     save_hf_dir(target, tmp_path / "m")
     # one session of B = 16 requests: the whole worker (its default share is half of its rows)
@@ -282,7 +284,8 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path)
     try:
         spec = {"kind": "worker", "host": w.host, "port": w.port, "max_requests": B}
         h = HandoffConfig(round_spec=spec, deadline_ms=3000, round_budget_ms=2500)
-        cfg = EngineConfig(mode="async", n_draft=2, max_batch=B, max_len=32, handoff=h, spec_fanout=12)
+        cfg = EngineConfig(mode="async", n_draft=2, max_batch=B, max_len=32, handoff=h, spec_fanout=12,
+                           spec_options={"wait_rule": rule})
         with Engine(target, cfg) as eng:
             for b in range(n_batches):
                 ps = [SamplingParams(max_tokens=6, temperature=1.0, seed=b * B + i) for i in range(B)]
@@ -295,6 +298,7 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path)
         w.stop()
     assert t["rounds"]["failed"] == 0 and t["rounds"]["watchdog"] == 0
     assert sc["active"] and hits > 0.3 * rounds and sc["fast_steps"] > 0
+    assert sc["wait_rule"] == rule and (sc["tail_rows"] + sc["bare_rows"] > 0) == (rule == "rows"), sc
     with torch.inference_mode():
         def probs(seqs):
             c = target.new_cache(len(seqs), 8)

@@ -311,9 +311,10 @@ def test_host_rounds_on_a_gpu_select_on_the_host():
         assert not sc.active and "host_rounds=True" in sc.refusal and sc.stats()["selection"] == ""
         sc.bind(rounds, 256, device_drafts=False)  # the worker shares this GPU: declined by default
         assert not sc.active and sc.refusal == SHARED_GPU_REFUSAL and "time-slice" in sc.refusal
-        assert host.round_spec["worker_shares_gpu"] is True
+        assert host.worker_shares_gpu is True
         other = handoff_config(spec, gpu, 200, False, host_rounds=True)  # a worker elsewhere
-        assert "worker_shares_gpu" not in other.round_spec
+        assert other.worker_shares_gpu is False
+        assert handoff_config(spec, torch.device("cpu"), 200, True).worker_shares_gpu is False  # no GPU to share
         other.round_spec = sc.round_spec(other.round_spec, other.round_budget_ms)
         sc.bind(AsyncRounds(other), 256, device_drafts=False)
         assert sc.active and sc.stats()["selection"] == "host"

@@ -152,8 +152,8 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
     reads each step's acceptance on the host anyway; what it adds is one host-to-device copy of the
     drafts per verify (a few hundred bytes) instead of the verify reading them from the reply buffer.
 
-    A worker on the engine's GPU is named in the round spec (`worker_shares_gpu`): the speculation
-    cache declines there by default (SpecCache.bind says why)."""
+    A worker on the engine's GPU is named (HandoffConfig.worker_shares_gpu): the speculation cache
+    declines there by default (SpecCache.bind says why)."""
     from draftrelay.handoff.rounds import HandoffConfig
 
     gpu = device.type == "cuda"
@@ -162,11 +162,10 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
         fields.setdefault("watchdog_poll_us", max(1000, int(deadline_ms * 10)))
     if gpu and host_rounds:  # a GPU host has cores to spare: the emulated stream polls (spin, then nap)
         fields.setdefault("wait", "poll")
-    if gpu and worker_shares_gpu:
-        spec = {**spec, "worker_shares_gpu": True}
     return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,
                          backend="cuda" if gpu and not host_rounds else "emulated",
-                         cuda_wait="memop" if worker_shares_gpu and gpu and not host_rounds else "", **fields)
+                         cuda_wait="memop" if worker_shares_gpu and gpu and not host_rounds else "",
+                         worker_shares_gpu=bool(gpu and worker_shares_gpu), **fields)
 
 
 def check_worker(spec: dict, timeout_s: float = 5.0) -> str:

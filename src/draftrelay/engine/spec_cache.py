@@ -184,7 +184,7 @@ class SpecCache:
             self.refusal = "the rounds were not opened with this cache's table (round_spec)"
         elif rounds.round_spec.get("kind") != "worker":
             self.refusal = "needs a worker round function"
-        elif rounds.round_spec.get("worker_shares_gpu") and not self.shared_gpu:
+        elif getattr(cfg, "worker_shares_gpu", False) and not self.shared_gpu:
             self.refusal = SHARED_GPU_REFUSAL
         else:
             self.active = True
