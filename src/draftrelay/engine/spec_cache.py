@@ -12,10 +12,15 @@ shared memory (draftrelay.handoff.branch_shm) while verify N-1 runs. Step N then
      table follow the true sequence), then looks up the table that followed the last round it
      collected (stamp = that round's stream round, current epoch, crc) and, per request, the branch
      whose prefix equals what the engine appended since the drafter's position (table.select);
-  3. hit for every request that wants drafts: verify now with the branch drafts; round N stays in
-     flight and is settled at the next step. Any miss: wait for round N and use its drafts, an
-     ordinary round. A table that has not arrived is waited for only while round N is not done (the
-     proxy writes a table before it starts the next round, so after that it will not come).
+  3. wait rule "all" (the default): a hit for every request that wants drafts: verify now with the
+     branch drafts; round N stays in flight and is settled at the next step. Any miss: wait for round
+     N and use its drafts, an ordinary round. Wait rule "rows": verify now if any request has drafts
+     (a hit, or its round tail: see `_tail`), the others without. A table that has not arrived is
+     waited for only while round N is not done (the proxy writes a table before it starts the next
+     round, so after that it will not come).
+
+A worker on the engine's GPU declines the cache (SHARED_GPU_REFUSAL), and `adapt=True` (class Adapt)
+pauses the tables where measured steps are faster without them.
 
 Host selection: rounds on the emulated stream, on a CPU or on a GPU (loading.handoff_config with
 host_rounds=True: the drafts reach the engine on the host and are copied to the device with the verify's
