@@ -48,7 +48,7 @@ from draftrelay.capture import kv_bucket  # noqa: E402  (the bucket the drafter 
 from draftrelay.checkpoint.hf import save_hf_dir  # noqa: E402
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from draftrelay.engine.loading import handoff_config  # noqa: E402
-from draftrelay.engine.spec_cache import DEFAULT_FANOUT, SpecCache  # noqa: E402
+from draftrelay.engine.spec_cache import DEFAULT_FANOUT, WAIT_RULES, SpecCache  # noqa: E402
 from draftrelay.handoff.procinfo import machine_info  # noqa: E402
 from draftrelay.handoff.rounds import SyncRounds, open_rounds  # noqa: E402
 from draftrelay.replay import CostTable, ReplayDrafter, Trace, install_replay_target, with_fillers  # noqa: E402
@@ -57,7 +57,7 @@ from draftrelay.speculation.table import Acceptance  # noqa: E402
 from draftrelay.wire import protocol as P  # noqa: E402
 from draftrelay.worker.core import WorkerCore  # noqa: E402
 from draftrelay.worker.drafters import Job, load_drafter  # noqa: E402
-from draftrelay.worker.prefetch import Prefetcher, branches_payload  # noqa: E402
+from draftrelay.worker.prefetch import DEVICE_PIECES, Prefetcher, branches_payload  # noqa: E402
 from draftrelay.worker.process import start_worker_process  # noqa: E402
 from engine_workloads import DRAFTER_SHAPES, TARGET_SHAPES, prefill_held, random_model  # noqa: E402
 
@@ -71,10 +71,11 @@ def p50(xs) -> float:
 def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: int, max_ctx: int,
                   iters: int, fanouts: list[int]) -> CostTable:
     """The real drafter's STEP seconds (median of `iters`) for every (jobs, n_steps <= k, context) the
-    runs use, and the seconds of its speculation-cache branch work (worker.prefetch.Prefetcher: the
-    forward over the k + 1 stopping places, the scratch-row copies, one batched k-step run over
-    jobs x F branches) for every F of `fanouts`, in this process on this GPU: the emulated second device
-    spends them as wall time."""
+    runs use, and the seconds of the device pieces of its speculation-cache branch work
+    (worker.prefetch.Prefetcher, DEVICE_PIECES: the forward over the k + 1 stopping places, the
+    scratch-row copies, one batched k-step run over jobs x F branches) for every F of `fanouts`, in this
+    process on this GPU: the emulated second device spends them as wall time and does the host pieces
+    (choose_branches, the entries, the encoding) itself."""
     d = load_drafter(ddir, device=dev, n_rows=max(jobs) + 1, max_ctx=max_ctx, n_out_max=max(8, k))
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     rng = np.random.default_rng(0)
@@ -108,15 +109,16 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                     res = types.SimpleNamespace(drafts=drafts)
                     todo = [(r, types.SimpleNamespace(row=r, ctx_len=L + 3), k) for r in range(b)]
                     sync()
-                    t0 = time.perf_counter()
+                    before = sum(pf.stats[f"{p}_us"] for p in DEVICE_PIECES)
                     try:
                         pf._draft(blocks, res, todo, Acceptance(), F)
                     except Exception:  # no prefetch entries: the emulated worker then answers empty tables
                         traceback.print_exc()
                         failed.append(f"{b}x{F}@{ctx}")
                         break
-                    sync()
-                    times.append(time.perf_counter() - t0)
+                    # the device pieces only (each ends in a host read): the emulated worker spends these
+                    # and runs the host pieces (choose, entries, encode) itself, for real
+                    times.append(1e-6 * (sum(pf.stats[f"{p}_us"] for p in DEVICE_PIECES) - before))
                 if len(times) > 2:
                     pre[(b, F, k, kv_bucket(L + 3 + k, d.cache.max_len))] = p50(times[2:])
     del d, pf
@@ -256,6 +258,10 @@ def main() -> int:
     ap.add_argument("--modes", default="off,sync,async,cache")
     ap.add_argument("--fanout", default=str(DEFAULT_FANOUT),
                     help="branches per request of the cache mode; a list (4,8) runs one cache mode per F")
+    ap.add_argument("--wait-rules", default="all",
+                    help="the cache's wait rule(s) (all, the engine's default: a step waits when any row missed; "
+                         "rows: only when no row has drafts); with both, one cache mode per rule: cacheF for rows, "
+                         "cacheF-all for all")
     ap.add_argument("--hit-curve", default="",
                     help="F values: first count the hit rate of each on the trace itself (CPU, no models)")
     ap.add_argument("--placements", default="same,emulated", help="same (worker on this GPU) and/or emulated")
@@ -306,6 +312,9 @@ def main() -> int:
         curve_fs = [int(x) for x in args.hit_curve.split(",") if x]
     except ValueError:
         ap.error("--fanout / --hit-curve: comma-separated integers")
+    wait_rules = [w for w in args.wait_rules.split(",") if w]
+    if not wait_rules or any(w not in WAIT_RULES for w in wait_rules):
+        ap.error(f"--wait-rules: each must be one of {WAIT_RULES}")
     if any(not 1 <= f <= TB.MAX_BRANCHES for f in fanouts + curve_fs):
         ap.error(f"--fanout / --hit-curve: F must be within 1..{TB.MAX_BRANCHES}")
     max_tokens = args.max_tokens or min(len(e.target) for e in trace.entries)
@@ -364,7 +373,7 @@ def main() -> int:
     hook = install_replay_target(target, big, n_rows=n_max + 1, max_len=max_row)
     try:
         # every speculative mode holds its own worker session of n_max rows
-        sessions = sum(len(fanouts) if m == "cache" else 1 for m in modes if m != "off")
+        sessions = sum(len(fanouts) * len(wait_rules) if m == "cache" else 1 for m in modes if m != "off")
         # --prefill-slice-ms -1: the modes run one at a time, so no session ever waits for another's prefill;
         # slicing (on whenever a worker has several sessions) would cut a 4096-token catch-up round at 32K
         # into ~16-token forwards, which on a GPU shared with the target outlast the round budget
@@ -403,9 +412,10 @@ def main() -> int:
                     if m in ("sync", "async"):
                         rounds[f"{m}@{p}"] = SyncRounds(h) if m == "sync" else open_rounds(h)
                     elif m == "cache":  # async rounds on the host stream, the cache's table memfd to the proxy
-                        for F in fanouts:
-                            name = f"cache{F}@{p}" if len(fanouts) > 1 else f"cache@{p}"
-                            sc = caches[name] = SpecCache(F)
+                        for F, rule in ((F, rule) for F in fanouts for rule in wait_rules):
+                            name = (f"cache{F}" if len(fanouts) > 1 else "cache") + \
+                                   ("-all" if rule == "all" and len(wait_rules) > 1 else "") + f"@{p}"
+                            sc = caches[name] = SpecCache(F, wait_rule=rule, shared_gpu=True)  # measure the split
                             hh = handoff_config(spec, dev, args.deadline_ms, p == "same", host_rounds=True,
                                                 vocab_size=V, max_drafts=max(8, args.k), max_requests=n_max,
                                                 max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),

@@ -289,6 +289,24 @@ def test_cache_on_replay_keeps_the_trace_count_and_hits_as_counted(tmp_path, inn
     assert set(sc["misses"]) <= {"no_match", "no_entry", "no_table"}, sc["misses"]
 
 
+def test_emulated_branch_work_spends_the_device_pieces_and_does_the_host_pieces():
+    """On the emulated device the prefetch cost (the device pieces, as measure_costs records them) is
+    spent in `run`, no forward over the stopping places runs, and the host pieces run for real."""
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.prefetch import DEVICE_PIECES
+
+    tr = synthetic_trace(seed=2, n=1, length=40)
+    cost = CostTable({(1, 4, 256): 0.0}, prefetch={(1, 4, 4, 256): 0.004})
+    e = tr.entries[0]
+    core = WorkerCore(ReplayDrafter(tr, cost=cost, n_rows=2, max_ctx=len(e.sequence) + 64, vocab_size=VOCAB))
+    rounds = lockstep(core, e, 4, 4)
+    st = core.prefetcher.stats
+    tables = sum(1 for _, _, t in rounds if t is not None and t.entries)
+    assert tables >= 3 and st["stops_us"] == 0 and set(DEVICE_PIECES) == {"stops", "run"}
+    assert 4000 * tables <= st["run_us"] < 4000 * tables + 20000 * tables, st
+    assert st["choose_us"] > 0 and st["entries_us"] > 0 and st["encode_us"] > 0
+
+
 def test_cost_table_keeps_the_branch_work_and_takes_the_nearest_entry(tmp_path):
     t = CostTable({(1, 4, 256): 0.004, (4, 4, 256): 0.005}, "test",
                   prefetch={(1, 4, 4, 256): 0.006, (1, 8, 4, 256): 0.007, (4, 8, 4, 32768): 0.020})

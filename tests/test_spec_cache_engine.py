@@ -80,6 +80,42 @@ def test_greedy_identical_with_the_cache(pair, reference, worker, max_batch, k):
     assert sc["request_rounds"] == sum(r["rounds"]["ok"] for r in m["requests"])
 
 
+def test_a_miss_does_not_hold_back_the_rows_that_hit(pair, reference, worker):
+    """Batch 4, F = 2 (many misses): under the per-row rule a step verifies the rows that hit on their
+    branches and the others without drafts or on their round tail, not waiting for the round; output
+    stays target-only's and every round is booked once. The all-rows rule (the default) waits on any miss."""
+    out, m, _ = run(pair[0], spec_of(worker), F=2, max_batch=4, wait_rule="rows")
+    out_all, m_all, _ = run(pair[0], spec_of(worker), F=2, max_batch=4)
+    assert out == reference and out_all == reference
+    sc, sa = m["total"]["spec_cache"], m_all["total"]["spec_cache"]
+    assert sc["wait_rule"] == "rows" and sa["wait_rule"] == "all"
+    assert sc["bare_rows"] > 0 and sc["tail_rows"] > 0, sc
+    assert sa["bare_rows"] == 0 and sa["tail_rows"] == 0, sa
+    frac = sc["fast_steps"] / (sc["fast_steps"] + sc["waited_steps"])
+    frac_all = sa["fast_steps"] / (sa["fast_steps"] + sa["waited_steps"])
+    assert frac > frac_all, (sc, sa)
+    for mm in (m, m_all):
+        assert mm["total"]["rounds"]["failed"] == 0
+        assert mm["total"]["spec_cache"]["request_rounds"] == sum(r["rounds"]["ok"] for r in mm["requests"])
+    with pytest.raises(ValueError, match="wait_rule"):
+        run(pair[0], spec_of(worker), F=2, wait_rule="some")
+
+
+def test_adapt_turns_tables_off_when_they_do_not_pay(pair, reference, worker):
+    """adapt=True with a margin no cache can beat: after one probe the tables are paused and the steps are
+    ordinary ones; with a margin any cache beats, they stay on. Output is target-only's either way."""
+    out, m, _ = run(pair[0], spec_of(worker), F=8, max_batch=1, adapt=True, probe_steps=3, adapt_margin=1e6)
+    assert out == reference
+    sc = m["total"]["spec_cache"]
+    assert sc["adapt"]["decisions"][0] == "plain" and sc["plain_steps"] > 0, sc
+    assert "tables off" in sc["adapt"]["off_reason"] or sc["adapt"]["phase"] == "cache"
+    assert m["total"]["rounds"]["failed"] == 0
+    out2, m2, _ = run(pair[0], spec_of(worker), F=8, max_batch=1, adapt=True, probe_steps=3, adapt_margin=-1)
+    assert out2 == reference
+    sc2 = m2["total"]["spec_cache"]
+    assert sc2["adapt"]["decisions"][0] == "tables" and sc2["hits"] > 0, sc2
+
+
 @pytest.mark.parametrize("fault, reason", [
     ("drop", "late"), ("late", "late"), ("duplicate", "stale_entry"), ("reorder", "stale_entry"),
     ("corrupt", "corrupt"), ("forge", None),
@@ -230,10 +266,12 @@ def small_target() -> Transformer:
     return Transformer.random(cfg, seed=5, std=0.25)
 
 
-def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path):
+@pytest.mark.parametrize("rule", ["all", "rows"])
+def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path, rule):
     """Temperature 1, k = 2, the worker's drafter is the target itself (greedy drafts), F = 12 branches:
     later steps verify branch drafts without waiting. The joint law of the third and fourth output tokens
-    (produced by hit steps in most samples) equals the target's exact law (chi-square, 64 cells, 1,024 samples)."""
+    (produced by hit steps in most samples) equals the target's exact law (chi-square, 64 cells, 1,024
+    samples), under both wait rules (rows: miss rows verify their round tails or no drafts)."""
     target = small_target()
     save_hf_dir(target, tmp_path / "m")
     # one session of B = 16 requests: the whole worker (its default share is half of its rows)
@@ -246,7 +284,8 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path)
     try:
         spec = {"kind": "worker", "host": w.host, "port": w.port, "max_requests": B}
         h = HandoffConfig(round_spec=spec, deadline_ms=3000, round_budget_ms=2500)
-        cfg = EngineConfig(mode="async", n_draft=2, max_batch=B, max_len=32, handoff=h, spec_fanout=12)
+        cfg = EngineConfig(mode="async", n_draft=2, max_batch=B, max_len=32, handoff=h, spec_fanout=12,
+                           spec_options={"wait_rule": rule})
         with Engine(target, cfg) as eng:
             for b in range(n_batches):
                 ps = [SamplingParams(max_tokens=6, temperature=1.0, seed=b * B + i) for i in range(B)]
@@ -259,6 +298,7 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path)
         w.stop()
     assert t["rounds"]["failed"] == 0 and t["rounds"]["watchdog"] == 0
     assert sc["active"] and hits > 0.3 * rounds and sc["fast_steps"] > 0
+    assert sc["wait_rule"] == rule and (sc["tail_rows"] + sc["bare_rows"] > 0) == (rule == "rows"), sc
     with torch.inference_mode():
         def probs(seqs):
             c = target.new_cache(len(seqs), 8)

@@ -185,6 +185,11 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         outcomes = {(int(a), int(y)) for a, y in zip(e.accepted, e.token, strict=True)}
         assert len(outcomes) == F and all(y != e.drafts[a] for a, y in outcomes if a < k)
         assert bool(core.prefetcher._stops) == (core.drafter.mode == "static")  # which forward ran step 1
+        from draftrelay.worker.prefetch import PIECES
+
+        st = core.prefetcher.stats  # every piece of the branch work is booked, within the table's own time
+        assert all(st[f"{p}_us"] > 0 for p in ("stops", "choose", "run", "entries", "encode")), st
+        assert sum(st[f"{p}_us"] for p in PIECES if p != "encode") <= st["prefetch_us"] + len(PIECES), st
         for b in range(F):  # batched over all branches, each equals a fresh round of its context
             ctx = np.concatenate([prompt, e.prefix(b)])
             assert np.array_equal(fresh_drafts(host, port, ctx, k), e.branch_drafts[b]), b
@@ -287,7 +292,7 @@ def test_host_rounds_on_a_gpu_select_on_the_host():
     import torch
 
     from draftrelay.engine.loading import handoff_config
-    from draftrelay.engine.spec_cache import SpecCache
+    from draftrelay.engine.spec_cache import SHARED_GPU_REFUSAL, SpecCache
 
     spec = {"kind": "worker", "host": "127.0.0.1", "port": 1}
     gpu = torch.device("cuda")
@@ -304,7 +309,118 @@ def test_host_rounds_on_a_gpu_select_on_the_host():
         rounds = AsyncRounds(host)  # not started: bind only reads what the rounds are
         sc.bind(rounds, 256, device_drafts=True)  # CUDA rounds: the verify reads device replies
         assert not sc.active and "host_rounds=True" in sc.refusal and sc.stats()["selection"] == ""
-        sc.bind(rounds, 256, device_drafts=False)
+        sc.bind(rounds, 256, device_drafts=False)  # the worker shares this GPU: declined by default
+        assert not sc.active and sc.refusal == SHARED_GPU_REFUSAL and "time-slice" in sc.refusal
+        assert host.worker_shares_gpu is True
+        other = handoff_config(spec, gpu, 200, False, host_rounds=True)  # a worker elsewhere
+        assert other.worker_shares_gpu is False
+        assert handoff_config(spec, torch.device("cpu"), 200, True).worker_shares_gpu is False  # no GPU to share
+        other.round_spec = sc.round_spec(other.round_spec, other.round_budget_ms)
+        sc.bind(AsyncRounds(other), 256, device_drafts=False)
         assert sc.active and sc.stats()["selection"] == "host"
     finally:
         sc.shm.close()
+    forced = SpecCache(4, shared_gpu=True)  # asked for on the shared GPU: it runs (the benchmarks' split)
+    try:
+        host.round_spec = forced.round_spec(host.round_spec, host.round_budget_ms)
+        forced.bind(AsyncRounds(host), 256, device_drafts=False)
+        assert forced.active and forced.refusal == ""
+    finally:
+        forced.shm.close()
+
+
+class _Row:
+    def __init__(self, seq, synced, generation=0, rid=1):
+        self.seq, self.synced, self.generation, self.id = seq, synced, generation, rid
+
+    @property
+    def seq_len(self):
+        return len(self.seq)
+
+    def tokens(self, a, b):
+        return self.seq[a:b]
+
+
+def test_round_tail_is_used_only_on_the_true_sequence():
+    """A row that verified without drafts while round N was in flight may take the rest of round N's
+    drafts only if what it appended since the round's base is a proper prefix of them, with the same
+    generation and base; anything else gives no drafts."""
+    from draftrelay.engine.spec_cache import SpecCache
+
+    sc = SpecCache(2)
+    try:
+        ctx = [5, 6, 7]
+        sc._tails[1] = (0, 3, [9, 10, 11, 12])
+        assert sc._tail(_Row(ctx + [9], 3), 4) == [10, 11, 12]
+        assert sc._tail(_Row(ctx + [9, 10], 3), 1) == [11]  # at most what the step asks
+        assert sc._tail(_Row(ctx + [8], 3), 4) == []  # the verify disagreed with the first draft
+        assert sc._tail(_Row(ctx + [9, 10, 11, 12], 3), 4) == []  # nothing left to offer
+        assert sc._tail(_Row(ctx + [9], 3, generation=1), 4) == []  # restarted request
+        assert sc._tail(_Row(ctx + [9], 2), 4) == []  # another base
+        assert sc._tail(_Row(ctx + [9], 3, rid=2), 4) == []  # no tail for that request
+    finally:
+        sc.shm.close()
+
+
+def test_adapt_keeps_tables_only_when_measured_faster():
+    """The probe: a window with tables, two settling steps and a window without; tables stay on only if
+    they were faster by more than the margin, and the next probe switches them on again."""
+    from draftrelay.engine.spec_cache import Adapt
+
+    a = Adapt(probe_steps=3, margin=0.02, reprobe_steps=4)
+    assert [a.step(10, 1.0) for _ in range(3)] == [False, False, True]  # with tables: 10 tokens/s
+    assert [a.step(1, 1.0) for _ in range(2)] == [True, True]  # settling: not measured
+    assert [a.step(20, 1.0) for _ in range(3)] == [True, True, True]  # without: 20 tokens/s -> plain
+    st = a.stats()
+    assert st["decisions"] == ["plain"] and st["paused"] and "10.0 tokens/s" in st["off_reason"]
+    assert [a.step(1, 1.0) for _ in range(4)] == [True, True, True, False]  # the next probe: tables on
+    assert a.phase == "cache"
+    for _ in range(3):
+        a.step(30, 1.0)  # with tables 30/s
+    for _ in range(2):
+        a.step(0, 1.0)
+    for _ in range(3):
+        a.step(29.5, 1.0)  # 30 > 29.5 but not by 2 %: sequential steps win the tie
+    assert a.decisions == ["plain", "plain"]
+    b = Adapt(probe_steps=2, margin=0.02, reprobe_steps=9)
+    for tok in (50, 50, 0, 0, 40, 40):
+        b.step(tok, 1.0)
+    assert b.decisions == ["tables"] and not b.plain and b.stats()["off_reason"] == ""
+
+
+def test_paused_tables_send_steps_without_a_fanout():
+    """The proxy side of a pause: while the engine's word is set, STEPs go out without a fan-out, so the
+    worker does no branch work and no BRANCHES frame is read."""
+    from draftrelay.handoff.branch_push import BranchRounds
+    from draftrelay.handoff.branch_shm import TableShm
+
+    calls = []
+
+    class Client:
+        def step(self, blocks, timeout=None, **kw):
+            calls.append(kw.get("fanout", 0))
+            return "reply"
+
+    class Inner:
+        def __init__(self):
+            self.client = Client()
+
+        def __call__(self, t, requests, budget_s):
+            return self.client.step(requests, budget_s)
+
+    shm = TableShm.create(4096)
+    try:
+        br = BranchRounds(Inner(), {"fd": shm.fd, "fanout": 6}, 256)
+        assert br(1, [], 0.1) == "reply" and calls == [6] and br._want
+        shm.set_paused(True)
+        assert br.shm.paused
+        br(2, [], 0.1)
+        assert calls == [6, 0] and not br._want and br.stats["paused_steps"] == 1
+        br.after_release(2)  # nothing to read: no BRANCHES frame follows a paused STEP
+        assert br.stats["missing"] == 0
+        shm.set_paused(False)
+        br(3, [], 0.1)
+        assert calls == [6, 0, 6]
+        br.shm.close()
+    finally:
+        shm.close()

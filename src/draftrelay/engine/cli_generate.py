@@ -294,7 +294,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
         print(f"draftrelay generate: WARNING: {t['speculation_warning']}", file=sys.stderr)
     sc = t.get("spec_cache")
     if sc:
-        state = (f"hits {sc['hits']}/{sc['request_rounds']} ({100 * sc['hit_rate']:.0f} %), "
+        state = (f"hits {sc['hits']}/{sc.get('lookups', sc['request_rounds'])} ({100 * sc['hit_rate']:.0f} %), "
                  f"{sc['fast_steps']} verifies without a wait, wait mean {sc['wait_ms_mean']:.2f} ms, "
                  f"{sc['branches_per_round']:.1f} branches/round, misses {sc['misses']}") if sc["active"] \
             else f"off: {sc['refusal']}"

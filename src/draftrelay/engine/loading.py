@@ -155,7 +155,10 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
     host_rounds (GPU): the emulated stream even on a GPU, so drafts reach the engine on the host and the
     speculation cache selects its branches there ("host selection", engine/spec_cache.py). The engine
     reads each step's acceptance on the host anyway; what it adds is one host-to-device copy of the
-    drafts per verify (a few hundred bytes) instead of the verify reading them from the reply buffer."""
+    drafts per verify (a few hundred bytes) instead of the verify reading them from the reply buffer.
+
+    A worker on the engine's GPU is named (HandoffConfig.worker_shares_gpu): the speculation cache
+    declines there by default (SpecCache.bind says why)."""
     from draftrelay.handoff.rounds import HandoffConfig
 
     gpu = device.type == "cuda"
@@ -166,7 +169,8 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
         fields.setdefault("wait", "poll")
     return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,
                          backend="cuda" if gpu and not host_rounds else "emulated",
-                         cuda_wait="memop" if worker_shares_gpu and gpu and not host_rounds else "", **fields)
+                         cuda_wait="memop" if worker_shares_gpu and gpu and not host_rounds else "",
+                         worker_shares_gpu=bool(gpu and worker_shares_gpu), **fields)
 
 
 def check_worker(spec: dict, timeout_s: float = 5.0) -> str:

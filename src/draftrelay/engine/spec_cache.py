@@ -12,10 +12,15 @@ shared memory (draftrelay.handoff.branch_shm) while verify N-1 runs. Step N then
      table follow the true sequence), then looks up the table that followed the last round it
      collected (stamp = that round's stream round, current epoch, crc) and, per request, the branch
      whose prefix equals what the engine appended since the drafter's position (table.select);
-  3. hit for every request that wants drafts: verify now with the branch drafts; round N stays in
-     flight and is settled at the next step. Any miss: wait for round N and use its drafts, an
-     ordinary round. A table that has not arrived is waited for only while round N is not done (the
-     proxy writes a table before it starts the next round, so after that it will not come).
+  3. wait rule "all" (the default): a hit for every request that wants drafts: verify now with the
+     branch drafts; round N stays in flight and is settled at the next step. Any miss: wait for round
+     N and use its drafts, an ordinary round. Wait rule "rows": verify now if any request has drafts
+     (a hit, or its round tail: see `_tail`), the others without. A table that has not arrived is
+     waited for only while round N is not done (the proxy writes a table before it starts the next
+     round, so after that it will not come).
+
+A worker on the engine's GPU declines the cache (SHARED_GPU_REFUSAL), and `adapt=True` (class Adapt)
+pauses the tables where measured steps are faster without them.
 
 Host selection: rounds on the emulated stream, on a CPU or on a GPU (loading.handoff_config with
 host_rounds=True: the drafts reach the engine on the host and are copied to the device with the verify's
@@ -49,27 +54,102 @@ from draftrelay.speculation import table as TB
 from .metrics import StepClock
 from .verify import VerifyInputs
 
-POLL_S = 0.0005  # how often a verify waiting for its table looks again (it wakes at once when the round ends)
+# how often a verify waiting for its table looks again (it wakes at once when the round ends): on a host
+# whose hand-off polls (a GPU host: cores to spare) every 0.1 ms, else every 0.5 ms (a small CPU machine,
+# where the worker and the proxy need the cores this thread would take)
+POLL_S = 0.0005
+POLL_S_BUSY = 0.0001
 # F when the cache is switched on without one: the smallest fan-out above 80 % of outcomes at k = 4, on
 # the tiny pair (83-84 %; benchmarks/results/spec_cache_cpu.json) and on the replayed Qwen2.5-Coder
 # 0.5B -> 1.5B trace (83.0 %; 4: 73 %, 16: 89 %; benchmarks/results/replay_headline_cache.json); the
 # worker's branch step grows with F
 DEFAULT_FANOUT = 8
+# when a step waits for its round: "all" (the default) when any request that asks for drafts missed;
+# "rows" only when none has drafts (a hit or a round tail), so one miss does not hold back the rows that
+# hit. Measured on the H200 at four requests (benchmarks/results/replay_headline_cache.json, short:4),
+# "rows" is the slower one (0.54-0.56 x sync against 0.83-0.84 x): a step that does not wait still waits
+# for the table, which comes after the worker's STEP (real drafting for every row that missed or took
+# its tail) plus the branch work of all four rows, and its miss rows verify one token or k - 1 drafts
+WAIT_RULES = ("all", "rows")
+SHARED_GPU_REFUSAL = (
+    "the worker shares the engine's GPU: its branch work runs during the verify and the two time-slice the "
+    "GPU, so cache steps are slower than sequential ones (benchmarks/results/replay_headline_cache.json); "
+    "spec_options shared_gpu=True runs it anyway")
+
+
+class Adapt:
+    """Whether tables pay, measured: `probe_steps` steps with tables, then (tables paused: the proxy sends
+    STEPs without a fan-out, so the worker does no branch work) two steps to let the last table pass and
+    `probe_steps` ordinary steps; output tokens per second of the two windows decide. Tables stay on only
+    if they were faster by more than `margin` (the goal is never to be slower than sequential steps);
+    the next probe comes `reprobe_steps` steps later (the batch and the text change)."""
+
+    def __init__(self, probe_steps: int, margin: float, reprobe_steps: int) -> None:
+        self.n, self.margin, self.reprobe = probe_steps, margin, reprobe_steps
+        self.phase, self.left = "cache", probe_steps  # cache -> settle -> plain -> decided -> cache ...
+        self.plain = False  # tables paused
+        self.win = [0, 0.0]  # tokens, seconds of the window being measured
+        self.tok_s = {"cache": 0.0, "plain": 0.0}
+        self.decisions: list[str] = []
+
+    def step(self, tokens: int, seconds: float) -> bool:
+        """Book one step; returns whether tables are paused from the next step on."""
+        if self.phase in ("cache", "plain"):
+            self.win[0] += tokens
+            self.win[1] += seconds
+        self.left -= 1
+        if self.left > 0:
+            return self.plain
+        if self.phase == "cache":
+            self.tok_s["cache"] = self.win[0] / self.win[1] if self.win[1] > 0 else 0.0
+            self.phase, self.left, self.plain = "settle", 2, True
+        elif self.phase == "settle":
+            self.phase, self.left, self.win = "plain", self.n, [0, 0.0]
+        elif self.phase == "plain":
+            self.tok_s["plain"] = self.win[0] / self.win[1] if self.win[1] > 0 else 0.0
+            keep = self.tok_s["cache"] > self.tok_s["plain"] * (1 + self.margin)
+            self.decisions.append("tables" if keep else "plain")
+            self.phase, self.left, self.plain = "decided", self.reprobe, not keep
+        else:  # decided: probe again, tables on
+            self.phase, self.left, self.plain, self.win = "cache", self.n, False, [0, 0.0]
+        return self.plain
+
+    def stats(self) -> dict:
+        why = ""
+        if self.decisions and self.decisions[-1] == "plain":
+            why = (f"tables off: {self.tok_s['cache']:.1f} tokens/s with them against {self.tok_s['plain']:.1f} "
+                   f"without (measured; the next probe in {self.left} steps)")
+        return {"phase": self.phase, "paused": self.plain, "tok_s_with_tables": self.tok_s["cache"],
+                "tok_s_without": self.tok_s["plain"], "decisions": list(self.decisions), "off_reason": why}
 
 
 class SpecCache:
     def __init__(self, fanout: int, branch_budget_ms: float | None = None, push_faults: dict | None = None,
-                 capacity: int = 1 << 20, log: bool = False) -> None:
+                 capacity: int = 1 << 20, log: bool = False, wait_rule: str = "all",
+                 shared_gpu: bool = False, adapt: bool = False, probe_steps: int = 16,
+                 adapt_margin: float = 0.02, reprobe_steps: int = 512) -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
+        if wait_rule not in WAIT_RULES:
+            raise ValueError(f"spec-cache wait_rule must be one of {WAIT_RULES}, got {wait_rule!r}")
         self.fanout = fanout
+        self.wait_rule = wait_rule
+        self.shared_gpu = shared_gpu  # run even when the worker shares the engine's GPU (benchmarks)
+        if probe_steps < 2 or reprobe_steps < 1:
+            raise ValueError(f"spec-cache probe_steps must be >= 2 and reprobe_steps >= 1, got {probe_steps}, "
+                             f"{reprobe_steps}")
+        self.adapt = Adapt(probe_steps, adapt_margin, reprobe_steps) if adapt else None
         self.branch_budget_ms = branch_budget_ms
         self.push_faults = push_faults
         self.shm = TableShm.create(capacity)
         self.active = False
         self.refusal = ""
         self.vocab = 0
-        self._inflight = None  # (rid, RoundPlan) of a round the verify did not wait for
+        self.poll_s = POLL_S
+        self._inflight = None  # (rid, RoundPlan, rows verified without drafts) of a round not waited for
+        # request id -> (generation, base, drafts): the drafts of the settled round for a row that verified
+        # without drafts while that round was in flight; usable at the next step only (see _tail)
+        self._tails: dict[int, tuple[int, int, list[int]]] = {}
         self._early: dict[int, object] = {}  # results collected while polling for a table
         self._stamp: int | None = None  # stream round of the last collected OK round
         self._proxy_gen = None
@@ -96,6 +176,8 @@ class SpecCache:
     def bind(self, rounds, vocab: int, device_drafts: bool) -> None:
         self.vocab = vocab
         self.active, self.refusal = False, ""
+        cfg = getattr(rounds, "cfg", None)
+        self.poll_s = POLL_S_BUSY if getattr(cfg, "wait_mode", "") == "poll" else POLL_S
         mode = getattr(rounds, "mode", "off")
         if mode != "async" or not isinstance(rounds, StampedRounds):
             why = getattr(rounds, "refusal", "")
@@ -107,6 +189,8 @@ class SpecCache:
             self.refusal = "the rounds were not opened with this cache's table (round_spec)"
         elif rounds.round_spec.get("kind") != "worker":
             self.refusal = "needs a worker round function"
+        elif getattr(cfg, "worker_shares_gpu", False) and not self.shared_gpu:
+            self.refusal = SHARED_GPU_REFUSAL
         else:
             self.active = True
             self._proxy_gen = rounds.generation
@@ -154,11 +238,15 @@ class SpecCache:
         (planner.settle) exactly as a waited-for round's does."""
         if self._inflight is None:
             return
-        rid, plan = self._inflight
+        rid, plan, bare = self._inflight
         self._inflight = None
         res = self._result(eng.rounds, rid)
-        eng.planner.settle(plan, res, eng.vocab)
+        out = eng.planner.settle(plan, res, eng.vocab)
         self._collected(res)
+        for i in bare:  # rows that verified without drafts: keep the round's drafts for the next step
+            r = plan.batch[i]
+            if out[i]:
+                self._tails[r.id] = (r.generation, r.synced, out[i])
         kind = "ok" if res.ok else ("watchdog" if res.status == Status.WATCHDOG else "failed")
         for i, r in enumerate(plan.batch):
             if plan.n_out[i]:
@@ -180,7 +268,7 @@ class SpecCache:
         while True:
             body, why = self.shm.read(stamp)
             if body is None and why in ("absent", "torn"):
-                if self._round_done(rounds, rid, POLL_S):
+                if self._round_done(rounds, rid, self.poll_s):
                     body, why = self.shm.read(stamp)  # written just before the round was picked up?
                     if body is None:
                         return None, "late" if why == "absent" else why
@@ -195,15 +283,16 @@ class SpecCache:
             except TB.TableError:
                 return None, "corrupt"
 
-    def _lookup(self, rounds: StampedRounds, batch: list, plan, t: int, stamp: int | None) -> dict[int, list[int]]:
-        """The branch drafts of every request of the plan that asks for drafts and hits, by index; each
+    def _lookup(self, rounds: StampedRounds, batch: list, plan, t: int, stamp: int | None,
+                need: list[int]) -> dict[int, list[int]]:
+        """The branch drafts of every request of `need` (indices into the plan) that hits, by index; each
         lookup is counted (a hit, or a miss with its reason)."""
-        need = [i for i in range(len(batch)) if plan.n_out[i]]
         table, why = (None, "no_table") if stamp is None else self._await_table(rounds, t, stamp)
         hits: dict[int, list[int]] = {}
         for i in need:
             r = batch[i]
             self.c["request_rounds"] += 1
+            self.c["lookups"] += 1
             entry = table.entry(r.id) if table is not None else None
             new = r.tokens(r.synced, r.seq_len)
             b = TB.select(entry, r.id, r.generation, r.synced, new) if entry is not None else -1
@@ -227,16 +316,47 @@ class SpecCache:
                                  else None, "why": "" if b >= 0 else (why or "no_match")})
         return hits
 
+    def _tail(self, r, n_out: int) -> list[int]:
+        """Drafts for a request that missed, from the round it verified without: that round's drafts
+        continue the sequence at r.synced (the position the round brought the drafter to); the step that
+        verified without them appended `new`. If `new` is a proper prefix of those drafts, the rest of them
+        is the drafter's continuation of the true sequence (the branch-selection criterion: base and
+        prefix pin the context), i.e. what a just-in-time round would return first."""
+        t = self._tails.get(r.id)
+        if t is None or t[0] != r.generation or t[1] != r.synced:
+            return []
+        d = t[2]
+        new = r.tokens(r.synced, r.seq_len)
+        n = len(new)
+        if not 0 < n < len(d) or list(new) != d[:n]:
+            return []
+        return d[n:n + n_out]
+
     def decode(self, eng, batch: list) -> None:
         """One step (Engine._decode with the cache active): settle the round left in flight, submit
-        round N, verify on the branch drafts when every request that asks hits, else on round N's."""
+        round N; each request that asks for drafts takes its branch (a hit) or else its round tail
+        (`_tail`, decided before round N is submitted); if any has drafts (wait_rule "rows"; "all": if
+        every one hit) the verify starts now, the others verify without drafts and round N stays in
+        flight; else the step waits for round N."""
         clock = StepClock(eng.timing)
+        t_step, n_before = time.perf_counter(), sum(len(r.output) for r in batch)
         rounds = eng.rounds
         self._check_generation(rounds)
         with clock.part("wait"):
             self.settle(eng)
         stamp = self._stamp
         plan = eng.planner.plan(batch, drafting=True)
+        # rows with a round tail verify it, and round N asks each of them exactly that many drafts: then
+        # round N's drafts are the tail itself (the drafter's continuation of the same context), so its
+        # table models the outcomes of this verify and the row is back in step with the tables
+        tails: dict[int, list[int]] = {}
+        plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
+        if self.wait_rule == "rows" and not plain:
+            for i, n in enumerate(plan.n_out):
+                if n and (d := self._tail(batch[i], n)):
+                    tails[i] = d
+                    plan.n_out[i] = len(d)
+        self._tails.clear()
         t = res = None
         if plan.asks:
             with clock.part("submit"):
@@ -246,41 +366,64 @@ class SpecCache:
         fast = False
         with clock.part("wait"):
             t_wait = time.perf_counter()
-            need = any(plan.n_out)
-            hits = self._lookup(rounds, batch, plan, t, stamp) if t and need else {}
-            fast = bool(need and len(hits) == sum(1 for n in plan.n_out if n))
-            if fast:  # every request that asks hit: verify now, round N stays in flight
-                self._inflight = (t, plan)
-                drafts = [hits.get(i, []) for i in range(len(batch))]
+            asking = [i for i, n in enumerate(plan.n_out) if n]
+            lookup = [] if plain else [i for i in asking if i not in tails]
+            hits = self._lookup(rounds, batch, plan, t, stamp, lookup) if t and lookup else {}
+            if self.wait_rule == "all":
+                fast = bool(asking) and len(hits) == len(asking)
+            else:
+                fast = bool(hits or tails)
+            if fast:  # verify now on what the rows have; round N stays in flight
+                bare = [i for i in lookup if i not in hits]
+                self._inflight = (t, plan, bare)
+                drafts = [hits.get(i) or tails.get(i) or [] for i in range(len(batch))]
                 self.c["fast_steps"] += 1
+                self.c["bare_rows"] += len(bare)
                 self.wait_hit_s.append(time.perf_counter() - t_wait)
             elif t:
                 res = self._result(rounds, t)
                 drafts = eng.planner.settle(plan, res, eng.vocab)
                 self._collected(res)
-                if need:
+                if asking and plain:
+                    self.c["plain_steps"] += 1
+                elif asking:
                     self.c["waited_steps"] += 1
                     self.wait_miss_s.append(time.perf_counter() - t_wait)
+            self.c["tail_rows"] += len(tails)
+            self.c["request_rounds"] += len(tails)  # a request-round that took its tail, not the table
+            self.c["asking_rows"] += len(asking)
+            self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
         if fast and not eng.waiting and all(r.done for r in eng.running):
             self.settle(eng)  # no next step will: settle now, so the drafter's bookkeeping is complete
+        if self.adapt is not None:
+            paused = self.adapt.step(sum(len(r.output) for r in batch) - n_before, time.perf_counter() - t_step)
+            if paused != self.shm.paused:
+                self.shm.set_paused(paused)
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        n = self.c["request_rounds"]
+        n = self.c["lookups"]
         wh, wm = self.wait_hit_s, self.wait_miss_s
         return {
             "active": self.active, "refusal": self.refusal, "fanout": self.fanout,
             "selection": "host" if self.active else "",
-            "request_rounds": n, "hits": self.c["hits"], "hit_rate": self.c["hits"] / n if n else 0.0,
+            "request_rounds": self.c["request_rounds"], "lookups": n, "hits": self.c["hits"],
+            "hit_rate": self.c["hits"] / n if n else 0.0,
             "misses": dict(sorted(self.miss_reasons.items())),
             "branches_per_round": self.c["branches"] / self.c["entries"] if self.c["entries"] else 0.0,
+            "wait_rule": self.wait_rule,
             "fast_steps": self.c["fast_steps"], "waited_steps": self.c["waited_steps"],
+            "tail_rows": self.c["tail_rows"], "bare_rows": self.c["bare_rows"],
+            # rows that asked for drafts and verified some without waiting for their round, or on its drafts
+            "rows_with_drafts": (self.c["rows_with_drafts"] / self.c["asking_rows"]) if self.c["asking_rows"] else 0.0,
             "wait_ms_p50_hit": 1e3 * float(np.median(wh)) if wh else 0.0,
             "wait_ms_p50_miss": 1e3 * float(np.median(wm)) if wm else 0.0,
             "wait_ms_mean": 1e3 * float(np.mean(wh + wm)) if wh or wm else 0.0,
             "epochs": self.c["epochs"],
+            "plain_steps": self.c["plain_steps"],
+            "adapt": self.adapt.stats() if self.adapt is not None else None,
         }
 
     def close(self, eng) -> None:
@@ -290,4 +433,5 @@ class SpecCache:
             except Exception:  # closing: the result no longer matters
                 self._inflight = None
         self._early.clear()
+        self._tails.clear()
         self.shm.close()

@@ -57,11 +57,14 @@ class BranchRounds:
         self._want = False
         self._prev = b""
         self._held: tuple[int, bytes] | None = None
-        self.stats = {"tables": 0, "missing": 0, "bad": 0, "too_big": 0}
+        self.stats = {"tables": 0, "missing": 0, "bad": 0, "too_big": 0, "paused_steps": 0}
         step = self.client.step
         fanout = self.fanout
 
         def step_with_branches(blocks, timeout=None, **kw):
+            if self.shm.paused:  # the engine measured its steps faster without tables: no branch work
+                self.stats["paused_steps"] += 1
+                return step(blocks, timeout)
             reply = step(blocks, timeout, fanout=fanout)
             self._want = True  # the STEP went through: its BRANCHES frame follows
             return reply

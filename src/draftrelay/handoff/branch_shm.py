@@ -2,7 +2,8 @@
 and read by the engine (host selection on the emulated path; the CUDA path's device selection would
 read the same bytes from a mapped copy, see engine/spec_cache.py).
 
-    header line   magic u32, version u32, slot capacity u32, epoch u32 (engine-owned)
+    header line   magic u32, version u32, slot capacity u32, epoch u32 (engine-owned), paused u32
+                  (engine-owned: nonzero asks the proxy to send its STEPs without a fan-out)
     slot[2]       seq u32, stamp u32, epoch u32, n_bytes u32, crc32 u32 (one line), body[capacity]
 
 The table that follows stream round t goes into slot t & 1, written as a seqlock: seq becomes odd,
@@ -85,6 +86,16 @@ class TableShm:
     def bump_epoch(self) -> int:
         """Invalidate every table written so far (a new proxy generation)."""
         return native.add32(self.base + 12, 1) + 1
+
+    # -- pause (engine writes, proxy reads before each STEP) ---------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return native.load32(self.base + 16) != 0
+
+    def set_paused(self, paused: bool) -> None:
+        """Ask the proxy for no more tables (its STEPs carry no fan-out, so the worker does no branch work)
+        until unpaused; a STEP already sent still brings its table."""
+        native.store32(self.base + 16, 1 if paused else 0)
 
     # -- proxy side --------------------------------------------------------------------------------
     def write(self, stamp: int, body: bytes, crc: int | None = None) -> bool:

@@ -66,6 +66,8 @@ class HandoffConfig:
     proxy_start_timeout_s: float = 20.0
     backend: str = "emulated"  # or "cuda"
     strict: bool = False
+    # the worker runs on the engine's GPU (loading.handoff_config): the speculation cache declines there
+    worker_shares_gpu: bool = False
     round_spec: dict = field(default_factory=lambda: {"kind": "builtin"})
     proxy_audit: str = ""  # file the proxy writes its loaded modules to (tests)
     proxy_python: str = ""  # the interpreter that runs the proxy ("": this process's, sys.executable)

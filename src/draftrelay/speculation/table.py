@@ -81,10 +81,18 @@ def encode(table: Table) -> bytes:
             raise TableError(f"entry {e.request_id}: k={k}, {n} branches, drafts {e.branch_drafts.shape}")
         parts.append(ENTRY_HEAD.pack(int(e.request_id), int(e.generation), int(e.base), k, n))
         parts.append(np.ascontiguousarray(e.drafts, "<i4").tobytes())
-        for b in range(n):
-            parts.append(BRANCH_HEAD.pack(int(e.accepted[b]), 0, int(e.token[b])))
-            parts.append(np.ascontiguousarray(e.branch_drafts[b], "<i4").tobytes())
+        rec = np.zeros(n, _branch_dtype(k))
+        rec["accepted"], rec["token"] = e.accepted, e.token
+        if k:
+            rec["drafts"] = e.branch_drafts
+        parts.append(rec.tobytes())
     return b"".join(parts)
+
+
+def _branch_dtype(k: int) -> np.dtype:
+    """One branch record as numpy reads it: BRANCH_HEAD (accepted, pad, token) then k int32 drafts."""
+    fields = [("accepted", "<u2"), ("pad", "<u2"), ("token", "<i4")]
+    return np.dtype(fields + ([("drafts", "<i4", (k,))] if k else []))
 
 
 def decode(buf, vocab_size: int) -> Table:
@@ -112,14 +120,11 @@ def decode(buf, vocab_size: int) -> Table:
             raise TableError(f"entry {i}: {n} branches of k={k} do not fit in the {n_buf - off} bytes left")
         drafts = np.frombuffer(buf, "<i4", k, off).astype(np.int32)
         off += 4 * k
-        acc = np.zeros(n, np.int32)
-        tok = np.zeros(n, np.int32)
-        bd = np.zeros((n, k), np.int32)
-        for b in range(n):
-            acc[b], _, tok[b] = BRANCH_HEAD.unpack_from(buf, off)
-            off += BRANCH_HEAD.size
-            bd[b] = np.frombuffer(buf, "<i4", k, off)
-            off += 4 * k
+        rec = np.frombuffer(buf, _branch_dtype(k), n, off)
+        off += n * (BRANCH_HEAD.size + 4 * k)
+        acc = rec["accepted"].astype(np.int32)
+        tok = rec["token"].astype(np.int32)
+        bd = rec["drafts"].astype(np.int32).reshape(n, k) if k else np.zeros((n, 0), np.int32)
         if n and int(acc.max()) > k:
             raise TableError(f"entry {i}: a branch keeps {int(acc.max())} of {k} drafts")
         for name, arr in (("draft", drafts), ("branch token", tok), ("branch draft", bd)):

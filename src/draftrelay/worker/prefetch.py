@@ -37,6 +37,11 @@ TOP_M = 8  # candidates per position considered for branches (F <= (k + 1) * TOP
 # bucket, eagerly beyond: on the H200 it ran at contexts up to 512 and hit an illegal memory access at
 # 33K (T = k + 1 = 5 query positions, kv = the cache's full length), not yet explained
 STATIC_STOPS_MAX_KV = 4096
+# the pieces of a table's branch work: observe (acceptance from the STEP), stops (the forward over the k + 1
+# stopping places, with its row copy), choose (choose_branches), run (the branch rows' copies and the batched
+# run), entries (the table's entries and the hit records), encode (the BRANCHES payload)
+PIECES = ("observe", "stops", "choose", "run", "entries", "encode")
+DEVICE_PIECES = ("stops", "run")  # what a drafter on an emulated device spends as wall time (CostTable.prefetch)
 
 
 class Prefetcher:
@@ -58,6 +63,9 @@ class Prefetcher:
         self._stops_failed = False
         self.stats = {"tables": 0, "branches": 0, "prefetch_us": 0, "worker_side_hits": 0, "observed": 0,
                       "hit_mismatches": 0}
+        # where the branch work goes, µs summed over tables (PIECES; device work included: every piece
+        # ends in a host read of its results, so its wall time is the device's too)
+        self.stats.update({f"{p}_us": 0 for p in PIECES})
         # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch)
         self.delay_s = float(os.environ.get("DRAFTRELAY_PREFETCH_DELAY_MS", "0") or 0) / 1000
 
@@ -146,6 +154,7 @@ class Prefetcher:
             time.sleep(self.delay_s)
         sid = session.id
         acc = self._observe(sid, blocks)
+        self._lap("observe", t0)
         fanout = max(0, min(fanout, self.max_fanout))
         todo = []  # (block index, request state, k)
         for i, b in enumerate(blocks):
@@ -167,15 +176,27 @@ class Prefetcher:
         self.stats["prefetch_us"] += us
         return Table(entries, us, sid)
 
+    def _lap(self, piece: str, t0: float) -> float:
+        """Book the time since t0 to `piece`; returns now."""
+        now = time.perf_counter()
+        self.stats[f"{piece}_us"] += int((now - t0) * 1e6)
+        return now
+
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
+        t = time.perf_counter()
         top_t, top_p, base_rows = self._stop_distributions(blocks, result, todo, fanout)
+        t = self._lap("stops", t)
         choices = []
         for n, (i, _st, k) in enumerate(todo):
             f = result.drafts[i, :k].astype(np.int32)
             choices.append([(a, y) for a, y, _ in choose_branches(top_t[n, :k + 1], top_p[n, :k + 1], f, acc.rates(k),
                                                                   fanout)])
+        t = self._lap("choose", t)
         out_d, out_c = self._branch_run(result, todo, base_rows, choices)
-        return self._entries(blocks, result, todo, choices, base_rows, out_d, out_c)
+        t = self._lap("run", t)
+        out = self._entries(blocks, result, todo, choices, base_rows, out_d, out_c)
+        self._lap("entries", t)
+        return out
 
     def _stop_distributions(self, blocks, result, todo, fanout: int):
         """Step 1: one padded forward over (C[-1], f1..fk) for every request, each in the first of its
@@ -245,17 +266,23 @@ class Prefetcher:
         sc = self._scratch
         cache = sc.cache
         jobs: list[Job] = []
+        src_rows, dst_rows, n_max = [], [], 0
         with self.drafter.torch.inference_mode():
             for n, (_i, st, k) in enumerate(todo):
                 L = st.ctx_len
                 base = base_rows[n]
                 cache.lengths[base] = L + k  # (C[-1], f1..fk) fed: KV of C + f1..fk
-                for b in range(1, len(choices[n])):
-                    _copy_row(cache, base, cache, base + b, L + choices[n][b][0])
                 for b, (a, y) in enumerate(choices[n]):
-                    if b == 0:
-                        cache.truncate(base, L + a)
+                    if b:
+                        src_rows.append(base)
+                        dst_rows.append(base + b)
+                        n_max = max(n_max, L + a)
                     jobs.append(Job(base + b, L + a, np.array([y], np.int32)))
+            # every branch row's KV in one gather per tensor (positions past a branch's own length are
+            # never read: the lengths say where each row ends)
+            _copy_rows(self.drafter.torch, cache, src_rows, dst_rows, n_max)
+            for j in jobs:  # each branch row holds C + f1..fa (the base row is cut back from C + f1..fk)
+                cache.lengths[j.row] = j.keep
         k_max = max(k for _, _, k in todo)
         if not jobs:
             return np.zeros((0, k_max), np.int32), np.zeros((0, k_max), np.float32)
@@ -357,20 +384,24 @@ class ReplayPrefetcher(Prefetcher):
         rd = self.replay
         m = min(TOP_M, rd.trace.top_f)
         base_rows = [-1] * len(todo)
+        t = time.perf_counter()
         if self.real:  # the real step 1 (its distributions are the random model's: only its cost is used)
             _, _, base_rows = self._stop_distributions(blocks, result, todo, fanout)
+            t = self._lap("stops", t)
         choices = []
         for i, st, k in todo:
             f = result.drafts[i, :k].astype(np.int32)
             tok, prob = rd.stops(st.row, st.ctx_len, f, m)
             choices.append([(a, y) for a, y, _ in choose_branches(tok, prob, f, acc.rates(k), fanout)])
         k_max = max(k for _, _, k in todo)
+        t = self._lap("choose", t)
         if self.real:  # the real step 3 on the chosen outcomes
             _, out_c = self._branch_run(result, todo, base_rows, choices)
-        else:
+        else:  # the device pieces (DEVICE_PIECES) as measured; the host pieces run here for real
             ctx = max(st.ctx_len for _, st, _ in todo)
             spend(rd.cost.lookup_prefetch(len(todo), fanout, k_max, ctx))
             out_c = None
+        t = self._lap("run", t)
         out_d = np.zeros((sum(len(c) for c in choices), k_max), np.int32)
         row = 0
         for (i, st, k), pairs in zip(todo, choices, strict=True):
@@ -380,7 +411,9 @@ class ReplayPrefetcher(Prefetcher):
                 row += 1
         if out_c is None:
             out_c = np.zeros(out_d.shape, np.float32)
-        return self._entries(blocks, result, todo, choices, base_rows, out_d, out_c)
+        out = self._entries(blocks, result, todo, choices, base_rows, out_d, out_c)
+        self._lap("entries", t)
+        return out
 
 
 class ReplayHitDrafter(HitDrafter):
@@ -432,6 +465,16 @@ def _copy_row(src, src_row: int, dst, dst_row: int, n: int) -> None:
     dst.lengths[dst_row] = n
 
 
+def _copy_rows(torch, cache, src_rows: list[int], dst_rows: list[int], n: int) -> None:
+    """KV of the first n positions of each src row into its dst row, one indexed copy per tensor."""
+    if not dst_rows or n <= 0:
+        return
+    src = torch.tensor(src_rows, device=cache.k.device)
+    dst = torch.tensor(dst_rows, device=cache.k.device)
+    cache.k[:, dst, :, :n] = cache.k[:, src, :, :n]
+    cache.v[:, dst, :, :n] = cache.v[:, src, :, :n]
+
+
 def branches_payload(core, session, blocks: list[P.Block], result, fanout: int) -> bytes:
     """The BRANCHES frame's payload for the STEP just answered (an empty table when the drafter
     cannot branch, so the client never waits for a frame that will not come)."""
@@ -443,7 +486,11 @@ def branches_payload(core, session, blocks: list[P.Block], result, fanout: int) 
         if session.id not in core.sessions:
             return encode(Table([], 0, session.id))
         try:
-            return encode(pf.table(session, blocks, result, fanout))
+            table = pf.table(session, blocks, result, fanout)
+            t0 = time.perf_counter()
+            out = encode(table)
+            pf._lap("encode", t0)
+            return out
         except Exception:  # prefetching is an optimisation: its failure costs the next round's hit only
             log.exception("prefetch failed in session %016x", session.id)
             return encode(Table([], 0, session.id))
