@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-max", type=int, default=6, help="deepest draft the depth policy may ask")
     p.add_argument("--round-budget-ms", type=float, default=None,
                    help="what the proxy allows one round (default: from the worker's measured STEP)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads of the target (0: torch's default)")
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
     p.add_argument("--modes", default="off,sync,async",
                    help="comma-separated subset of off,sync,async,cache (cache: async + the speculation cache)")
@@ -65,11 +67,16 @@ def run(args: argparse.Namespace) -> int:
     from .cli_generate import check_flags, k_max_of
 
     bad = check_flags(args)  # one message per bad flag
+    if args.threads < 0:
+        bad.append(f"--threads {args.threads}: must be 0 (torch's default) or more")
     for line in bad:
         print(f"draftrelay demo: {line}", file=sys.stderr)
     if bad:
         return 2
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from draftrelay.model import ModelError
 

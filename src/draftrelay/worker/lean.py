@@ -1,0 +1,148 @@
+"""The drafter's STEP on a CPU without the general forward's per-call overhead (LlamaDrafter mode "lean").
+
+A small drafter's forward on a CPU is mostly dispatch: the demo drafter (1 layer, 192 wide) runs ~40
+small ops per forward, and `Transformer.forward` adds host-side work around them on every call (input
+checks that read `cache.lengths` row by row, the RoPE tables and mask rebuilt from positions, the
+layer weights gathered from the modules, a tensor made per argument), which costs about as much again.
+A STEP runs 1 + (n_steps - 1) forwards back to back, so that overhead is paid n_steps times.
+
+`LeanSteps` keeps what does not change between forwards: the layer weights (views of the model's
+tensors), RoPE cos/sin for every position of the cache (the same expression `model.step_tables`
+evaluates, so the same values) and the key positions. Each forward then runs the plain path's ops in the
+plain path's order on the same shapes (`model.attention`'s write-then-read of the KV, `model.attend`'s two
+GEMMs, the same norms and products), so its logits, and the drafts, equal the eager path's bit for bit on
+fp32 (tests/test_worker_lean.py holds it to that). What it does not do: prompts (extensions longer
+than PAD_LIMIT go through the eager path), q/k norms (Qwen3) and the fused-kernel fast path; a drafter
+needing one of those stays eager.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from draftrelay import model as M
+
+
+def supports(model: M.Transformer) -> bool:
+    """Whether the lean loop runs this model exactly as the plain path does."""
+    return model.device.type == "cpu" and not model.cfg.qk_norm and not model.fast_path()
+
+
+class LeanSteps:
+    def __init__(self, model: M.Transformer, cache: M.KVCache) -> None:
+        cfg = model.cfg
+        self.model, self.cache = model, cache
+        self.layers = model.layer_weights()  # views of the model's tensors: no copy
+        self.embed = model.embed_tokens.weight
+        self.head = self.embed if model.lm_head is None else model.lm_head.weight
+        self.final_norm, self.eps = model.norm.weight, cfg.rms_norm_eps
+        self.H, self.HK, self.D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_rep, self.d = cfg.n_rep, cfg.hidden_size
+        self.scale = self.D ** -0.5
+        dtype = model.dtype
+        # step_tables' RoPE, for every position at once: pos.float()[..., None] * inv_freq, then the same
+        # cat / cos / sin / cast per element
+        pos = torch.arange(cache.max_len)
+        ang = pos.float()[..., None] * M.rope_inv_freq(cfg)
+        sin = ang.sin()
+        self.cos = torch.cat((ang, ang), dim=-1).cos().to(dtype)  # [max_len, D]
+        self.sin = torch.cat((-sin, sin), dim=-1).to(dtype)
+        self.key_pos = torch.arange(cache.max_len)
+        self.t_pos = torch.arange(64)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return M.rms_norm(x, w, self.eps)
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, rows: list[int], kv_len: int,
+                pick: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 at positions start[b] .. of cache rows rows[b] (the caller has checked them and
+        keeps cache.lengths) -> fp32 logits [B, V] at position pick[b] of each row (None: T == 1)."""
+        B, T = tokens.shape
+        H, HK, D, n_rep = self.H, self.HK, self.D, self.n_rep
+        pos = start[:, None] + self.t_pos[:T][None, :]  # [B, T]
+        cos = self.cos[pos][:, :, None, :]  # [B, T, 1, D]
+        sin = self.sin[pos][:, :, None, :]
+        blocked = self.key_pos[:kv_len][None, None, :] > pos[:, :, None]  # [B, T, L]
+        blocked = blocked[:, None, None].expand(B, 1, n_rep, T, kv_len).reshape(B, 1, n_rep * T, kv_len)
+        r0 = rows[0]
+        in_place = rows == list(range(r0, r0 + B))
+        if in_place:  # a run of rows: written and read in place, as model.attention does with a slice
+            widx = self.t_pos[:B][:, None] if B <= 64 else torch.arange(B)[:, None]
+            sl = slice(r0, r0 + B)
+        else:
+            rows_t = torch.tensor(rows)
+            widx = rows_t[:, None]
+        half = D // 2
+        x, red = F.embedding(tokens, self.embed), None
+        for i, w in enumerate(self.layers):
+            if red is not None:
+                x = x + red.to(x.dtype)
+            qkv = F.linear(self._norm(x, w.ln1), w.wqkv, w.bqkv)
+            qk = qkv[..., :(H + HK) * D].view(B, T, H + HK, D)
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+            q, k = qk[:, :, :H], qk[:, :, H:]
+            v = qkv[..., (H + HK) * D:].view(B, T, HK, D)
+            ck, cv = self.cache.k[i], self.cache.v[i]
+            if in_place:
+                ck, cv = ck[sl], cv[sl]
+            ck[widx, :, pos] = k.to(ck.dtype)
+            cv[widx, :, pos] = v.to(cv.dtype)
+            if in_place:
+                keys, vals = ck[:, :, :kv_len], cv[:, :, :kv_len]
+            else:
+                keys, vals = ck[rows_t, :, :kv_len], cv[rows_t, :, :kv_len]
+            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+            qg = q.transpose(1, 2).reshape(B, HK, n_rep * T, D)
+            out = M.attend(qg, keys, vals, blocked)
+            o = out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, -1)
+            red = F.linear(o, w.wo)
+            x = x + red.to(x.dtype)
+            gu = F.linear(self._norm(x, w.ln2), w.wgu)
+            n = gu.shape[-1] // 2
+            red = F.linear(F.silu(gu[..., :n]) * gu[..., n:], w.wd)
+        x = x + red.to(x.dtype)
+        if pick is not None:
+            x = x[torch.arange(B), pick][:, None]
+        return F.linear(self._norm(x, self.final_norm), self.head).float()[:, 0]
+
+    def run(self, jobs, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """LlamaDrafter.run for jobs whose extensions are all short: roll back, extend (right-padded, one
+        forward), then n_steps greedy drafts, feeding each back in. Row lengths end as the eager path's."""
+        cache = self.cache
+        B = len(jobs)
+        lens = [len(j.tokens) for j in jobs]
+        T = max(lens)
+        for j in jobs:
+            cache.truncate(j.row, j.keep)
+        toks = np.zeros((B, T), np.int64)  # right padding: causal, so it never leaks back
+        for b, j in enumerate(jobs):
+            toks[b, :lens[b]] = j.tokens
+        keeps = [j.keep for j in jobs]
+        rows = [j.row for j in jobs]
+        for r, kp, n in zip(rows, keeps, lens, strict=True):
+            end = max(kp + T, kp + n + n_steps - 1)  # the padded extension, then the drafts fed back
+            if end > cache.max_len:
+                raise ValueError(f"row {r}: positions up to {end} exceed the cache's max_len {cache.max_len}")
+        start = torch.tensor(keeps)
+        with torch.inference_mode():
+            logits = self.forward(torch.from_numpy(toks), start, rows, max(keeps) + T,
+                                  pick=torch.tensor([n - 1 for n in lens]))
+            if n_steps == 0:
+                out_d, out_c = np.zeros((B, 0), np.int32), np.zeros((B, 0), np.float32)
+            else:
+                pos = start + torch.tensor(lens)  # position of the first draft
+                kv = max(k + n for k, n in zip(keeps, lens, strict=True))
+                out_t, out_c_ = [], []
+                for s in range(n_steps):
+                    tok = logits.argmax(-1)  # ties go to the lower id
+                    out_t.append(tok)
+                    out_c_.append(torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+                    if s < n_steps - 1:
+                        logits = self.forward(tok[:, None], pos + s, rows, kv + s + 1)
+                out_d = torch.stack(out_t, 1).to(torch.int32).numpy()
+                out_c = torch.stack(out_c_, 1).float().numpy()
+        for b, j in enumerate(jobs):  # context + the first n_steps - 1 drafts, as the eager path leaves them
+            cache.lengths[j.row] = j.keep + lens[b] + max(0, n_steps - 1)
+        return out_d, out_c
