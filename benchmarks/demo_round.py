@@ -307,7 +307,8 @@ def main(argv=None) -> int:
     for m in args.modes.split(","):
         d = fw[f"drafter_{m}"]
         print(f"drafter [{m}]: one forward {d['one_forward_ms']['p50']:.3f} ms; run() back to back "
-              f"{d['run_back_to_back_ms']['p50']:.2f} ms, after a target verify {d['run_after_verify_ms']['p50']:.2f} ms")
+              f"{d['run_back_to_back_ms']['p50']:.2f} ms, after a target verify "
+              f"{d['run_after_verify_ms']['p50']:.2f} ms")
     runs = []
     for rep in range(args.repeats):
         for c in configs:
@@ -336,7 +337,8 @@ def main(argv=None) -> int:
                   f"{a['round_ms']['p50']:.2f}: to stream {a['to_stream_ms']['p50']:.3f}, gathered "
                   f"{a['stream_gathered_ms']['p50']:.3f}, proxy+STEP {a['proxy_round_ms']['p50']:.2f}, release->resume "
                   f"{a['release_to_resume_ms']['p50']:.3f}, resume->result {a['resume_to_result_ms']['p50']:.3f}); "
-                  f"verify {ap_['verify_ms']['p50']:.2f}; step {ap_['step_ms_p50']:.2f}  (load {os.getloadavg()[0]:.1f})",
+                  f"verify {ap_['verify_ms']['p50']:.2f}; step {ap_['step_ms_p50']:.2f}  "
+                  f"(load {os.getloadavg()[0]:.1f})",
                   flush=True)
     res["runs"] = runs
     res["loadavg_1_5_15_before"], res["loadavg_1_5_15_after"] = list(load0), list(os.getloadavg())

@@ -362,7 +362,8 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
             raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
         cfg = M.ModelConfig(**SHAPES[name], name=name)
         net = M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype, draw_on="device")
-        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "", mode_for(net))
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "",
+                            mode_for(net))
     if spec.lower().endswith(".gguf") and not os.path.isdir(spec):
         from draftrelay.checkpoint import gguf
 
