@@ -55,25 +55,28 @@ class LeanSteps:
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return M.rms_norm(x, w, self.eps)
 
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor, rows: list[int], kv_len: int,
+    def tables(self, pos: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE cos / signed sin [B, T, 1, D] and the blocked mask [B, T, kv_len] of positions pos [B, T]
+        (model.step_tables' values: the mask is expanded over the query heads in forward)."""
+        return (self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :],
+                self.key_pos[:kv_len][None, None, :] > pos[:, :, None])
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, tables, rows: list[int], kv_len: int,
                 pick: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] int64 at positions start[b] .. of cache rows rows[b] (the caller has checked them and
-        keeps cache.lengths) -> fp32 logits [B, V] at position pick[b] of each row (None: T == 1)."""
+        """tokens [B, T] int64 at positions pos [B, T] of cache rows rows[b] (the caller has checked them and
+        keeps cache.lengths), tables: `tables(pos, kv_len)` or views of a larger one -> fp32 logits [B, V]
+        at position pick[b] of each row (None: T == 1)."""
         B, T = tokens.shape
         H, HK, D, n_rep = self.H, self.HK, self.D, self.n_rep
-        pos = start[:, None] + self.t_pos[:T][None, :]  # [B, T]
-        cos = self.cos[pos][:, :, None, :]  # [B, T, 1, D]
-        sin = self.sin[pos][:, :, None, :]
-        blocked = self.key_pos[:kv_len][None, None, :] > pos[:, :, None]  # [B, T, L]
+        cos, sin, blocked = tables
         blocked = blocked[:, None, None].expand(B, 1, n_rep, T, kv_len).reshape(B, 1, n_rep * T, kv_len)
         r0 = rows[0]
         in_place = rows == list(range(r0, r0 + B))
-        if in_place:  # a run of rows: written and read in place, as model.attention does with a slice
-            widx = self.t_pos[:B][:, None] if B <= 64 else torch.arange(B)[:, None]
-            sl = slice(r0, r0 + B)
-        else:
-            rows_t = torch.tensor(rows)
-            widx = rows_t[:, None]
+        # K/V written with one index_copy_ per tensor into the layer's cache seen as [rows * HK * len, D]:
+        # entry (b, t, h) at ((rows[b] * HK + h) * len + pos[b, t]), the values model.attention's index_put writes
+        rows_t = torch.tensor(rows)
+        n = self.cache.max_len
+        widx = ((rows_t[:, None, None] * HK + self.t_pos[:HK][None, None, :]) * n + pos[:, :, None]).reshape(-1)
         half = D // 2
         x, red = F.embedding(tokens, self.embed), None
         for i, w in enumerate(self.layers):
@@ -85,12 +88,10 @@ class LeanSteps:
             q, k = qk[:, :, :H], qk[:, :, H:]
             v = qkv[..., (H + HK) * D:].view(B, T, HK, D)
             ck, cv = self.cache.k[i], self.cache.v[i]
-            if in_place:
-                ck, cv = ck[sl], cv[sl]
-            ck[widx, :, pos] = k.to(ck.dtype)
-            cv[widx, :, pos] = v.to(cv.dtype)
-            if in_place:
-                keys, vals = ck[:, :, :kv_len], cv[:, :, :kv_len]
+            ck.view(-1, D).index_copy_(0, widx, k.reshape(-1, D).to(ck.dtype))
+            cv.view(-1, D).index_copy_(0, widx, v.reshape(-1, D).to(cv.dtype))
+            if in_place:  # a run of rows is read in place, as model.attention does with a slice
+                keys, vals = ck[r0:r0 + B, :, :kv_len], cv[r0:r0 + B, :, :kv_len]
             else:
                 keys, vals = ck[rows_t, :, :kv_len], cv[rows_t, :, :kv_len]
             keys, vals = keys.to(q.dtype), vals.to(q.dtype)
@@ -100,8 +101,8 @@ class LeanSteps:
             red = F.linear(o, w.wo)
             x = x + red.to(x.dtype)
             gu = F.linear(self._norm(x, w.ln2), w.wgu)
-            n = gu.shape[-1] // 2
-            red = F.linear(F.silu(gu[..., :n]) * gu[..., n:], w.wd)
+            m = gu.shape[-1] // 2
+            red = F.linear(F.silu(gu[..., :m]) * gu[..., m:], w.wd)
         x = x + red.to(x.dtype)
         if pick is not None:
             x = x[torch.arange(B), pick][:, None]
@@ -127,22 +128,31 @@ class LeanSteps:
                 raise ValueError(f"row {r}: positions up to {end} exceed the cache's max_len {cache.max_len}")
         start = torch.tensor(keeps)
         with torch.inference_mode():
-            logits = self.forward(torch.from_numpy(toks), start, rows, max(keeps) + T,
+            pos = start[:, None] + self.t_pos[:T][None, :]
+            kv = max(keeps) + T
+            logits = self.forward(torch.from_numpy(toks), pos, self.tables(pos, kv), rows, kv,
                                   pick=torch.tensor([n - 1 for n in lens]))
             if n_steps == 0:
                 out_d, out_c = np.zeros((B, 0), np.int32), np.zeros((B, 0), np.float32)
             else:
-                pos = start + torch.tensor(lens)  # position of the first draft
+                # the decode steps' positions, RoPE rows and masks, made once for the whole STEP
+                first = start + torch.tensor(lens)  # position of the first draft
                 kv = max(k + n for k, n in zip(keeps, lens, strict=True))
-                out_t, out_c_ = [], []
+                steps = first[:, None] + self.t_pos[:max(1, n_steps - 1)][None, :]  # [B, n_steps - 1]
+                cos, sin, blocked = self.tables(steps, kv + n_steps - 1)
+                out_t, picked = [], []
                 for s in range(n_steps):
                     tok = logits.argmax(-1)  # ties go to the lower id
                     out_t.append(tok)
-                    out_c_.append(torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+                    picked.append(logits)
                     if s < n_steps - 1:
-                        logits = self.forward(tok[:, None], pos + s, rows, kv + s + 1)
-                out_d = torch.stack(out_t, 1).to(torch.int32).numpy()
-                out_c = torch.stack(out_c_, 1).float().numpy()
+                        L = kv + s + 1
+                        logits = self.forward(tok[:, None], steps[:, s:s + 1],
+                                              (cos[:, s:s + 1], sin[:, s:s + 1], blocked[:, s:s + 1, :L]), rows, L)
+                tok = torch.stack(out_t, 1)
+                # the confidences of all steps in one softmax (row by row the same values as one per step)
+                out_c = torch.softmax(torch.stack(picked, 1), -1).gather(-1, tok[..., None])[..., 0].float().numpy()
+                out_d = tok.to(torch.int32).numpy()
         for b, j in enumerate(jobs):  # context + the first n_steps - 1 drafts, as the eager path leaves them
             cache.lengths[j.row] = j.keep + lens[b] + max(0, n_steps - 1)
         return out_d, out_c
