@@ -2,8 +2,9 @@
 
 The demo's step is round + verify: the engine sends each request's accepted tokens, the local worker
 extends its draft KV and drafts k tokens, the engine verifies k + 1. This benchmark replays that
-pattern (3 requests, each sends `--accept` of its drafts + 1 token per round, asks k; a target verify
-of k + 1 tokens in this process after every round, as the engine runs it) and splits the round:
+pattern (`--rows` requests, the demo's batch on a CPU by default; each sends `--accept` of its drafts
++ 1 token per round and asks k; a target verify of k + 1 tokens in this process after every round, as
+the engine runs it) and splits the round:
 
 1. forwards (this process, one thread): a target decode and verify step; a drafter forward; the
    drafter's whole STEP computation (`LlamaDrafter.run`: extension + k - 1 decode steps) back to back
@@ -16,7 +17,9 @@ of k + 1 tokens in this process after every round, as the engine runs it) and sp
    (CLOCK_MONOTONIC in every process): engine submit -> stream thread picks the ops up -> `gathered`
    written -> proxy's release (its clock right before the store: the proxy's wake-up, the STEP round
    trip and the reply write) -> stream resumes -> engine's `result` returns.
-   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap).
+   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap); the
+   periodic wake-ups (wait slices, supervisor, heartbeat) as the demo sets them on a CPU, and once more
+   with HandoffConfig's defaults (the row "with HandoffConfig's default wake-ups").
 
     python benchmarks/demo_round.py [--steps 200] [--k 4] -> benchmarks/results/demo_round_cpu.json
 """
@@ -35,6 +38,8 @@ import torch
 
 from draftrelay import demo_pair
 from draftrelay.checkpoint.hf import load_hf_dir
+from draftrelay.engine import loading as L
+from draftrelay.engine.cli_demo import CPU_BATCH
 from draftrelay.handoff import native
 from draftrelay.handoff.procinfo import machine_info
 from draftrelay.handoff.region import W
@@ -44,7 +49,7 @@ from draftrelay.wire import Block, DrafterClient
 from draftrelay.worker.drafters import Job, LlamaDrafter
 from draftrelay.worker.process import start_worker_process
 
-ROWS = 3  # the demo's three prompts
+ROWS = CPU_BATCH  # requests per round: the demo's on a CPU (--rows)
 PROMPT = 12  # tokens of a first round (not timed)
 EPISODE = 48  # rounds before the requests start over (the demo's contexts stay short)
 
@@ -97,6 +102,7 @@ class Pattern:
         self.ids = [1000 * self.episode + i for i in range(ROWS)]
         self.pos = [0] * ROWS
         self.send = [self.rng.integers(1, 2048, PROMPT).astype(np.int32) for _ in range(ROWS)]
+        self.accepted = [0] * ROWS  # drafts at the head of each request's next send
         self.n = 0
 
     def first(self) -> bool:
@@ -113,6 +119,7 @@ class Pattern:
         for i in range(ROWS):
             self.pos[i] += len(self.send[i])
             d = np.asarray(drafts[i][:self.accept], np.int32)
+            self.accepted[i] = len(d)
             self.send[i] = np.concatenate([d, self.rng.integers(1, 2048, 1 + self.accept - len(d))]).astype(np.int32)
 
 
@@ -135,7 +142,12 @@ def forwards(k: int, accept: int, iters: int, modes: list[str]) -> dict:
         pat = Pattern(k, accept)
         warm, cold, fwd = [], [], []
         for i in range(2 * iters + 10):
-            jobs = [Job(ROWS * (pat.episode % 2) + j, p, toks) for j, (_, p, toks, _) in enumerate(pat.blocks())]
+            # as WorkerCore plans it: the accepted drafts' K/V are in the row already (it holds the first
+            # k - 1 drafts), so only what follows them is fed
+            jobs = []
+            for j, (_, p, toks, _) in enumerate(pat.blocks()):
+                c = 0 if pat.first() else min(pat.accepted[j], k - 1, len(toks) - 1)
+                jobs.append(Job(ROWS * (pat.episode % 2) + j, p + c, toks[c:]))
             if pat.first():
                 for j in jobs:
                     d.cache.lengths[j.row] = 0
@@ -207,13 +219,18 @@ def sync_rounds(w, tgt: Target, k: int, accept: int, steps: int) -> dict:
             "verify_ms": spread(ver), "step_ms_p50": p50([a + b for a, b in zip(rtt, ver, strict=True)])}
 
 
-def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, hops: bool) -> dict:
+def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, hops: bool,
+                 cli_settings: bool = True) -> dict:
     spec = {"kind": "worker", "host": w.host, "port": w.port, "n_out_max": 8, "max_requests": 8,
             "client_name": "demo_round"}
     spin, nap = (0, 200) if wait == "block" else (50, 20)
+    # the periodic wake-ups as `draftrelay demo` sets them on a CPU (engine.loading.handoff_config), or
+    # HandoffConfig's defaults
+    periodic = dict(wait_slice_us=L.CPU_WAIT_SLICE_US, supervise_ms=L.CPU_SUPERVISE_MS,
+                    heartbeat_ms=L.CPU_HEARTBEAT_MS) if cli_settings else {}
     cfg = HandoffConfig(max_requests=8, max_tokens=4096, max_drafts=8, vocab_size=2048, deadline_ms=500,
                         round_budget_ms=400, spin_us=spin, nap_us=nap, stream_spin_us=spin, stream_nap_us=nap,
-                        wait=wait, round_spec=spec, strict=True, watchdog_poll_us=5000)
+                        wait=wait, round_spec=spec, strict=True, watchdog_poll_us=5000, **periodic)
     r = open_rounds(cfg)
     assert isinstance(r, AsyncRounds)
     a_last = r.region.word_addr(W.LAST_RELEASE_NS)
@@ -295,7 +312,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="passes over the configurations (interleaved)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "demo_round_cpu.json"))
+    ap.add_argument("--rows", type=int, default=CPU_BATCH, help="requests per round")
     args = ap.parse_args(argv)
+    global ROWS
+    ROWS = args.rows
     configs = [parse_config(s) for s in args.configs.split(",") if s]
     load0 = os.getloadavg()
     res: dict = {"benchmark": "demo_round", "k": args.k, "accept": args.accept, "rows": ROWS,
@@ -323,13 +343,15 @@ def main(argv=None) -> int:
                 row = {"config": c, "repeat": rep, "loadavg_1m_before": os.getloadavg()[0],
                        "sync": sync_rounds(w, tgt, args.k, args.accept, args.steps),
                        "async": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"], hops=True),
-                       "async_plain": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"], hops=False)}
+                       "async_plain": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"], hops=False),
+                       "async_default_periodic": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"],
+                                                              hops=False, cli_settings=False)}
             finally:
                 w.stop()
                 if c["pin"]:
                     pin(os.getpid(), every)
             runs.append(row)
-            s, a, ap_ = row["sync"], row["async"], row["async_plain"]
+            s, a, ap_, ad = row["sync"], row["async"], row["async_plain"], row["async_default_periodic"]
             print(f"[{c['name']}] sync: round {s['round_ms']['p50']:.2f} ms = worker {s['worker_step_ms']['p50']:.2f} "
                   f"+ rest {s['transport_codec_wakeups_ms']['p50']:.2f}; verify {s['verify_ms']['p50']:.2f}; "
                   f"step {s['step_ms_p50']:.2f}")
@@ -337,8 +359,9 @@ def main(argv=None) -> int:
                   f"{a['round_ms']['p50']:.2f}: to stream {a['to_stream_ms']['p50']:.3f}, gathered "
                   f"{a['stream_gathered_ms']['p50']:.3f}, proxy+STEP {a['proxy_round_ms']['p50']:.2f}, release->resume "
                   f"{a['release_to_resume_ms']['p50']:.3f}, resume->result {a['resume_to_result_ms']['p50']:.3f}); "
-                  f"verify {ap_['verify_ms']['p50']:.2f}; step {ap_['step_ms_p50']:.2f}  "
-                  f"(load {os.getloadavg()[0]:.1f})",
+                  f"verify {ap_['verify_ms']['p50']:.2f}; step {ap_['step_ms_p50']:.2f}; with HandoffConfig's "
+                  f"default wake-ups: round {ad['round_ms']['p50']:.2f}, verify {ad['verify_ms']['p50']:.2f}, step "
+                  f"{ad['step_ms_p50']:.2f}  (load {os.getloadavg()[0]:.1f})",
                   flush=True)
     res["runs"] = runs
     res["loadavg_1_5_15_before"], res["loadavg_1_5_15_after"] = list(load0), list(os.getloadavg())
