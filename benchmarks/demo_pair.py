@@ -67,15 +67,18 @@ def forward_costs(iters: int, k: int, rows: int = 3, ctx: int = 48, threads: int
     return out
 
 
-def demo_run(extra: list[str], max_tokens: int) -> dict:
+def demo_run(extra: list[str], max_tokens: int, src: str = "") -> dict:
     """One `draftrelay demo` run (its own worker) with these extra flags: per mode tokens/s, its ratio to the
-    same run's off, step p50 and acceptance; the load average before and after."""
+    same run's off, step p50 and acceptance; the load average before and after. src: run the package from
+    this source tree instead (another checkout, e.g. the code before a change)."""
+    env = {**os.environ, "PYTHONPATH": src} if src else None
     with tempfile.TemporaryDirectory() as tmp:
         js = os.path.join(tmp, "demo.json")
         load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "draftrelay.cli", "demo", "--device", "cpu", "--max-tokens",
-                               str(max_tokens), *extra, "--json", js], capture_output=True, text=True, timeout=300)
+                               str(max_tokens), *extra, "--json", js], capture_output=True, text=True, timeout=600,
+                              env=env)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise SystemExit(f"demo {' '.join(extra)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -114,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="the demo's tokens per prompt")
     ap.add_argument("--configs", default="--k 4",
                     help="'|'-separated demo flag sets, one configuration each ('' = the demo's defaults)")
+    ap.add_argument("--baseline", default="", metavar="SRC_DIR[|FLAGS]",
+                    help="one more configuration: the demo from another source tree (its src/ directory) with "
+                         "these flags, e.g. the code before a change")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "demo_pair_cpu.json"))
     args = ap.parse_args(argv)
@@ -127,11 +133,14 @@ def main(argv=None) -> int:
     print(f"drafter step / target decode step: 1/{1 / costs['ratio_drafter_to_target_decode']:.1f}; "
           f"verify of {args.k + 1} tokens / decode: {costs['ratio_verify_to_decode']:.2f} "
           f"(target on {costs['target_threads']} thread(s))")
-    configs = [c.strip() for c in args.configs.split("|")]
+    configs = {c.strip(): (c.split(), "") for c in args.configs.split("|")}  # name -> (flags, source tree)
+    if args.baseline:
+        src, _, flags = args.baseline.partition("|")
+        configs[f"baseline {src} {flags}".strip()] = (flags.split(), os.path.abspath(src))
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     for i in range(args.repeats):
-        for c in configs:  # interleaved: the load drifts over every configuration alike
-            r = demo_run(c.split(), args.max_tokens)
+        for c, (flags, src) in configs.items():  # interleaved: the load drifts over every configuration alike
+            r = demo_run(flags, args.max_tokens, src)
             runs[c].append(r)
             print(f"  [{c or 'defaults'}] run {i + 1}/{args.repeats} (load {r['loadavg_1m_before']:.1f}): " + ", ".join(
                 f"{m} {v['tokens_per_s']:.0f} tok/s ({v['ratio_to_off']:.2f}x)" for m, v in r["modes"].items()),
@@ -149,7 +158,8 @@ def main(argv=None) -> int:
                ["python", "benchmarks/demo_pair.py", *(argv if argv is not None else sys.argv[1:])]),
            "max_tokens": args.max_tokens, "loadavg_1_5_15_before": list(load0),
            "loadavg_1_5_15_after": list(os.getloadavg()), "forward_costs": costs,
-           "configs": {c or "defaults": {"flags": c, "runs": runs[c], "summary": summary[c]} for c in configs}}
+           "configs": {c or "defaults": {"flags": " ".join(configs[c][0]), "source": configs[c][1] or "this tree",
+                                         "runs": runs[c], "summary": summary[c]} for c in configs}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -52,6 +52,7 @@ from draftrelay.worker.process import start_worker_process
 ROWS = CPU_BATCH  # requests per round: the demo's on a CPU (--rows)
 PROMPT = 12  # tokens of a first round (not timed)
 EPISODE = 48  # rounds before the requests start over (the demo's contexts stay short)
+WARMUP = 20  # untimed rounds at the start of each run
 
 
 def p50(xs) -> float:
@@ -199,9 +200,11 @@ def sync_rounds(w, tgt: Target, k: int, accept: int, steps: int) -> dict:
     c.connect(timeout=30)
     pat = Pattern(k, accept)
     rtt, wus, ver = [], [], []
+    n = 0
     try:
         while len(rtt) < steps:
-            first = pat.first()
+            n += 1
+            first = pat.first() or n <= WARMUP
             blocks = [Block(rid, 0, p, toks, n) for rid, p, toks, n in pat.blocks()]
             t0 = time.perf_counter()
             rep = c.step(blocks, timeout=10)
@@ -258,9 +261,11 @@ def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, hop
     rows: dict[str, list[float]] = {"round": [], "submit": [], "to_stream": [], "stream_gathered": [],
                                     "proxy_round": [], "release_to_resume": [], "resume_to_result": [],
                                     "verify": []}
+    n = 0
     try:
         while len(rows["round"]) < steps:
-            first = pat.first()
+            n += 1
+            first = pat.first() or n <= WARMUP
             reqs = [RoundRequest(rid, 0, p, toks, n) for rid, p, toks, n in pat.blocks()]
             t0 = time.monotonic_ns()
             t = r.submit(reqs)
