@@ -47,6 +47,7 @@ from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig, open_rounds
 from draftrelay.round import RoundRequest
 from draftrelay.wire import Block, DrafterClient
 from draftrelay.worker.drafters import Job, LlamaDrafter
+from draftrelay.worker.lean import LeanSteps
 from draftrelay.worker.process import start_worker_process
 
 ROWS = CPU_BATCH  # requests per round: the demo's on a CPU (--rows)
@@ -162,11 +163,18 @@ def forwards(k: int, accept: int, iters: int, modes: list[str]) -> dict:
             pat.advance(list(drafts))
         cache = net.new_cache(ROWS, 256)
         rows = torch.arange(ROWS)
+        lean = LeanSteps(net, cache) if mode == "lean" else None
+        one = torch.ones(ROWS, 1, dtype=torch.long)
+        at = torch.full((ROWS,), 40)
         with torch.inference_mode():
             net(torch.ones(ROWS, 40, dtype=torch.long), torch.zeros(ROWS, dtype=torch.long), cache, rows)
             for i in range(iters + 5):
                 t0 = time.perf_counter()
-                net(torch.ones(ROWS, 1, dtype=torch.long), torch.full((ROWS,), 40), cache, rows)
+                if lean is None:  # one decode forward of the mode: the model's own, or the lean loop's
+                    net(one, at, cache, rows)
+                else:
+                    pos = at[:, None]
+                    lean.forward(one, pos, lean.tables(pos, 41), list(range(ROWS)), 41)
                 if i >= 5:
                     fwd.append(time.perf_counter() - t0)
                 for r in range(ROWS):
