@@ -11,6 +11,7 @@ import torch
 from draftrelay.engine import calibrate as C
 from draftrelay.engine import loading as L
 from draftrelay.engine.metrics import speculation_warning
+from draftrelay.handoff.rounds import AsyncRounds
 from draftrelay.worker.process import start_worker_process
 
 SLOW = 7  # the test drafter sleeps in a step whose tokens contain this one
@@ -113,3 +114,7 @@ def test_cpu_hand_off_blocks_and_its_watchdog_polls_at_a_share_of_the_deadline()
     assert L.handoff_config(spec, torch.device("cpu"), 50.0, True).watchdog_poll_us == 1000  # never below 1 ms
     gpu = L.handoff_config(spec, torch.device("cuda"), 12_000.0, False)
     assert gpu.wait_mode == "poll" and gpu.watchdog_poll_us == 1000  # the GPU path keeps its settings
+    # on a CPU the periodic wake-ups are spaced out (they land on the target's cores), inside the loss limit
+    assert (cpu.wait_slice_us, cpu.supervise_ms, cpu.heartbeat_ms) == (20_000, 50.0, 100.0)
+    assert cpu.heartbeat_ms < cpu.supervise_ms * 4 < 1000 * AsyncRounds(cpu).loss_limit_s
+    assert (gpu.wait_slice_us, gpu.supervise_ms, gpu.heartbeat_ms) == (2000, 10.0, 20.0)

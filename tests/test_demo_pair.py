@@ -88,6 +88,11 @@ def test_the_demo_writes_python_identically_in_every_mode(tmp_path):
         assert len(t["accept_rate_by_pos"]) == 4 and t["accept_rate_by_pos"][0] > 0.5
     assert res["off"]["total"]["output_tokens"] == res["sync"]["total"]["output_tokens"] \
         == res["async"]["total"]["output_tokens"] > 0
+    doc = json.loads(out_json.read_text())
+    assert doc["threads"] == 1  # the demo's CPU default: one thread for the target (and one for the worker)
+    assert doc["best"][0] in ("sync", "async")
+    assert f"fastest: {doc['best'][0]}, {doc['best'][1]:.2f} x the tokens/s of off" in out
+    assert "(llama 1L d192 0.8M params, cpu float32, lean)" in out  # the worker's banner: the lean CPU loop
     # the continuations are code: indented lines under the prompt's def/class
     listing = out[out.index("outputs:"):out.index("identical in")]
     assert listing.count("[1] prompt") == 1 and "[3] prompt" in listing

@@ -37,6 +37,19 @@ def test_demo_bad_arguments(capsys):
     assert "/no/such/dir" in capsys.readouterr().err
     assert cli.main(["demo", "--worker", "localhost"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
+    assert cli.main(["demo", "--threads", "-1"]) == 2
+    assert "--threads -1" in capsys.readouterr().err
+
+
+def test_the_fastest_mode_is_named_against_off():
+    from draftrelay.engine.cli_demo import best_mode
+
+    def res(**tps):
+        return {m: {"total": {"tokens_per_s": v}} for m, v in tps.items()}
+
+    assert best_mode(res(off=100.0, sync=150.0, async_=120.0)) == ("sync", 1.5)
+    assert best_mode(res(off=100.0, sync=90.0, cache=130.0)) == ("cache", 1.3)
+    assert best_mode(res(sync=150.0, async_=120.0)) is None and best_mode(res(off=1.0)) is None
 
 
 def test_generate_off_mode(capsys, tmp_path):

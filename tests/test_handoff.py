@@ -352,3 +352,32 @@ def test_machine_info_names_where_a_figure_was_measured():
     assert info["python"].count(".") == 2 and len(info["loadavg_1_5_15"]) == 3
     assert ("gpus" in info) == torch.cuda.is_available()
     assert ("nvidia_smi" in info) == ("topology" in info) == bool(shutil.which("nvidia-smi"))
+
+
+def test_long_wait_slices_do_not_slow_closing_a_parked_stream_or_stopping_the_proxy():
+    """The CPU hand-off sleeps on its words in long slices (engine.loading); a stream parked on a word
+    nobody releases and a proxy asleep on `gathered` must still stop at once: close() and stop() wake them."""
+    from draftrelay.handoff.stream import EmulatedStream
+
+    region = Region.create(RegionConfig(2, 64, 4, VOCAB))
+    try:
+        st = EmulatedStream(region, wait="block", slice_us=30_000_000, poll_ms=30_000)
+        st.wait_geq32(region.layout.word(0), 7)  # `gathered`, which nothing will raise
+        st.record()
+        time.sleep(0.2)  # the stream thread is asleep on the word now
+        t0 = time.monotonic()
+        st.close()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        region.close()
+    r = open_rounds(cfg(wait="block", wait_slice_us=30_000_000, selftest_rounds=1))
+    assert isinstance(r, AsyncRounds)
+    try:
+        proxy = r.proxy
+        time.sleep(0.2)  # the proxy is asleep on `gathered`
+        t0 = time.monotonic()
+        proxy.stop(timeout_s=5.0)  # SIGKILL only after 5 s: a prompt exit is the proxy seeing STOP
+        assert time.monotonic() - t0 < 1.0 and proxy.proc.returncode == 0
+        r.proxy = None
+    finally:
+        r.close()

@@ -18,6 +18,21 @@ import os
 import sys
 import time
 
+# The demo pair on a 2-core CPU (benchmarks/demo_pair.py, benchmarks/demo_round.py): one thread each for
+# the target and the local worker. The target's forwards (3 rows x 160 wide, 24 layers) are bound by
+# dispatch and memory, a second thread gains the wide verify little and costs the decode step, and under
+# other load two threads thrash; the one-layer drafter is all dispatch.
+CPU_THREADS = 1
+# One prompt at a time on a CPU: speculation buys per-request speed, and the demo target's verify of
+# k + 1 tokens costs 1.3x its decode step at one row against 1.4x at three (the drafter's round about the
+# same), so the speculative step gains most there; `--batch 3` decodes the prompts together (more tokens/s
+# for every mode, a smaller ratio).
+CPU_BATCH = 1
+# The shipped pair's drafts, by position, are kept .74 .57 .50 .29 of the time: on this CPU every one of the
+# four pays for its share of the round and the wider verify. A fixed depth, because on a shared 2-core
+# machine the depth policy's running cost estimates are at the mercy of other load (docs/ENGINE.md).
+DEMO_PAIR_CPU_K = 4
+
 DEFAULT_PROMPTS = [
     "def fibonacci(n):",
     "class Stack:\n    def __init__(self):",
@@ -37,11 +52,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: three built-in)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     p.add_argument("--k", type=int, default=None,
-                   help="drafts per request per round, fixed (default: the depth policy picks 0..--k-max)")
+                   help="drafts per request per round, fixed (default: 4 with the shipped demo pair on a CPU, else the "
+                        "depth policy picks 0..--k-max)")
     p.add_argument("--k-max", type=int, default=6, help="deepest draft the depth policy may ask")
     p.add_argument("--round-budget-ms", type=float, default=None,
                    help="what the proxy allows one round (default: from the worker's measured STEP)")
-    p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
+    p.add_argument("--batch", type=int, default=0,
+                   help="prompts decoded at once (0: one at a time on a CPU, all of them on a GPU)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads of the target (0: one on a CPU, where the demo's small forwards run fastest on "
+                        "one thread and the worker takes turns with it)")
+    p.add_argument("--worker-threads", type=int, default=0,
+                   help="CPU threads of the local worker (0: one on a CPU, as the target)")
     p.add_argument("--modes", default="off,sync,async",
                    help="comma-separated subset of off,sync,async,cache (cache: async + the speculation cache)")
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
@@ -65,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
     from .cli_generate import check_flags, k_max_of
 
     bad = check_flags(args)  # one message per bad flag
+    if args.threads < 0:
+        bad.append(f"--threads {args.threads}: must be 0 (one on a CPU) or more")
+    if args.batch < 0:
+        bad.append(f"--batch {args.batch}: must be 0 (auto) or more")
     for line in bad:
         print(f"draftrelay demo: {line}", file=sys.stderr)
     if bad:
@@ -80,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, drafter = pair_specs(args.model, args.drafter, bool(args.worker))
         dev = L.pick_device(args.device)
+        if args.threads or dev.type == "cpu":
+            torch.set_num_threads(args.threads or CPU_THREADS)
         host, port = L.parse_hostport(args.worker) if args.worker else ("", 0)
         target = L.load_target(model, dev)
         if args.model == "demo":
@@ -88,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"draftrelay demo: {exc}", file=sys.stderr)
         return 2
     prompts = args.prompt or DEFAULT_PROMPTS
+    batch = min(args.batch or (CPU_BATCH if dev.type == "cpu" else len(prompts)), len(prompts))
+    if args.k is None and args.model == "demo" and not args.drafter and dev.type == "cpu":
+        args.k = DEMO_PAIR_CPU_K
     ids = [target.tokenizer.encode(p) for p in prompts]
     if any(not x for x in ids):
         print("draftrelay demo: a prompt encodes to no tokens", file=sys.stderr)
@@ -98,15 +129,15 @@ def run(args: argparse.Namespace) -> int:
     shown = args.worker or drafter_label(args.drafter or args.model)
     print(f"draftrelay demo: target {target.name} ({target.model.cfg.n_params() / 1e6:.2f}M params) on {dev}, "
           f"drafter {shown}, k={args.k if args.k is not None else f'policy 0..{k_max}'}, "
-          f"{len(prompts)} prompts x {args.max_tokens} tokens")
+          f"{len(prompts)} prompts x {args.max_tokens} tokens, {batch} at a time")
 
     worker = None
     try:
         if any(m != "off" for m in modes):
             if not args.worker:
                 try:
-                    worker = L.start_local_worker(drafter, dev, k_max, max_len + 64, len(prompts),
-                                                  args.worker_threads)
+                    worker = L.start_local_worker(drafter, dev, k_max, max_len + 64, batch,
+                                                  args.worker_threads or CPU_THREADS)
                 except RuntimeError as exc:
                     print(f"draftrelay demo: the local worker did not start: {exc}", file=sys.stderr)
                     return 1
@@ -127,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             h = L.handoff_config(spec, dev, rs.deadline_ms, not args.worker, round_budget_ms=rs.budget_ms) \
                 if mode != "off" else None
             cache = (args.spec_cache or 8) if mode == "cache" else 0
-            cfg = EngineConfig(mode="async" if cache else mode, n_draft=k_max, max_batch=len(prompts),
+            cfg = EngineConfig(mode="async" if cache else mode, n_draft=k_max, max_batch=batch,
                                max_len=max_len, handoff=h, depth="fixed" if args.k is not None else "auto",
                                round_costs_s=rs.round_costs_s if h else None, spec_fanout=cache)
             with Engine(target.model, cfg) as eng:
@@ -158,14 +189,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"  identical in {', '.join(modes)}: {'yes' if same else 'NO'}{note}")
     print()
     print(format_table(results))
+    best = best_mode(results)
+    if best:
+        print(f"\nfastest: {best[0]}, {best[1]:.2f} x the tokens/s of off")
     print(f"\n(total {time.perf_counter() - t_start:.1f} s; step p50 = median over requests of each request's "
           f"per-step p50; accepted = drafts kept per round; rounds ok/failed/watchdog/target-only)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(dev), "torch": torch.__version__, "modes": results}, f, indent=1)
+            json.dump({"device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "best": list(best) if best else None, "modes": results}, f, indent=1)
     if len(modes) > 1 and args.temperature == 0 and exact and not same:
         return 1
     return 0
+
+
+def best_mode(results: dict[str, dict]) -> tuple[str, float] | None:
+    """(the speculative mode with the most tokens/s, its ratio to off) when off ran too."""
+    if "off" not in results or len(results) < 2:
+        return None
+    off = results["off"]["total"]["tokens_per_s"]
+    mode = max((m for m in results if m != "off"), key=lambda m: results[m]["total"]["tokens_per_s"])
+    return mode, results[mode]["total"]["tokens_per_s"] / off if off > 0 else float("inf")
 
 
 def pair_specs(model: str, drafter: str, remote_worker: bool) -> tuple[str, str]:

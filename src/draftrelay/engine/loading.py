@@ -145,6 +145,7 @@ def worker_spec(host: str, port: int, model_id: str, tokenizer_hash: str, n_draf
 # CPU and the proxy may spin briefly; on a small CPU-only machine every polling thread competes with
 # the target's own compute, so the emulated hand-off naps longer between polls.
 SPIN_NAP_US = {"cuda": (50, 20), "cpu": (0, 200)}
+CPU_WAIT_SLICE_US, CPU_SUPERVISE_MS, CPU_HEARTBEAT_MS = 20_000, 50.0, 100.0
 
 
 def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_shares_gpu: bool,
@@ -165,6 +166,13 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
     spin, nap = SPIN_NAP_US["cuda" if gpu else "cpu"]
     if not gpu:  # the watchdog wakes every 1 % of its deadline (1 ms at least): a CPU is shared
         fields.setdefault("watchdog_poll_us", max(1000, int(deadline_ms * 10)))
+        # every periodic wake-up in the engine and the proxy lands on the target's cores: the sleeping
+        # waits re-check their word every 20 ms (the writers wake them at once anyway), the supervisor
+        # judges the proxy every 50 ms and the heartbeat beats every 100 ms, all well inside the loss
+        # limit (>= 400 ms); the defaults (2 / 10 / 20 ms) cost the demo's verify ~10 % (demo_round.py)
+        fields.setdefault("wait_slice_us", CPU_WAIT_SLICE_US)
+        fields.setdefault("supervise_ms", CPU_SUPERVISE_MS)
+        fields.setdefault("heartbeat_ms", CPU_HEARTBEAT_MS)
     if gpu and host_rounds:  # a GPU host has cores to spare: the emulated stream polls (spin, then nap)
         fields.setdefault("wait", "poll")
     return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,

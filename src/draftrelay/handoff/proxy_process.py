@@ -71,6 +71,7 @@ class ProxyProcess:
         """Ask politely through the STOP word, then SIGKILL; always reaps."""
         if self.proc.poll() is None and not self.region.closed:
             native.store32(self.region.word_addr(W.STOP), 1)
+            native.wake32(self.region.word_addr(W.GATHERED))  # a proxy asleep on `gathered` sees STOP now
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

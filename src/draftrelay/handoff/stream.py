@@ -148,6 +148,7 @@ class EmulatedStream(StreamOps):
         self._batch: list = []
         self._closing = np.zeros(1, np.uint32)  # abort word for the native wait
         self._closing_addr = int(self._closing.ctypes.data)
+        self._waiting_on = 0  # address of the word a blocking wait sleeps on (close wakes it)
         self._staging = [region.staging_view(s) for s in (0, 1)]
         self._reply = [region.reply_view(s) for s in (0, 1)]
         self.error: BaseException | None = None
@@ -191,6 +192,8 @@ class EmulatedStream(StreamOps):
     def close(self) -> None:
         if self._thread.is_alive():
             self._closing[0] = 1
+            if self._waiting_on:  # a blocking wait checks the abort word when woken, not only per slice
+                native.wake32(self._waiting_on)
             self._q.put([(_STOP, None, None)])
             self._thread.join(5.0)
             if self._thread.is_alive():
@@ -215,6 +218,7 @@ class EmulatedStream(StreamOps):
                     elif op == _WRITE:
                         store(base + a, b)
                     elif op == _WAIT:
+                        self._waiting_on = base + a
                         while True:
                             if block:
                                 rc = native.wait_geq32_block(base + a, b, self.spin_us, self.slice_us,
@@ -224,6 +228,7 @@ class EmulatedStream(StreamOps):
                                                        self._closing_addr)
                             if rc == native.WAIT_OK or self._closing[0]:
                                 break
+                        self._waiting_on = 0
                         if self._closing[0]:
                             return
                     elif op == _COPY_OUT:

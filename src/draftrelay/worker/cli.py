@@ -63,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-slow-token", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--test-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--test-fail-token", type=int, default=-1, help=argparse.SUPPRESS)
-    p.add_argument("--mode", default="auto", choices=["auto", "eager", "static", "graph"],
-                   help="draft step execution: CUDA graphs (auto on a GPU), eager (auto on CPU), or static shapes")
+    p.add_argument("--mode", default="auto", choices=["auto", "eager", "lean", "static", "graph"],
+                   help="draft step execution: CUDA graphs (auto on a GPU), lean (auto on CPU: eager's ops without "
+                        "the general forward's per-call overhead), eager, or static shapes")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks of the drafter (docs/TP2.md): 1 (default) one device, 2 a GPU pair")
     p.add_argument("--tp-mode", default="auto", choices=["auto", "pair", "emulate", "solo"],

@@ -122,7 +122,9 @@ def steady_state_keys(n_steps_list: list[int], max_batch: int, max_len: int) -> 
 class LlamaDrafter(Drafter):
     """Greedy drafting with draftrelay.model.Transformer.
 
-    mode "eager": plain forwards, shapes as they come (the CPU default, and the reference).
+    mode "eager": plain forwards, shapes as they come (the reference).
+    mode "lean" (CPU; the default there): the same ops as eager on the same shapes, equal bit for bit,
+    without the general forward's per-call host work (worker/lean.py).
     mode "static": the whole draft step (padded extension + n_steps-1 decodes + argmax/confidence)
     with static shapes and no host sync: keys of (requests, padded T, n_steps, kv bucket), attention
     over the first kv positions of each row (capture.kv_bucket, masked). mode "graph" (CUDA):
@@ -135,13 +137,17 @@ class LlamaDrafter(Drafter):
                  mode: str = "eager"):
         import torch
 
+        from draftrelay.worker import lean
+
         self.torch = torch
         self.model = model
         cfg = model.cfg
-        if mode not in ("eager", "static", "graph"):
-            raise ValueError(f"drafter mode {mode!r}: eager, static or graph")
+        if mode not in ("eager", "lean", "static", "graph"):
+            raise ValueError(f"drafter mode {mode!r}: eager, lean, static or graph")
         if mode == "graph" and model.device.type != "cuda":
             raise ValueError("CUDA graphs need the drafter on a CUDA device")
+        if mode == "lean" and not lean.supports(model):
+            raise ValueError("drafter mode 'lean' needs a CPU model on the plain path without q/k norms")
         self.mode = mode
         self.max_ctx = min(max_ctx, cfg.max_position_embeddings)
         self.n_rows, self.n_out_max, self.vocab_size = n_rows, n_out_max, cfg.vocab_size
@@ -151,6 +157,7 @@ class LlamaDrafter(Drafter):
         self.cache = model.new_cache(n_rows + 1, self.max_ctx + max(PAD_LIMIT, n_out_max) + 1)
         self._static: dict[tuple[int, int, int], object] = {}
         self._capture: GraphCapture | None = None  # made at the first capture, on the model's GPU
+        self._lean = lean.LeanSteps(model, self.cache) if mode == "lean" else None
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
                      f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}")
 
@@ -178,7 +185,9 @@ class LlamaDrafter(Drafter):
         return len(self._static) - before
 
     def _run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.mode != "eager" and jobs and n_steps >= 1 and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
+        if self._lean is not None and jobs and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
+            return self._lean.run(jobs, n_steps)
+        if self.mode in ("static", "graph") and jobs and n_steps >= 1 and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
             key_count = len(self._static)
             try:
                 return self._run_static(jobs, n_steps)
@@ -336,8 +345,15 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     from draftrelay.checkpoint import hf
 
     dev = torch.device(device)
-    if mode == "auto":
-        mode = "graph" if dev.type == "cuda" else "eager"
+    asked = mode
+
+    def mode_for(net) -> str:  # auto: CUDA graphs on a GPU, the lean loop on a CPU where it applies
+        if asked != "auto":
+            return asked
+        from draftrelay.worker import lean
+
+        return "graph" if dev.type == "cuda" else "lean" if lean.supports(net) else "eager"
+
     if dtype == "auto":
         tdtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     else:
@@ -346,24 +362,25 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         s = M.TINY_SEED if seed is None else seed
         _, net = M.tiny_pair(s, device=dev, dtype=tdtype)
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or M.tiny_model_id(s), M.TINY_TOKENIZER_ID,
-                            mode)
+                            mode_for(net))
     if spec.startswith("random:"):
         name = spec.split(":", 1)[1]
         if name not in SHAPES:
             raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
         cfg = M.ModelConfig(**SHAPES[name], name=name)
         net = M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype, draw_on="device")
-        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "", mode)
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "",
+                            mode_for(net))
     if spec.lower().endswith(".gguf") and not os.path.isdir(spec):
         from draftrelay.checkpoint import gguf
 
         ck = gguf.read_gguf(spec)
         net = gguf.load_gguf(spec, device=dev, dtype=None if dtype == "auto" else tdtype, checkpoint=ck)
         mid = model_id or os.path.basename(os.path.abspath(spec))
-        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, ck.vocab.digest(), mode)
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, ck.vocab.digest(), mode_for(net))
     if not os.path.isdir(spec):
         raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', an existing directory, "
                            "nor a .gguf file")
     net = hf.load_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype)
     mid = model_id or os.path.basename(os.path.abspath(spec))
-    return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode)
+    return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode_for(net))

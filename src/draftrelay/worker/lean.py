@@ -1,0 +1,158 @@
+"""The drafter's STEP on a CPU without the general forward's per-call overhead (LlamaDrafter mode "lean").
+
+A small drafter's forward on a CPU is mostly dispatch: the demo drafter (1 layer, 192 wide) runs ~40
+small ops per forward, and `Transformer.forward` adds host-side work around them on every call (input
+checks that read `cache.lengths` row by row, the RoPE tables and mask rebuilt from positions, the
+layer weights gathered from the modules, a tensor made per argument), which costs about as much again.
+A STEP runs 1 + (n_steps - 1) forwards back to back, so that overhead is paid n_steps times.
+
+`LeanSteps` keeps what does not change between forwards: the layer weights (views of the model's
+tensors), RoPE cos/sin for every position of the cache (the same expression `model.step_tables`
+evaluates, so the same values) and the key positions. Each forward then runs the plain path's ops in the
+plain path's order on the same shapes (`model.attention`'s write-then-read of the KV, `model.attend`'s two
+GEMMs, the same norms and products), so its logits, and the drafts, equal the eager path's bit for bit on
+fp32 (tests/test_worker_lean.py holds it to that). What it does not do: prompts (extensions longer
+than PAD_LIMIT go through the eager path), q/k norms (Qwen3) and the fused-kernel fast path; a drafter
+needing one of those stays eager.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from draftrelay import model as M
+
+
+def supports(model: M.Transformer) -> bool:
+    """Whether the lean loop runs this model exactly as the plain path does."""
+    return model.device.type == "cpu" and not model.cfg.qk_norm and not model.fast_path()
+
+
+class LeanSteps:
+    def __init__(self, model: M.Transformer, cache: M.KVCache) -> None:
+        cfg = model.cfg
+        self.model, self.cache = model, cache
+        self.layers = model.layer_weights()  # views of the model's tensors: no copy
+        self.embed = model.embed_tokens.weight
+        self.head = self.embed if model.lm_head is None else model.lm_head.weight
+        self.final_norm, self.eps = model.norm.weight, cfg.rms_norm_eps
+        self.H, self.HK, self.D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_rep, self.d = cfg.n_rep, cfg.hidden_size
+        self.scale = self.D ** -0.5
+        dtype = model.dtype
+        # step_tables' RoPE, for every position at once: pos.float()[..., None] * inv_freq, then the same
+        # cat / cos / sin / cast per element
+        pos = torch.arange(cache.max_len)
+        ang = pos.float()[..., None] * M.rope_inv_freq(cfg)
+        sin = ang.sin()
+        self.cos = torch.cat((ang, ang), dim=-1).cos().to(dtype)  # [max_len, D]
+        self.sin = torch.cat((-sin, sin), dim=-1).to(dtype)
+        self.key_pos = torch.arange(cache.max_len)
+        self.t_pos = torch.arange(64)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return M.rms_norm(x, w, self.eps)
+
+    def tables(self, pos: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE cos / signed sin [B, T, 1, D] and the blocked mask [B, T, kv_len] of positions pos [B, T]
+        (model.step_tables' values: the mask is expanded over the query heads in forward)."""
+        return (self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :],
+                self.key_pos[:kv_len][None, None, :] > pos[:, :, None])
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, tables, rows: list[int], kv_len: int,
+                pick: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 at positions pos [B, T] of cache rows rows[b] (the caller has checked them and
+        keeps cache.lengths), tables: `tables(pos, kv_len)` or views of a larger one -> fp32 logits [B, V]
+        at position pick[b] of each row (None: T == 1)."""
+        B, T = tokens.shape
+        H, HK, D, n_rep = self.H, self.HK, self.D, self.n_rep
+        cos, sin, blocked = tables
+        blocked = blocked[:, None, None].expand(B, 1, n_rep, T, kv_len).reshape(B, 1, n_rep * T, kv_len)
+        r0 = rows[0]
+        in_place = rows == list(range(r0, r0 + B))
+        # K/V written with one index_copy_ per tensor into the layer's cache seen as [rows * HK * len, D]:
+        # entry (b, t, h) at ((rows[b] * HK + h) * len + pos[b, t]), the values model.attention's index_put writes
+        rows_t = torch.tensor(rows)
+        n = self.cache.max_len
+        widx = ((rows_t[:, None, None] * HK + self.t_pos[:HK][None, None, :]) * n + pos[:, :, None]).reshape(-1)
+        half = D // 2
+        x, red = F.embedding(tokens, self.embed), None
+        for i, w in enumerate(self.layers):
+            if red is not None:
+                x = x + red.to(x.dtype)
+            qkv = F.linear(self._norm(x, w.ln1), w.wqkv, w.bqkv)
+            qk = qkv[..., :(H + HK) * D].view(B, T, H + HK, D)
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+            q, k = qk[:, :, :H], qk[:, :, H:]
+            v = qkv[..., (H + HK) * D:].view(B, T, HK, D)
+            ck, cv = self.cache.k[i], self.cache.v[i]
+            ck.view(-1, D).index_copy_(0, widx, k.reshape(-1, D).to(ck.dtype))
+            cv.view(-1, D).index_copy_(0, widx, v.reshape(-1, D).to(cv.dtype))
+            if in_place:  # a run of rows is read in place, as model.attention does with a slice
+                keys, vals = ck[r0:r0 + B, :, :kv_len], cv[r0:r0 + B, :, :kv_len]
+            else:
+                keys, vals = ck[rows_t, :, :kv_len], cv[rows_t, :, :kv_len]
+            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+            qg = q.transpose(1, 2).reshape(B, HK, n_rep * T, D)
+            out = M.attend(qg, keys, vals, blocked)
+            o = out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, -1)
+            red = F.linear(o, w.wo)
+            x = x + red.to(x.dtype)
+            gu = F.linear(self._norm(x, w.ln2), w.wgu)
+            m = gu.shape[-1] // 2
+            red = F.linear(F.silu(gu[..., :m]) * gu[..., m:], w.wd)
+        x = x + red.to(x.dtype)
+        if pick is not None:
+            x = x[torch.arange(B), pick][:, None]
+        return F.linear(self._norm(x, self.final_norm), self.head).float()[:, 0]
+
+    def run(self, jobs, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """LlamaDrafter.run for jobs whose extensions are all short: roll back, extend (right-padded, one
+        forward), then n_steps greedy drafts, feeding each back in. Row lengths end as the eager path's."""
+        cache = self.cache
+        B = len(jobs)
+        lens = [len(j.tokens) for j in jobs]
+        T = max(lens)
+        for j in jobs:
+            cache.truncate(j.row, j.keep)
+        toks = np.zeros((B, T), np.int64)  # right padding: causal, so it never leaks back
+        for b, j in enumerate(jobs):
+            toks[b, :lens[b]] = j.tokens
+        keeps = [j.keep for j in jobs]
+        rows = [j.row for j in jobs]
+        for r, kp, n in zip(rows, keeps, lens, strict=True):
+            end = max(kp + T, kp + n + n_steps - 1)  # the padded extension, then the drafts fed back
+            if end > cache.max_len:
+                raise ValueError(f"row {r}: positions up to {end} exceed the cache's max_len {cache.max_len}")
+        start = torch.tensor(keeps)
+        with torch.inference_mode():
+            pos = start[:, None] + self.t_pos[:T][None, :]
+            kv = max(keeps) + T
+            logits = self.forward(torch.from_numpy(toks), pos, self.tables(pos, kv), rows, kv,
+                                  pick=torch.tensor([n - 1 for n in lens]))
+            if n_steps == 0:
+                out_d, out_c = np.zeros((B, 0), np.int32), np.zeros((B, 0), np.float32)
+            else:
+                # the decode steps' positions, RoPE rows and masks, made once for the whole STEP
+                first = start + torch.tensor(lens)  # position of the first draft
+                kv = max(k + n for k, n in zip(keeps, lens, strict=True))
+                steps = first[:, None] + self.t_pos[:max(1, n_steps - 1)][None, :]  # [B, n_steps - 1]
+                cos, sin, blocked = self.tables(steps, kv + n_steps - 1)
+                out_t, picked = [], []
+                for s in range(n_steps):
+                    tok = logits.argmax(-1)  # ties go to the lower id
+                    out_t.append(tok)
+                    picked.append(logits)
+                    if s < n_steps - 1:
+                        L = kv + s + 1
+                        logits = self.forward(tok[:, None], steps[:, s:s + 1],
+                                              (cos[:, s:s + 1], sin[:, s:s + 1], blocked[:, s:s + 1, :L]), rows, L)
+                tok = torch.stack(out_t, 1)
+                # the confidences of all steps in one softmax (row by row the same values as one per step)
+                out_c = torch.softmax(torch.stack(picked, 1), -1).gather(-1, tok[..., None])[..., 0].float().numpy()
+                out_d = tok.to(torch.int32).numpy()
+        for b, j in enumerate(jobs):  # context + the first n_steps - 1 drafts, as the eager path leaves them
+            cache.lengths[j.row] = j.keep + lens[b] + max(0, n_steps - 1)
+        return out_d, out_c
