@@ -45,6 +45,16 @@ def test_cost_curve_measured_points_and_a_line_between():
     assert c2(6) >= 0.01
 
 
+def test_cost_curve_never_falls_with_width():
+    c = CostCurve(alpha=1.0)
+    for x, ms in ((1, 580), (2, 480), (3, 1000), (7, 1380)):  # measured on a loaded CPU: 2 below 1
+        c.add(x, ms / 1e3)
+    vals = [c(x) for x in range(1, 10)]
+    assert all(b >= a for a, b in zip(vals, vals[1:], strict=False))
+    assert c(1) == c(2) == pytest.approx(0.530)  # pooled
+    assert c(3) == pytest.approx(1.0) and 1.0 < c(5) < 1.38 and c(9) >= 1.38
+
+
 def test_acceptance_counts_positions_reached_and_kept():
     a = Acceptance(4, prior=0.5, prior_weight=1e-9, decay=1.0)
     a.add(4, 4, 2)  # kept 0 and 1, rejected at 2, position 3 never judged

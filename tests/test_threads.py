@@ -26,6 +26,7 @@ def test_picks_the_faster_count_and_probes_the_other_rarely():
     pol = ThreadPolicy(2, probe_every=10)
     loaded = drive(pol, lambda n, w: 0.45 if n == 1 else 1.26, 200)  # a loaded machine: one thread wins
     assert loaded[:2] == [1, 2]  # both measured first
+    assert pol.probing == (loaded[-1] != pol.best)
     assert loaded[-50:].count(1) >= 48
     # the other count is 2.8x slower: probes at most every ceil(1.8 / 0.05) = 36 steps
     assert 3 <= loaded[2:].count(2) <= 200 // 36 + 1

@@ -34,8 +34,11 @@ import numpy as np
 
 
 class CostCurve:
-    """Seconds as a function of a small integer x: an exponential average per measured x, and a
-    least-squares line through the measured points for the others."""
+    """Seconds as a function of a small integer x (a depth or a width), never falling with x: an
+    exponential average per measured x, made non-decreasing over the measured points (pool adjacent
+    violators: on a loaded CPU a 2-wide verify can average below a 1-wide one, and a curve that falls
+    would call a deeper step cheaper), interpolated between them and extended by a least-squares line
+    beyond them."""
 
     def __init__(self, alpha: float = 0.25) -> None:
         self.alpha = alpha
@@ -48,16 +51,33 @@ class CostCurve:
     def known(self, x: int) -> bool:
         return x in self.mean
 
+    def fitted(self) -> tuple[list[int], list[float]]:
+        """The measured xs and their non-decreasing fit."""
+        xs = sorted(self.mean)
+        blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+        for x in xs:
+            blocks.append([self.mean[x], 1])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                s, c = blocks.pop()
+                blocks[-1][0] += s
+                blocks[-1][1] += c
+        return xs, [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+
     def __call__(self, x: int) -> float | None:
-        if x in self.mean:
-            return self.mean[x]
-        if len(self.mean) < 2:
+        if not self.mean:
             return None
-        xs = np.array(sorted(self.mean), float)
-        ys = np.array([self.mean[int(v)] for v in xs])
-        slope, icpt = np.polyfit(xs, ys, 1)
-        slope = max(float(slope), 0.0)  # cost never falls with depth or width: noise must not say so
-        return max(float(icpt + slope * x), float(ys.min()) if x > xs.max() else 0.0, 1e-9)
+        xs, ys = self.fitted()
+        if x in self.mean:
+            return ys[xs.index(x)]
+        if len(xs) < 2:
+            return None
+        if xs[0] < x < xs[-1]:
+            return float(np.interp(x, xs, ys))
+        slope, icpt = np.polyfit(np.array(xs, float), np.array(ys), 1)
+        slope = max(float(slope), 0.0)
+        if x > xs[-1]:
+            return max(float(icpt + slope * x), ys[-1])
+        return max(min(float(icpt + slope * x), ys[0]), 1e-9)
 
 
 class Acceptance:

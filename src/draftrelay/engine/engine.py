@@ -395,7 +395,8 @@ class Engine:
         p = clock.parts
         if plan.asks:
             self.depth.observe_round(k, p["submit"] + p["wait"], max(len(x) for x in plan.send))
-        self.depth.observe_verify(1 + max(len(d) for d in drafts), p["verify"])
+        if self.threads is None or not self.threads.probing:  # a thread probe's verify is not the usual cost
+            self.depth.observe_verify(1 + max(len(d) for d in drafts), p["verify"])
         self.depth.observe_host(self.timing["host"][-1])
 
     # -- metrics ---------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class ThreadPolicy:
         self.probes = 0
         self._n = 0  # the count this step runs with
         self._since_probe = 0
+        self.probing = False  # this step runs the other count (its time says nothing about the best one's)
         self._restore = torch.get_num_threads()
 
     def _ratio(self) -> float | None:
@@ -94,6 +95,7 @@ class ThreadPolicy:
             n = self.best
         self.chosen[n] += 1
         self._n = n
+        self.probing = n != self.best
         return n
 
     def apply(self, n: int) -> None:
