@@ -390,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                         run = runners[mode].run(x)
                         run["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                         res[mode]["prompts"][name]["runs"].append(run)
+                        with open(args.out + ".partial", "w") as f:  # what a stopped run leaves behind
+                            json.dump({**out, "partial": {dname: res}}, f)
                         print(f"[{dname}] rep {rep} {name} {mode}: {(run['tokens'] - 1) / run['decode_s']:.2f} tok/s "
                               f"(load {load0:.1f}, {time.perf_counter() - t_all:.0f} s)", flush=True)
         finally:
@@ -409,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
+    Path(args.out + ".partial").unlink(missing_ok=True)
     print(f"\nwrote {args.out}")
     return 0
 
