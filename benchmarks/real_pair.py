@@ -125,9 +125,9 @@ class EngineRunner:
         t = eng.metrics([req])["total"]
         return {"output": req.output, "tokens": t["output_tokens"], "wall_s": t["wall_s"],
                 "decode_s": t["wall_s"] - t["ttft_s_mean"], "ttft_s": t["ttft_s_mean"],
-                "step_p50_ms": t["step_p50_ms"], "mean_accepted": t["mean_accepted"],
-                "accept_rate_by_pos": t["accept_rate_by_pos"], "rounds": t["rounds"],
-                "depth": delta(eng.depth.chosen, d0) if eng.depth is not None else None,
+                "step_p50_ms": t["step_p50_ms"], "step_parts_p50_ms": t["step_parts_p50_ms"],
+                "mean_accepted": t["mean_accepted"], "accept_rate_by_pos": t["accept_rate_by_pos"],
+                "rounds": t["rounds"], "depth": delta(eng.depth.chosen, d0) if eng.depth is not None else None,
                 "depth_view": t.get("depth"),
                 "threads": delta(eng.threads.chosen, th0) if eng.threads is not None else None,
                 "warning": t.get("speculation_warning", "")}
