@@ -74,9 +74,10 @@ def test_engine_restores_torch_threads_and_reports_choices(monkeypatch):
     target, _ = tiny_pair()
     off = Engine(target, EngineConfig(mode="off", max_batch=1, max_len=128, threads=0))
     (ref,) = off.generate([[1, 2, 3]], SamplingParams(max_tokens=20))
-    with Engine(target, EngineConfig(mode="off", max_batch=1, max_len=128)) as eng:
+    with Engine(target, EngineConfig(mode="off", max_batch=1, max_len=128, threads="auto")) as eng:
         (req,) = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=20))
         th = eng.metrics()["total"]["threads"]
     assert req.output == ref.output  # the tiny model's logits do not depend on the count
     assert sum(th["chosen"].values()) == 19 and th["chosen"]["1"] >= 1 and th["chosen"]["2"] >= 1
     assert torch.get_num_threads() == before
+    assert "threads" not in off.metrics()["total"]  # 0, the default: torch's setting, no policy

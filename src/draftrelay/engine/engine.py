@@ -82,7 +82,7 @@ class EngineConfig:
     spec_options: dict = field(default_factory=dict)
     # CPU threads of the target's forward (threads.py): "auto" measures one thread against all of them
     # per step and runs the faster; N > 0 sets torch's count to N; 0 leaves torch's setting alone
-    threads: int | str = "auto"
+    threads: int | str = 0
 
     def validate(self) -> None:
         if self.mode not in MODES:
