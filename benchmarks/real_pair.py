@@ -6,6 +6,11 @@
 Target Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M), drafter Qwen2.5-Coder-0.5B-Instruct (GGUF), both
 dequantized by draftrelay's loader (checkpoint/gguf.py) into fp32 or bf16; greedy, 6 prompts (3 code,
 3 prose) x 128 tokens by default, one request at a time (batch 1), each prompt decoded `--repeats` times.
+Modes are interleaved: one engine (or transformers pipeline) per mode stays alive for the whole run, and
+every prompt of every repeat runs each mode once in an order that rotates, so a change of the machine's
+load (it is shared) hits every mode alike; each run records the load average before and after it.
+The engine's CPU threads follow its thread policy (`--threads auto`, engine/threads.py); transformers
+runs with torch's default thread count.
 
 Modes (`--modes`, comma-separated):
   off                      target only (draftrelay's engine)
@@ -86,37 +91,51 @@ def load_pair_target(dtype: torch.dtype):
     return model, tok
 
 
-def run_engine(model, tok, mode: str, ids: dict[str, list[int]], args, spec, rs, repeats: int) -> dict:
-    from draftrelay.engine import loading as L
-    from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+def delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
-    kind, _, arg = mode.partition(":")
-    k_max = args.k_max if arg in ("", "auto") else int(arg)
-    max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
-    h = None
-    if kind != "off":
-        h = L.handoff_config(spec, torch.device("cpu"), rs.deadline_ms, True, round_budget_ms=rs.budget_ms)
-    cfg = EngineConfig(mode=kind, n_draft=k_max if kind != "off" else 0, max_batch=1, max_len=max_len, handoff=h,
-                       depth="auto" if arg == "auto" else "fixed", round_costs_s=rs.round_costs_s if h else None)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
-    per: dict[str, dict] = {}
-    with Engine(model, cfg) as eng:
-        eng.generate([next(iter(ids.values()))], SamplingParams(max_tokens=4))  # warm-up (and the policy's start)
-        for name, x in ids.items():
-            runs = []
-            for _ in range(repeats):
-                eng.reset_metrics()
-                (req,) = eng.generate([x], params)
-                t = eng.metrics([req])["total"]
-                runs.append({"output": req.output, "tokens": t["output_tokens"], "wall_s": t["wall_s"],
-                             "decode_s": t["wall_s"] - t["ttft_s_mean"], "ttft_s": t["ttft_s_mean"],
-                             "step_p50_ms": t["step_p50_ms"], "mean_accepted": t["mean_accepted"],
-                             "accept_rate_by_pos": t["accept_rate_by_pos"], "rounds": t["rounds"],
-                             "depth": t.get("depth", {}).get("chosen"),
-                             "warning": t.get("speculation_warning", "")})
-            per[name] = {"runs": runs}
-        round_mode = eng.round_mode
-    return {"round_mode": round_mode, "prompts": per}
+
+class EngineRunner:
+    """One engine per mode, alive for the whole run (its depth and thread policies learn across prompts,
+    as a server's would), decoding one prompt per call."""
+
+    def __init__(self, model, tok, mode: str, ids: dict[str, list[int]], args, spec, rs) -> None:
+        from draftrelay.engine import loading as L
+        from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+
+        kind, _, arg = mode.partition(":")
+        k_max = args.k_max if arg in ("", "auto") else int(arg)
+        max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
+        h = None
+        if kind != "off":
+            h = L.handoff_config(spec, torch.device("cpu"), rs.deadline_ms, True, round_budget_ms=rs.budget_ms)
+        cfg = EngineConfig(mode=kind, n_draft=k_max if kind != "off" else 0, max_batch=1, max_len=max_len,
+                           handoff=h, depth="auto" if arg == "auto" else "fixed",
+                           round_costs_s=rs.round_costs_s if h else None, threads=args.threads)
+        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
+        self.eng = Engine(model, cfg)
+        self.eng.generate([next(iter(ids.values()))], SamplingParams(max_tokens=4))  # warm-up (and the policy's start)
+
+    def run(self, x: list[int]) -> dict:
+        eng = self.eng
+        d0 = dict(eng.depth.chosen) if eng.depth is not None else {}
+        th0 = dict(eng.threads.chosen) if eng.threads is not None else {}
+        eng.reset_metrics()
+        (req,) = eng.generate([x], self.params)
+        t = eng.metrics([req])["total"]
+        return {"output": req.output, "tokens": t["output_tokens"], "wall_s": t["wall_s"],
+                "decode_s": t["wall_s"] - t["ttft_s_mean"], "ttft_s": t["ttft_s_mean"],
+                "step_p50_ms": t["step_p50_ms"], "step_parts_p50_ms": t["step_parts_p50_ms"],
+                "mean_accepted": t["mean_accepted"], "accept_rate_by_pos": t["accept_rate_by_pos"],
+                "rounds": t["rounds"], "depth": delta(eng.depth.chosen, d0) if eng.depth is not None else None,
+                "depth_view": t.get("depth"),
+                "threads": delta(eng.threads.chosen, th0) if eng.threads is not None else None,
+                "warning": t.get("speculation_warning", "")}
+
+    def close(self) -> dict:
+        mode = self.eng.round_mode
+        self.eng.close()
+        return {"round_mode": mode}
 
 
 # -- transformers -------------------------------------------------------------------------------------
@@ -155,40 +174,44 @@ def hf_model(ours):
     return hf.eval()
 
 
-def run_hf(hf, hf_drafter, tok, mode: str, ids: dict[str, list[int]], args, repeats: int) -> dict:
-    kind, _, arg = mode.partition(":")
-    stop = list(tok.stop_ids)
-    per: dict[str, dict] = {}
+class HFRunner:
+    """transformers' generate, plain or assisted, with torch's default thread count (as a user runs it)."""
 
-    def gen(x: list[int], n: int):
+    def __init__(self, hf, hf_drafter, tok, mode: str, ids: dict[str, list[int]], args, threads: int) -> None:
+        self.hf, self.hf_drafter, self.args, self.threads = hf, hf_drafter, args, threads
+        self.kind, _, self.arg = mode.partition(":")
+        self.stop = list(tok.stop_ids)
+        self.gen(next(iter(ids.values())), 4)  # warm-up
+
+    def gen(self, x: list[int], n: int):
+        stop = self.stop
         kw = dict(max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=stop or None,
                   pad_token_id=stop[0] if stop else 0, temperature=None, top_p=None, top_k=None)
-        if kind == "hf-assisted":
-            g = hf_drafter.generation_config
-            if arg == "heuristic":
+        if self.kind == "hf-assisted":
+            g = self.hf_drafter.generation_config
+            if self.arg == "heuristic":
                 g.num_assistant_tokens, g.num_assistant_tokens_schedule = 20, "heuristic"
                 g.assistant_confidence_threshold = 0.4
             else:
-                g.num_assistant_tokens, g.num_assistant_tokens_schedule = int(arg), "constant"
+                g.num_assistant_tokens, g.num_assistant_tokens_schedule = int(self.arg), "constant"
                 g.assistant_confidence_threshold = 0.0
-            kw["assistant_model"] = hf_drafter
+            kw["assistant_model"] = self.hf_drafter
+        if torch.get_num_threads() != self.threads:  # an engine's thread policy may have left another count
+            torch.set_num_threads(self.threads)
         with torch.inference_mode():
-            return hf.generate(torch.tensor([x]), attention_mask=torch.ones(1, len(x), dtype=torch.long), **kw)
+            return self.hf.generate(torch.tensor([x]), attention_mask=torch.ones(1, len(x), dtype=torch.long), **kw)
 
-    gen(next(iter(ids.values())), 4)  # warm-up
-    for name, x in ids.items():
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            gen(x, 1)
-            ttft = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = gen(x, args.max_tokens)[0, len(x):].tolist()
-            wall = time.perf_counter() - t0
-            runs.append({"output": out, "tokens": len(out), "wall_s": wall, "decode_s": max(wall - ttft, 1e-9),
-                         "ttft_s": ttft})
-        per[name] = {"runs": runs}
-    return {"round_mode": kind, "prompts": per}
+    def run(self, x: list[int]) -> dict:
+        t0 = time.perf_counter()
+        self.gen(x, 1)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = self.gen(x, self.args.max_tokens)[0, len(x):].tolist()
+        wall = time.perf_counter() - t0
+        return {"output": out, "tokens": len(out), "wall_s": wall, "decode_s": max(wall - ttft, 1e-9), "ttft_s": ttft}
+
+    def close(self) -> dict:
+        return {"round_mode": self.kind}
 
 
 # -- the table ----------------------------------------------------------------------------------------
@@ -218,14 +241,20 @@ def summarize(res: dict, ref: dict | None, hf_ref: dict | None) -> dict:
     pos = [r["accept_rate_by_pos"] for r in first if r.get("accept_rate_by_pos")]
     width = max((len(p) for p in pos), default=0)
     by_pos = [statistics.mean(p[j] for p in pos if len(p) > j) for j in range(width)]
+    every = [r for n in res["prompts"] for r in res["prompts"][n]["runs"]]
     depth: dict = {}
-    for r in first:
-        for k, v in (r.get("depth") or {}).items():
-            depth[k] = depth.get(k, 0) + v
+    threads: dict = {}
     rounds: dict = {}
-    for r in first:
-        for k, v in (r.get("rounds") or {}).items():
-            rounds[k] = rounds.get(k, 0) + v
+    for r in every:
+        for acc, key in ((depth, "depth"), (threads, "threads"), (rounds, "rounds")):
+            for k, v in (r.get(key) or {}).items():
+                acc[k] = acc.get(k, 0) + v
+    depth_by_kind: dict = {}
+    for n in res["prompts"]:
+        for r in res["prompts"][n]["runs"]:
+            d = depth_by_kind.setdefault(PROMPTS[n][0], {})
+            for k, v in (r.get("depth") or {}).items():
+                d[k] = d.get(k, 0) + v
 
     def same(other):
         if other is None:
@@ -233,7 +262,8 @@ def summarize(res: dict, ref: dict | None, hf_ref: dict | None) -> dict:
         return all(run["output"] == other["prompts"][n]["runs"][0]["output"]
                    for n in res["prompts"] for run in res["prompts"][n]["runs"])
 
-    return {"by_kind": rows, "accept_rate_by_pos": by_pos, "depth_chosen": depth, "rounds": rounds,
+    return {"by_kind": rows, "accept_rate_by_pos": by_pos, "depth_chosen": depth, "depth_by_kind": depth_by_kind,
+            "threads_chosen": threads, "rounds": rounds,
             "identical_to_off": same(ref), "identical_to_hf": same(hf_ref),
             "warnings": sorted({r["warning"] for r in first if r.get("warning")})}
 
@@ -276,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--k-max", type=int, default=6, help="deepest draft of the depth policy (sync:auto, async:auto)")
     ap.add_argument("--worker-threads", type=int, default=0, help="the drafter worker's CPU threads (0: all cores)")
+    ap.add_argument("--threads", default="auto", help="the engine's CPU threads: auto (engine/threads.py) or N")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_pair.json"))
     args = ap.parse_args(argv)
     names = []
@@ -285,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"real_pair: --prompts: unknown prompt {p!r} (known: {', '.join(PROMPTS)}, code, prose)")
         names += [n for n in group or [p] if n not in names]
     modes = parse_modes(args.modes)
+    if args.threads != "auto":
+        if not args.threads.isdigit():
+            raise SystemExit(f"real_pair: --threads: 'auto' or a count, got {args.threads!r}")
+        args.threads = int(args.threads)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in DTYPES for d in dtypes):
         raise SystemExit(f"real_pair: --dtypes: each must be one of {', '.join(DTYPES)}")
@@ -312,15 +347,17 @@ def main(argv: list[str] | None = None) -> int:
         model, tok = load_pair_target(dtype)
         print(f"[{dname}] target loaded in {time.perf_counter() - t0:.1f} s", flush=True)
         ids = {n: tok.encode(PROMPTS[n][1]) for n in names}
-        res: dict[str, dict] = {}
+        res: dict[str, dict] = {m: {"prompts": {n: {"runs": []} for n in ids}} for m in modes}
         timing = None
         worker = None
+        runners: dict[str, object] = {}
+        hf_threads = torch.get_num_threads()
         try:
             if any(m.split(":")[0] in ("sync", "async") for m in modes):
                 max_ctx = max(len(x) for x in ids.values()) + args.max_tokens + 64
                 k_all = max([args.k_max] + [int(m.split(":")[1]) for m in modes if m.split(":")[-1].isdigit()
                                             and m.startswith(("sync", "async"))])
-                worker = L.start_local_worker(str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 1,
+                worker = L.start_local_worker(str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 4,
                                               args.worker_threads, dtype="float32" if dname == "fp32" else "bfloat16")
                 spec = L.worker_spec(worker.host, worker.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash,
                                      k_all, 8)
@@ -329,35 +366,52 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{dname}] {rs.note}", flush=True)
             else:
                 spec = rs = None
-            for mode in (m for m in modes if not m.startswith("hf")):
-                t1 = time.perf_counter()
-                res[mode] = run_engine(model, tok, mode, ids, args, spec, rs, args.repeats)
-                print(f"[{dname}] {mode}: {time.perf_counter() - t1:.1f} s", flush=True)
+            hf_modes = [m for m in modes if m.startswith("hf")]
+            if hf_modes:
+                from draftrelay.checkpoint import gguf
+
+                hf = hf_model(model)
+                drafter = gguf.load_gguf(DRAFTER, device="cpu", dtype=dtype) \
+                    if any("assisted" in m for m in hf_modes) else None
+                hf_drafter = hf_model(drafter) if drafter is not None else None
+            for mode in modes:
+                runners[mode] = HFRunner(hf, hf_drafter, tok, mode, ids, args, hf_threads) if mode.startswith("hf") \
+                    else EngineRunner(model, tok, mode, ids, args, spec, rs)
+            # interleaved: every prompt of every repeat runs each mode once, the order rotating, so a change of
+            # the machine's load hits every mode alike
+            t_all = time.perf_counter()
+            turn = 0
+            for rep in range(args.repeats):
+                for name, x in ids.items():
+                    order = modes[turn % len(modes):] + modes[:turn % len(modes)]
+                    turn += 1
+                    for mode in order:
+                        load0 = os.getloadavg()[0]
+                        run = runners[mode].run(x)
+                        run["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+                        res[mode]["prompts"][name]["runs"].append(run)
+                        with open(args.out + ".partial", "w") as f:  # what a stopped run leaves behind
+                            json.dump({**out, "partial": {dname: res}}, f)
+                        print(f"[{dname}] rep {rep} {name} {mode}: {(run['tokens'] - 1) / run['decode_s']:.2f} tok/s "
+                              f"(load {load0:.1f}, {time.perf_counter() - t_all:.0f} s)", flush=True)
         finally:
+            for mode, r in runners.items():
+                res[mode].update(r.close())
             if worker is not None:
                 worker.stop()
-        hf_modes = [m for m in modes if m.startswith("hf")]
-        if hf_modes:
-            from draftrelay.checkpoint import gguf
-
-            hf = hf_model(model)
-            drafter = gguf.load_gguf(DRAFTER, device="cpu", dtype=dtype) if any("assisted" in m for m in hf_modes) \
-                else None
-            hf_drafter = hf_model(drafter) if drafter is not None else None
-            for mode in hf_modes:
-                t1 = time.perf_counter()
-                res[mode] = run_hf(hf, hf_drafter, tok, mode, ids, args, args.repeats)
-                print(f"[{dname}] {mode}: {time.perf_counter() - t1:.1f} s", flush=True)
-            del hf, hf_drafter, drafter
+        loads = [v for m in res.values() for p in m["prompts"].values() for r in p["runs"] for v in r["load"]]
+        out.setdefault("load_average", {})[dname] = {"min": min(loads), "max": max(loads),
+                                                     "median": statistics.median(loads)}
         ref, hf_ref = res.get("off"), res.get("hf")
         table = {m: summarize(r, ref if m != "off" else None, hf_ref if m != "hf" else None) for m, r in res.items()}
         print_table(dname, table)
         out["results"][dname] = {"round_timing": timing, "summary": table, "raw": res}
-        del model
+        del model, runners
         gc.collect()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
+    Path(args.out + ".partial").unlink(missing_ok=True)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftrelay.engine.depth import Acceptance, CostCurve, DepthConfig, DepthPolicy
+from draftrelay.engine.depth import Acceptance, CostCurve, DepthConfig, DepthPolicy, ScaledCurve
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 from draftrelay.handoff.rounds import HandoffConfig
 from draftrelay.model import tiny_pair
@@ -43,6 +43,42 @@ def test_cost_curve_measured_points_and_a_line_between():
     c2.add(1, 0.02)
     c2.add(2, 0.01)  # noise saying deeper is cheaper: the line is flat, never falling
     assert c2(6) >= 0.01
+
+
+def test_cost_curve_never_falls_with_width():
+    c = CostCurve(alpha=1.0)
+    for x, ms in ((1, 580), (2, 480), (3, 1000), (7, 1380)):  # measured on a loaded CPU: 2 below 1
+        c.add(x, ms / 1e3)
+    vals = [c(x) for x in range(1, 10)]
+    assert all(b >= a for a, b in zip(vals, vals[1:], strict=False))
+    assert c(1) == c(2) == pytest.approx(0.530)  # pooled
+    assert c(3) == pytest.approx(1.0) and 1.0 < c(5) < 1.38 and c(9) >= 1.38
+
+
+def test_scaled_curve_moves_every_width_with_the_load():
+    c = ScaledCurve(alpha=1.0, shape_alpha=1.0)
+    c.add(1, 0.25)
+    c.add(7, 0.50)  # width 7 costs 2x width 1
+    for _ in range(20):
+        c.add(1, 0.75)  # the machine gets 3x slower; only width 1 is measured
+    assert c(1) == pytest.approx(0.75) and c(7) == pytest.approx(1.50)  # width 7 follows
+    c.add(7, 0.90)  # and a fresh measurement at 7 corrects its shape
+    assert c(7) == pytest.approx(0.90) and c(1) == pytest.approx(0.75 * 0.90 / 1.50 * 2 / 1.2, rel=0.5)
+
+
+def test_an_outlier_at_a_depth_not_chosen_gets_measured_again():
+    pol = trained(6, lambda k: 100 * k, lambda t: 300 + 20 * t, [0.9] * 6)
+    pol.cfg.refresh_every = 8
+    pol.observe_verify(7, 3.0)  # one bad measurement: 3 s for width 7
+    assert pol.choose() < 6
+    picks = []
+    for _ in range(80):
+        k = picks.append(pol.choose()) or picks[-1]
+        pol.observe_verify(k + 1, (300 + 20 * (k + 1)) / 1e3)
+        if k:
+            pol.observe_round(k, 0.1 * k, 1)
+    assert pol.refreshes >= 8 and pol.verify(7) < 0.6  # width 7 measured again: its outlier is gone
+    assert picks[-10:].count(5) >= 8  # and the true best (rate(5) 5.09 > rate(6) 5.02 per s) is chosen
 
 
 def test_acceptance_counts_positions_reached_and_kept():

@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import draftrelay.model as M
 from draftrelay.checkpoint import hf
 from draftrelay.model import (
     KVCache,
@@ -339,3 +341,37 @@ def test_decode_forward_never_waits_for_the_device_stream():
                   logits_at=torch.tensor([1, 0]))
             model(torch.tensor([[7], [9]]), torch.tensor([5, 5]), cache, slice(0, 2), kv_len=8)
     assert blocking == [], f"blocking host-to-device copies of shapes {blocking}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_cpu_linear_equals_one_gemm(monkeypatch, dtype):
+    """A few-row single-threaded product in row blocks of the weight gives the one GEMM's values
+    (each block computes whole output columns); other shapes and thread counts are the one GEMM."""
+    monkeypatch.setattr(M, "CPU_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(M, "CPU_BLOCK_MIN", 1 << 16)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1000, 256, generator=g).to(dtype)  # 4096-byte blocks would be 4 rows: 16 at least
+    b = torch.randn(1000, generator=g).to(dtype)
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(M.F, "linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for rows in (4, 7, 16):
+            x = torch.randn(1, rows, 256, generator=g).to(dtype)
+            calls.clear()
+            out = M.linear(x, w, b)
+            assert len(calls) > 1 and max(calls) == 16  # blocks of 16 rows (the floor), the last shorter
+            torch.testing.assert_close(out, real(x, w, b), rtol=1e-6 if dtype == torch.float32 else 1e-2,
+                                       atol=1e-5 if dtype == torch.float32 else 1e-2)
+        for rows in (1, 3, 17):
+            calls.clear()
+            M.linear(torch.randn(rows, 256, generator=g).to(dtype), w, b)
+            assert calls == [1000]
+        torch.set_num_threads(2)
+        calls.clear()
+        M.linear(torch.randn(5, 256, generator=g).to(dtype), w, b)
+        assert calls == [1000]
+    finally:
+        torch.set_num_threads(before)

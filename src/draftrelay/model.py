@@ -266,6 +266,28 @@ def attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, blocked: to
     return out.to(vals.dtype)
 
 
+# A single-threaded CPU product with a few rows (a verify of 4..16 positions) runs over row blocks of
+# the weight that fit in the core's L2: MKL's small-M GEMM re-streams a large weight for every few
+# rows instead, so a 7-wide verify of the 1.5B reference target cost 2.7x a 1-wide one on one thread
+# (in blocks: 1.5-1.8x). Each block's GEMM computes whole output columns (the same dot products).
+# With several threads the blocks' many small parallel regions cost more than they save on a shared
+# CPU (each waits for every thread), so those keep the one GEMM.
+CPU_BLOCK_ROWS = (4, 16)
+CPU_BLOCK_BYTES = 1 << 20  # weight bytes per block
+CPU_BLOCK_MIN = 4 << 20  # smaller weights run as one GEMM (a block costs ~10 us of Python)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, in row blocks of w for single-threaded CPU products of CPU_BLOCK_ROWS rows (above)."""
+    if x.device.type == "cpu" and x.dim() >= 2 and CPU_BLOCK_ROWS[0] <= x.numel() // x.shape[-1] <= CPU_BLOCK_ROWS[1]:
+        per_row = w.shape[1] * w.element_size()
+        if w.shape[0] * per_row >= CPU_BLOCK_MIN and torch.get_num_threads() == 1:
+            rows = max(16, CPU_BLOCK_BYTES // per_row)
+            return torch.cat([F.linear(x, w[i:i + rows], None if b is None else b[i:i + rows])
+                              for i in range(0, w.shape[0], rows)], dim=-1)
+    return F.linear(x, w, b)
+
+
 class Proj(NamedTuple):
     """One HF projection (q_proj, gate_proj, ...) as views into our fused weight: loading, saving and
     the TP split see HF's tensors; the forward runs one GEMM for all of them."""
@@ -436,7 +458,7 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     if K is not None and K.use_norm_linear(st.B * st.T, w):
         return K.norm_linear(x, delta, weight, eps, w, b)
     x, h = add_norm(x, delta, weight, eps, st)
-    return x, F.linear(h, w, b)
+    return x, linear(h, w, b)
 
 
 def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -479,7 +501,7 @@ def mlp_half(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
 
 def out_product(o: torch.Tensor, wo: torch.Tensor, st: StepState) -> torch.Tensor:
     """o_proj's product on one card (the skinny GEMM or cuBLAS on the fast path, as measured)."""
-    return F.linear(o, wo) if st.kernels is None else st.kernels.linear(o, wo)
+    return linear(o, wo) if st.kernels is None else st.kernels.linear(o, wo)
 
 
 def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
@@ -489,7 +511,7 @@ def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
     it (kernels.act_linear) instead of by a launch of its own."""
     x, gu = norm_linear(x, red, w.ln2, eps, w.wgu, None, st)
     if st.kernels is None:
-        return x, F.linear(mlp_act(gu, st), w.wd)
+        return x, linear(mlp_act(gu, st), w.wd)
     return x, st.kernels.act_linear(gu, w.wd)
 
 
@@ -512,7 +534,7 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
     if K is not None:
         out = K.linear(x.contiguous(), head)
     else:
-        out = F.linear(rms_norm(x, final_norm, eps), head)
+        out = linear(rms_norm(x, final_norm, eps), head)
     if greedy:
         if out.shape[1] != 1:
             raise ValueError(f"greedy picks one position per row, got {out.shape[1]}")

@@ -12,11 +12,14 @@ Speculating has to beat rate(0) by `min_gain` (noise margin), else the step is a
 at 0, every `probe_every` steps one round at the best positive depth refreshes the acceptance (and
 the round cost), so speculation comes back when the text gets easier or the drafter faster.
 
-Costs are running estimates from the engine's own step clock: per round depth and per verify width an
-exponential average of what was measured, and for depths/widths not measured yet a least-squares line
-through those that were (both are close to linear in k on CPU and GPU alike). Until both the width-1
-and the deepest verify have been timed once, and a round at two depths (unless `round_costs` seeded
-them: engine/calibrate.py measures the worker before decoding), the policy explores those first.
+Costs are running estimates from the engine's own step clock, each a scale times a shape
+(`ScaledCurve`): every measurement moves the scale (the machine's current speed: a shared CPU's load
+moves all depths alike), and the relative cost of its depth or width slowly; the shape is
+non-decreasing, interpolated between measured points and a least-squares line beyond them (both are
+close to linear in k on CPU and GPU alike). While speculating, every `refresh_every` steps one step
+runs at the depth measured longest ago, so no depth keeps a cost that one bad measurement gave it.
+Until both the width-1 and the deepest verify have been timed once, and a round at two depths (unless
+`round_costs` seeded them: engine/calibrate.py measures the worker before decoding), the policy explores those first.
 One depth serves the whole batch (the verify is as wide as its longest draft), and costs are kept by
 depth and width only: a change of batch size moves them, and the running averages follow within a
 few steps. Acceptance counts decay per round (`decay`), so the estimate follows the text it is drafting; a
@@ -34,8 +37,11 @@ import numpy as np
 
 
 class CostCurve:
-    """Seconds as a function of a small integer x: an exponential average per measured x, and a
-    least-squares line through the measured points for the others."""
+    """Seconds as a function of a small integer x (a depth or a width), never falling with x: an
+    exponential average per measured x, made non-decreasing over the measured points (pool adjacent
+    violators: on a loaded CPU a 2-wide verify can average below a 1-wide one, and a curve that falls
+    would call a deeper step cheaper), interpolated between them and extended by a least-squares line
+    beyond them."""
 
     def __init__(self, alpha: float = 0.25) -> None:
         self.alpha = alpha
@@ -48,16 +54,71 @@ class CostCurve:
     def known(self, x: int) -> bool:
         return x in self.mean
 
+    def fitted(self) -> tuple[list[int], list[float]]:
+        """The measured xs and their non-decreasing fit."""
+        xs = sorted(self.mean)
+        blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+        for x in xs:
+            blocks.append([self.mean[x], 1])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                s, c = blocks.pop()
+                blocks[-1][0] += s
+                blocks[-1][1] += c
+        return xs, [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+
     def __call__(self, x: int) -> float | None:
-        if x in self.mean:
-            return self.mean[x]
-        if len(self.mean) < 2:
+        if not self.mean:
             return None
-        xs = np.array(sorted(self.mean), float)
-        ys = np.array([self.mean[int(v)] for v in xs])
-        slope, icpt = np.polyfit(xs, ys, 1)
-        slope = max(float(slope), 0.0)  # cost never falls with depth or width: noise must not say so
-        return max(float(icpt + slope * x), float(ys.min()) if x > xs.max() else 0.0, 1e-9)
+        xs, ys = self.fitted()
+        if x in self.mean:
+            return ys[xs.index(x)]
+        if len(xs) < 2:
+            return None
+        if xs[0] < x < xs[-1]:
+            return float(np.interp(x, xs, ys))
+        slope, icpt = np.polyfit(np.array(xs, float), np.array(ys), 1)
+        slope = max(float(slope), 0.0)
+        if x > xs[-1]:
+            return max(float(icpt + slope * x), ys[-1])
+        return max(min(float(icpt + slope * x), ys[0]), 1e-9)
+
+
+class ScaledCurve:
+    """cost(x) = scale * shape(x): the machine's current speed (`scale`, updated by every measurement at
+    any x) times the relative cost of x (`shape`, a CostCurve normalised to 1 at the first x measured).
+    The load of a shared CPU moves every depth's and width's cost together; a policy that sits at one
+    depth measures only that one, so with a plain average per x the costs of the others stay whatever
+    they were when last measured (an outlier measured once at the deepest width kept it off for good).
+    Here a measurement at x moves the scale for all of them, and the shape only slowly."""
+
+    def __init__(self, alpha: float = 0.25, shape_alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.shape = CostCurve(shape_alpha)
+        self.scale: float | None = None
+        self.ref: int | None = None
+
+    def add(self, x: int, seconds: float) -> None:
+        if self.ref is None:
+            self.ref, self.scale = x, seconds
+            self.shape.mean[x] = 1.0
+            return
+        rel = self.shape(x)
+        if rel is not None:
+            self.scale += self.alpha * (seconds / rel - self.scale)
+        if x != self.ref:
+            self.shape.add(x, seconds / self.scale)
+
+    def known(self, x: int) -> bool:
+        return self.shape.known(x)
+
+    def __call__(self, x: int) -> float | None:
+        rel = self.shape(x)
+        return None if rel is None or self.scale is None else self.scale * rel
+
+    @property
+    def mean(self) -> dict[int, float]:
+        """The current estimate at every measured x."""
+        return {x: self(x) for x in self.shape.mean}
 
 
 class Acceptance:
@@ -106,6 +167,7 @@ class Acceptance:
 @dataclass
 class DepthConfig:
     probe_every: int = 16  # steps at depth 0 between probe rounds
+    refresh_every: int = 24  # steps at a positive depth between refreshes of the longest-unmeasured depth
     min_gain: float = 1.03  # speculate only when its expected rate beats a plain decode by this factor
     prior: float = 0.6  # acceptance assumed at a position before any round reached it
     prior_weight: float = 2.0
@@ -121,17 +183,21 @@ class DepthPolicy:
             raise ValueError(f"DepthPolicy: k_max must be >= 1, got {k_max}")
         self.k_max = k_max
         self.cfg = cfg or DepthConfig()
-        self.round = CostCurve()
-        self.verify = CostCurve()
+        self.round = ScaledCurve()
+        self.verify = ScaledCurve()
         self.host = CostCurve()
         self.acc = Acceptance(k_max, self.cfg.prior, self.cfg.prior_weight, self.cfg.decay)
-        for k, s in (round_costs or {}).items():
+        for k, s in sorted((round_costs or {}).items()):
             if 0 < int(k) <= k_max:
                 self.round.add(int(k), float(s))
         self._at_zero = 0  # consecutive steps chosen at depth 0
         self._explore_left = 6  # exploring steps allowed (failed rounds time no verify width)
         self.chosen: dict[int, int] = {}  # depth -> steps (metrics)
         self.probes = 0
+        self.refreshes = 0
+        self._steps = 0
+        self._since_refresh = 0
+        self._seen: dict[int, int] = {}  # verify width -> the step it was last measured
 
     # -- the decision ------------------------------------------------------------------------------
     def _explore(self) -> int | None:
@@ -164,12 +230,18 @@ class DepthPolicy:
         return out
 
     def choose(self) -> int:
+        self._steps += 1
         k = self._explore()
         if k is None:
             rates = self.rates()
             best = 1 + int(np.argmax(rates[1:])) if max(rates[1:]) > 0 else self.k_max
             if rates[best] >= self.cfg.min_gain * rates[0]:
                 k = best
+                self._since_refresh += 1
+                if self._since_refresh >= self.cfg.refresh_every:  # re-measure the stalest depth
+                    k = min(range(1, self.k_max + 1), key=lambda d: self._seen.get(d + 1, -1))
+                    self._since_refresh = 0
+                    self.refreshes += 1
             elif self._at_zero >= self.cfg.probe_every:
                 k = best
                 self.probes += 1
@@ -188,6 +260,7 @@ class DepthPolicy:
 
     def observe_verify(self, width: int, seconds: float) -> None:
         self.verify.add(width, seconds)
+        self._seen[width] = self._steps
 
     def observe_host(self, seconds: float) -> None:
         self.host.add(0, seconds)
@@ -198,7 +271,7 @@ class DepthPolicy:
     def summary(self) -> dict:
         """For metrics: depths chosen, probes, and the model's current view."""
         rates = self.rates()
-        return {"chosen": dict(sorted(self.chosen.items())), "probes": self.probes,
+        return {"chosen": dict(sorted(self.chosen.items())), "probes": self.probes, "refreshes": self.refreshes,
                 "accept_cond_by_pos": [round(float(x), 3) for x in self.acc.cond()],
                 "round_success": round(self.acc.success(), 3),
                 "round_ms_by_k": {k: round(1e3 * v, 2) for k, v in sorted(self.round.mean.items())},

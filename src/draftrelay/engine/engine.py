@@ -53,6 +53,7 @@ from .planner import RoundPlanner
 from .request import Request, SamplingParams
 from .sampling import accept, first_token
 from .spec_cache import SpecCache
+from .threads import ThreadPolicy
 from .verify import Verifier, VerifyInputs, drafts_from_reply
 
 MODES = ("off", "sync", "async")
@@ -79,6 +80,9 @@ class EngineConfig:
     # with a worker only); spec_options: SpecCache keywords (branch_budget_ms, push_faults, log)
     spec_fanout: int = 0
     spec_options: dict = field(default_factory=dict)
+    # CPU threads of the target's forward (threads.py): "auto" measures one thread against all of them
+    # per step and runs the faster; N > 0 sets torch's count to N; 0 leaves torch's setting alone
+    threads: int | str = 0
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -90,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"n_draft must be within [0, 64], got {self.n_draft}")
         if self.depth not in ("fixed", "auto"):
             raise ValueError(f"depth must be 'fixed' or 'auto', got {self.depth!r}")
+        if self.threads != "auto" and not (isinstance(self.threads, int) and self.threads >= 0):
+            raise ValueError(f"threads must be 'auto' or a count >= 0, got {self.threads!r}")
         if not 0 <= self.spec_fanout <= 64:
             raise ValueError(f"spec_fanout (speculation-cache fan-out) must be within [0, 64], "
                              f"got {self.spec_fanout}")
@@ -130,11 +136,24 @@ class Engine:
             self.spec_cache.bind(self.rounds, self.vocab, self.device_drafts)
         self.depth: DepthPolicy | None = None
         self._new_depth_policy()
+        self.threads = self._thread_policy()
 
     def _new_depth_policy(self) -> None:
         """A fresh policy for the current rounds (other rounds, other costs)."""
         on = self.cfg.depth == "auto" and self.cfg.n_draft > 0 and self.rounds is not None
         self.depth = DepthPolicy(self.cfg.n_draft, round_costs=self.cfg.round_costs_s) if on else None
+
+    def _thread_policy(self) -> ThreadPolicy | None:
+        if self.device.type != "cpu":
+            return None
+        if self.cfg.threads == "auto":
+            from .loading import default_threads
+
+            n = default_threads()
+            return ThreadPolicy(n) if n >= 2 else None
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        return None
 
     def _open_rounds(self) -> Rounds:
         h = dataclasses.replace(self.cfg.handoff or HandoffConfig(backend="cuda" if self.stream else "emulated"))
@@ -304,6 +323,8 @@ class Engine:
         toks = torch.tensor(req.prompt, dtype=torch.long)
         rows = torch.tensor([req.row])
         C = self.cfg.prefill_chunk
+        if self.threads is not None:  # the count that runs the plain decode faster now
+            self.threads.apply(self.threads.best)
         for c0 in range(0, len(req.prompt), C):  # chunked: bounded activation memory for long prompts
             logits = self.model(toks[c0:c0 + C][None], torch.tensor([c0]), self.cache, rows, last_only=True)
         first = first_token(req.params.temperature, req.params.top_k, logits[0, -1], req.gen, req.params.top_p)
@@ -350,8 +371,14 @@ class Engine:
         """Verify [pending, drafts] for the batch, accept, roll the KV back, book the step; returns the
         drafts verified. asked[i]: the drafts request i's round asked for (0: the round is booked
         elsewhere, or there is none); n_out[i]: what this round asked (the depth policy learns from it)."""
+        width = 1 + max(len(d) for d in drafts)
+        if self.threads is not None:
+            self.threads.apply(self.threads.choose(width))
+        t0 = time.perf_counter()
         with clock.part("verify"):
             v = self.verifier.verify(inp, drafts, early, argmax=any(r.params.temperature <= 0 for r in batch))
+        if self.threads is not None:
+            self.threads.observe(width, time.perf_counter() - t0)
         for i, r in enumerate(batch):
             d = v.drafts[i]
             am = v.argmax[i] if v.argmax is not None else None
@@ -368,7 +395,8 @@ class Engine:
         p = clock.parts
         if plan.asks:
             self.depth.observe_round(k, p["submit"] + p["wait"], max(len(x) for x in plan.send))
-        self.depth.observe_verify(1 + max(len(d) for d in drafts), p["verify"])
+        if self.threads is None or not self.threads.probing:  # a thread probe's verify is not the usual cost
+            self.depth.observe_verify(1 + max(len(d) for d in drafts), p["verify"])
         self.depth.observe_host(self.timing["host"][-1])
 
     # -- metrics ---------------------------------------------------------------------------------------
@@ -383,6 +411,8 @@ class Engine:
             total["depth"] = self.depth.summary()
         if self.spec_cache is not None:
             total["spec_cache"] = self.spec_cache.stats()
+        if self.threads is not None:
+            total["threads"] = self.threads.summary()
         return {"total": total, "requests": per}
 
     def reset_metrics(self) -> None:
@@ -401,6 +431,8 @@ class Engine:
         if self.rounds is not None and self._own_rounds:
             self.rounds.close()
         self.rounds = None
+        if self.threads is not None:  # torch's thread count as the engine found it
+            self.threads.restore()
 
     def __enter__(self) -> Engine:
         return self

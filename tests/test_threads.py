@@ -1,0 +1,83 @@
+"""The thread policy of the target's CPU forward: it runs the faster count, probes the other, follows a
+change of load, and the engine keeps torch's setting as it found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+from draftrelay.engine.threads import ThreadPolicy
+from draftrelay.model import tiny_pair
+
+
+def drive(pol: ThreadPolicy, cost, steps: int, width=lambda i: 1) -> list[int]:
+    """Run `steps` choices against cost(n, width) seconds; the counts chosen."""
+    out = []
+    for i in range(steps):
+        w = width(i)
+        n = pol.choose(w)
+        pol.observe(w, cost(n, w))
+        out.append(n)
+    return out
+
+
+def test_picks_the_faster_count_and_probes_the_other_rarely():
+    pol = ThreadPolicy(2, probe_every=10)
+    loaded = drive(pol, lambda n, w: 0.45 if n == 1 else 1.26, 200)  # a loaded machine: one thread wins
+    assert loaded[:2] == [1, 2]  # both measured first
+    assert pol.probing == (loaded[-1] != pol.best)
+    assert loaded[-50:].count(1) >= 48
+    # the other count is 2.8x slower: probes at most every ceil(1.8 / 0.05) = 36 steps
+    assert 3 <= loaded[2:].count(2) <= 200 // 36 + 1
+    pol = ThreadPolicy(2, probe_every=10)
+    idle = drive(pol, lambda n, w: 0.42 if n == 1 else 0.23, 200)  # idle: two threads win
+    assert idle[-50:].count(2) >= 46  # one thread 1.8x slower: a probe every 17 steps
+    assert pol.summary()["chosen"]["2"] > 180
+
+
+def test_follows_a_change_of_load():
+    pol = ThreadPolicy(2, probe_every=8)
+    drive(pol, lambda n, w: 0.42 if n == 1 else 0.23, 60)
+    assert pol.best == 2
+    after = drive(pol, lambda n, w: 0.45 if n == 1 else 1.26, 60)  # other work starts
+    assert pol.best == 1 and after[-20:].count(1) >= 19
+
+
+def test_a_width_seen_with_one_count_only_follows_the_other_widths():
+    pol = ThreadPolicy(2, probe_every=1000)
+    drive(pol, lambda n, w: (0.45 if n == 1 else 1.26) * w, 4)  # width 1, both counts
+    assert pol.faster(5) == 1  # width 5 never measured: the ratio at width 1 decides
+    assert pol.choose(5) == 1
+
+
+def test_near_ties_keep_the_current_count():
+    pol = ThreadPolicy(2, probe_every=1000, margin=0.05)
+    drive(pol, lambda n, w: 0.30 if n == 1 else 0.31, 10)
+    assert pol.best == 2  # 3 % apart, within the margin: no switch
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="at least 2 threads"):
+        ThreadPolicy(1)
+    with pytest.raises(ValueError, match="probe_every"):
+        ThreadPolicy(2, probe_every=1)
+    with pytest.raises(ValueError, match="threads must be"):
+        EngineConfig(threads="many").validate()
+
+
+def test_engine_restores_torch_threads_and_reports_choices(monkeypatch):
+    import draftrelay.engine.loading as L
+
+    monkeypatch.setattr(L, "default_threads", lambda: 2)
+    before = torch.get_num_threads()
+    target, _ = tiny_pair()
+    off = Engine(target, EngineConfig(mode="off", max_batch=1, max_len=128, threads=0))
+    (ref,) = off.generate([[1, 2, 3]], SamplingParams(max_tokens=20))
+    with Engine(target, EngineConfig(mode="off", max_batch=1, max_len=128, threads="auto")) as eng:
+        (req,) = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=20))
+        th = eng.metrics()["total"]["threads"]
+    assert req.output == ref.output  # the tiny model's logits do not depend on the count
+    assert sum(th["chosen"].values()) == 19 and th["chosen"]["1"] >= 1 and th["chosen"]["2"] >= 1
+    assert torch.get_num_threads() == before
+    assert "threads" not in off.metrics()["total"]  # 0, the default: torch's setting, no policy
