@@ -186,7 +186,10 @@ def test_proxy_killed_twice_cache_recovers(pair, reference, worker):
     assert out == ref and steps["kills"] == 2
     t = m["total"]
     assert t["handoff"]["respawns_used"] == 2
-    assert t["spec_cache"]["epochs"] == 2  # each new proxy starts a new table epoch
+    # each cache step that sees a new proxy generation starts a new table epoch; on a loaded machine both
+    # respawns can land between two cache steps (the steps between the kills ran target-only), which is
+    # one new generation as the cache sees it
+    assert 1 <= t["spec_cache"]["epochs"] <= t["handoff"]["respawns_used"]
     assert t["spec_cache"]["hits"] > 0
 
 
