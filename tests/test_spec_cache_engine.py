@@ -187,7 +187,7 @@ def test_proxy_killed_twice_cache_recovers(pair, reference, worker):
     t = m["total"]
     assert t["handoff"]["respawns_used"] == 2
     # each cache step that sees a new proxy generation starts a new table epoch; on a loaded machine both
-    # respawns can land between two cache steps (the steps between the kills ran target-only), which is
+    # respawns can land between two cache steps (steps that run target-only do not look), which is
     # one new generation as the cache sees it
     assert 1 <= t["spec_cache"]["epochs"] <= t["handoff"]["respawns_used"]
     assert t["spec_cache"]["hits"] > 0
