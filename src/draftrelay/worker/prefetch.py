@@ -347,21 +347,23 @@ class HitDrafter:
             self._pf.records.pop(j.row, None)
         if not hits:
             return self._d.run(jobs, n_steps)
-        rest = [j for i, j in enumerate(jobs) if i not in hits]
         drafts = np.zeros((len(jobs), n_steps), np.int32)
         confs = np.zeros((len(jobs), n_steps), np.float32)
-        if rest:
-            rd, rc = self._d.run(rest, n_steps)
-            idx = [i for i in range(len(jobs)) if i not in hits]
-            drafts[idx], confs[idx] = rd, rc
+        idx = [i for i in range(len(jobs)) if i not in hits]
+        if idx:
+            drafts[idx], confs[idx] = self._d.run([jobs[i] for i in idx], n_steps)
+        self._answer(jobs, hits, n_steps, drafts, confs)
+        self._pf.stats["worker_side_hits"] += len(hits)
+        return drafts, confs
+
+    def _answer(self, jobs: list[Job], hits: dict, n_steps: int, drafts: np.ndarray, confs: np.ndarray) -> None:
+        """The hit jobs' drafts and confidences from their branches, and the branch's KV into the row."""
         sc = self._pf._scratch.cache
         for i, (srow, d, c) in hits.items():
             j = jobs[i]
             # the same row length the drafter leaves: context + the first n_steps - 1 drafts
             _copy_row(sc, srow, self._d.cache, j.row, j.keep + len(j.tokens) + n_steps - 1)
             drafts[i], confs[i] = d, c
-        self._pf.stats["worker_side_hits"] += len(hits)
-        return drafts, confs
 
 
 class ReplayPrefetcher(Prefetcher):
@@ -427,17 +429,7 @@ class ReplayHitDrafter(HitDrafter):
     drafter's row as HitDrafter does. `stats["hit_mismatches"]` counts hits whose booked drafts differ
     from the branch's (none, by construction: the branch's drafts are what book returns)."""
 
-    def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
-        hits = {i: h for i, j in enumerate(jobs) if (h := self._hit(j, n_steps)) is not None}
-        for j in jobs:
-            self._pf.records.pop(j.row, None)
-        if not hits:
-            return self._d.run(jobs, n_steps)
-        drafts = np.zeros((len(jobs), n_steps), np.int32)
-        confs = np.zeros((len(jobs), n_steps), np.float32)
-        idx = [i for i in range(len(jobs)) if i not in hits]
-        if idx:
-            drafts[idx], confs[idx] = self._d.run([jobs[i] for i in idx], n_steps)
+    def _answer(self, jobs: list[Job], hits: dict, n_steps: int, drafts: np.ndarray, confs: np.ndarray) -> None:
         hi = sorted(hits)
         drafts[hi], confs[hi] = self._d.book([jobs[i] for i in hi], n_steps)
         pf = self._pf
@@ -447,8 +439,6 @@ class ReplayHitDrafter(HitDrafter):
             if pf.real:
                 j = jobs[i]
                 _copy_row(pf._scratch.cache, srow, self._d.inner.cache, j.row, j.keep + len(j.tokens) + n_steps - 1)
-        pf.stats["worker_side_hits"] += len(hits)
-        return drafts, confs
 
 
 def make_prefetcher(drafter) -> tuple[Prefetcher, object]:
