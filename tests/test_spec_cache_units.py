@@ -148,9 +148,10 @@ def test_step_fanout_on_the_wire():
 # ---- the worker's branch drafting ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["eager", "static"])
+@pytest.fixture(scope="module", params=["eager", "static", "lean"])
 def served(request):
-    """A worker whose drafter runs eagerly, or with static shapes (the forwards a GPU captures as graphs:
+    """A worker whose drafter runs eagerly, lean (the CPU default: its branch step uses the static forward
+    over the stopping places), or with static shapes (the forwards a GPU captures as graphs:
     the branch step's forward over the stopping places and its batched branch run included)."""
     from draftrelay.worker.core import WorkerCore
     from draftrelay.worker.drafters import load_drafter
@@ -184,7 +185,7 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         assert e.base == len(prompt) and e.n_branches == F and np.array_equal(e.drafts, rep.drafts[0, :k])
         outcomes = {(int(a), int(y)) for a, y in zip(e.accepted, e.token, strict=True)}
         assert len(outcomes) == F and all(y != e.drafts[a] for a, y in outcomes if a < k)
-        assert bool(core.prefetcher._stops) == (core.drafter.mode == "static")  # which forward ran step 1
+        assert bool(core.prefetcher._stops) == (core.drafter.mode != "eager")  # which forward ran step 1
         from draftrelay.worker.prefetch import PIECES
 
         st = core.prefetcher.stats  # every piece of the branch work is booked, within the table's own time

@@ -81,12 +81,12 @@ class Prefetcher:
             # the branch run is a batched 1-token extension + k steps: on a GPU the drafter's CUDA graphs
             # (one per (branches, k, kv bucket)), else eager
             mode = getattr(d, "mode", "eager")
-            # not lean: with the lean loop in the scratch rows the engine's cache tests count hits the
-            # drafter's own distributions do not predict (test_spec_cache_engine's direct count); eager
-            # is what those tests hold equal, so the branch rows stay on it until that is understood
-            mode = "eager" if mode == "lean" else mode
             self._scratch = LlamaDrafter(d.model, n, d.max_ctx, d.n_out_max, d.model_id, d.tokenizer_hash,
                                          mode=mode)
+            # the static forwards over the stopping places were built on (graph mode: captured reading)
+            # the old scratch cache: kept, they would read rows nobody copies into any more, and the
+            # branch choice would follow stale distributions (the drafts stay right, the hits fall)
+            self._stops.clear()
         return self._scratch
 
     def _next_buckets(self, sc: LlamaDrafter, need: int) -> list[int]:
