@@ -70,6 +70,13 @@ def random_model(cfg: M.ModelConfig, dev: torch.device, dtype: torch.dtype, seed
     return model.eval()
 
 
+def target_model(shape: str, dev: torch.device, dtype: torch.dtype) -> M.Transformer:
+    """The benchmark target: the tiny pair's target, or random weights of a TARGET_SHAPES shape."""
+    if shape == "tiny":
+        return M.tiny_pair(device=dev, dtype=dtype)[0]
+    return random_model(M.ModelConfig(**TARGET_SHAPES[shape], name=shape), dev, dtype, 1)
+
+
 def write_drafter_dir(shape: str, path: str, seed: int) -> None:
     cfg = M.ModelConfig(**DRAFTER_SHAPES[shape], name=shape)
     model = random_model(cfg, torch.device("cpu"), torch.bfloat16, seed)
@@ -174,10 +181,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    if args.target == "tiny":
-        target, _ = M.tiny_pair(device=dev, dtype=dtype)
-    else:
-        target = random_model(M.ModelConfig(**TARGET_SHAPES[args.target], name=args.target), dev, dtype, 1)
+    target = target_model(args.target, dev, dtype)
     result["target"] = {"shape": args.target, "params": target.cfg.n_params(), "dtype": str(dtype)}
     tmp = tempfile.mkdtemp(prefix="draftrelay-bench-")
     if args.drafter == "tiny":

@@ -45,7 +45,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay import model as M  # noqa: E402
 from draftrelay.capture import kv_bucket  # noqa: E402  (the bucket the drafter itself uses)
-from draftrelay.checkpoint.hf import save_hf_dir  # noqa: E402
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from draftrelay.engine.loading import handoff_config  # noqa: E402
 from draftrelay.engine.spec_cache import DEFAULT_FANOUT, WAIT_RULES, SpecCache  # noqa: E402
@@ -59,7 +58,7 @@ from draftrelay.worker.core import WorkerCore  # noqa: E402
 from draftrelay.worker.drafters import Job, load_drafter  # noqa: E402
 from draftrelay.worker.prefetch import DEVICE_PIECES, Prefetcher, branches_payload  # noqa: E402
 from draftrelay.worker.process import start_worker_process  # noqa: E402
-from engine_workloads import DRAFTER_SHAPES, TARGET_SHAPES, prefill_held, random_model  # noqa: E402
+from engine_workloads import prefill_held, target_model, write_drafter_dir  # noqa: E402
 
 CONTEXTS = {"short": 0, "32k": 32768}
 
@@ -335,10 +334,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    if args.target == "tiny":
-        target, _ = M.tiny_pair(device=dev, dtype=dtype)
-    else:
-        target = random_model(M.ModelConfig(**TARGET_SHAPES[args.target], name=args.target), dev, dtype, 1)
+    target = target_model(args.target, dev, dtype)
     V = target.cfg.vocab_size
     if trace.max_token() >= V:
         ap.error(f"--trace: token {trace.max_token()} is outside the {args.target} vocabulary {V}")
@@ -349,9 +345,8 @@ def main() -> int:
     if args.drafter == "tiny":
         inner, model_id = "tiny", M.tiny_model_id()
     else:
-        cfg = M.ModelConfig(**DRAFTER_SHAPES[args.drafter], name=args.drafter)
         inner = os.path.join(tmp, f"random-{args.drafter}")
-        save_hf_dir(random_model(cfg, torch.device("cpu"), torch.bfloat16, 2), inner)
+        write_drafter_dir(args.drafter, inner, 2)
         model_id = os.path.basename(inner)
     rng = np.random.default_rng(0)
     # one derived trace for every workload: entry (workload, request) = that request's prompt behind its filler

@@ -43,7 +43,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay import model as M  # noqa: E402
-from draftrelay.checkpoint.hf import save_hf_dir  # noqa: E402
 from draftrelay.engine import loading as L  # noqa: E402
 from draftrelay.engine.engine import Engine, EngineConfig  # noqa: E402
 from draftrelay.handoff.procinfo import machine_info  # noqa: E402
@@ -55,7 +54,7 @@ from draftrelay.serve.metrics import ServeMetrics, freeze_startup_objects  # noq
 from draftrelay.serve.protocol import Limits  # noqa: E402
 from draftrelay.serve.scheduler import Scheduler, warm_up  # noqa: E402
 from draftrelay.worker.process import start_worker_process  # noqa: E402
-from engine_workloads import DRAFTER_SHAPES, TARGET_SHAPES, random_model  # noqa: E402
+from engine_workloads import target_model, write_drafter_dir  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLANE = 0x10000  # token id i is the character chr(PLANE + i): text <-> ids without a tokenizer
@@ -177,8 +176,7 @@ def main() -> int:
         inner, model_id = "tiny", M.tiny_model_id()
     else:
         inner = os.path.join(tmp, f"random-{args.drafter}")
-        save_hf_dir(random_model(M.ModelConfig(**DRAFTER_SHAPES[args.drafter], name=args.drafter),
-                                 torch.device("cpu"), torch.bfloat16, 2), inner)
+        write_drafter_dir(args.drafter, inner, 2)
         model_id = os.path.basename(inner)
     worker = None
     if any(m != "off" for m in modes):  # started first: it loads while the target is built
@@ -189,10 +187,7 @@ def main() -> int:
                                        *(["--warm-graphs", str(args.k), "--warm-batch", str(args.max_batch)]
                                          if dev.type == "cuda" and args.warm_drafter else [])],
                                       timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
-    if args.target == "tiny":
-        target, _ = M.tiny_pair(device=dev, dtype=dtype)
-    else:
-        target = random_model(M.ModelConfig(**TARGET_SHAPES[args.target], name=args.target), dev, dtype, 1)
+    target = target_model(args.target, dev, dtype)
     if max_model_len > target.cfg.max_position_embeddings:
         ap.error(f"--long-len {args.long_len}: beyond the target's context {target.cfg.max_position_embeddings}")
     hook = install_replay_target(target, trace, n_rows=args.max_batch + 1, max_len=max_len)
