@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -46,3 +47,22 @@ def write_hf_pair(tmp_path, target, drafter) -> list[str]:
         tok.save(str(d / "tokenizer.json"))
         dirs.append(str(d))
     return dirs
+
+
+def exact_law(target, prompt: list[int], vocab: int, n_tokens: int, keep: int):
+    """The exact law of the last `keep` of the first `n_tokens` tokens the target samples at temperature 1
+    after `prompt` (the joint over all vocab ** n_tokens continuations, summed over the leading
+    n_tokens - keep): a float64 array [vocab] * keep, what the sampling tests hold the engine's counts to."""
+    import torch
+
+    with torch.inference_mode():
+        def probs(seqs):
+            c = target.new_cache(len(seqs), max(8, len(seqs[0])))
+            lg = target(torch.tensor(seqs), torch.zeros(len(seqs), dtype=torch.long), c, torch.arange(len(seqs)))
+            return torch.softmax(lg[:, -1].double(), -1)
+
+        joint = torch.ones((), dtype=torch.float64)
+        for j in range(n_tokens):
+            seqs = [prompt + list(t) for t in itertools.product(range(vocab), repeat=j)]
+            joint = joint[..., None] * probs(seqs).view(*([vocab] * (j + 1)))
+        return joint.sum(tuple(range(n_tokens - keep))).numpy()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import exact_law
 from draftrelay.engine.engine import Engine, EngineConfig, LocalRounds, SamplingParams
 from draftrelay.handoff.rounds import HandoffConfig
 from draftrelay.model import ModelConfig, Transformer, tiny_model_id, tiny_pair
@@ -262,16 +263,7 @@ def test_sampled_outputs_follow_the_target_distribution():
             for r in eng.generate([prompt] * B, ps):
                 counts[r.output[1], r.output[2]] += 1
     # exact law of (token 2, token 3), summed over token 1
-    with torch.inference_mode():
-        def probs(seqs):
-            c = target.new_cache(len(seqs), 8)
-            lg = target(torch.tensor(seqs), torch.zeros(len(seqs), dtype=torch.long), c, torch.arange(len(seqs)))
-            return torch.softmax(lg[:, -1].double(), -1)
-
-        p1 = probs([prompt])[0]
-        p2 = probs([prompt + [a] for a in range(V)])
-        p3 = probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
-        exact = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).numpy()
+    exact = exact_law(target, prompt, V, n_tokens=3, keep=2)
     n = n_batches * B
     expected = exact * n
     pvalue = chi2_pvalue(counts, expected)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import exact_law
 from draftrelay.checkpoint.hf import save_hf_dir
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig
@@ -302,18 +303,7 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path,
     assert t["rounds"]["failed"] == 0 and t["rounds"]["watchdog"] == 0
     assert sc["active"] and hits > 0.3 * rounds and sc["fast_steps"] > 0
     assert sc["wait_rule"] == rule and (sc["tail_rows"] + sc["bare_rows"] > 0) == (rule == "rows"), sc
-    with torch.inference_mode():
-        def probs(seqs):
-            c = target.new_cache(len(seqs), 8)
-            lg = target(torch.tensor(seqs), torch.zeros(len(seqs), dtype=torch.long), c, torch.arange(len(seqs)))
-            return torch.softmax(lg[:, -1].double(), -1)
-
-        p1 = probs([prompt])[0]
-        p2 = probs([prompt + [a] for a in range(V)])
-        p3 = probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
-        p4 = probs([prompt + [a, b, c] for a in range(V) for b in range(V) for c in range(V)]).view(V, V, V, V)
-        joint = p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
-        exact = joint.sum((0, 1)).numpy()  # law of (output[2], output[3])
+    exact = exact_law(target, prompt, V, n_tokens=4, keep=2)  # law of (output[2], output[3])
     n = n_batches * B
     expected = exact * n
     pvalue = chi2_pvalue(counts, expected)
