@@ -291,7 +291,6 @@ class SpecCache:
         hits: dict[int, list[int]] = {}
         for i in need:
             r = batch[i]
-            self.c["request_rounds"] += 1
             self.c["lookups"] += 1
             entry = table.entry(r.id) if table is not None else None
             new = r.tokens(r.synced, r.seq_len)
@@ -390,7 +389,6 @@ class SpecCache:
                     self.c["waited_steps"] += 1
                     self.wait_miss_s.append(time.perf_counter() - t_wait)
             self.c["tail_rows"] += len(tails)
-            self.c["request_rounds"] += len(tails)  # a request-round that took its tail, not the table
             self.c["asking_rows"] += len(asking)
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
@@ -409,7 +407,8 @@ class SpecCache:
         return {
             "active": self.active, "refusal": self.refusal, "fanout": self.fanout,
             "selection": "host" if self.active else "",
-            "request_rounds": self.c["request_rounds"], "lookups": n, "hits": self.c["hits"],
+            # request-rounds: the table lookups and the rows that took their round tail instead
+            "request_rounds": n + self.c["tail_rows"], "lookups": n, "hits": self.c["hits"],
             "hit_rate": self.c["hits"] / n if n else 0.0,
             "misses": dict(sorted(self.miss_reasons.items())),
             "branches_per_round": self.c["branches"] / self.c["entries"] if self.c["entries"] else 0.0,
