@@ -229,8 +229,8 @@ import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
 from draftrelay.kernels import plan as P, reference as R, triton_ops as T
 g = torch.Generator().manual_seed(int(sys.argv[1]))
-n = 0
-for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64)):
+n = splits = 0
+for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 4500), (3, 40, 2300)):
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
         for cfg in P.candidates(pro, M, N, K):
             x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
@@ -240,10 +240,12 @@ for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64)):
                 rx, ref = R.norm_linear(x, d, nw, 1e-6, w, b)
             else:
                 rx, ref = x, (R.act_linear if pro == P.PRO_SILU else R.linear)(x, w, b)
-            gx, got = T.skinny_linear(pro, cfg, x, w, b, d if pro == P.PRO_NORM else None, nw, 1e-6)
-            assert torch.equal(gx, rx), (pro, cfg)
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
+            for _ in range(2 if cfg.split > 1 else 1):  # twice: the counts are left ready for the next launch
+                gx, got = T.skinny_linear(pro, cfg, x, w, b, d if pro == P.PRO_NORM else None, nw, 1e-6)
+                assert torch.equal(gx, rx), (pro, cfg)
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
             n += 1
+            splits += cfg.split > 1
 lg = torch.randn(3, 9000, generator=g)
 lg[0, 8999] = lg[0, 4100] = lg[0].max() + 1  # tied across two chunks of the first pass
 tok, conf = T.greedy_pick(lg)
@@ -259,6 +261,15 @@ for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLO
         rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
         torch.testing.assert_close(T.decode_attention(q, ck, cv, rows, st, kv),
                                    R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
+        qkv = torch.randn(B, Tq, 8 * 16, generator=g)  # 4 q heads, 2 kv heads: RoPE + write + attention fused
+        inv = 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16))
+        ck2, cv2 = ck.clone(), cv.clone()
+        got = T.rope_attention(qkv, st, inv, 4, 2, ck, cv, rows, kv)
+        ref = R.rope_attention(qkv, st, inv, 4, 2, ck2, cv2, rows, kv)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ck, ck2, atol=1e-6, rtol=1e-6)
+        assert torch.equal(cv, cv2) and T.attention_fuses_rope(kv)
+assert splits >= 6, splits
 print("checked", n)
 '''
 

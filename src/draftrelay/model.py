@@ -424,9 +424,9 @@ def attention(qkv: torch.Tensor, w: LayerWeights, st: StepState, ck: torch.Tenso
         k = rms_norm(qkv[..., H * D:(H + HK) * D].reshape(B, T, HK, D), w.k_norm, w.qk_eps).reshape(B, T, HK * D)
         qkv = torch.cat((q, k, qkv[..., (H + HK) * D:]), -1)
     if st.fast_attn:
-        K = st.kernels
-        q = K.rope_kv_write(qkv, st.start, st.inv_freq, H, HK, ck, cv, st.rows_t)
-        return K.decode_attention(q, ck, cv, st.rows_t, st.start, st.kv_len).view(B, T, H * D)
+        # RoPE, the K/V write and the attention: one kernel for up to a chunk of keys, else two + combine
+        return st.kernels.rope_attention(qkv.contiguous(), st.start, st.inv_freq, H, HK, ck, cv, st.rows_t,
+                                         st.kv_len).view(B, T, H * D)
     cos, sin, blocked = st.tables
     # q and k are neighbours in qkv: RoPE runs once over both (elementwise, the same values)
     qk = apply_rope(qkv[..., :(H + HK) * D].view(B, T, H + HK, D), cos, sin)

@@ -40,17 +40,21 @@ class SkinnyConfig:
     """One launch configuration of the skinny GEMM: each program computes block_n output columns for
     all rows, reading its block_n weight rows once, block_k elements of K per step. dot: tensor-core
     dots over rows padded to 16 (any row count); otherwise fp32 multiply-and-sum (one row only).
-    unroll: the K loop as straight-line code (a compiled kernel per K), for K beyond one tile."""
+    unroll: the K loop as straight-line code (a compiled kernel per K), for K beyond one tile.
+    split: K cut into this many ranges, one program per (block_n columns, range); each writes fp32
+    partials and the last program of a column block (an atomic count) sums them in range order and
+    writes the output: one launch, the same bits whichever program finishes last."""
     block_n: int
     block_k: int
     dot: bool
     warps: int
     stages: int
     unroll: bool = False  # K's tiles unrolled (compiled per K): loads issued ahead instead of a loop
+    split: int = 1
 
     def label(self) -> str:
         return (f"{'dot' if self.dot else 'sum'}{self.block_n}x{self.block_k}w{self.warps}s{self.stages}"
-                + ("u" if self.unroll else ""))
+                + ("u" if self.unroll else "") + (f"k{self.split}" if self.split > 1 else ""))
 
 
 def next_pow2(n: int) -> int:
@@ -60,10 +64,13 @@ def next_pow2(n: int) -> int:
 def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     """The configurations measured against cuBLAS for one product of M rows by an [N, K] weight.
 
-    One row: two multiply-and-sum tiles (4,096 elements with 4 warps: many programs for the small
-    weights; 16,384 with 8 warps: fewer, larger reads for the big ones) and one dot tile, and for K
-    beyond 1,024 two unrolled multiply-and-sum tiles (1 and 4 weight rows a program). More rows:
-    two dot tiles (16 and 64 columns per program). The norm prologue needs a row's whole K in one tile."""
+    One row, K up to 1,024: two multiply-and-sum tiles (4,096 elements with 4 warps: many programs for
+    the small weights; 16,384 with 8 warps: fewer, larger reads for the big ones) and one dot tile.
+    One row, longer K (down_proj, the 7B's o_proj and head): the looped tile and three split-K tiles
+    (K ranges of 1,024 / 2,048 / 4,096 elements, unrolled: every load of a program in flight at once,
+    and programs enough to fill the card). More rows: two dot tiles (16 and 64 columns per program),
+    and for K beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048). The norm prologue needs a
+    row's whole K in one tile."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
     out: list[SkinnyConfig] = []
@@ -78,15 +85,26 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
             out.append(SkinnyConfig(16, bk, True, 4, 1))
         return out
     if M == 1:
-        bk = next_pow2(K) if K <= 1024 else 512
-        out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2), SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 2),
-                SkinnyConfig(16, 128, True, 4, 4)]
-        if K > 1024:  # long K (down_proj): the run-time loop's tiles wait on each other; unrolled, one or
-            # four weight rows a program, their loads can all be in flight at once
-            out += [SkinnyConfig(1, 1024, False, 4, 1, True), SkinnyConfig(4, 1024, False, 4, 1, True)]
+        if K <= 1024:
+            bk = next_pow2(K)
+            out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2),
+                    SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 2), SkinnyConfig(16, 128, True, 4, 4)]
+        else:  # the run-time loop's tiles wait on each other; split and unrolled, they are all in flight
+            out += [SkinnyConfig(8, 512, False, 4, 2)]
+            out += [SkinnyConfig(bn, 1024, False, 4, 1, True, math.ceil(K / ks))
+                    for bn, ks in ((4, 1024), (8, 2048), (4, 4096)) if ks < K]
     else:
         out += [SkinnyConfig(16, 128, True, 4, 4), SkinnyConfig(64, 128, True, 4, 4)]
+        if K > 1024:
+            out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
     return out
+
+
+def split_range(K: int, cfg: SkinnyConfig) -> tuple[int, int]:
+    """(elements of K per range, number of ranges) of a split configuration: ranges whole tiles of
+    block_k, the last one shorter; a split of 1 is the whole K."""
+    ks = math.ceil(math.ceil(K / max(1, cfg.split)) / cfg.block_k) * cfg.block_k
+    return ks, math.ceil(K / ks)
 
 
 Key = tuple  # (device, pro, M, N, K, dtype name, has bias, has residual)

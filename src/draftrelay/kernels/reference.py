@@ -111,3 +111,17 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
     p = torch.softmax(s, dim=-1).to(q.dtype).float()
     o = torch.matmul(p, vals)  # [B, n_kv, rep*T, D]
     return o.view(B, n_kv, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype).contiguous()
+
+
+def attention_fuses_rope(kv_len: int) -> bool:
+    """Whether rope_attention runs as one kernel at kv_len (on CUDA: up to triton_ops.SINGLE_MAX keys);
+    the definition is the same either way."""
+    return True
+
+
+def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
+                   ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """rope_kv_write then decode_attention: the new keys rotated and stored with the values, q rotated
+    (rounded to the activation dtype) and attended over the cache rows -> [B, T, n_heads, D]."""
+    q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
+    return decode_attention(q, ck, cv, rows, start, kv_len)

@@ -35,6 +35,11 @@ import triton.language as tl
 from draftrelay.kernels import plan as P
 from draftrelay.kernels import reference as R
 
+try:  # grid dependency control (programmatic dependent launch, Hopper and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: the kernels launch without it (PDL False)
+    gdc_launch_dependents = gdc_wait = None
+
 log = logging.getLogger("draftrelay.kernels")
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -48,14 +53,37 @@ SINGLE_BLOCK: dict[tuple[int, int], int] = {(64, 16): 256}
 SINGLE_MAX = 1024  # up to this many keys one program per (row, kv head) reads them all: no combine launch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_CHUNK = 256  # the smallest key chunk of a split (below it the combine costs more than it spreads)
+# Programmatic dependent launch: each kernel lets the next one start while its last programs run, and the
+# next one loads what no kernel writes (its weight tile) before it waits for the previous kernel's
+# results (griddepcontrol.wait: all of that kernel done and visible). On a launch-bound forward the next
+# kernel's start and first loads overlap the previous one's tail instead of following it. Hopper and
+# later only; environment DRAFTRELAY_PDL=off (or PDL = False before a capture) launches them plainly.
+PDL = os.environ.get("DRAFTRELAY_PDL", "on") != "off"
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_capable(device: torch.device) -> bool:
+    return (device.type == "cuda" and not _INTERPRETED and gdc_wait is not None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _pdl(device: torch.device) -> bool:
+    return PDL and _pdl_capable(device)
+
+
+def _launch_kw(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, N, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     x = tl.load(x_ptr + row * N + offs, mask=m, other=0.0)
     if HAS_DELTA:
         d = tl.load(d_ptr + row * N + offs, mask=m, other=0.0)
@@ -77,16 +105,21 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     h = torch.empty_like(x)
     xo = torch.empty_like(x) if delta is not None else x
     d = delta if delta is not None else x
+    pdl = _pdl(x.device)
     _add_rms_norm_kernel[(rows,)](x, d, weight, xo, h, N, eps, HAS_DELTA=delta is not None,
-                                  BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8)
+                                  BLOCK=triton.next_power_of_2(N), PDL=pdl, num_warps=4 if N <= 2048 else 8,
+                                  **_launch_kw(pdl))
     return xo, h
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     g = tl.load(gu_ptr + row * 2 * n + offs, mask=m, other=0.0)
     u = tl.load(gu_ptr + row * 2 * n + n + offs, mask=m, other=0.0)
     gf = g.to(tl.float32)
@@ -100,15 +133,20 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     rows = gu.numel() // (2 * n)
     out = torch.empty(*gu.shape[:-1], n, device=gu.device, dtype=gu.dtype)
     BLOCK = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(n, BLOCK))](gu, out, n, BLOCK=BLOCK, num_warps=4)
+    pdl = _pdl(gu.device)
+    _silu_mul_kernel[(rows, triton.cdiv(n, BLOCK))](gu, out, n, BLOCK=BLOCK, PDL=pdl, num_warps=4, **_launch_kw(pdl))
     return out
 
 
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, start_ptr, rows_ptr, inv_ptr, q_ptr, ck_ptr, cv_ptr,
-                    T, HQ, HK, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, HALF: tl.constexpr):
+                    T, HQ, HK, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, HALF: tl.constexpr,
+                    PDL: tl.constexpr):
     bt = tl.program_id(0)
     h = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     b = bt // T
     t = bt % T
     pos = (tl.load(start_ptr + b) + t).to(tl.int64)
@@ -144,20 +182,23 @@ def rope_kv_write(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor
     if ck.dtype != qkv.dtype or cv.dtype != qkv.dtype:
         raise ValueError(f"rope_kv_write: cache dtype {ck.dtype} != activations {qkv.dtype}")
     q = torch.empty(B, T, n_heads, D, device=qkv.device, dtype=qkv.dtype)
+    pdl = _pdl(qkv.device)
     _rope_kv_kernel[(B * T, n_heads + 2 * n_kv)](
         qkv, start, rows, inv_freq, q, ck, cv, T, n_heads, n_kv,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
-        HALF=D // 2, num_warps=1)
+        HALF=D // 2, PDL=pdl, num_warps=1, **_launch_kw(pdl))
     return q
 
 
 @triton.jit
 def _attn_tile(q, kb, vb, s_cpos, s_vpos, n0, hi, qpos, d, m_i, l_i, acc, scale,
                BLOCK: tl.constexpr, IEEE: tl.constexpr):
-    """One tile of BLOCK keys from n0 (those < hi) into the running max m_i, sum l_i and acc."""
+    """One tile of BLOCK keys from n0 (those < hi) into the running max m_i, sum l_i and acc. K and V
+    are loaded together (two loads in flight, not one after the scores)."""
     n = n0 + tl.arange(0, BLOCK)
     nm = n < hi
     k = tl.load(kb + n.to(tl.int64)[:, None] * s_cpos + d[None, :], mask=nm[:, None], other=0.0)
+    v = tl.load(vb + n.to(tl.int64)[:, None] * s_vpos + d[None, :], mask=nm[:, None], other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
@@ -168,7 +209,6 @@ def _attn_tile(q, kb, vb, s_cpos, s_vpos, n0, hi, qpos, d, m_i, l_i, acc, scale,
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(vb + n.to(tl.int64)[:, None] * s_vpos + d[None, :], mask=nm[:, None], other=0.0)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -177,12 +217,32 @@ def _attn_tile(q, kb, vb, s_cpos, s_vpos, n0, hi, qpos, d, m_i, l_i, acc, scale,
 
 
 @triton.jit
-def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr,
+def _rope_rows(src, d, pos, inv_ptr, HALF: tl.constexpr):
+    """Rows of head vectors at src[:, None] + d (fp32) rotated by their positions pos (HF's rotate-half,
+    the same expressions as _rope_kv_kernel: x1 c - x2 s | x2 c + x1 s)."""
+    partner = (d + HALF) % (2 * HALF)
+    x = tl.load(src[:, None] + d[None, :]).to(tl.float32)
+    xp = tl.load(src[:, None] + partner[None, :]).to(tl.float32)
+    ang = pos.to(tl.float32)[:, None] * tl.load(inv_ptr + d % HALF)[None, :]
+    c = tl.cos(ang)
+    sn = tl.sin(ang)
+    return tl.where((d < HALF)[None, :], x * c - xp * sn, x * c + xp * sn)
+
+
+@triton.jit
+def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr,
                  T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
                  REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                 SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr):
+                 SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
+                 T_PAD: tl.constexpr, PDL: tl.constexpr):
+    """ROPE (one chunk only): q_ptr is the q|k|v product [B, T, (H + 2 n_kv) * D]; the program rotates
+    its kv head's q rows and new keys, stores the new keys and values into the cache rows, then
+    attends (rope_kv_write and decode_attention in one launch; the same values)."""
     bg = tl.program_id(0)
     sp = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     n_kv = H // REP
     b = bg // n_kv
     g = bg % n_kv
@@ -196,13 +256,30 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
     h = g * REP + r // T
     d = tl.arange(0, D)
     qo = ((b * T + t).to(tl.int64) * H + h) * D
-    q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
     qpos = start + t
+    kb = ck_ptr + row * s_crow + g * s_chead
+    vb = cv_ptr + row * s_vrow + g * s_vhead
+    if ROPE:
+        width = (H + 2 * n_kv) * D
+        tq = tl.where(rvalid, t, 0)
+        qsrc = (b * T + tq).to(tl.int64) * width + tl.where(rvalid, h, 0) * D
+        q = tl.where(rvalid[:, None], _rope_rows(q_ptr + qsrc, d, start + tq, inv_ptr, D // 2), 0.0)
+        q = q.to(o_ptr.dtype.element_ty)
+        tk = tl.arange(0, T_PAD)
+        tkv = tk < T
+        tk0 = tl.where(tkv, tk, 0)
+        ksrc = (b * T + tk0).to(tl.int64) * width + (H + g) * D
+        knew = _rope_rows(q_ptr + ksrc, d, start + tk0, inv_ptr, D // 2)
+        vnew = tl.load(q_ptr + (ksrc + n_kv * D)[:, None] + d[None, :])
+        kpos = (start + tk).to(tl.int64)
+        tl.store(kb + kpos[:, None] * s_cpos + d[None, :], knew.to(ck_ptr.dtype.element_ty), mask=tkv[:, None])
+        tl.store(vb + kpos[:, None] * s_vpos + d[None, :], vnew, mask=tkv[:, None])
+        tl.debug_barrier()  # the new keys and values stored before the loop reads them back
+    else:
+        q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
     m_i = tl.full([R_PAD], NEG_INF, tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
     acc = tl.zeros([R_PAD, D], tl.float32)
-    kb = ck_ptr + row * s_crow + g * s_chead
-    vb = cv_ptr + row * s_vrow + g * s_vhead
     if FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound: every tile
         for it in range(0, FIXED_TRIPS):  # of the chunk (FIXED_TRIPS = chunk // BLOCK), masked: the same
             m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, lo + it * BLOCK, hi, qpos, d, m_i, l_i, acc,
@@ -224,8 +301,11 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
 
 @triton.jit
 def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split: tl.constexpr,
-                         REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr):
+                         REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     bg = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     n_kv = H // REP
     b = bg // n_kv
     g = bg % n_kv
@@ -267,13 +347,17 @@ def _skinny_dot(acc, xv, w, DOT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, K, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-                 DOT: tl.constexpr, IEEE: tl.constexpr):
-    """One BLOCK_K slice of K: the weight tile, the rows' slice (SiLU * up computed for PRO 2), the dot."""
+def _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K: tl.constexpr):
     kk = k0 + tl.arange(0, BLOCK_K)
-    km = kk < K
-    msk = mm[:, None] & km[None, :]
-    w = tl.load(w_ptr + wrow + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+    return tl.load(w_ptr + wrow + kk[None, :], mask=nm[:, None] & (kk < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _skinny_x(acc, w, x_ptr, m, mm, k0, k_hi, K, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+              DOT: tl.constexpr, IEEE: tl.constexpr):
+    """The rows' slice k0 .. k0 + BLOCK_K (SiLU * up computed for PRO 2) times the loaded weight tile."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    msk = mm[:, None] & (kk < k_hi)[None, :]
     if PRO == 2:
         ga = m.to(tl.int64)[:, None] * (2 * K) + kk[None, :]
         g = tl.load(x_ptr + ga, mask=msk, other=0.0)
@@ -287,14 +371,30 @@ def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, K, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, M, N, K, eps,
+def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, k_hi, K, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+                 DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_K slice of K (up to k_hi): the weight tile, the rows' slice, the dot."""
+    w = _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K)
+    return _skinny_x(acc, w, x_ptr, m, mm, k0, k_hi, K, BLOCK_K, PRO, DOT, IEEE)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, KS, eps,
                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
                    HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                   FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr):
+                   FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
-    x = [M, 2K] (gate | up). Each program reads its BLOCK_N weight rows once."""
+    x = [M, 2K] (gate | up). Each program reads its BLOCK_N weight rows once, over the K range
+    program_id(1) * KS .. + KS (SPLIT ranges; SPLIT 1: all of K). With SPLIT > 1 each program stores
+    its fp32 partial in ws, counts itself in cnt[column block] (acquire-release, GPU scope), and the
+    one that brings the count to a multiple of SPLIT sums the SPLIT partials in range order and writes
+    y: the same bits whichever finishes last, and the count is left a multiple of SPLIT for the next
+    launch. PDL (programmatic dependent launch): the weight tile is loaded before waiting for the
+    previous kernel (weights are never written by one), everything else after."""
     pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     wrow = n.to(tl.int64)[:, None] * K
@@ -307,6 +407,9 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, M, N, K, e
         msk = mm[:, None] & km[None, :]
         xa = m.to(tl.int64)[:, None] * K + kk[None, :]
         w = tl.load(w_ptr + wrow + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
+        if PDL:
+            gdc_wait()
         xv = tl.load(x_ptr + xa, mask=msk, other=0.0)
         if HAS_DELTA:
             dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
@@ -316,22 +419,77 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, M, N, K, e
         xf = xv.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
         normed = (xf * rstd[:, None]).to(xv.dtype)
-        nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
         h = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xv.dtype)
         acc = _skinny_dot(acc, h, w, DOT, IEEE)
-    elif K_UNROLL:  # K's tiles as straight-line code: their loads are independent, issued ahead of the sums
-        for it in tl.static_range(K_UNROLL):
-            acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, it * BLOCK_K, K, BLOCK_K, PRO, DOT, IEEE)
-    elif FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound
-        for it in range(0, FIXED_TRIPS):
-            acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, it * BLOCK_K, K, BLOCK_K, PRO, DOT, IEEE)
     else:
-        for k0 in range(0, K, BLOCK_K):
-            acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, K, BLOCK_K, PRO, DOT, IEEE)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mm[:, None] & nm[None, :])
+        k_lo = tl.program_id(1) * KS
+        k_hi = tl.minimum(k_lo + KS, K)
+        if K_UNROLL:  # the range's tiles as straight-line code: their loads are independent, issued ahead
+            w0 = _skinny_w(w_ptr, wrow, nm, k_lo, k_hi, BLOCK_K)  # the first tile before the wait
+            if PDL:
+                gdc_wait()
+            acc = _skinny_x(acc, w0, x_ptr, m, mm, k_lo, k_hi, K, BLOCK_K, PRO, DOT, IEEE)
+            for it in tl.static_range(1, K_UNROLL):
+                acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k_lo + it * BLOCK_K, k_hi, K, BLOCK_K,
+                                   PRO, DOT, IEEE)
+        else:
+            if PDL:
+                gdc_wait()
+            if FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound
+                for it in range(0, FIXED_TRIPS):
+                    acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k_lo + it * BLOCK_K, k_hi, K, BLOCK_K,
+                                       PRO, DOT, IEEE)
+            else:
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, k_hi, K, BLOCK_K, PRO, DOT, IEEE)
+    out_mask = mm[:, None] & nm[None, :]
+    if SPLIT > 1:
+        wa = m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * M * N + wa, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial stored before the count (released with it)
+        seen = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if seen % SPLIT == SPLIT - 1:  # the last of the column block: all partials are visible
+            tot = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+            for sp in tl.static_range(SPLIT):
+                tot += tl.load(ws_ptr + sp * M * N + wa, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], tot.to(y_ptr.dtype.element_ty),
+                     mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+# Split-K partials and counts, per (device, weight, rows, ranges): allocated (zeroed) outside any capture
+# the first time a product runs eagerly (the forwards warm up before they capture), then baked into the
+# graphs. One weight's split product must not run on two streams at once (a model's forwards run on one).
+_SPLIT_BUFS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_buffers(w: torch.Tensor, M: int, n_split: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fp32 partials [n_split * M * N], int32 counts [n_blocks]) for a split product of w with M rows;
+    None while capturing if they do not exist yet (a capture cannot zero new memory before it runs)."""
+    key = (w.device, w.data_ptr(), tuple(w.shape), M, n_split, n_blocks)
+    bufs = _SPLIT_BUFS.get(key)
+    if bufs is None:
+        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        bufs = (torch.empty(n_split * M * w.shape[0], device=w.device, dtype=torch.float32),
+                torch.zeros(n_blocks, device=w.device, dtype=torch.int32))
+        _SPLIT_BUFS[key] = bufs
+    return bufs
+
+
+def drop_split_buffers(w: torch.Tensor) -> None:
+    """Forget the split buffers of weight w (its memory is about to be freed or reused)."""
+    for key in [k for k in _SPLIT_BUFS if k[1] == w.data_ptr() and k[0] == w.device]:
+        del _SPLIT_BUFS[key]
+
+
+class SplitUnavailable(RuntimeError):
+    """A split product's buffers would have to be made inside a capture: the caller falls back."""
 
 
 def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -339,26 +497,42 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
                   eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of the skinny GEMM with configuration cfg -> (x + delta or x, the product [..., N]).
     pro: plan.PRO_NONE (x @ w^T + b), PRO_NORM (norm_linear's product), PRO_SILU (act_linear's; x holds
-    gate | up, 2K wide). The forward calls it through `linear` / `norm_linear` / `act_linear`."""
+    gate | up, 2K wide; a dot configuration takes silu_mul's output instead: the activation inside its
+    pipelined loop costs more than the launch). The forward calls it through `linear` / `norm_linear` /
+    `act_linear`."""
     x = x.contiguous()
+    if pro == P.PRO_SILU and cfg.dot:
+        x0 = x
+        _, y = skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)
+        return x0, y
     N, K = w.shape
     M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
     if not w.is_contiguous():
         raise ValueError("skinny_linear: the weight must be contiguous")
     if not cfg.dot and M != 1:
         raise ValueError(f"skinny_linear: the multiply-and-sum tile takes one row, got {M}")
-    if pro == P.PRO_NORM and K > cfg.block_k:
-        raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k})")
+    if pro == P.PRO_NORM and (K > cfg.block_k or cfg.split > 1):
+        raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k}), no split")
+    ks, n_split = P.split_range(K, cfg) if pro != P.PRO_NORM else (K, 1)
+    n_blocks = triton.cdiv(N, cfg.block_n)
+    ws = cnt = w
+    if n_split > 1:
+        bufs = split_buffers(w, M, n_split, n_blocks)
+        if bufs is None:
+            raise SplitUnavailable(f"split product {cfg.label()} of a new weight inside a capture")
+        ws, cnt = bufs
     delta = None if delta is None else delta.contiguous()
     y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     xo = torch.empty_like(x) if delta is not None else x
-    _skinny_kernel[(triton.cdiv(N, cfg.block_n),)](
+    pdl = _pdl(x.device)
+    _skinny_kernel[(n_blocks, n_split)](
         x, delta if delta is not None else x, norm_w if norm_w is not None else w, xo, w,
-        b if b is not None else w, y, M, N, K, eps,
+        b if b is not None else w, y, ws, cnt, M, N, K, ks, eps,
         M_PAD=16 if cfg.dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
         HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
-        FIXED_TRIPS=triton.cdiv(K, cfg.block_k) if _INTERPRETED else 0,
-        K_UNROLL=triton.cdiv(K, cfg.block_k) if cfg.unroll else 0, num_warps=cfg.warps, num_stages=cfg.stages)
+        FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0,
+        K_UNROLL=ks // cfg.block_k if cfg.unroll else 0, SPLIT=n_split, PDL=pdl,
+        num_warps=cfg.warps, num_stages=cfg.stages, **_launch_kw(pdl))
     return xo, y
 
 
@@ -396,6 +570,11 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     b = rnd(N) if has_bias else None
     eps = 1e-6
     ref_x, ref = _fallback(pro, x, ws[0], b, delta, nw, eps)
+    for c in cands:  # the split configurations' buffers for every copy, made before any capture
+        if c.split > 1 and pro != P.PRO_NORM:
+            _, n_split = P.split_range(K, c)
+            for w in ws:
+                split_buffers(w, M, n_split, triton.cdiv(N, c.block_n))
     reps = max(1, math.ceil(MEASURE_CALLS / copies))
     times: dict = {}
     for cfg in [None, *cands]:
@@ -428,8 +607,10 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
         except Exception as exc:  # a configuration this card or Triton cannot run: not a candidate
             log.warning("skinny GEMM %s %s for %s: %s", P.PRO_NAMES[pro], cfg, key, exc)
             times[cfg] = math.inf
-    del ws
     torch.cuda.synchronize(dev)
+    for w in ws:
+        drop_split_buffers(w)
+    del ws
     return times
 
 
@@ -453,14 +634,21 @@ def _plan(pro: int, x: torch.Tensor, w: torch.Tensor, b, delta) -> P.SkinnyConfi
         return None
 
 
+def _run_planned(pro: int, cfg: P.SkinnyConfig | None, x, w, b) -> torch.Tensor:
+    if cfg is not None:
+        try:
+            return skinny_linear(pro, cfg, x, w, b)[1]
+        except SplitUnavailable:  # a weight first seen inside a capture: this capture keeps cuBLAS
+            log.warning("split product of a weight first seen inside a capture: cuBLAS in this graph")
+    return _fallback(pro, x, w, b, None, None, 0.0)[1]
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    cfg = _plan(P.PRO_NONE, x, w, b, None)
-    return F.linear(x, w, b) if cfg is None else skinny_linear(P.PRO_NONE, cfg, x, w, b)[1]
+    return _run_planned(P.PRO_NONE, _plan(P.PRO_NONE, x, w, b, None), x, w, b)
 
 
 def act_linear(gu: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    cfg = _plan(P.PRO_SILU, gu, w, b, None)
-    return F.linear(silu_mul(gu), w, b) if cfg is None else skinny_linear(P.PRO_SILU, cfg, gu, w, b)[1]
+    return _run_planned(P.PRO_SILU, _plan(P.PRO_SILU, gu, w, b, None), gu, w, b)
 
 
 def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
@@ -481,9 +669,12 @@ PICK_CHUNK = 4096  # vocabulary entries per program of greedy_pick's first pass
 
 
 @triton.jit
-def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.constexpr):
+def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     offs = c * CHUNK + tl.arange(0, CHUNK)
     msk = offs < V
     x = tl.load(l_ptr + b * V + offs, mask=msk, other=float("-inf")).to(tl.float32)
@@ -496,8 +687,12 @@ def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.const
 
 
 @triton.jit
-def _pick_merge_kernel(pm_ptr, pi_ptr, ps_ptr, tok_ptr, conf_ptr, V, n_chunk, NC: tl.constexpr):
+def _pick_merge_kernel(pm_ptr, pi_ptr, ps_ptr, tok_ptr, conf_ptr, V, n_chunk, NC: tl.constexpr,
+                       PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     c = tl.arange(0, NC)
     cm = c < n_chunk
     m = tl.load(pm_ptr + b * n_chunk + c, mask=cm, other=float("-inf"))
@@ -519,10 +714,12 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pm = torch.empty(B, nc, device=logits.device, dtype=torch.float32)
     pi = torch.empty(B, nc, device=logits.device, dtype=torch.int32)
     ps = torch.empty(B, nc, device=logits.device, dtype=torch.float32)
-    _pick_part_kernel[(B, nc)](logits, pm, pi, ps, V, nc, CHUNK=PICK_CHUNK, num_warps=8)
+    pdl = _pdl(logits.device)
+    _pick_part_kernel[(B, nc)](logits, pm, pi, ps, V, nc, CHUNK=PICK_CHUNK, PDL=pdl, num_warps=8, **_launch_kw(pdl))
     tok = torch.empty(B, device=logits.device, dtype=torch.int64)
     conf = torch.empty(B, device=logits.device, dtype=torch.float32)
-    _pick_merge_kernel[(B,)](pm, pi, ps, tok, conf, V, nc, NC=max(16, triton.next_power_of_2(nc)), num_warps=1)
+    _pick_merge_kernel[(B,)](pm, pi, ps, tok, conf, V, nc, NC=max(16, triton.next_power_of_2(nc)), PDL=pdl,
+                             num_warps=1, **_launch_kw(pdl))
     return tok, conf
 
 
@@ -544,10 +741,17 @@ def split_plan(kv_len: int, n_programs: int, n_sm: int, block: int = BLOCK_N) ->
     return chunk, triton.cdiv(kv_len, chunk)
 
 
-def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
-                     start: torch.Tensor, kv_len: int) -> torch.Tensor:
-    B, T, H, D = q.shape
-    n_kv = ck.shape[1]
+def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+               kv_len: int, rope: tuple | None) -> torch.Tensor:
+    """decode_attention; with rope = (inv_freq, n_heads, n_kv) q is the q|k|v product and the kernel
+    rotates and stores the new keys itself (one chunk only: the caller checks attention_fuses_rope)."""
+    if rope is None:
+        B, T, H, D = q.shape
+        n_kv = ck.shape[1]
+    else:
+        inv_freq, H, n_kv = rope
+        B, T = q.shape[:2]
+        D = ck.shape[-1]
     rep = H // n_kv
     R_PAD = max(16, triton.next_power_of_2(rep * T))
     if ck.stride(-1) != 1 or cv.stride(-1) != 1 or not q.is_contiguous():
@@ -555,21 +759,47 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
     sblock = SINGLE_BLOCK.get((D, R_PAD), BLOCK_N)
     chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device), sblock)
     block = sblock if n_split == 1 else BLOCK_N
-    out = torch.empty_like(q)
+    out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     single = n_split == 1
+    if rope is not None and not single:
+        raise ValueError("rope_attention: the fused RoPE takes one chunk (attention_fuses_rope)")
     if single:
         acc = ml = out  # unused
     else:
         acc = torch.empty(B * n_kv * n_split * R_PAD * D, device=q.device, dtype=torch.float32)
         ml = torch.empty(B * n_kv * n_split * 2 * R_PAD, device=q.device, dtype=torch.float32)
     warps = 4 if R_PAD * D <= 64 * 64 else 8
+    pdl = _pdl(q.device)
     _attn_kernel[(B * n_kv, n_split)](
-        q, ck, cv, rows, start, out, acc, ml, T, H,
+        q, ck, cv, rows, start, out, acc, ml, inv_freq if rope is not None else start, T, H,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
         IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if _INTERPRETED else 0,
-        num_warps=warps, num_stages=2)
+        ROPE=rope is not None, T_PAD=max(2, triton.next_power_of_2(T)), PDL=pdl,
+        num_warps=warps, num_stages=2, **_launch_kw(pdl))
     if not single:
-        _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D,
-                                          num_warps=warps)
+        _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=pdl,
+                                          num_warps=warps, **_launch_kw(pdl))
     return out
+
+
+def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
+                     start: torch.Tensor, kv_len: int) -> torch.Tensor:
+    return _attention(q, ck, cv, rows, start, kv_len, None)
+
+
+def attention_fuses_rope(kv_len: int) -> bool:
+    """Whether rope_attention is one launch at kv_len (one chunk of keys: no split, no combine)."""
+    return kv_len <= SINGLE_MAX
+
+
+def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
+                   ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int) -> torch.Tensor:
+    if not attention_fuses_rope(kv_len):
+        q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
+        return decode_attention(q, ck, cv, rows, start, kv_len)
+    if not qkv.is_contiguous():
+        raise ValueError("rope_attention: qkv must be contiguous")
+    if ck.dtype != qkv.dtype or cv.dtype != qkv.dtype:
+        raise ValueError(f"rope_attention: cache dtype {ck.dtype} != activations {qkv.dtype}")
+    return _attention(qkv, ck, cv, rows, start, kv_len, (inv_freq, n_heads, n_kv))
