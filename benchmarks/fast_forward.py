@@ -97,10 +97,13 @@ def gbps(nbytes: int, t: dict) -> dict:
 
 def fast_path(model: M.Transformer, fast) -> None:
     """True: the fused kernels with the products chosen per shape (kernels.plan, skinny GEMM or cuBLAS)
-    and the fused greedy pick; "cublas": the same fused kernels with cuBLAS for every product and the
-    separate norm / SiLU / pick kernels (plan MODE "off"); False: the plain forward."""
+    and the fused greedy pick, launched with programmatic dependent launch where the card has it;
+    "nopdl": the same launched plainly (triton_ops.PDL off); "cublas": the same fused kernels with
+    cuBLAS for every product and the separate norm / SiLU / pick kernels (plan MODE "off"); False: the
+    plain forward. Graphs keep what was set when they were captured."""
     model.fast = bool(fast)
     P.MODE = "off" if fast == "cublas" else "auto"
+    triton_ops.PDL = fast != "nopdl"
 
 
 def plan_rows() -> list[dict]:
@@ -203,7 +206,7 @@ def drafter_section(dev, ctxs, iters, out) -> None:
     max_ctx = max(ctxs) + 64
     n_out = 4
     variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast_cublas": ("graph", "cublas"),
-                "graphs_fast": ("graph", True), "eager_fast": ("eager", True)}
+                "graphs_fast_nopdl": ("graph", "nopdl"), "graphs_fast": ("graph", True), "eager_fast": ("eager", True)}
     drafters = {k: LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m) for k, (m, _) in variants.items()}
     wb = weight_bytes(model)
     res = out.setdefault("drafter_0p5b", {"weight_bytes": wb, "n_out": n_out, "rows": []})
@@ -225,6 +228,11 @@ def drafter_section(dev, ctxs, iters, out) -> None:
                     d.run([Job(r, ctx, np.array([17 + r], np.int32)) for r in range(B)], n_out)
                 return go
             fns = {k: step(drafters[k], f) for k, (_, f) in variants.items()}
+
+            def replay_only(d=drafters["graphs_fast"], B=B):
+                # the same step's graph replayed alone: the STEP less the worker's host work and copies
+                next(g for k, g in d._static.items() if k[0] == B).graph.replay()
+            fns["graphs_fast_replay_only"] = replay_only
             t = interleaved(fns, iters)
             row = {"context": ctx, "requests": B, "step": t}
             kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)
@@ -253,7 +261,7 @@ def target_section(dev, ctxs, iters, out) -> None:
     res = out.setdefault("target_7b", {"weight_bytes": wb, "rows": []})
     graphs = {}
     for T in (1, 5):
-        for fast in (False, "cublas", True):
+        for fast in (False, "cublas", "nopdl", True):
             fast_path(model, fast)
             t0 = time.perf_counter()
             graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
@@ -280,7 +288,7 @@ def target_section(dev, ctxs, iters, out) -> None:
                 return go
 
             fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast_cublas": graph("cublas"),
-                   "graphs_fast": graph(True), "eager_fast": eager(True)}
+                   "graphs_fast_nopdl": graph("nopdl"), "graphs_fast": graph(True), "eager_fast": eager(True)}
             t = interleaved(fns, iters)
             row = {"context": ctx, "tokens": T, "step": t,
                    "bytes_per_step": wb + (ctx + T) * kv_bytes_per_token(cfg)}

@@ -6,8 +6,8 @@ An op counts as one kernel when it writes memory: an in-place op, or an op whose
 storage with an input (views, no-op casts and reshapes of contiguous tensors launch nothing). Two
 paths: "cpu" as a CPU runs it, "gpu" with F.rms_norm as one fused kernel (torch's _fused_rms_norm on
 CUDA; a CPU decomposes it), and "fused": the fast forward (Transformer.fast), each of its fused kernels
-(draftrelay.kernels) counted once, as its Triton kernel launches (the split-K combine of the attention,
-a second launch beyond 1,024 keys, is not counted: the contexts here are short). The products count as
+(draftrelay.kernels) counted once, as its Triton kernel launches (RoPE, the K/V write and the attention
+are one launch up to 1,024 keys; beyond, two and a combine: the contexts here are short). The products count as
 the skinny GEMM launches them, one each with the norm or SiLU inside; where kernels.plan measures cuBLAS
 faster for a shape, the norm / SiLU is a launch of its own there.
 Launch-level behaviour of a real GPU (cuBLAS splitK kernels, ...) is not
@@ -77,8 +77,8 @@ def fused_kernels(counter: KernelCounter):
     """Each function of kernels.reference counted as one kernel (its Triton launch), its torch ops not."""
     from draftrelay.kernels import reference
 
-    names = ("add_rms_norm", "silu_mul", "rope_kv_write", "decode_attention", "norm_linear", "linear",
-             "act_linear")
+    names = ("add_rms_norm", "silu_mul", "rope_kv_write", "decode_attention", "rope_attention", "norm_linear",
+             "linear", "act_linear")
     saved = {n: getattr(reference, n) for n in names}
 
     def wrap(n, fn):

@@ -169,12 +169,15 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     assert pow2 and c.warps in (4, 8) and (c.dot or rows == 1), (pro, rows, N, K, c)
                     assert not c.dot or c.block_n >= 16  # tensor-core dots: tiles of at least 16
                     assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
-                    if pro == P.PRO_NORM:
-                        assert c.block_k >= K  # the norm needs the whole row in one tile
-                if pro != P.PRO_NORM or K <= 1024:
+                    assert c.split == 1 or (K > 1024 and pro != P.PRO_NORM)  # split-K: long K, no norm
+                    ks, n_split = P.split_range(K, c)
+                    assert ks % c.block_k == 0 and (n_split - 1) * ks < K <= n_split * ks
+                    if pro == P.PRO_NORM and rows == 1:
+                        assert c.block_k >= K  # the one-row norm needs the whole row in one tile
+                if pro != P.PRO_NORM or K <= 1024 or rows > 1:
                     assert cands, (pro, rows, N, K)
             assert P.candidates(pro, 17, 896, 896) == [] and P.candidates(pro, 0, 896, 896) == []
-    assert P.candidates(P.PRO_NORM, 1, 10, 5000) == []  # K beyond one tile: add_rms_norm + cuBLAS
+    assert P.candidates(P.PRO_NORM, 1, 10, 5000) == []  # one row, K beyond one tile: add_rms_norm + cuBLAS
 
 
 def test_planner_measures_each_key_once_and_keeps_cublas_unless_clearly_faster():
@@ -230,7 +233,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 from draftrelay.kernels import plan as P, reference as R, triton_ops as T
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 n = splits = 0
-for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 4500), (3, 40, 2300)):
+for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 4500), (3, 40, 2300), (2, 24, 300)):
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
         for cfg in P.candidates(pro, M, N, K):
             x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)

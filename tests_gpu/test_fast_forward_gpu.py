@@ -41,7 +41,8 @@ def fresh() -> torch.Generator:
 
 @pytest.mark.parametrize("H,HK,D,T,kv,starts", [
     (14, 2, 64, 1, 256, [100]), (14, 2, 64, 5, 1024, [1000, 3, 500, 17]), (28, 4, 128, 5, 40960, [40000]),
-    (28, 4, 128, 1, 32784, [32770, 200]), (14, 2, 64, 8, 8192, [5000, 8180])])
+    (28, 4, 128, 1, 32784, [32770, 200]), (14, 2, 64, 8, 8192, [5000, 8180]), (28, 4, 128, 5, 1024, [1000]),
+    (28, 4, 128, 1, 256, [128, 40])])
 def test_kernels_equal_their_definitions(H, HK, D, T, kv, starts):
     K = kernels.backend(DEV)
     g = fresh()
@@ -74,8 +75,17 @@ def test_kernels_equal_their_definitions(H, HK, D, T, kv, starts):
     o1 = K.decode_attention(q1, ck, cv, rows, start, kv)
     o2 = R.decode_attention(q1, ck, cv, rows, start, kv)
     e = rel(o1, o2)
-    REPORT.setdefault("kernels", []).append({"H": H, "HK": HK, "D": D, "T": T, "kv": kv, "attn_rel": e})
+    # RoPE + K/V write + attention in one launch (up to a chunk of keys) against the two kernels it fuses
+    ck3, cv3 = torch.randn_like(ck), torch.randn_like(cv)
+    ck4, cv4 = ck3.clone(), cv3.clone()
+    o3 = K.rope_attention(qkv, start, inv, H, HK, ck3, cv3, rows, kv)
+    o4 = K.decode_attention(K.rope_kv_write(qkv, start, inv, H, HK, ck4, cv4, rows), ck4, cv4, rows, start, kv)
+    o5 = R.rope_attention(qkv, start, inv, H, HK, ck4.clone(), cv4.clone(), rows, kv)
+    e_fused = rel(o3, o5)
+    REPORT.setdefault("kernels", []).append({"H": H, "HK": HK, "D": D, "T": T, "kv": kv, "attn_rel": e,
+                                             "rope_attn_rel": e_fused, "fused": K.attention_fuses_rope(kv)})
     assert torch.isfinite(o1).all() and e < 1e-2, e
+    assert torch.equal(cv3, cv4) and rel(ck3, ck4) < 4e-3 and rel(o3, o4) < 4e-3 and e_fused < 1e-2, e_fused
 
 
 @pytest.mark.parametrize("pro,K,N,bias", [
@@ -104,6 +114,16 @@ def test_every_skinny_config_equals_its_definition(pro, K, N, bias, M):
         got_x, got = TO.skinny_linear(pro, cfg, x, w, b, d, nw, 1e-6)
         errs[cfg.label()] = rel(got, ref)
         assert torch.equal(got_x, ref_x) and errs[cfg.label()] < 1e-2, (cfg, errs)
+        if cfg.split > 1:  # again, in a graph replayed twice: the counts left ready, the same bits every time
+            again = [TO.skinny_linear(pro, cfg, x, w, b, d, nw, 1e-6)[1] for _ in range(2)]
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                out = TO.skinny_linear(pro, cfg, x, w, b, d, nw, 1e-6)[1]
+            for _ in range(2):
+                out.zero_()
+                gr.replay()
+                assert torch.equal(out, got)
+            assert all(torch.equal(a, got) for a in again), cfg
     REPORT.setdefault("skinny", []).append({"product": P.PRO_NAMES[pro], "M": M, "N": N, "K": K, "rel": errs})
 
 

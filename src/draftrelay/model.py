@@ -523,18 +523,25 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
     logits_at or T = 1): (argmax [B], its softmax probability [B]) instead of the logits, computed from
     the head's output as the logits would give them (kernels.greedy_pick)."""
     K = st.kernels
-    if K is not None:  # the add fused into the norm; the norm is per row, so rows are picked after it
-        _, x = K.add_rms_norm(x, red, final_norm, eps)
+    if K is not None and st.T == 1:  # one position per row: nothing to pick (logits_at can only be 0)
+        if K.use_norm_linear(st.B, head):  # the add and the final norm inside the head's product
+            _, out = K.norm_linear(x, red, final_norm, eps, head, None)
+        else:
+            _, x = K.add_rms_norm(x, red, final_norm, eps)
+            out = K.linear(x.contiguous(), head)
     else:
-        x = x + red.to(x.dtype)
-    if last_only:
-        x = x[:, -1:]
-    elif logits_at is not None:
-        x = x[torch.arange(st.B, device=x.device), logits_at][:, None]
-    if K is not None:
-        out = K.linear(x.contiguous(), head)
-    else:
-        out = linear(rms_norm(x, final_norm, eps), head)
+        if K is not None:  # the add fused into the norm; the norm is per row, so rows are picked after it
+            _, x = K.add_rms_norm(x, red, final_norm, eps)
+        else:
+            x = x + red.to(x.dtype)
+        if last_only:
+            x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[torch.arange(st.B, device=x.device), logits_at][:, None]
+        if K is not None:
+            out = K.linear(x.contiguous(), head)
+        else:
+            out = linear(rms_norm(x, final_norm, eps), head)
     if greedy:
         if out.shape[1] != 1:
             raise ValueError(f"greedy picks one position per row, got {out.shape[1]}")

@@ -69,20 +69,23 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     One row, longer K (down_proj, the 7B's o_proj and head): the looped tile and three split-K tiles
     (K ranges of 1,024 / 2,048 / 4,096 elements, unrolled: every load of a program in flight at once,
     and programs enough to fill the card). More rows: two dot tiles (16 and 64 columns per program),
-    and for K beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048). The norm prologue needs a
-    row's whole K in one tile."""
+    and for K beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048). The norm prologue at one
+    row needs the row's whole K in one tile (up to NORM_MAX_K); at more rows two dot tiles loop over K
+    (the RMS first, then the normed tiles), whatever K."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
     out: list[SkinnyConfig] = []
     if pro == PRO_NORM:
         bk = next_pow2(K)
-        if bk > NORM_MAX_K:
+        if bk > NORM_MAX_K and M == 1:
             return []
-        if M == 1:
+        if M == 1 and bk <= NORM_MAX_K:
             out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1),
                     SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 1)]
         if bk <= 1024:
             out.append(SkinnyConfig(16, bk, True, 4, 1))
+        if M > 1:  # dot tiles looping over K twice (the rows' RMS, then the normed tiles): any K
+            out += [SkinnyConfig(16, 128, True, 4, 3), SkinnyConfig(64, 128, True, 4, 3)]
         return out
     if M == 1:
         if K <= 1024:

@@ -371,6 +371,21 @@ def _skinny_x(acc, w, x_ptr, m, mm, k0, k_hi, K, BLOCK_K: tl.constexpr, PRO: tl.
 
 
 @triton.jit
+def _norm_rows(x_ptr, d_ptr, xo_ptr, m, mm, k0, K, store, BLOCK_K: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """Rows' slice k0 .. k0 + BLOCK_K of x + delta (rounded to x's dtype; stored into xo when store)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    msk = mm[:, None] & (kk < K)[None, :]
+    xa = m.to(tl.int64)[:, None] * K + kk[None, :]
+    xv = tl.load(x_ptr + xa, mask=msk, other=0.0)
+    if HAS_DELTA:
+        dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
+        xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
+        if store:
+            tl.store(xo_ptr + xa, xv, mask=msk)
+    return xv
+
+
+@triton.jit
 def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, k_hi, K, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
                  DOT: tl.constexpr, IEEE: tl.constexpr):
     """One BLOCK_K slice of K (up to k_hi): the weight tile, the rows' slice, the dot."""
@@ -382,9 +397,11 @@ def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, k_hi, K, BLOCK_K: tl.co
 def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, KS, eps,
                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
                    HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                   FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+                   FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+                   NORM_LOOP: tl.constexpr):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
-    normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
+    normalised, times nw; program 0 also writes x + delta; in one tile, or with NORM_LOOP over K's tiles
+    twice: the rows' RMS, then the normed tiles); 2: silu(gate) * up of
     x = [M, 2K] (gate | up). Each program reads its BLOCK_N weight rows once, over the K range
     program_id(1) * KS .. + KS (SPLIT ranges; SPLIT 1: all of K). With SPLIT > 1 each program stores
     its fp32 partial in ws, counts itself in cnt[column block] (acquire-release, GPU scope), and the
@@ -401,7 +418,24 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     m = tl.arange(0, M_PAD)
     mm = m < M
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    if PRO == 1:
+    if PRO == 1 and NORM_LOOP:  # the norm over K's NORM_LOOP tiles: the rows' RMS first, then the normed tiles' dots
+        if PDL:
+            gdc_wait()
+        ss = tl.zeros([M_PAD], tl.float32)
+        for it in range(0, NORM_LOOP):
+            xv = _norm_rows(x_ptr, d_ptr, xo_ptr, m, mm, it * BLOCK_K, K, pid == 0, BLOCK_K, HAS_DELTA)
+            xf = xv.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        for it in range(0, NORM_LOOP):
+            w = _skinny_w(w_ptr, wrow, nm, it * BLOCK_K, K, BLOCK_K)
+            xv = _norm_rows(x_ptr, d_ptr, xo_ptr, m, mm, it * BLOCK_K, K, False, BLOCK_K, HAS_DELTA)
+            kk = it * BLOCK_K + tl.arange(0, BLOCK_K)
+            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0)
+            normed = (xv.to(tl.float32) * rstd[:, None]).to(xv.dtype)
+            h = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xv.dtype)
+            acc = _skinny_dot(acc, h, w, DOT, IEEE)
+    elif PRO == 1:
         kk = tl.arange(0, BLOCK_K)
         km = kk < K
         msk = mm[:, None] & km[None, :]
@@ -511,8 +545,9 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         raise ValueError("skinny_linear: the weight must be contiguous")
     if not cfg.dot and M != 1:
         raise ValueError(f"skinny_linear: the multiply-and-sum tile takes one row, got {M}")
-    if pro == P.PRO_NORM and (K > cfg.block_k or cfg.split > 1):
-        raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k}), no split")
+    if pro == P.PRO_NORM and (cfg.split > 1 or (K > cfg.block_k and not cfg.dot)):
+        raise ValueError(f"skinny_linear: the norm prologue takes no split, and K ({K}) <= block_k "
+                         f"({cfg.block_k}) unless the tile is a dot")
     ks, n_split = P.split_range(K, cfg) if pro != P.PRO_NORM else (K, 1)
     n_blocks = triton.cdiv(N, cfg.block_n)
     ws = cnt = w
@@ -532,6 +567,7 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
         FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0,
         K_UNROLL=ks // cfg.block_k if cfg.unroll else 0, SPLIT=n_split, PDL=pdl,
+        NORM_LOOP=triton.cdiv(K, cfg.block_k) if pro == P.PRO_NORM and K > cfg.block_k else 0,
         num_warps=cfg.warps, num_stages=cfg.stages, **_launch_kw(pdl))
     return xo, y
 
