@@ -166,18 +166,18 @@ def test_skinny_candidates_fit_the_kernel_rules():
                 cands = P.candidates(pro, rows, N, K)
                 for c in cands:
                     pow2 = all(v & (v - 1) == 0 for v in (c.block_n, c.block_k))
-                    assert pow2 and c.warps in (4, 8) and (c.dot or rows == 1), (pro, rows, N, K, c)
+                    assert pow2 and c.warps in (4, 8) and (c.dot or rows <= P.SUM_MAX_ROWS), (pro, rows, N, K, c)
                     assert not c.dot or c.block_n >= 16  # tensor-core dots: tiles of at least 16
                     assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
                     assert c.split == 1 or (K > 1024 and pro != P.PRO_NORM)  # split-K: long K, no norm
                     ks, n_split = P.split_range(K, c)
                     assert ks % c.block_k == 0 and (n_split - 1) * ks < K <= n_split * ks
-                    if pro == P.PRO_NORM and rows == 1:
-                        assert c.block_k >= K  # the one-row norm needs the whole row in one tile
-                if pro != P.PRO_NORM or K <= 1024 or rows > 1:
+                    if pro == P.PRO_NORM:
+                        assert c.block_k >= K  # the norm needs the whole row in one tile
+                if pro != P.PRO_NORM or K <= 1024 or (K <= P.NORM_MAX_K and rows <= P.SUM_MAX_ROWS):
                     assert cands, (pro, rows, N, K)
             assert P.candidates(pro, 17, 896, 896) == [] and P.candidates(pro, 0, 896, 896) == []
-    assert P.candidates(P.PRO_NORM, 1, 10, 5000) == []  # one row, K beyond one tile: add_rms_norm + cuBLAS
+    assert P.candidates(P.PRO_NORM, 1, 10, 5000) == []  # K beyond one tile: add_rms_norm + cuBLAS
 
 
 def test_planner_measures_each_key_once_and_keeps_cublas_unless_clearly_faster():
@@ -233,7 +233,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 from draftrelay.kernels import plan as P, reference as R, triton_ops as T
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 n = splits = 0
-for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 4500), (3, 40, 2300), (2, 24, 300)):
+for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 4500), (3, 40, 2300),
+                (5, 24, 300), (4, 16, 1500)):
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
         for cfg in P.candidates(pro, M, N, K):
             x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
@@ -271,7 +272,7 @@ for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLO
         ref = R.rope_attention(qkv, st, inv, 4, 2, ck2, cv2, rows, kv)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ck, ck2, atol=1e-6, rtol=1e-6)
-        assert torch.equal(cv, cv2) and T.attention_fuses_rope(kv)
+        assert torch.equal(cv, cv2) and T.attention_fuses_rope(kv, Tq) == (Tq == 1)
 assert splits >= 6, splits
 print("checked", n)
 '''

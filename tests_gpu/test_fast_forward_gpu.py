@@ -83,7 +83,7 @@ def test_kernels_equal_their_definitions(H, HK, D, T, kv, starts):
     o5 = R.rope_attention(qkv, start, inv, H, HK, ck4.clone(), cv4.clone(), rows, kv)
     e_fused = rel(o3, o5)
     REPORT.setdefault("kernels", []).append({"H": H, "HK": HK, "D": D, "T": T, "kv": kv, "attn_rel": e,
-                                             "rope_attn_rel": e_fused, "fused": K.attention_fuses_rope(kv)})
+                                             "rope_attn_rel": e_fused, "fused": K.attention_fuses_rope(kv, T)})
     assert torch.isfinite(o1).all() and e < 1e-2, e
     assert torch.equal(cv3, cv4) and rel(ck3, ck4) < 4e-3 and rel(o3, o4) < 4e-3 and e_fused < 1e-2, e_fused
 

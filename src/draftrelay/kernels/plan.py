@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_ROWS = 16  # products with more rows (prefill chunks, large batches) stay on cuBLAS
+SUM_MAX_ROWS = 8  # the multiply-and-sum tile's rows (each row one more pass over the loaded weight tile)
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2  # what the kernel computes on its input rows before the product
 PRO_NAMES = {PRO_NONE: "linear", PRO_NORM: "norm_linear", PRO_SILU: "act_linear"}
 MARGIN = 0.03  # a Triton configuration replaces cuBLAS only when it is at least this much faster
@@ -39,7 +40,7 @@ NORM_MAX_K = 4096  # the norm prologue holds the whole row in one tile (its RMS 
 class SkinnyConfig:
     """One launch configuration of the skinny GEMM: each program computes block_n output columns for
     all rows, reading its block_n weight rows once, block_k elements of K per step. dot: tensor-core
-    dots over rows padded to 16 (any row count); otherwise fp32 multiply-and-sum (one row only).
+    dots over rows padded to 16 (any row count); otherwise fp32 multiply-and-sum (up to SUM_MAX_ROWS).
     unroll: the K loop as straight-line code (a compiled kernel per K), for K beyond one tile.
     split: K cut into this many ranges, one program per (block_n columns, range); each writes fp32
     partials and the last program of a column block (an atomic count) sums them in range order and
@@ -64,39 +65,39 @@ def next_pow2(n: int) -> int:
 def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     """The configurations measured against cuBLAS for one product of M rows by an [N, K] weight.
 
-    One row, K up to 1,024: two multiply-and-sum tiles (4,096 elements with 4 warps: many programs for
-    the small weights; 16,384 with 8 warps: fewer, larger reads for the big ones) and one dot tile.
-    One row, longer K (down_proj, the 7B's o_proj and head): the looped tile and three split-K tiles
-    (K ranges of 1,024 / 2,048 / 4,096 elements, unrolled: every load of a program in flight at once,
-    and programs enough to fill the card). More rows: two dot tiles (16 and 64 columns per program),
-    and for K beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048). The norm prologue at one
-    row needs the row's whole K in one tile (up to NORM_MAX_K); at more rows two dot tiles loop over K
-    (the RMS first, then the normed tiles), whatever K."""
+    Up to SUM_MAX_ROWS rows, the multiply-and-sum tiles (each weight tile read once, multiplied by
+    each row in turn): K up to 1,024 (and the norm prologue, whole rows up to NORM_MAX_K) two of them,
+    4,096 elements with 4 warps (many programs for the small weights) and 16,384 with 8 warps (fewer,
+    larger reads for the big ones). Longer K (down_proj, the 7B's o_proj and head): the looped tile and
+    three split-K tiles (K ranges of 1,024 / 2,048 elements in tiles of 1,024, and of 4,096 in one
+    tile, unrolled: every load of a program in flight at once, and programs enough to fill the card).
+    Tensor-core dot tiles at any row count: one whole-row tile with the norm (K up to 1,024), two
+    looped tiles (16 and 64 columns a program) without it, for more than one row, and for K beyond
+    1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048)."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
     out: list[SkinnyConfig] = []
+    summed = M <= SUM_MAX_ROWS
     if pro == PRO_NORM:
         bk = next_pow2(K)
-        if bk > NORM_MAX_K and M == 1:
+        if bk > NORM_MAX_K:
             return []
-        if M == 1 and bk <= NORM_MAX_K:
+        if summed:
             out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1),
                     SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 1)]
         if bk <= 1024:
             out.append(SkinnyConfig(16, bk, True, 4, 1))
-        if M > 1:  # dot tiles looping over K twice (the rows' RMS, then the normed tiles): any K
-            out += [SkinnyConfig(16, 128, True, 4, 3), SkinnyConfig(64, 128, True, 4, 3)]
         return out
-    if M == 1:
-        if K <= 1024:
-            bk = next_pow2(K)
-            out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2),
-                    SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 2), SkinnyConfig(16, 128, True, 4, 4)]
-        else:  # the run-time loop's tiles wait on each other; split and unrolled, they are all in flight
-            out += [SkinnyConfig(8, 512, False, 4, 2)]
-            out += [SkinnyConfig(bn, 1024, False, 4, 1, True, math.ceil(K / ks))
-                    for bn, ks in ((4, 1024), (8, 2048), (4, 4096)) if ks < K]
-    else:
+    if summed and K <= 1024:
+        bk = next_pow2(K)
+        out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2), SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 2)]
+    elif summed:  # the run-time loop's tiles wait on each other; split and unrolled, they are all in flight
+        out += [SkinnyConfig(8, 512, False, 4, 2)]
+        out += [SkinnyConfig(bn, bk, False, w, 1, True, math.ceil(K / ks))
+                for bn, bk, w, ks in ((4, 1024, 4, 1024), (8, 1024, 4, 2048), (4, 4096, 8, 4096))]
+    if M == 1 and K <= 1024:
+        out.append(SkinnyConfig(16, 128, True, 4, 4))
+    elif M > 1:
         out += [SkinnyConfig(16, 128, True, 4, 4), SkinnyConfig(64, 128, True, 4, 4)]
         if K > 1024:
             out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]

@@ -113,9 +113,9 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
     return o.view(B, n_kv, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype).contiguous()
 
 
-def attention_fuses_rope(kv_len: int) -> bool:
-    """Whether rope_attention runs as one kernel at kv_len (on CUDA: up to triton_ops.SINGLE_MAX keys);
-    the definition is the same either way."""
+def attention_fuses_rope(kv_len: int, T: int) -> bool:
+    """Whether rope_attention runs as one kernel (on CUDA: one token per row, up to
+    triton_ops.SINGLE_MAX keys); the definition is the same either way."""
     return True
 
 

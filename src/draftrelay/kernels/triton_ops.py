@@ -217,16 +217,12 @@ def _attn_tile(q, kb, vb, s_cpos, s_vpos, n0, hi, qpos, d, m_i, l_i, acc, scale,
 
 
 @triton.jit
-def _rope_rows(src, d, pos, inv_ptr, HALF: tl.constexpr):
-    """Rows of head vectors at src[:, None] + d (fp32) rotated by their positions pos (HF's rotate-half,
-    the same expressions as _rope_kv_kernel: x1 c - x2 s | x2 c + x1 s)."""
-    partner = (d + HALF) % (2 * HALF)
-    x = tl.load(src[:, None] + d[None, :]).to(tl.float32)
-    xp = tl.load(src[:, None] + partner[None, :]).to(tl.float32)
-    ang = pos.to(tl.float32)[:, None] * tl.load(inv_ptr + d % HALF)[None, :]
-    c = tl.cos(ang)
-    sn = tl.sin(ang)
-    return tl.where((d < HALF)[None, :], x * c - xp * sn, x * c + xp * sn)
+def _rotate(x_ptr, src, d, c, sn, HALF: tl.constexpr):
+    """Head vectors at src[:, None] + d rotated by angles with cosines c and sines sn [D] (HF's
+    rotate-half, the same expressions as _rope_kv_kernel: x1 c - x2 s | x2 c + x1 s), fp32."""
+    x = tl.load(x_ptr + src[:, None] + d[None, :]).to(tl.float32)
+    xp = tl.load(x_ptr + src[:, None] + ((d + HALF) % (2 * HALF))[None, :]).to(tl.float32)
+    return tl.where((d < HALF)[None, :], x * c[None, :] - xp * sn[None, :], x * c[None, :] + xp * sn[None, :])
 
 
 @triton.jit
@@ -234,10 +230,11 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
                  T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
                  REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                  SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
-                 T_PAD: tl.constexpr, PDL: tl.constexpr):
-    """ROPE (one chunk only): q_ptr is the q|k|v product [B, T, (H + 2 n_kv) * D]; the program rotates
-    its kv head's q rows and new keys, stores the new keys and values into the cache rows, then
-    attends (rope_kv_write and decode_attention in one launch; the same values)."""
+                 PDL: tl.constexpr):
+    """ROPE (one token per row, one chunk): q_ptr is the q|k|v product [B, 1, (H + 2 n_kv) * D]; the
+    program rotates its kv head's q rows and the new key, stores the new key and value into the cache
+    rows, attends over the cache's earlier keys and takes the new key from its registers (rope_kv_write
+    and decode_attention in one launch; the same values)."""
     bg = tl.program_id(0)
     sp = tl.program_id(1)
     if PDL:
@@ -260,21 +257,18 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
     kb = ck_ptr + row * s_crow + g * s_chead
     vb = cv_ptr + row * s_vrow + g * s_vhead
     if ROPE:
-        width = (H + 2 * n_kv) * D
-        tq = tl.where(rvalid, t, 0)
-        qsrc = (b * T + tq).to(tl.int64) * width + tl.where(rvalid, h, 0) * D
-        q = tl.where(rvalid[:, None], _rope_rows(q_ptr + qsrc, d, start + tq, inv_ptr, D // 2), 0.0)
-        q = q.to(o_ptr.dtype.element_ty)
-        tk = tl.arange(0, T_PAD)
-        tkv = tk < T
-        tk0 = tl.where(tkv, tk, 0)
-        ksrc = (b * T + tk0).to(tl.int64) * width + (H + g) * D
-        knew = _rope_rows(q_ptr + ksrc, d, start + tk0, inv_ptr, D // 2)
-        vnew = tl.load(q_ptr + (ksrc + n_kv * D)[:, None] + d[None, :])
-        kpos = (start + tk).to(tl.int64)
-        tl.store(kb + kpos[:, None] * s_cpos + d[None, :], knew.to(ck_ptr.dtype.element_ty), mask=tkv[:, None])
-        tl.store(vb + kpos[:, None] * s_vpos + d[None, :], vnew, mask=tkv[:, None])
-        tl.debug_barrier()  # the new keys and values stored before the loop reads them back
+        ang = start.to(tl.float32) * tl.load(inv_ptr + d % (D // 2))  # the row's one position, per dim
+        c = tl.cos(ang)
+        sn = tl.sin(ang)
+        base = b.to(tl.int64) * ((H + 2 * n_kv) * D)
+        q = _rotate(q_ptr, base + tl.where(rvalid, h, 0) * D, d, c, sn, D // 2)
+        q = tl.where(rvalid[:, None], q, 0.0).to(o_ptr.dtype.element_ty)
+        ksrc = base + (H + g) * D + tl.zeros([1], tl.int64)
+        knew = tl.reshape(_rotate(q_ptr, ksrc, d, c, sn, D // 2), [D]).to(ck_ptr.dtype.element_ty)
+        vnew = tl.load(q_ptr + ksrc + n_kv * D + d)
+        tl.store(kb + start.to(tl.int64) * s_cpos + d, knew)
+        tl.store(vb + start.to(tl.int64) * s_vpos + d, vnew)
+        hi = tl.minimum(hi, start)  # the cache's earlier keys; the new one is added from registers below
     else:
         q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
     m_i = tl.full([R_PAD], NEG_INF, tl.float32)
@@ -289,6 +283,13 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
         for it in range(0, n_iter):
             m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, lo + it * BLOCK, hi, qpos, d, m_i, l_i, acc,
                                        scale, BLOCK, IEEE)
+    if ROPE:  # the new key: its score, then the online-softmax step as a tile of one key
+        s_new = tl.sum(q.to(tl.float32) * knew.to(tl.float32)[None, :], axis=1) * scale
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp(m_i - m_new)
+        p_new = tl.exp(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new.to(vnew.dtype).to(tl.float32)[:, None] * vnew.to(tl.float32)[None, :]
     if SINGLE:
         o = acc / l_i[:, None]
         tl.store(o_ptr + qo[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])
@@ -334,15 +335,61 @@ def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split: tl.constexpr,
 
 
 @triton.jit
-def _skinny_dot(acc, xv, w, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """acc [M_PAD, BLOCK_N] += xv [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in fp32."""
-    if DOT:
-        if IEEE:
-            acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+def _dot_acc(acc, xv, w, IEEE: tl.constexpr):
+    """acc [M_PAD, BLOCK_N] += xv [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in fp32 (tensor cores)."""
+    if IEEE:
+        acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+    else:
+        acc += tl.dot(xv, tl.trans(w))
+    return acc
+
+
+@triton.jit
+def _silu_up(x_ptr, off, msk, K):
+    """silu(gate) * up at gate offsets `off` of a gate | up row block (up K further), rounded as silu_mul."""
+    g = tl.load(x_ptr + off, mask=msk, other=0.0)
+    u = tl.load(x_ptr + off + K, mask=msk, other=0.0)
+    gf = g.to(tl.float32)
+    sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
+def _normed(xv, nw, K, eps):
+    """add_rms_norm's output of whole rows xv [R, BLOCK_K] (zeros past K), nw [BLOCK_K]."""
+    xf = xv.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
+    normed = (xf * rstd[:, None]).to(xv.dtype)
+    return (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xv.dtype)
+
+
+@triton.jit
+def _sum_rows(acc, w, x_ptr, d_ptr, xo_ptr, nw, m, M, k0, k_hi, K, eps, store,
+              M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """The multiply-and-sum tile: for each of the M_ROWS rows (static; those >= M masked) the row's
+    slice k0 .. k0 + BLOCK_K (up to k_hi; PRO 1: the whole row, normed, x + delta stored when store;
+    PRO 2: SiLU * up) times the loaded weight tile w [BLOCK_N, BLOCK_K], summed along K in fp32, into
+    row i of acc [M_PAD, BLOCK_N]. The weight tile is read once for all rows."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    km = kk < k_hi
+    wf = w.to(tl.float32)
+    for i in tl.static_range(M_ROWS):
+        msk = km & (i < M)
+        if PRO == 2:
+            xv = _silu_up(x_ptr, i * (2 * K) + kk, msk, K)
         else:
-            acc += tl.dot(xv, tl.trans(w))
-    else:  # one row: the weight tile times the broadcast row, summed along K
-        acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32), axis=1)[None, :]
+            xv = tl.load(x_ptr + i * K + kk, mask=msk, other=0.0)
+        if PRO == 1:
+            if HAS_DELTA:
+                dv = tl.load(d_ptr + i * K + kk, mask=msk, other=0.0)
+                xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
+                if store:
+                    tl.store(xo_ptr + i * K + kk, xv, mask=msk)
+            xf = xv.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+            xv = ((xf * rstd).to(xv.dtype).to(tl.float32) * nw.to(tl.float32)).to(xv.dtype)
+        r = tl.sum(wf * xv.to(tl.float32)[None, :], axis=1)
+        acc += tl.where(m[:, None] == i, r[None, :], 0.0)
     return acc
 
 
@@ -353,62 +400,46 @@ def _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _skinny_x(acc, w, x_ptr, m, mm, k0, k_hi, K, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-              DOT: tl.constexpr, IEEE: tl.constexpr):
+def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+              PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
     """The rows' slice k0 .. k0 + BLOCK_K (SiLU * up computed for PRO 2) times the loaded weight tile."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    msk = mm[:, None] & (kk < k_hi)[None, :]
-    if PRO == 2:
-        ga = m.to(tl.int64)[:, None] * (2 * K) + kk[None, :]
-        g = tl.load(x_ptr + ga, mask=msk, other=0.0)
-        u = tl.load(x_ptr + ga + K, mask=msk, other=0.0)
-        gf = g.to(tl.float32)
-        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        xv = (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-    else:
-        xv = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + kk[None, :], mask=msk, other=0.0)
-    return _skinny_dot(acc, xv, w, DOT, IEEE)
+    if DOT:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        msk = mm[:, None] & (kk < k_hi)[None, :]
+        off = m.to(tl.int64)[:, None] * ((2 if PRO == 2 else 1) * K) + kk[None, :]
+        if PRO == 2:
+            xv = _silu_up(x_ptr, off, msk, K)
+        else:
+            xv = tl.load(x_ptr + off, mask=msk, other=0.0)
+        return _dot_acc(acc, xv, w, IEEE)
+    return _sum_rows(acc, w, x_ptr, x_ptr, x_ptr, w, m, M, k0, k_hi, K, 0.0, False, M_ROWS, BLOCK_K, PRO, False)
 
 
 @triton.jit
-def _norm_rows(x_ptr, d_ptr, xo_ptr, m, mm, k0, K, store, BLOCK_K: tl.constexpr, HAS_DELTA: tl.constexpr):
-    """Rows' slice k0 .. k0 + BLOCK_K of x + delta (rounded to x's dtype; stored into xo when store)."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    msk = mm[:, None] & (kk < K)[None, :]
-    xa = m.to(tl.int64)[:, None] * K + kk[None, :]
-    xv = tl.load(x_ptr + xa, mask=msk, other=0.0)
-    if HAS_DELTA:
-        dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
-        xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
-        if store:
-            tl.store(xo_ptr + xa, xv, mask=msk)
-    return xv
-
-
-@triton.jit
-def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, k_hi, K, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-                 DOT: tl.constexpr, IEEE: tl.constexpr):
-    """One BLOCK_K slice of K (up to k_hi): the weight tile, the rows' slice, the dot."""
+def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_K slice of K (up to k_hi): the weight tile, the rows' slice, the product."""
     w = _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K)
-    return _skinny_x(acc, w, x_ptr, m, mm, k0, k_hi, K, BLOCK_K, PRO, DOT, IEEE)
+    return _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE)
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, KS, eps,
-                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-                   HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                   FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                   NORM_LOOP: tl.constexpr):
+                   M_PAD: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRO: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+                   IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr,
+                   PDL: tl.constexpr):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
-    normalised, times nw; program 0 also writes x + delta; in one tile, or with NORM_LOOP over K's tiles
-    twice: the rows' RMS, then the normed tiles); 2: silu(gate) * up of
-    x = [M, 2K] (gate | up). Each program reads its BLOCK_N weight rows once, over the K range
-    program_id(1) * KS .. + KS (SPLIT ranges; SPLIT 1: all of K). With SPLIT > 1 each program stores
-    its fp32 partial in ws, counts itself in cnt[column block] (acquire-release, GPU scope), and the
-    one that brings the count to a multiple of SPLIT sums the SPLIT partials in range order and writes
-    y: the same bits whichever finishes last, and the count is left a multiple of SPLIT for the next
-    launch. PDL (programmatic dependent launch): the weight tile is loaded before waiting for the
-    previous kernel (weights are never written by one), everything else after."""
+    normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
+    x = [M, 2K] (gate | up). DOT: tensor-core dots over the rows padded to M_PAD >= 16; else the
+    multiply-and-sum tile over M_ROWS = M rows (a few). Each program reads its BLOCK_N weight rows
+    once, over the K range program_id(1) * KS .. + KS (SPLIT ranges; SPLIT 1: all of K). With
+    SPLIT > 1 each program stores its fp32 partial in ws, counts itself in cnt[column block]
+    (acquire-release, GPU scope), and the one that brings the count to a multiple of SPLIT sums the
+    SPLIT partials in range order and writes y: the same bits whichever finishes last, and the count
+    is left a multiple of SPLIT for the next launch. PDL (programmatic dependent launch): the first
+    weight tile is loaded before waiting for the previous kernel (no kernel writes weights),
+    everything else after."""
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -418,43 +449,26 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     m = tl.arange(0, M_PAD)
     mm = m < M
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    if PRO == 1 and NORM_LOOP:  # the norm over K's NORM_LOOP tiles: the rows' RMS first, then the normed tiles' dots
-        if PDL:
-            gdc_wait()
-        ss = tl.zeros([M_PAD], tl.float32)
-        for it in range(0, NORM_LOOP):
-            xv = _norm_rows(x_ptr, d_ptr, xo_ptr, m, mm, it * BLOCK_K, K, pid == 0, BLOCK_K, HAS_DELTA)
-            xf = xv.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-        for it in range(0, NORM_LOOP):
-            w = _skinny_w(w_ptr, wrow, nm, it * BLOCK_K, K, BLOCK_K)
-            xv = _norm_rows(x_ptr, d_ptr, xo_ptr, m, mm, it * BLOCK_K, K, False, BLOCK_K, HAS_DELTA)
-            kk = it * BLOCK_K + tl.arange(0, BLOCK_K)
-            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0)
-            normed = (xv.to(tl.float32) * rstd[:, None]).to(xv.dtype)
-            h = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xv.dtype)
-            acc = _skinny_dot(acc, h, w, DOT, IEEE)
-    elif PRO == 1:
+    if PRO == 1:
         kk = tl.arange(0, BLOCK_K)
         km = kk < K
-        msk = mm[:, None] & km[None, :]
-        xa = m.to(tl.int64)[:, None] * K + kk[None, :]
         w = tl.load(w_ptr + wrow + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
         if PDL:
             gdc_wait()
-        xv = tl.load(x_ptr + xa, mask=msk, other=0.0)
-        if HAS_DELTA:
-            dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
-            xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
-            if pid == 0:
-                tl.store(xo_ptr + xa, xv, mask=msk)
-        xf = xv.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
-        normed = (xf * rstd[:, None]).to(xv.dtype)
-        h = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xv.dtype)
-        acc = _skinny_dot(acc, h, w, DOT, IEEE)
+        if DOT:
+            msk = mm[:, None] & km[None, :]
+            xa = m.to(tl.int64)[:, None] * K + kk[None, :]
+            xv = tl.load(x_ptr + xa, mask=msk, other=0.0)
+            if HAS_DELTA:
+                dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
+                xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
+                if pid == 0:
+                    tl.store(xo_ptr + xa, xv, mask=msk)
+            acc = _dot_acc(acc, _normed(xv, nw, K, eps), w, IEEE)
+        else:
+            acc = _sum_rows(acc, w, x_ptr, d_ptr, xo_ptr, nw, m, M, 0, K, K, eps, pid == 0, M_ROWS, BLOCK_K, PRO,
+                            HAS_DELTA)
     else:
         k_lo = tl.program_id(1) * KS
         k_hi = tl.minimum(k_lo + KS, K)
@@ -462,20 +476,21 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
             w0 = _skinny_w(w_ptr, wrow, nm, k_lo, k_hi, BLOCK_K)  # the first tile before the wait
             if PDL:
                 gdc_wait()
-            acc = _skinny_x(acc, w0, x_ptr, m, mm, k_lo, k_hi, K, BLOCK_K, PRO, DOT, IEEE)
+            acc = _skinny_x(acc, w0, x_ptr, m, mm, M, k_lo, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE)
             for it in tl.static_range(1, K_UNROLL):
-                acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k_lo + it * BLOCK_K, k_hi, K, BLOCK_K,
-                                   PRO, DOT, IEEE)
+                acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k_lo + it * BLOCK_K, k_hi, K, M_ROWS,
+                                   BLOCK_K, PRO, DOT, IEEE)
         else:
             if PDL:
                 gdc_wait()
             if FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound
                 for it in range(0, FIXED_TRIPS):
-                    acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k_lo + it * BLOCK_K, k_hi, K, BLOCK_K,
-                                       PRO, DOT, IEEE)
+                    acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k_lo + it * BLOCK_K, k_hi, K, M_ROWS,
+                                       BLOCK_K, PRO, DOT, IEEE)
             else:
                 for k0 in range(k_lo, k_hi, BLOCK_K):
-                    acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, k0, k_hi, K, BLOCK_K, PRO, DOT, IEEE)
+                    acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO,
+                                       DOT, IEEE)
     out_mask = mm[:, None] & nm[None, :]
     if SPLIT > 1:
         wa = m.to(tl.int64)[:, None] * N + n[None, :]
@@ -543,11 +558,10 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
     if not w.is_contiguous():
         raise ValueError("skinny_linear: the weight must be contiguous")
-    if not cfg.dot and M != 1:
-        raise ValueError(f"skinny_linear: the multiply-and-sum tile takes one row, got {M}")
-    if pro == P.PRO_NORM and (cfg.split > 1 or (K > cfg.block_k and not cfg.dot)):
-        raise ValueError(f"skinny_linear: the norm prologue takes no split, and K ({K}) <= block_k "
-                         f"({cfg.block_k}) unless the tile is a dot")
+    if not cfg.dot and not 1 <= M <= P.SUM_MAX_ROWS:
+        raise ValueError(f"skinny_linear: the multiply-and-sum tile takes 1 to {P.SUM_MAX_ROWS} rows, got {M}")
+    if pro == P.PRO_NORM and (K > cfg.block_k or cfg.split > 1):
+        raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k}), no split")
     ks, n_split = P.split_range(K, cfg) if pro != P.PRO_NORM else (K, 1)
     n_blocks = triton.cdiv(N, cfg.block_n)
     ws = cnt = w
@@ -563,11 +577,10 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     _skinny_kernel[(n_blocks, n_split)](
         x, delta if delta is not None else x, norm_w if norm_w is not None else w, xo, w,
         b if b is not None else w, y, ws, cnt, M, N, K, ks, eps,
-        M_PAD=16 if cfg.dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
+        M_PAD=16 if cfg.dot else triton.next_power_of_2(M), M_ROWS=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
         HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
         FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0,
         K_UNROLL=ks // cfg.block_k if cfg.unroll else 0, SPLIT=n_split, PDL=pdl,
-        NORM_LOOP=triton.cdiv(K, cfg.block_k) if pro == P.PRO_NORM and K > cfg.block_k else 0,
         num_warps=cfg.warps, num_stages=cfg.stages, **_launch_kw(pdl))
     return xo, y
 
@@ -797,8 +810,8 @@ def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.
     block = sblock if n_split == 1 else BLOCK_N
     out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     single = n_split == 1
-    if rope is not None and not single:
-        raise ValueError("rope_attention: the fused RoPE takes one chunk (attention_fuses_rope)")
+    if rope is not None and not (single and T == 1):
+        raise ValueError("rope_attention: the fused RoPE takes one token per row, one chunk (attention_fuses_rope)")
     if single:
         acc = ml = out  # unused
     else:
@@ -811,7 +824,7 @@ def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
         IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if _INTERPRETED else 0,
-        ROPE=rope is not None, T_PAD=max(2, triton.next_power_of_2(T)), PDL=pdl,
+        ROPE=rope is not None, PDL=pdl,
         num_warps=warps, num_stages=2, **_launch_kw(pdl))
     if not single:
         _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=pdl,
@@ -824,14 +837,15 @@ def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: 
     return _attention(q, ck, cv, rows, start, kv_len, None)
 
 
-def attention_fuses_rope(kv_len: int) -> bool:
-    """Whether rope_attention is one launch at kv_len (one chunk of keys: no split, no combine)."""
-    return kv_len <= SINGLE_MAX
+def attention_fuses_rope(kv_len: int, T: int) -> bool:
+    """Whether rope_attention is one launch: one token per row (decode, the drafter's steps; a verify's
+    rows would each need their own angles for every q row) and one chunk of keys (no split, combine)."""
+    return T == 1 and kv_len <= SINGLE_MAX
 
 
 def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
                    ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int) -> torch.Tensor:
-    if not attention_fuses_rope(kv_len):
+    if not attention_fuses_rope(kv_len, qkv.shape[1]):
         q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
         return decode_attention(q, ck, cv, rows, start, kv_len)
     if not qkv.is_contiguous():
