@@ -233,6 +233,20 @@ def drafter_section(dev, ctxs, iters, out) -> None:
                 # the same step's graph replayed alone: the STEP less the worker's host work and copies
                 next(g for k, g in d._static.items() if k[0] == B).graph.replay()
             fns["graphs_fast_replay_only"] = replay_only
+
+            class NoReplay:
+                def replay(self) -> None:
+                    pass
+
+            def host_only(d=drafters["graphs_fast"], go=fns["graphs_fast"], B=B):
+                # the worker's host work and copies of the same step, the graph's replay left out
+                g = next(g for k, g in d._static.items() if k[0] == B)
+                graph, g.graph = g.graph, NoReplay()
+                try:
+                    go()
+                finally:
+                    g.graph = graph
+            fns["graphs_fast_host_only"] = host_only
             t = interleaved(fns, iters)
             row = {"context": ctx, "requests": B, "step": t}
             kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)

@@ -90,7 +90,8 @@ def fused_kernels(counter: KernelCounter):
                 return fn(*a, **k)
             finally:
                 counter.paused = False
-                counter.ops[f"{n} (fused)"] += 1
+                # RoPE + attention: one launch for one token per row (up to 1,024 keys), two for more tokens
+                counter.ops[f"{n} (fused)"] += 1 if n != "rope_attention" or a[0].shape[1] == 1 else 2
         return one
 
     for n, fn in saved.items():

@@ -172,9 +172,9 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     assert c.split == 1 or (K > 1024 and pro != P.PRO_NORM)  # split-K: long K, no norm
                     ks, n_split = P.split_range(K, c)
                     assert ks % c.block_k == 0 and (n_split - 1) * ks < K <= n_split * ks
-                    if pro == P.PRO_NORM:
-                        assert c.block_k >= K  # the norm needs the whole row in one tile
-                if pro != P.PRO_NORM or K <= 1024 or (K <= P.NORM_MAX_K and rows <= P.SUM_MAX_ROWS):
+                    if pro == P.PRO_NORM:  # the norm in the tile needs the whole row; a looped dot runs it first
+                        assert c.block_k >= K or (c.dot and rows > 1 and c.block_k == 128)
+                if pro != P.PRO_NORM or K <= 1024 or rows > 1 or K <= P.NORM_MAX_K:
                     assert cands, (pro, rows, N, K)
             assert P.candidates(pro, 17, 896, 896) == [] and P.candidates(pro, 0, 896, 896) == []
     assert P.candidates(P.PRO_NORM, 1, 10, 5000) == []  # K beyond one tile: add_rms_norm + cuBLAS

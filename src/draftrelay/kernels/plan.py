@@ -68,11 +68,12 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     Up to SUM_MAX_ROWS rows, the multiply-and-sum tiles (each weight tile read once, multiplied by
     each row in turn): K up to 1,024 (and the norm prologue, whole rows up to NORM_MAX_K) two of them,
     4,096 elements with 4 warps (many programs for the small weights) and 16,384 with 8 warps (fewer,
-    larger reads for the big ones). Longer K (down_proj, the 7B's o_proj and head): the looped tile and
+    larger reads for the big ones). Longer K (down_proj, the 7B's o_proj and head): the looped tile,
     three split-K tiles (K ranges of 1,024 / 2,048 elements in tiles of 1,024, and of 4,096 in one
-    tile, unrolled: every load of a program in flight at once, and programs enough to fill the card).
-    Tensor-core dot tiles at any row count: one whole-row tile with the norm (K up to 1,024), two
-    looped tiles (16 and 64 columns a program) without it, for more than one row, and for K beyond
+    tile) and the whole K in tiles of 1,024 over two weight rows, unrolled: every load of a program in
+    flight at once, and programs enough to fill the card. Tensor-core dot tiles at any row count: one
+    whole-row tile with the norm (K up to 1,024); for more than one row two looped tiles (16 and 64
+    columns a program; a norm or SiLU prologue then runs as its own launch first), and for K beyond
     1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048)."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
@@ -80,13 +81,14 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     summed = M <= SUM_MAX_ROWS
     if pro == PRO_NORM:
         bk = next_pow2(K)
-        if bk > NORM_MAX_K:
-            return []
-        if summed:
+        if summed and bk <= NORM_MAX_K:
             out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1),
+                    SkinnyConfig(max(1, 8192 // bk), bk, False, 4, 1),
                     SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 1)]
         if bk <= 1024:
             out.append(SkinnyConfig(16, bk, True, 4, 1))
+        if M > 1:  # looped dot tiles after a separate add_rms_norm (pipelined K loop, no prologue in it)
+            out += [SkinnyConfig(16, 128, True, 4, 4), SkinnyConfig(64, 128, True, 4, 4)]
         return out
     if summed and K <= 1024:
         bk = next_pow2(K)
@@ -94,7 +96,7 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     elif summed:  # the run-time loop's tiles wait on each other; split and unrolled, they are all in flight
         out += [SkinnyConfig(8, 512, False, 4, 2)]
         out += [SkinnyConfig(bn, bk, False, w, 1, True, math.ceil(K / ks))
-                for bn, bk, w, ks in ((4, 1024, 4, 1024), (8, 1024, 4, 2048), (4, 4096, 8, 4096))]
+                for bn, bk, w, ks in ((4, 1024, 4, 1024), (8, 1024, 4, 2048), (4, 4096, 8, 4096), (2, 1024, 4, K))]
     if M == 1 and K <= 1024:
         out.append(SkinnyConfig(16, 128, True, 4, 4))
     elif M > 1:

@@ -406,11 +406,10 @@ def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_
     if DOT:
         kk = k0 + tl.arange(0, BLOCK_K)
         msk = mm[:, None] & (kk < k_hi)[None, :]
-        off = m.to(tl.int64)[:, None] * ((2 if PRO == 2 else 1) * K) + kk[None, :]
         if PRO == 2:
-            xv = _silu_up(x_ptr, off, msk, K)
+            xv = _silu_up(x_ptr, m.to(tl.int64)[:, None] * (2 * K) + kk[None, :], msk, K)
         else:
-            xv = tl.load(x_ptr + off, mask=msk, other=0.0)
+            xv = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + kk[None, :], mask=msk, other=0.0)
         return _dot_acc(acc, xv, w, IEEE)
     return _sum_rows(acc, w, x_ptr, x_ptr, x_ptr, w, m, M, k0, k_hi, K, 0.0, False, M_ROWS, BLOCK_K, PRO, False)
 
@@ -546,14 +545,16 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
                   eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of the skinny GEMM with configuration cfg -> (x + delta or x, the product [..., N]).
     pro: plan.PRO_NONE (x @ w^T + b), PRO_NORM (norm_linear's product), PRO_SILU (act_linear's; x holds
-    gate | up, 2K wide; a dot configuration takes silu_mul's output instead: the activation inside its
-    pipelined loop costs more than the launch). The forward calls it through `linear` / `norm_linear` /
-    `act_linear`."""
+    gate | up, 2K wide). A looped dot configuration with a prologue runs silu_mul / add_rms_norm first and
+    the plain product on its output: the prologue inside the pipelined K loop costs more than the launch
+    (measured on the H200). The forward calls it through `linear` / `norm_linear` / `act_linear`."""
     x = x.contiguous()
     if pro == P.PRO_SILU and cfg.dot:
-        x0 = x
         _, y = skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)
-        return x0, y
+        return x, y
+    if pro == P.PRO_NORM and cfg.dot and w.shape[1] > cfg.block_k:  # a looped dot tile: the norm first
+        xo, h = add_rms_norm(x, delta, norm_w, eps)
+        return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b)[1]
     N, K = w.shape
     M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
     if not w.is_contiguous():
@@ -845,11 +846,27 @@ def attention_fuses_rope(kv_len: int, T: int) -> bool:
 
 def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
                    ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int) -> torch.Tensor:
-    if not attention_fuses_rope(kv_len, qkv.shape[1]):
+    if not (attention_fuses_rope(kv_len, qkv.shape[1]) and _FUSED_ROPE_OK.get(qkv.device, True)):
         q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
         return decode_attention(q, ck, cv, rows, start, kv_len)
     if not qkv.is_contiguous():
         raise ValueError("rope_attention: qkv must be contiguous")
     if ck.dtype != qkv.dtype or cv.dtype != qkv.dtype:
         raise ValueError(f"rope_attention: cache dtype {ck.dtype} != activations {qkv.dtype}")
-    return _attention(qkv, ck, cv, rows, start, kv_len, (inv_freq, n_heads, n_kv))
+    if qkv.device in _FUSED_ROPE_OK:
+        return _attention(qkv, ck, cv, rows, start, kv_len, (inv_freq, n_heads, n_kv))
+    if qkv.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # first use inside a capture
+        q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
+        return decode_attention(q, ck, cv, rows, start, kv_len)
+    try:  # the first launch compiles it; a card or Triton that cannot build it keeps the two kernels
+        out = _attention(qkv, ck, cv, rows, start, kv_len, (inv_freq, n_heads, n_kv))
+        _FUSED_ROPE_OK[qkv.device] = True
+        return out
+    except Exception:
+        log.exception("fused RoPE + attention failed to launch; RoPE and the attention as two kernels")
+        _FUSED_ROPE_OK[qkv.device] = False
+        q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
+        return decode_attention(q, ck, cv, rows, start, kv_len)
+
+
+_FUSED_ROPE_OK: dict[torch.device, bool] = {}  # per device, once the fused kernel has been launched
