@@ -1,7 +1,10 @@
 """The fast forward on a GPU, side by side in one process: drafter STEP (0.5B shape) and target decode /
 verify (7B shape), this project's eager, graphs (plain forward), graphs with the fused kernels and
 cuBLAS for every product ("graphs_fast_cublas"), graphs with the fused kernels and the products chosen
-per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"), plain torch.compile of the same model
+per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"; "graphs_fast_nopdl" the same launched
+without programmatic dependent launch; for the drafter also its graph replayed alone,
+"graphs_fast_replay_only", and the worker's host work of the step with the replay left out,
+"graphs_fast_host_only"), plain torch.compile of the same model
 (7B decode), and Hugging Face transformers (target decode). The "gemm" section and "plans" list each
 product shape's cuBLAS and skinny-GEMM times.
 
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from draftrelay import model as M
+from draftrelay.capture import kv_bucket
 from draftrelay.engine.graphs import DecodeGraphs
 from draftrelay.handoff.procinfo import machine_info
 from draftrelay.kernels import plan as P
@@ -229,18 +233,21 @@ def drafter_section(dev, ctxs, iters, out) -> None:
                 return go
             fns = {k: step(drafters[k], f) for k, (_, f) in variants.items()}
 
-            def replay_only(d=drafters["graphs_fast"], B=B):
+            def step_graph(d, B=B, ctx=ctx):  # the static step this STEP runs (one new token per request)
+                return d._static[B, 1, n_out, kv_bucket(ctx + 1 + n_out, d.cache.max_len)]
+
+            def replay_only(d=drafters["graphs_fast"]):
                 # the same step's graph replayed alone: the STEP less the worker's host work and copies
-                next(g for k, g in d._static.items() if k[0] == B).graph.replay()
+                step_graph(d).graph.replay()
             fns["graphs_fast_replay_only"] = replay_only
 
             class NoReplay:
                 def replay(self) -> None:
                     pass
 
-            def host_only(d=drafters["graphs_fast"], go=fns["graphs_fast"], B=B):
+            def host_only(d=drafters["graphs_fast"], go=fns["graphs_fast"]):
                 # the worker's host work and copies of the same step, the graph's replay left out
-                g = next(g for k, g in d._static.items() if k[0] == B)
+                g = step_graph(d)
                 graph, g.graph = g.graph, NoReplay()
                 try:
                     go()
