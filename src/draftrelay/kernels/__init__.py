@@ -14,10 +14,13 @@ plain-torch definitions: the same function, not faster). Both modules define
     rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows) -> q rotated (k, v into the cache)
     decode_attention(q, ck, cv, rows, start, kv_len) -> causal GQA attention over the cache rows
     rope_attention(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len) -> rope_kv_write then
-        decode_attention (one kernel on CUDA up to a chunk of keys: attention_fuses_rope(kv_len))
+        decode_attention (one kernel on CUDA for one token per row up to a chunk of keys:
+        attention_fuses_rope(kv_len, T))
 
 with the signatures and rounding documented in `reference`. On CUDA the products of decode and verify
-rows run cuBLAS or the skinny GEMM, whichever `kernels.plan` measured faster for the shape.
+rows run cuBLAS or the skinny GEMM (multiply-and-sum, dot or split-K tiles), whichever `kernels.plan`
+measured faster for the shape, and every Triton kernel is launched with programmatic dependent launch
+where the card has it (`triton_ops.PDL`).
 """
 
 from __future__ import annotations
