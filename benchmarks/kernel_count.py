@@ -7,7 +7,8 @@ storage with an input (views, no-op casts and reshapes of contiguous tensors lau
 paths: "cpu" as a CPU runs it, "gpu" with F.rms_norm as one fused kernel (torch's _fused_rms_norm on
 CUDA; a CPU decomposes it), and "fused": the fast forward (Transformer.fast), each of its fused kernels
 (draftrelay.kernels) counted once, as its Triton kernel launches (RoPE, the K/V write and the attention
-are one launch up to 1,024 keys; beyond, two and a combine: the contexts here are short). The products count as
+are one launch for one token per row up to 1,024 keys, else two; beyond 1,024 keys the attention's
+combine is one more, not counted: the contexts here are short). The products count as
 the skinny GEMM launches them, one each with the norm or SiLU inside; where kernels.plan measures cuBLAS
 faster for a shape, the norm / SiLU is a launch of its own there.
 Launch-level behaviour of a real GPU (cuBLAS splitK kernels, ...) is not

@@ -424,7 +424,7 @@ def attention(qkv: torch.Tensor, w: LayerWeights, st: StepState, ck: torch.Tenso
         k = rms_norm(qkv[..., H * D:(H + HK) * D].reshape(B, T, HK, D), w.k_norm, w.qk_eps).reshape(B, T, HK * D)
         qkv = torch.cat((q, k, qkv[..., (H + HK) * D:]), -1)
     if st.fast_attn:
-        # RoPE, the K/V write and the attention: one kernel for up to a chunk of keys, else two + combine
+        # RoPE, the K/V write and the attention: one kernel for one token per row and a chunk of keys
         return st.kernels.rope_attention(qkv.contiguous(), st.start, st.inv_freq, H, HK, ck, cv, st.rows_t,
                                          st.kv_len).view(B, T, H * D)
     cos, sin, blocked = st.tables
