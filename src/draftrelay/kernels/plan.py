@@ -68,10 +68,11 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     Up to SUM_MAX_ROWS rows, the multiply-and-sum tiles (each weight tile read once, multiplied by
     each row in turn): K up to 1,024 two of them, 4,096 elements with 4 warps (many programs for the
     small weights) and 16,384 with 8 warps (fewer, larger reads for the big ones); with the norm
-    prologue (whole rows up to NORM_MAX_K) those and 8,192 elements with 4 warps. Longer K (down_proj, the 7B's o_proj and head): the looped tile,
-    three split-K tiles (K ranges of 1,024 / 2,048 elements in tiles of 1,024, and of 4,096 in one
-    tile) and the whole K in tiles of 1,024 over two weight rows, unrolled: every load of a program in
-    flight at once, and programs enough to fill the card. Tensor-core dot tiles at any row count: one
+    prologue (whole rows up to NORM_MAX_K) those and 8,192 elements with 4 warps. Longer K (down_proj,
+    the 7B's o_proj and head): the looped tile, three split-K tiles (K ranges of 1,024 / 2,048
+    elements in tiles of 1,024, and of 4,096 in one tile) and the whole K in tiles of 1,024 over two
+    weight rows, unrolled: every load of a program in flight at once, and programs enough to fill the
+    card. Tensor-core dot tiles at any row count: one
     whole-row tile with the norm (K up to 1,024); for more than one row two looped tiles (16 and 64
     columns a program; a norm or SiLU prologue then runs as its own launch first), and for K beyond
     1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048)."""
