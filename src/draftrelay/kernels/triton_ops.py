@@ -6,9 +6,11 @@ each instead of the plain forward's several per op.
   rope_kv_write     RoPE of q and k from positions (angles in-kernel), k and v stored (plain: ~12 with
                     into the cache rows at their positions, q written head-major      the step's tables)
   skinny_linear     the products of decode and verify rows (M <= 16): each program reads a few
-                    weight rows once, whole-K tiles, fp32 sums (one row) or tensor-core dots (more);
-                    optionally with add_rms_norm computed in the prologue (norm_linear) or SiLU*up
-                    (act_linear, the down product); chosen against cuBLAS per shape (kernels.plan)
+                    weight rows once, fp32 multiply-and-sum (up to 8 rows, each row in turn against
+                    the loaded tile) or tensor-core dots; whole-K tiles, a K loop, or K split over
+                    programs whose partials the last one of a column block sums (split-K in one
+                    launch); optionally with add_rms_norm computed in the prologue (norm_linear) or
+                    SiLU*up (act_linear, the down product); chosen against cuBLAS per shape (kernels.plan)
   greedy_pick       argmax and its softmax probability over the vocabulary: per-chunk (max, argmax,
                     sum exp) partials, merged by a one-program-per-row kernel     (plain: ~6)
   decode_attention  flash-decoding: each program streams one key chunk of one (row, kv head) once, for
@@ -16,6 +18,9 @@ each instead of the plain forward's several per op.
                     softmax in fp32; long contexts split over many programs whose partials one combine
                     kernel merges. Reads only the keys each row has (start + T), not the whole bucket.
                                                                                    (plain: ~10)
+  rope_attention    rope_kv_write + decode_attention in one launch for one token per row and one
+                    chunk of keys: the new key rotated, stored, and attended from registers
+Every kernel is launched with programmatic dependent launch where the card has it (PDL below).
 Shapes and dtypes are the reference's; inputs must be contiguous where the reference's docstring says
 "one GEMM's output" (they are in the forward).
 """
