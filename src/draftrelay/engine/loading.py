@@ -141,17 +141,19 @@ def worker_spec(host: str, port: int, model_id: str, tokenizer_hash: str, n_draf
             "tokenizer_hash": tokenizer_hash, "n_out_max": max(1, n_draft), "max_requests": max_requests}
 
 
-# Waits of the proxy and the emulated stream: (spin, nap) in µs. On a GPU the stream's wait costs no
-# CPU and the proxy may spin briefly; on a small CPU-only machine every polling thread competes with
-# the target's own compute, so the emulated hand-off naps longer between polls.
-SPIN_NAP_US = {"cuda": (50, 20), "cpu": (0, 200)}
+# Waits of the proxy and the emulated stream: (spin, nap) in µs. On a GPU host the proxy spins up to
+# 20 ms after each round (at most one core, and only while rounds keep coming: then it naps), so it
+# sees the next round's announcement within a load instead of a nap's wake-up; on a small CPU-only
+# machine every polling thread competes with the target's own compute, so the hand-off naps longer.
+SPIN_NAP_US = {"cuda": (20_000, 20), "cpu": (0, 200)}
 CPU_WAIT_SLICE_US, CPU_SUPERVISE_MS, CPU_HEARTBEAT_MS = 20_000, 50.0, 100.0
 
 
 def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_shares_gpu: bool,
                    host_rounds: bool = False, **fields):
     """The hand-off for rounds to the worker `spec`: the CUDA stream on a GPU, the emulated one on a
-    CPU. A worker on the engine's own GPU gets memop parking (HandoffConfig.cuda_wait says why).
+    CPU. A worker on the engine's own GPU gets memop parking (HandoffConfig.cuda_wait says why) and the
+    host park: nothing of a round waits on the engine's stream while the worker drafts (HandoffConfig.park).
 
     host_rounds (GPU): the emulated stream even on a GPU, so drafts reach the engine on the host and the
     speculation cache selects its branches there ("host selection", engine/spec_cache.py). The engine
@@ -178,6 +180,7 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
     return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,
                          backend="cuda" if gpu and not host_rounds else "emulated",
                          cuda_wait="memop" if worker_shares_gpu and gpu and not host_rounds else "",
+                         park="host" if worker_shares_gpu and gpu and not host_rounds else "stream",
                          worker_shares_gpu=bool(gpu and worker_shares_gpu), **fields)
 
 
