@@ -177,3 +177,22 @@ def test_engine_greedy_output_is_the_targets_with_host_park_and_device_reply_pat
         total = eng.metrics(reqs)["total"]
     assert [r.output for r in reqs] == ref
     assert armed and all(armed) and total["rounds"]["ok"] > 0
+
+
+def test_the_proxy_wakes_an_engine_parked_on_the_host():
+    """Park "host" with a polling proxy (the CUDA setting): the engine thread sleeps on `released` in
+    half-second slices, so rounds come back fast only if the proxy's release wakes it."""
+    c = cfg(park="host", wait="poll", wait_slice_us=500_000, selftest_rounds=0, deadline_ms=2000,
+            round_budget_ms=1500)
+    assert c.proxy_spec()["wake_release"] and not cfg(wait="poll").proxy_spec()["wake_release"]
+    r = open_rounds(c)
+    rng = np.random.default_rng(9)
+    try:
+        t0 = time.monotonic()
+        for t in range(1, 21):
+            reqs = random_requests(rng, t, VOCAB)
+            res = r.result(r.submit(reqs), timeout_s=5)
+            assert res.status == Status.OK and score_round(reqs, res, VOCAB)[1] == 0
+        assert time.monotonic() - t0 < 3.0  # 20 slices unwoken would be 10 s
+    finally:
+        r.close()

@@ -152,8 +152,7 @@ CPU_WAIT_SLICE_US, CPU_SUPERVISE_MS, CPU_HEARTBEAT_MS = 20_000, 50.0, 100.0
 def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_shares_gpu: bool,
                    host_rounds: bool = False, **fields):
     """The hand-off for rounds to the worker `spec`: the CUDA stream on a GPU, the emulated one on a
-    CPU. A worker on the engine's own GPU gets memop parking (HandoffConfig.cuda_wait says why) and the
-    host park: nothing of a round waits on the engine's stream while the worker drafts (HandoffConfig.park).
+    CPU. A worker on the engine's own GPU gets memop parking (HandoffConfig.cuda_wait says why).
 
     host_rounds (GPU): the emulated stream even on a GPU, so drafts reach the engine on the host and the
     speculation cache selects its branches there ("host selection", engine/spec_cache.py). The engine
@@ -180,7 +179,6 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
     return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,
                          backend="cuda" if gpu and not host_rounds else "emulated",
                          cuda_wait="memop" if worker_shares_gpu and gpu and not host_rounds else "",
-                         park="host" if worker_shares_gpu and gpu and not host_rounds else "stream",
                          worker_shares_gpu=bool(gpu and worker_shares_gpu), **fields)
 
 

@@ -74,9 +74,10 @@ def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_f
 def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int = 20,
           round_budget_s: float = 0.15, faults: FaultPlan | None = None,
           parent_pid: int | None = None, wait: str = "poll", wait_slice_us: int = 2000,
-          after_release: Callable[[int], None] | None = None) -> None:
+          after_release: Callable[[int], None] | None = None, wake_release: bool = False) -> None:
     """The proxy's loop. wait "block": sleep on `gathered` (an emulated stream wakes it) and wake the
     stream with the release; "poll": spin_us, then nap_us naps (a GPU writes `gathered`, no wake).
+    wake_release: wake the release word in poll mode too (an engine thread sleeps on it: the host park).
     after_release(t): called after round t is released (the speculation cache's branch push)."""
     L, cfg, base = region.layout, region.cfg, region.base
     a_gathered = base + L.word(W.GATHERED)
@@ -98,7 +99,7 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
             time.sleep(faults.stall_ms / 1000)
 
     blocking = wait == "block"
-    release = native.store_max32_wake if blocking else native.store_max32
+    release = native.store_max32_wake if blocking or wake_release else native.store_max32
     reported_reconnects = 0
     t = native.load32(a_released) + 1
     while True:
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         serve(region, round_fn, spin_us=int(spec.get("spin_us", 50)), nap_us=int(spec.get("nap_us", 20)),
               round_budget_s=float(spec.get("round_budget_s", 0.15)), faults=faults, parent_pid=parent,
               wait=str(spec.get("wait", "poll")), wait_slice_us=int(spec.get("wait_slice_us", 2000)),
-              after_release=pushes[0].after_release if pushes else None)
+              after_release=pushes[0].after_release if pushes else None,
+              wake_release=bool(spec.get("wake_release", False)))
     finally:
         if args.audit:
             _audit(args.audit)

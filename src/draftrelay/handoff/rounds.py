@@ -96,11 +96,11 @@ class HandoffConfig:
     host_staging: bool = True
     # where a host-staged round waits for its release: "stream" (the stream parks: the GPU releases the
     # verify queued behind it) or "host" (nothing is queued on the stream while the round is out; the
-    # engine thread waits for `released`, then enqueues the reply copy and the verify). "host" is for a
-    # drafter worker on the engine's own GPU: a stream parked in the engine's context makes the GPU
-    # switch between the two processes' contexts while the worker drafts (docs/ENGINE.md)
+    # engine thread sleeps on `released`, woken by the proxy's release, then enqueues the reply copy and
+    # the verify). "stream" is what measured fastest on the H200, the worker on the engine's GPU included
+    # (docs/REPLAY.md); "host" keeps the engine's context empty while the round is out
     park: str = "stream"
-    park_spin_us: int = 50_000  # park "host": the engine thread spins this long on `released`, then naps
+    park_spin_us: int = 0  # park "host": the engine thread spins this long on `released` before it sleeps
     # the worker's shared secret (wire/security.py): sent as the handshake's HMAC, given to the proxy
     # child through its environment (never its command line); "" = $DRAFTRELAY_SECRET or none
     secret: str = field(default="", repr=False)
@@ -128,7 +128,7 @@ class HandoffConfig:
         spec.setdefault("vocab_size", self.vocab_size)
         spec.update(spin_us=self.spin_us, nap_us=self.nap_us, heartbeat_us=int(self.heartbeat_ms * 1000),
                     round_budget_s=self.round_budget_ms / 1000, wait=self.wait_mode,
-                    wait_slice_us=self.wait_slice_us)
+                    wait_slice_us=self.wait_slice_us, wake_release=self.park_mode == "host")
         if self.secret:
             spec["secret"] = self.secret
         return spec
@@ -367,7 +367,7 @@ class AsyncRounds:
         """A host-parked round: wait on the host until it is released (by the proxy, the watchdog, or a
         recovery's drain), then enqueue its reply copy and `consumed`, as the stream would after its own
         wait. False if `timeout_s` passed first (the round stays pending, unarmed). The engine thread
-        waits in native code (the GIL is free); a recovery that reset the words while it slept counts as
+        sleeps in native code (the GIL is free); a recovery that reset the words while it slept counts as
         a release (its drain released every round it saw parked): the reply copied then has no claim of
         round t, so decode_reply makes it a zero-draft round."""
         p = self._pending[slot]
@@ -375,11 +375,11 @@ class AsyncRounds:
         c = self.cfg
         end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            slice_us = 20_000 if end is None else max(1, min(20_000, int((end - time.monotonic()) * 1e6)))
-            if c.wait_mode == "block":
-                rc = native.wait_geq32_block(a_rel, p.t, c.stream_spin_us, c.wait_slice_us, slice_us)
-            else:
-                rc = native.wait_geq32(a_rel, p.t, c.park_spin_us, c.stream_nap_us, slice_us)
+            step = max(20_000, c.wait_slice_us)  # between looks at the generation (a recovery's reset)
+            slice_us = step if end is None else max(1, min(step, int((end - time.monotonic()) * 1e6)))
+            # the proxy wakes the word when the engine parks on the host (proxy_spec), the watchdog and a
+            # recovery's drain always do: a sleep here ends at the release, a slice is only the belt
+            rc = native.wait_geq32_block(a_rel, p.t, c.park_spin_us, c.wait_slice_us, slice_us)
             if rc == native.WAIT_OK or self.generation != p.generation:
                 break
             if end is not None and time.monotonic() >= end:
