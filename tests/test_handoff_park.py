@@ -196,3 +196,26 @@ def test_the_proxy_wakes_an_engine_parked_on_the_host():
         assert time.monotonic() - t0 < 3.0  # 20 slices unwoken would be 10 s
     finally:
         r.close()
+
+
+def test_the_proxy_copies_only_the_used_part_of_a_staging_slot():
+    """copy_staged: descriptor, table and the counted tokens reach the private buffer (the parse gives
+    the packed requests back); the rest of the slot is not copied; a count past the slot is clamped."""
+    from draftrelay.handoff.proxy import copy_staged
+    from draftrelay.handoff.region import Layout, RegionConfig, pack_staging, unpack_staging
+
+    L = Layout(RegionConfig(4, 256, 8, VOCAB))
+    reqs = random_requests(np.random.default_rng(2), 1, VOCAB)
+    staged = np.full(L.staging_size, 0x5A, np.uint8)
+    pack_staging(L, 7, reqs, out=staged)
+    private = np.full(L.staging_size, 0xAB, np.uint8)
+    copy_staged(L, private, staged)
+    _, got = unpack_staging(L, private, 7)
+    assert [(r.req_id, r.position, r.tokens.tolist(), r.n_out) for r in got] == \
+           [(r.req_id, r.position, np.asarray(r.tokens).tolist(), r.n_out) for r in reqs]
+    used = L.staging_tok_off + 4 * sum(len(r.tokens) for r in reqs)
+    assert (private[used:] == 0xAB).all()  # the unused tokens of the slot stayed where they were
+    staged[8:12] = np.frombuffer(np.uint32(10**6).tobytes(), np.uint8)  # a torn count
+    copy_staged(L, private, staged)  # clamped to the slot: no error here, the parse refuses it
+    with pytest.raises(ValueError):
+        unpack_staging(L, private, 7)

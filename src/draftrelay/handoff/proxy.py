@@ -71,6 +71,17 @@ def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_f
         return Status.EXCEPTION, None, None, None
 
 
+def copy_staged(L: Layout, private: np.ndarray, staged: np.ndarray) -> None:
+    """Copy what a staged round uses into `private`: the descriptor and request table, then the tokens
+    the copied descriptor counts (clamped to the slot; a torn or bad count is the parse's to refuse).
+    A whole slot is 4 bytes per token of max_tokens (256 KB at 64K), copied on every round's critical
+    path; the torn-copy check after it covers these bytes as it covered the whole slot."""
+    tok = L.staging_tok_off
+    np.copyto(private[:tok], staged[:tok])
+    n_tok = min(int(private[8:12].view("<u4")[0]), L.cfg.max_tokens)
+    np.copyto(private[tok:tok + 4 * n_tok], staged[tok:tok + 4 * n_tok])
+
+
 def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int = 20,
           round_budget_s: float = 0.15, faults: FaultPlan | None = None,
           parent_pid: int | None = None, wait: str = "poll", wait_slice_us: int = 2000,
@@ -122,7 +133,7 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
         if fault and not faults.in_selftest and staging[s][12:16].view("<u4")[0] & FLAG_SELFTEST:
             fault, point = "", ""  # a peek at the flags word; the real parse is on the private copy
         stall(point, fault, "read")
-        np.copyto(private, staging[s])
+        copy_staged(L, private, staging[s])
         if native.geq32(native.load32(a_gathered), t + 2):
             count(Counter.TORN_SKIPPED)  # slot s was re-staged for t+2 while we copied it
             t = native.load32(a_gathered)
