@@ -235,3 +235,27 @@ def test_verify_reads_the_pinned_copy_of_the_used_drafts_only_after_a_host_read_
     assert v.verify(inp, [[3, 4]], enq, argmax=False).drafts == [[]]  # the device tensor: [5, 6]
     assert v.verify(inp, [[5, 6]], enq, argmax=False).drafts == [[5, 6]]
     assert v.verify(inp, [[5, 6]], Enqueued(logits, torch.tensor([[5, 6]])), argmax=True).drafts == [[5, 6]]
+
+
+def test_a_recovery_while_a_round_is_host_parked_releases_it_with_zero_drafts():
+    """The proxy is killed while the engine thread waits for a host-parked round: the stream has nothing
+    of it to drain, the recovery resets the words and respawns; the waiter takes the new generation as
+    the end of its round, puts nothing on the stream (its ops would land after the reset), the round
+    decodes with zero drafts, and rounds after the respawn are exact again."""
+    import os
+    import signal
+
+    r = open_rounds(cfg(park="host", selftest_rounds=1, deadline_ms=5000, round_budget_ms=4000,
+                        round_spec={"kind": "builtin", "faults": dict(p_delay=1.0, delay_ms=3000)}))
+    try:
+        req = RoundRequest(1, 1, 0, np.array([5, 6], np.int32), 3)
+        rid = r.submit([req])
+        os.kill(r.proxy.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        res = r.result(rid, timeout_s=10)
+        assert time.monotonic() - t0 < 2.5  # ended by the recovery, not by the 3 s delay or the deadline
+        assert res.counts.sum() == 0 and res.status != Status.OK
+        assert r.wait_settled() == "live" and r.stats()["generation"] == 1
+        assert r.stats()["watchdog_fires"] == 0 and word(r, W.CONSUMED) == 0  # no op of it after the reset
+    finally:
+        r.close()

@@ -37,7 +37,7 @@ from .region import (
     decode_reply,
     pack_staging,
 )
-from .stream import EmulatedStream, StreamOps, StreamStuck
+from .stream import EmulatedStream, Event, StreamOps, StreamStuck
 
 log = logging.getLogger("draftrelay")
 
@@ -214,6 +214,19 @@ class PendingRound(NamedTuple):
     generation: int = 0  # the proxy generation it was submitted to (a recovery in between releases it)
 
 
+class _Done(Event):
+    """The event of a round that never reached the stream (see AsyncRounds._arm)."""
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 class AsyncRounds:
     """The hand-off: the stream parks on `released`, the proxy process does the round.
 
@@ -364,12 +377,11 @@ class AsyncRounds:
         return self._t + 1
 
     def _arm(self, slot: int, timeout_s: float | None) -> bool:
-        """A host-parked round: wait on the host until it is released (by the proxy, the watchdog, or a
-        recovery's drain), then enqueue its reply copy and `consumed`, as the stream would after its own
-        wait. False if `timeout_s` passed first (the round stays pending, unarmed). The engine thread
-        sleeps in native code (the GIL is free); a recovery that reset the words while it slept counts as
-        a release (its drain released every round it saw parked): the reply copied then has no claim of
-        round t, so decode_reply makes it a zero-draft round."""
+        """A host-parked round: wait on the host until it is released (by the proxy or the watchdog),
+        then enqueue its reply copy and `consumed`, as the stream would after its own wait. False if
+        `timeout_s` passed first (the round stays pending, unarmed). The engine thread sleeps in native
+        code (the GIL is free). A recovery (or target-only) meanwhile ends the wait too: then nothing is
+        enqueued (see below) and the round decodes with zero drafts."""
         p = self._pending[slot]
         a_rel = self.region.base + self._off[1]
         c = self.cfg
@@ -380,13 +392,20 @@ class AsyncRounds:
             # the proxy wakes the word when the engine parks on the host (proxy_spec), the watchdog and a
             # recovery's drain always do: a sleep here ends at the release, a slice is only the belt
             rc = native.wait_geq32_block(a_rel, p.t, c.park_spin_us, c.wait_slice_us, slice_us)
-            if rc == native.WAIT_OK or self.generation != p.generation:
+            if rc == native.WAIT_OK or self.generation != p.generation or self.state != "live":
                 break
             if end is not None and time.monotonic() >= end:
                 return False
         with self._lock:
             if self.stream is None:  # closed meanwhile
                 return False
+            if self.state != "live" or self.generation != p.generation:
+                # a recovery drained the stream and resets (or reset) the words: ops enqueued now could
+                # land after the reset (a stale `consumed`, or the round kernel's `gathered`). Nothing
+                # goes on the stream; the reply buffer still holds an older round's bytes, which
+                # decode_reply refuses (no claim of round t): a zero-draft round
+                self._pending[slot] = p._replace(event=_DONE)
+                return True
             ev = self.stream.enqueue_reply(slot, p.t, self._dst[slot], self._off, wait=False)
             self._pending[slot] = p._replace(event=ev)
         return True
