@@ -221,22 +221,6 @@ def test_the_proxy_copies_only_the_used_part_of_a_staging_slot():
         unpack_staging(L, private, 7)
 
 
-def test_verify_reads_the_pinned_copy_of_the_used_drafts_only_after_a_host_read_of_the_logits():
-    """Verifier.verify on an enqueued forward: with the argmax read (which waits for the stream past
-    the forward) the drafts are checked against the early pinned copy; without it, against the device
-    tensor itself (the copy might not have landed)."""
-    from draftrelay.engine.verify import Enqueued, Verifier, VerifyInputs
-
-    v = Verifier.__new__(Verifier)  # only verify() is used: no model, no cache
-    logits = torch.zeros(1, 3, 8)
-    inp = VerifyInputs([1], torch.tensor([0]), torch.tensor([0]))
-    enq = Enqueued(logits, used=torch.tensor([[5, 6]]), used_host=torch.tensor([[3, 4]]))
-    assert v.verify(inp, [[3, 4]], enq, argmax=True).drafts == [[3, 4]]  # the pinned copy
-    assert v.verify(inp, [[3, 4]], enq, argmax=False).drafts == [[]]  # the device tensor: [5, 6]
-    assert v.verify(inp, [[5, 6]], enq, argmax=False).drafts == [[5, 6]]
-    assert v.verify(inp, [[5, 6]], Enqueued(logits, torch.tensor([[5, 6]])), argmax=True).drafts == [[5, 6]]
-
-
 def test_a_recovery_while_a_round_is_host_parked_releases_it_with_zero_drafts():
     """The proxy is killed while the engine thread waits for a host-parked round: the stream has nothing
     of it to drain, the recovery resets the words and respawns; the waiter takes the new generation as

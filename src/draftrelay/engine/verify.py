@@ -53,9 +53,6 @@ class Enqueued(NamedTuple):
 
     logits: torch.Tensor
     used: torch.Tensor
-    # a pinned host copy of `used`, enqueued before the forward: complete once the logits have been read
-    # on the host, so the check after the verify costs no second device-to-host round trip (CUDA only)
-    used_host: torch.Tensor | None = None
 
 
 class Verified(NamedTuple):
@@ -74,16 +71,15 @@ class Verifier:
         """Verify fed from the device copy of a round's reply (CUDA async rounds)."""
         B = len(inp.pending)
         dd = drafts_from_reply(buf, layout, B, T - 1, self.vocab)
-        host = dd.to("cpu", non_blocking=True) if dd.is_cuda else None  # pinned, on the stream before the forward
         g = self.graphs.get(T) or self.graphs.get(self.n_draft + 1)
         if g is not None and g.fits(B, T):
             tokens = torch.zeros(B, 1, dtype=torch.long)
             tokens[:, 0] = torch.tensor(inp.pending, dtype=torch.long)
-            return Enqueued(g.run(tokens, inp.start, inp.rows, device_drafts=dd), dd, host)
+            return Enqueued(g.run(tokens, inp.start, inp.rows, device_drafts=dd), dd)
         tokens = torch.empty(B, T, dtype=torch.long, device=self.model.device)
         tokens[:, 0] = to_device(torch.tensor(inp.pending, dtype=torch.long), self.model.device)
         tokens[:, 1:] = dd
-        return Enqueued(self.model(tokens, inp.start, self.cache, inp.rows), dd, host)
+        return Enqueued(self.model(tokens, inp.start, self.cache, inp.rows), dd)
 
     def verify(self, inp: VerifyInputs, drafts: list[list[int]], enqueued: Enqueued | None = None,
                argmax: bool = True) -> Verified:
@@ -95,9 +91,7 @@ class Verifier:
             logits = enqueued.logits
         am = logits.argmax(-1).tolist() if argmax else None
         if enqueued is not None:
-            # the argmax's read waited for the stream past the forward, hence past the pinned copy before it
-            early = enqueued.used_host is not None and am is not None
-            used = (enqueued.used_host if early else enqueued.used).tolist()
+            used = enqueued.used.tolist()
             drafts = [d if used[i][:len(d)] == d else [] for i, d in enumerate(drafts)]
         return Verified(logits, am, drafts)
 
