@@ -6,11 +6,13 @@ model at random weights in a real `draftrelay worker` process, proposing the tra
 tokens (its real forward runs too). Engine, proxy, worker and wire run unmodified between them, so the
 acceptance is the recorded pair's and every cost is the shapes'.
 
-Modes: off (target only), sync, async (CUDA rounds), cache (the speculation cache: async rounds on the
-host stream, "host selection", with F pre-drafted branches per request; `--fanout 4,8` gives one cache
-mode per F, named cacheF). `--hit-curve F1,F2,..` first counts, on the CPU and without models, the hit
-rate of every F on the trace itself (a worker core with the replay drafter, driven like the engine at
-batch 1): the curve of hit rate against F.
+Modes: off (target only), sync, async (CUDA rounds), async-stream (async with the stream staging,
+announcing and parking every round and the proxy's short spin: HandoffConfig.host_staging and .park off,
+the comparison for them), async-host (the host park: HandoffConfig.park = "host"), cache (the
+speculation cache: async rounds on the host stream, "host selection", with F pre-drafted branches per
+request; `--fanout 4,8` gives one cache mode per F, named cacheF). `--hit-curve F1,F2,..` first counts,
+on the CPU and without models, the hit rate of every F on the trace itself (a worker core with the
+replay drafter, driven like the engine at batch 1): the curve of hit rate against F.
 
 Placements: `same` = the worker on the engine's GPU (the two processes time-slice it); `emulated` = a
 worker that spends, as wall time and without touching the GPU, the drafter STEP times measured in this
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -304,8 +307,8 @@ def main() -> int:
             ap.error(f"--placements: {p!r} is not same or emulated")
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
-        if m not in ("off", "sync", "async", "cache"):
-            ap.error(f"--modes: {m!r} is not off, sync, async or cache")
+        if m not in ("off", "sync", "async", "async-stream", "async-host", "cache"):
+            ap.error(f"--modes: {m!r} is not off, sync, async, async-stream, async-host or cache")
     try:
         fanouts = [int(x) for x in args.fanout.split(",") if x] if "cache" in modes else []
         curve_fs = [int(x) for x in args.hit_curve.split(",") if x]
@@ -406,6 +409,12 @@ def main() -> int:
                 for m in modes:
                     if m in ("sync", "async"):
                         rounds[f"{m}@{p}"] = SyncRounds(h) if m == "sync" else open_rounds(h)
+                    elif m == "async-stream":  # the stream stages, announces and parks every round;
+                        # the proxy spins 50 µs, then naps (HandoffConfig.host_staging and .park off)
+                        rounds[f"{m}@{p}"] = open_rounds(dataclasses.replace(h, host_staging=False, park="stream",
+                                                                             spin_us=50))
+                    elif m == "async-host":  # the host park: nothing on the stream while the round is out
+                        rounds[f"{m}@{p}"] = open_rounds(dataclasses.replace(h, park="host"))
                     elif m == "cache":  # async rounds on the host stream, the cache's table memfd to the proxy
                         for F, rule in ((F, rule) for F in fanouts for rule in wait_rules):
                             name = (f"cache{F}" if len(fanouts) > 1 else "cache") + \

@@ -90,4 +90,5 @@ def test_handoff_config_parks_with_memops_only_for_a_worker_on_the_engine_gpu():
     assert (local.backend, local.cuda_wait, remote.cuda_wait) == ("cuda", "memop", "")
     on_cpu = handoff_config(spec, cpu, 50.0, True, max_requests=4)
     assert (on_cpu.backend, on_cpu.cuda_wait, on_cpu.max_requests, on_cpu.nap_us) == ("emulated", "", 4, 200)
-    assert local.round_spec is spec and local.deadline_ms == 50.0 and (local.spin_us, local.nap_us) == (50, 20)
+    assert local.round_spec is spec and local.deadline_ms == 50.0 and (local.spin_us, local.nap_us) == (20_000, 20)
+    assert (local.park, remote.park, on_cpu.park) == ("stream", "stream", "stream")  # measured fastest

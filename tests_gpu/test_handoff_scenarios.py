@@ -103,3 +103,38 @@ def test_drill_slow(on_backend):
 @BOTH
 def test_drill_soak_with_kills(on_backend):
     recovery.test_soak_6000_rounds_with_a_kill_every_2000()
+
+
+@pytest.fixture
+def park_on_backend(backend, monkeypatch) -> str:
+    """tests/test_handoff_park.py's configuration pointed at `backend`."""
+    import test_handoff_park as park
+
+    base_cfg = park.cfg
+
+    def cfg(**kw):
+        extra: dict = {"backend": backend}
+        if backend == "cuda":
+            import torch
+
+            extra["cuda_stream"] = torch.cuda.Stream()
+        return base_cfg(**{**extra, **kw})
+
+    monkeypatch.setattr(park, "cfg", cfg)
+    return backend
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cuda-memop"], indirect=True)
+@pytest.mark.parametrize("park_mode", ["stream", "host"])
+def test_host_staged_soak(park_on_backend, park_mode):
+    """Host staging (the round kernel staging nothing, or the memop reply ops) and both parks, faulted."""
+    import test_handoff_park as park
+
+    park.test_faulted_soak_zero_wrong_drafts(park_mode, True)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cuda-memop"], indirect=True)
+def test_round_in_flight_keeps_the_next_on_the_stream(park_on_backend):
+    import test_handoff_park as park
+
+    park.test_a_round_in_flight_keeps_the_next_one_on_the_stream()

@@ -352,7 +352,10 @@ class Engine:
             with clock.part("submit"):
                 t = self.rounds.submit(self.planner.blocks(plan, self.rounds.capacity or self.cfg.max_batch))
         inp = VerifyInputs.of(batch)  # host work that does not depend on the drafts (overlaps an async round)
-        buf = self.rounds.reply_device_buffer(t) if t and self.device_drafts and any(plan.n_out) else None
+        buf = None
+        if t and self.device_drafts and any(plan.n_out):
+            with clock.part("wait"):  # a host-parked round (HandoffConfig.park) is waited for in here
+                buf = self.rounds.reply_device_buffer(t)
         if buf is not None:  # enqueue the verify now: on the stream it runs as soon as the round is released
             with clock.part("verify"):
                 early = self.verifier.enqueue(inp, buf, self.rounds.reply_layout, plan.width)

@@ -141,10 +141,11 @@ def worker_spec(host: str, port: int, model_id: str, tokenizer_hash: str, n_draf
             "tokenizer_hash": tokenizer_hash, "n_out_max": max(1, n_draft), "max_requests": max_requests}
 
 
-# Waits of the proxy and the emulated stream: (spin, nap) in µs. On a GPU the stream's wait costs no
-# CPU and the proxy may spin briefly; on a small CPU-only machine every polling thread competes with
-# the target's own compute, so the emulated hand-off naps longer between polls.
-SPIN_NAP_US = {"cuda": (50, 20), "cpu": (0, 200)}
+# Waits of the proxy and the emulated stream: (spin, nap) in µs. On a GPU host the proxy spins up to
+# 20 ms after each round (at most one core, and only while rounds keep coming: then it naps), so it
+# sees the next round's announcement within a load instead of a nap's wake-up; on a small CPU-only
+# machine every polling thread competes with the target's own compute, so the hand-off naps longer.
+SPIN_NAP_US = {"cuda": (20_000, 20), "cpu": (0, 200)}
 CPU_WAIT_SLICE_US, CPU_SUPERVISE_MS, CPU_HEARTBEAT_MS = 20_000, 50.0, 100.0
 
 

@@ -345,6 +345,25 @@ class CudaStream(StreamOps):
         self.write32(c, t)
         return self.record()
 
+    def enqueue_reply(self, slot: int, t: int, dst: CudaReplyBuffer, offs: tuple[int, int, int],
+                      wait: bool = True) -> Event:
+        """The stream's part of a round the engine thread staged and announced (stream.py): with the
+        round kernel, one launch staging nothing (its store of `gathered` = t repeats the host's), else
+        [wait released >= t,] the reply copies and `consumed` = t."""
+        if (t & 1) != slot:
+            raise ValueError(f"round {t} belongs to slot {t & 1}, not {slot}")
+        if self._round_fn is None:
+            return super().enqueue_reply(slot, t, dst, offs, wait)
+        if offs != self._round_words:
+            raise ValueError(f"round words at {offs}, the round kernel was set up for {self._round_words}")
+        a = self._args
+        a.src, a.nbytes, a.t = self._bounce_dptr[slot], 0, t & 0xFFFFFFFF
+        a.dev[slot], a.mirror[slot] = dst.dev_ptr, dst.mirror_dptr
+        err = self._launch(self._round_fn, 1, 1, 1, ROUND_THREADS, 1, 1, 0, self._s, self._args_kp_ptr, None)
+        if err:
+            self._fail(f"cuLaunchKernel(draftrelay_round, reply only, t={t})", err)
+        return self.record()
+
     def _enqueue_round_kernel(self, slot: int, t: int, src: Any, dst: CudaReplyBuffer,
                               offs: tuple[int, int, int]) -> Event:
         if offs != self._round_words:

@@ -71,12 +71,24 @@ def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_f
         return Status.EXCEPTION, None, None, None
 
 
+def copy_staged(L: Layout, private: np.ndarray, staged: np.ndarray) -> None:
+    """Copy what a staged round uses into `private`: the descriptor and request table, then the tokens
+    the copied descriptor counts (clamped to the slot; a torn or bad count is the parse's to refuse).
+    A whole slot is 4 bytes per token of max_tokens (256 KB at 64K), copied on every round's critical
+    path; the torn-copy check after it covers these bytes as it covered the whole slot."""
+    tok = L.staging_tok_off
+    np.copyto(private[:tok], staged[:tok])
+    n_tok = min(int(private[8:12].view("<u4")[0]), L.cfg.max_tokens)
+    np.copyto(private[tok:tok + 4 * n_tok], staged[tok:tok + 4 * n_tok])
+
+
 def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int = 20,
           round_budget_s: float = 0.15, faults: FaultPlan | None = None,
           parent_pid: int | None = None, wait: str = "poll", wait_slice_us: int = 2000,
-          after_release: Callable[[int], None] | None = None) -> None:
+          after_release: Callable[[int], None] | None = None, wake_release: bool = False) -> None:
     """The proxy's loop. wait "block": sleep on `gathered` (an emulated stream wakes it) and wake the
     stream with the release; "poll": spin_us, then nap_us naps (a GPU writes `gathered`, no wake).
+    wake_release: wake the release word in poll mode too (an engine thread sleeps on it: the host park).
     after_release(t): called after round t is released (the speculation cache's branch push)."""
     L, cfg, base = region.layout, region.cfg, region.base
     a_gathered = base + L.word(W.GATHERED)
@@ -98,7 +110,7 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
             time.sleep(faults.stall_ms / 1000)
 
     blocking = wait == "block"
-    release = native.store_max32_wake if blocking else native.store_max32
+    release = native.store_max32_wake if blocking or wake_release else native.store_max32
     reported_reconnects = 0
     t = native.load32(a_released) + 1
     while True:
@@ -121,7 +133,7 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
         if fault and not faults.in_selftest and staging[s][12:16].view("<u4")[0] & FLAG_SELFTEST:
             fault, point = "", ""  # a peek at the flags word; the real parse is on the private copy
         stall(point, fault, "read")
-        np.copyto(private, staging[s])
+        copy_staged(L, private, staging[s])
         if native.geq32(native.load32(a_gathered), t + 2):
             count(Counter.TORN_SKIPPED)  # slot s was re-staged for t+2 while we copied it
             t = native.load32(a_gathered)
@@ -217,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         serve(region, round_fn, spin_us=int(spec.get("spin_us", 50)), nap_us=int(spec.get("nap_us", 20)),
               round_budget_s=float(spec.get("round_budget_s", 0.15)), faults=faults, parent_pid=parent,
               wait=str(spec.get("wait", "poll")), wait_slice_us=int(spec.get("wait_slice_us", 2000)),
-              after_release=pushes[0].after_release if pushes else None)
+              after_release=pushes[0].after_release if pushes else None,
+              wake_release=bool(spec.get("wake_release", False)))
     finally:
         if args.audit:
             _audit(args.audit)

@@ -37,9 +37,11 @@ from .region import (
     decode_reply,
     pack_staging,
 )
-from .stream import EmulatedStream, StreamOps, StreamStuck
+from .stream import EmulatedStream, Event, StreamOps, StreamStuck
 
 log = logging.getLogger("draftrelay")
+
+PARKS = ("stream", "host")
 
 
 @dataclass
@@ -87,6 +89,18 @@ class HandoffConfig:
     # batched [write gathered, wait released] memop; off only to measure what each one is worth
     cuda_fast_calls: bool = True
     cuda_batch_memops: bool = True
+    # a round packed on the host (submit(requests)) with no round in flight is written into staging and
+    # announced (gathered = t) by the engine thread itself: the proxy starts the network round at once,
+    # while the stream's part of the round (wait, reply copy, consumed) is still being enqueued. Off: the
+    # stream stages and announces it (what a round gathered on the device always does)
+    host_staging: bool = True
+    # where a host-staged round waits for its release: "stream" (the stream parks: the GPU releases the
+    # verify queued behind it) or "host" (nothing is queued on the stream while the round is out; the
+    # engine thread sleeps on `released`, woken by the proxy's release, then enqueues the reply copy and
+    # the verify). "stream" is what measured fastest on the H200, the worker on the engine's GPU included
+    # (docs/REPLAY.md); "host" keeps the engine's context empty while the round is out
+    park: str = "stream"
+    park_spin_us: int = 0  # park "host": the engine thread spins this long on `released` before it sleeps
     # the worker's shared secret (wire/security.py): sent as the handshake's HMAC, given to the proxy
     # child through its environment (never its command line); "" = $DRAFTRELAY_SECRET or none
     secret: str = field(default="", repr=False)
@@ -100,6 +114,12 @@ class HandoffConfig:
         return self.wait
 
     @property
+    def park_mode(self) -> str:
+        if self.park not in PARKS:
+            raise ValueError(f"HandoffConfig.park {self.park!r}: expected one of {PARKS}")
+        return self.park
+
+    @property
     def region_config(self) -> RegionConfig:
         return RegionConfig(self.max_requests, self.max_tokens, self.max_drafts, self.vocab_size)
 
@@ -108,7 +128,7 @@ class HandoffConfig:
         spec.setdefault("vocab_size", self.vocab_size)
         spec.update(spin_us=self.spin_us, nap_us=self.nap_us, heartbeat_us=int(self.heartbeat_ms * 1000),
                     round_budget_s=self.round_budget_ms / 1000, wait=self.wait_mode,
-                    wait_slice_us=self.wait_slice_us)
+                    wait_slice_us=self.wait_slice_us, wake_release=self.park_mode == "host")
         if self.secret:
             spec["secret"] = self.secret
         return spec
@@ -189,7 +209,22 @@ class PendingRound(NamedTuple):
     rid: int  # the id the engine holds
     t: int  # the stream's round number
     n_out: np.ndarray  # int32 drafts asked per request (what decode_reply checks counts against)
-    event: Any  # set once the stream has passed the round (reply copied, consumed written)
+    event: Any  # set once the stream has passed the round (reply copied, consumed written); None while
+    # a host-parked round waits for its release (nothing of it is on the stream yet: see AsyncRounds._arm)
+    generation: int = 0  # the proxy generation it was submitted to (a recovery in between releases it)
+
+
+class _Done(Event):
+    """The event of a round that never reached the stream (see AsyncRounds._arm)."""
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 class AsyncRounds:
@@ -220,6 +255,8 @@ class AsyncRounds:
         self._dst: list = []
         self.device_replies = False  # set at start: true on the CUDA backend
         self._last_submit_ns = 0
+        self._park = cfg.park
+        self._announce = native.store32
         self.on_resume = None  # host callback run on the stream right after the wait (benchmarks)
         # recovery
         self.generation = 0
@@ -247,6 +284,9 @@ class AsyncRounds:
         self._off = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
         self._dst = [self.stream.new_reply_buffer() for _ in (0, 1)]
         self.device_replies = self.stream.name == "cuda"
+        self._park = cfg.park_mode
+        # a proxy that sleeps on `gathered` (wait "block") is woken by whoever announces a round
+        self._announce = native.store32_wake if cfg.wait_mode == "block" else native.store32
         self.proxy = self._spawn_proxy()
         self.state = "live"
         self._selftest()
@@ -301,19 +341,74 @@ class AsyncRounds:
             if s in self._pending:  # the slot's previous round must be decoded before its buffer is reused
                 self._collect(self._pending[s].rid, None)
             self._t = t
+            ev = None
             if src is None:
-                src = pack_staging(self.region.layout, t, requests, flags)
                 n_out = np.array([r.n_out for r in requests], np.int32)
-            ev = self.stream.enqueue_round(s, t, src, self._dst[s], self._off, self.on_resume)
-            self._pending[s] = PendingRound(rid, t, np.asarray(n_out, np.int32), ev)
+                if self._host_stages():
+                    # staging[s] was last read for round t - 2, which was collected (its consumed store
+                    # came before its event); no round is in flight, so gathered steps from t - 1 to t
+                    # and the proxy, waiting for exactly t, takes it (a round the GPU announces later
+                    # cannot overtake it). Written, then announced with a release store (rule 5 holds:
+                    # the proxy still never writes staging).
+                    pack_staging(self.region.layout, t, requests, flags, out=self.region.staging_view(s))
+                    self._announce(self.region.base + self._off[0], t)
+                    if self._park == "stream":
+                        ev = self.stream.enqueue_reply(s, t, self._dst[s], self._off)
+                    self._pending[s] = PendingRound(rid, t, n_out, ev, self.generation)
+                    src = None
+                else:
+                    src = pack_staging(self.region.layout, t, requests, flags)
+            if s not in self._pending:
+                ev = self.stream.enqueue_round(s, t, src, self._dst[s], self._off, self.on_resume)
+                self._pending[s] = PendingRound(rid, t, np.asarray(n_out, np.int32), ev, self.generation)
         # time.monotonic_ns (CLOCK_MONOTONIC, like the native clock) because it keeps the GIL: a ctypes
         # call here would hand the GIL to the just-woken stream thread and bill its work to submit()
         self._last_submit_ns = time.monotonic_ns()
         return rid
 
+    def _host_stages(self) -> bool:
+        """Whether this host-packed round is staged and announced by the engine thread: configured, no
+        benchmark callback mid-stream, and no round in flight (the other slot's round may still be
+        unreleased: announcing t before it would make the proxy skip it)."""
+        return self.cfg.host_staging and self.on_resume is None and not self._pending
+
     @property
     def next_stream_round(self) -> int:
         return self._t + 1
+
+    def _arm(self, slot: int, timeout_s: float | None) -> bool:
+        """A host-parked round: wait on the host until it is released (by the proxy or the watchdog),
+        then enqueue its reply copy and `consumed`, as the stream would after its own wait. False if
+        `timeout_s` passed first (the round stays pending, unarmed). The engine thread sleeps in native
+        code (the GIL is free). A recovery (or target-only) meanwhile ends the wait too: then nothing is
+        enqueued (see below) and the round decodes with zero drafts."""
+        p = self._pending[slot]
+        a_rel = self.region.base + self._off[1]
+        c = self.cfg
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            step = max(20_000, c.wait_slice_us)  # between looks at the generation (a recovery's reset)
+            slice_us = step if end is None else max(1, min(step, int((end - time.monotonic()) * 1e6)))
+            # the proxy wakes the word when the engine parks on the host (proxy_spec), the watchdog and a
+            # recovery's drain always do: a sleep here ends at the release, a slice is only the belt
+            rc = native.wait_geq32_block(a_rel, p.t, c.park_spin_us, c.wait_slice_us, slice_us)
+            if rc == native.WAIT_OK or self.generation != p.generation or self.state != "live":
+                break
+            if end is not None and time.monotonic() >= end:
+                return False
+        with self._lock:
+            if self.stream is None:  # closed meanwhile
+                return False
+            if self.state != "live" or self.generation != p.generation:
+                # a recovery drained the stream and resets (or reset) the words: ops enqueued now could
+                # land after the reset (a stale `consumed`, or the round kernel's `gathered`). Nothing
+                # goes on the stream; the reply buffer still holds an older round's bytes, which
+                # decode_reply refuses (no claim of round t): a zero-draft round
+                self._pending[slot] = p._replace(event=_DONE)
+                return True
+            ev = self.stream.enqueue_reply(slot, p.t, self._dst[slot], self._off, wait=False)
+            self._pending[slot] = p._replace(event=ev)
+        return True
 
     def _slot_of(self, rid: int) -> int | None:
         return next((s for s, p in self._pending.items() if p.rid == rid), None)
@@ -328,7 +423,12 @@ class AsyncRounds:
         if slot is None:
             raise KeyError(f"round {rid} was never submitted or was already collected")
         p = self._pending[slot]
-        if not p.event.wait(timeout_s):
+        t0 = time.monotonic()
+        if p.event is None and not self._arm(slot, timeout_s):
+            raise TimeoutError(f"round {rid} not released after {timeout_s} s")
+        p = self._pending[slot]
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
+        if not p.event.wait(left):
             raise TimeoutError(f"round {rid} not finished on the stream after {timeout_s} s")
         del self._pending[slot]
         buf = self.stream.host_bytes(self._dst[slot])
@@ -355,9 +455,15 @@ class AsyncRounds:
 
     def reply_device_buffer(self, rid: int):
         """The engine-side buffer (a device buffer on the CUDA backend) that round `rid`'s reply is
-        copied into; None when the round is not on the stream (target-only while recovering)."""
+        copied into; None when the round is not on the stream (target-only while recovering). Work
+        enqueued after this call reads the round's reply: a host-parked round is waited for here and
+        its reply copy enqueued first (see _arm)."""
         slot = self._slot_of(rid)
-        return None if slot is None else getattr(self._dst[slot], "dev", self._dst[slot])
+        if slot is None:
+            return None
+        if self._pending[slot].event is None:
+            self._arm(slot, None)
+        return getattr(self._dst[slot], "dev", self._dst[slot])
 
     def result(self, rid: int, timeout_s: float | None = None) -> RoundResult:
         if rid not in self._results:

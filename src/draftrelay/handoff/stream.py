@@ -1,6 +1,7 @@
 """Engine-side stream operations, behind one interface.
 
-A round on the engine side is five ordered operations on the engine's stream:
+A round on the engine side is five ordered operations on the engine's stream (a round packed on the
+host may have its first two done by the engine thread instead: `enqueue_reply`, HandoffConfig.host_staging):
 
     copy_in(slot, src)        rows + descriptor -> staging[slot]        (D2H on a GPU)
     write32(GATHERED, t)      tell the proxy the round is staged
@@ -74,6 +75,17 @@ class StreamOps(ABC):
         self.wait_geq32(released, t)
         if on_resume is not None:
             self.host_fn(on_resume)
+        self.copy_out(slot, dst)
+        self.write32(consumed, t)
+        return self.record()
+
+    def enqueue_reply(self, slot: int, t: int, dst: Any, offs: tuple[int, int, int], wait: bool = True) -> Event:
+        """The stream's part of a round the engine thread staged and announced itself (rounds.py,
+        HandoffConfig.host_staging): wait `released >= t` (unless `wait` is False: the host saw the
+        release already), copy reply[slot] out, store `consumed = t`; returns the event of its end."""
+        _, released, consumed = offs
+        if wait:
+            self.wait_geq32(released, t)
         self.copy_out(slot, dst)
         self.write32(consumed, t)
         return self.record()
