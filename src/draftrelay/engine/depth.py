@@ -277,3 +277,59 @@ class DepthPolicy:
                 "round_ms_by_k": {k: round(1e3 * v, 2) for k, v in sorted(self.round.mean.items())},
                 "verify_ms_by_width": {t: round(1e3 * v, 2) for t, v in sorted(self.verify.mean.items())},
                 "expected_tok_per_s_by_k": [round(r, 2) for r in rates]}
+
+
+def batch_bucket(n: int) -> int:
+    """The batch-size class a step's costs are kept under: 1, 2, 4, 8, ... (the smallest power of
+    two >= n). A verify's cost and a round's grow with the batch; within one class they differ
+    little, and every class has to learn its own costs before it can decide."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+class BatchDepthPolicy:
+    """One DepthPolicy per batch-size class (batch_bucket), the same interface as DepthPolicy plus
+    `batch`, the running batch's size, set before each choose().
+
+    A single policy keeps costs by depth and width only, so a batch of 16 is judged by what a batch
+    of 1 measured until its running averages catch up, and back again each time the batch changes:
+    under a server's varying load it is always judging by another batch's costs. Here each class
+    measures and decides by itself: speculation steps aside (depth 0, with the usual probe rounds)
+    in the classes where its rounds or its wider verifies cost more than the drafts bring (a large
+    batch whose verify is no longer memory-bound, rounds that time out), and stays where it pays."""
+
+    def __init__(self, k_max: int, cfg: DepthConfig | None = None, round_costs: dict[int, float] | None = None) -> None:
+        if k_max < 1:
+            raise ValueError(f"BatchDepthPolicy: k_max must be >= 1, got {k_max}")
+        self.k_max, self.cfg, self.round_costs = k_max, cfg, round_costs
+        self.by_bucket: dict[int, DepthPolicy] = {}
+        self.batch = 1
+
+    @property
+    def current(self) -> DepthPolicy:
+        b = batch_bucket(max(1, self.batch))
+        pol = self.by_bucket.get(b)
+        if pol is None:
+            pol = self.by_bucket[b] = DepthPolicy(self.k_max, self.cfg, self.round_costs)
+        return pol
+
+    def choose(self) -> int:
+        return self.current.choose()
+
+    def observe_round(self, k: int, seconds: float, sent_tokens: int) -> None:
+        self.current.observe_round(k, seconds, sent_tokens)
+
+    def observe_verify(self, width: int, seconds: float) -> None:
+        self.current.observe_verify(width, seconds)
+
+    def observe_host(self, seconds: float) -> None:
+        self.current.observe_host(seconds)
+
+    def observe_accept(self, asked: int, offered: int, kept: int) -> None:
+        self.current.observe_accept(asked, offered, kept)
+
+    def summary(self) -> dict:
+        """Each batch class's DepthPolicy.summary, keyed by the class."""
+        return {"by_batch": {b: p.summary() for b, p in sorted(self.by_bucket.items())}}
