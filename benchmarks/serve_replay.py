@@ -49,7 +49,7 @@ from draftrelay.handoff.procinfo import machine_info  # noqa: E402
 from draftrelay.replay import Trace, install_replay_target  # noqa: E402
 from draftrelay.serve.app import build_app  # noqa: E402
 from draftrelay.serve.chat import CHATML, compile_template  # noqa: E402
-from draftrelay.serve.cli import listen, round_tokens, self_request  # noqa: E402
+from draftrelay.serve.cli import listen, round_tokens, self_request, use_batch_depth  # noqa: E402
 from draftrelay.serve.metrics import ServeMetrics, freeze_startup_objects  # noqa: E402
 from draftrelay.serve.protocol import Limits  # noqa: E402
 from draftrelay.serve.scheduler import Scheduler, warm_up  # noqa: E402
@@ -147,6 +147,10 @@ def main() -> int:
     ap.add_argument("--gc-freeze", type=int, default=1, help="1: freeze the start-up heap as the server does")
     ap.add_argument("--warm-drafter", type=int, default=1,
                     help="1: the worker captures its draft-step graphs at start, as serve's local worker does")
+    ap.add_argument("--warm-max-kv", type=int, default=1024,
+                    help="the worker captures at start only for contexts up to this many tokens (0: all; the load "
+                         "levels' contexts are the trace's prompts + --max-tokens)")
+    ap.add_argument("--depth", default="auto", choices=["auto", "fixed"], help="as `draftrelay serve --depth`")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop starting modes once this much wall time has gone (0: no limit)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_replay_h200.json"))
@@ -184,7 +188,8 @@ def main() -> int:
                                        "--max-ctx", str(max_len + 64), "--rows", str(2 * args.max_batch + 2),
                                        "--max-requests", str(args.max_batch), "--n-out-max", str(max(8, args.k)),
                                        # as `draftrelay serve` starts its local worker (loading.start_local_worker)
-                                       *(["--warm-graphs", str(args.k), "--warm-batch", str(args.max_batch)]
+                                       *(["--warm-graphs", str(args.k), "--warm-batch", str(args.max_batch),
+                                          "--warm-max-kv", str(args.warm_max_kv)]
                                          if dev.type == "cuda" and args.warm_drafter else [])],
                                       timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
     target = target_model(args.target, dev, dtype)
@@ -211,10 +216,11 @@ def main() -> int:
                 h = L.handoff_config(spec, dev, args.deadline_ms, True,
                                      max_tokens=round_tokens(args.max_batch, EngineConfig.max_round_tokens, args.k))
             cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
-                               graphs=graphs)
+                               graphs=graphs, depth=args.depth if mode != "off" else "fixed")  # off: 2 graph widths
             t0 = time.perf_counter()
             try:
                 with Engine(target, cfg) as eng:
+                    use_batch_depth(eng)  # as `draftrelay serve`
                     row["engine_start_s"] = time.perf_counter() - t0
                     row["round_mode"] = eng.round_mode
                     srv = Served(eng, f"{args.target}-replay", max_model_len)
@@ -244,6 +250,8 @@ def main() -> int:
                         row["trace_check"] = asyncio.run(check_outputs(
                             srv.url, prompts, [e.target for e in trace.entries], max_tokens))
                         row["handoff"] = srv.sched.handoff
+                        if eng.depth is not None:
+                            row["depth"] = eng.depth.summary()
                         row["gc"] = {"collections": list(srv.metrics.gc.count),
                                      "pause_s": list(srv.metrics.gc.seconds)}
                     finally:
@@ -263,12 +271,13 @@ def main() -> int:
             result["worker_log_tail"] = worker.log()[-2000:]
             worker.stop()
     result["wall_s"] = time.perf_counter() - t_start
-    table = [label, "mode | concurrency | output tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | accepted/drafted"]
+    table = [label, "mode | concurrency | output tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | accepted/drafted | "
+                    "tokens per chunk | rounds"]
     for mode, row in result["modes"].items():
         for lv in row.get("levels", []):
             table.append(f"{mode} | {lv['concurrency']} | {lv['output_tokens_per_s']:.0f} | {lv['ttft_ms_p50']:.1f} / "
                          f"{lv['ttft_ms_p99']:.1f} | {lv['itl_ms_p50']:.1f} / {lv['itl_ms_p99']:.1f} | "
-                         f"{lv['acceptance']:.2f}")
+                         f"{lv['acceptance']:.2f} | {lv['tokens_per_chunk']:.2f} | {json.dumps(lv.get('rounds', {}))}")
     result["table"] = table
     save()
     print("\n".join(table))

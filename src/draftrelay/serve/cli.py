@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt + output tokens per request (default: the model's context)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
     p.add_argument("--k", type=int, default=4, help="drafts per round")
+    p.add_argument("--depth", default="auto", choices=["auto", "fixed"],
+                   help="auto: the drafts asked per step follow measured costs and acceptance, per batch size "
+                        "(0 where speculation does not pay); fixed: always --k")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
     p.add_argument("--max-round-tokens", type=int, default=4096,
@@ -90,27 +93,54 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def startup_requests() -> list[tuple[str, dict | None]]:
+    """What the server sends itself before it announces itself: (path, body or None for a GET).
+    Every endpoint, streaming and whole, one output token (a request that ends at its prefill) and
+    a few (decode steps, a text delta per step), greedy and sampled, with and without a usage chunk:
+    each takes its own first-call path through routing, the request checks, the tokenizer, the chat
+    template, the thread pool, the response and SSE code."""
+    msgs = [{"role": "user", "content": "Hello"}]
+    out: list[tuple[str, dict | None]] = [("health", None), ("v1/models", None), ("metrics", None)]
+    for path, prompt in (("v1/completions", {"prompt": "Hello"}), ("v1/chat/completions", {"messages": msgs})):
+        for stream in (True, False):
+            for n in (1, 3):
+                out.append((path, {**prompt, "max_tokens": n, "temperature": 0, "stream": stream}))
+            out.append((path, {**prompt, "max_tokens": 3, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1,
+                               "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}))
+    return out
+
+
 def self_request(host: str, port: int, api_key: str, timeout: float = 60.0) -> str:
-    """One streamed completion and one streamed chat completion against this server (the first
-    request through the HTTP stack, routing, tokenizer, chat template, thread pool and SSE path is
-    then not a client's). '' on success, else why."""
+    """The start-up requests (startup_requests) against this server, so that no client's request is
+    the first through any path of the HTTP stack. '' on success, else why."""
     import urllib.request
 
     local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    base = f"http://{'[' + local + ']' if ':' in local else local}:{port}/v1/"
+    base = f"http://{'[' + local + ']' if ':' in local else local}:{port}/"
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    for path, body in (("completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "stream": True}),
-                       ("chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
-                                             "temperature": 0, "stream": True})):
-        req = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+    for path, body in startup_requests():
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(base + path, data, headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 text = r.read().decode()
         except OSError as exc:
             return f"{path}: {exc}"
-        if "data: [DONE]" not in text:
+        if body is not None and body["stream"] and "data: [DONE]" not in text:
+            return f"{path}: unexpected answer {text[:200]!r}"
+        if body is not None and not body["stream"] and '"usage"' not in text:
             return f"{path}: unexpected answer {text[:200]!r}"
     return ""
+
+
+def use_batch_depth(eng) -> None:
+    """With the depth policy on, one policy per batch size (engine.depth.BatchDepthPolicy; the
+    scheduler tells it the running batch's size before each step): a server's batch size changes
+    all the time, and speculation must step aside at the sizes where it does not pay."""
+    from draftrelay.engine.depth import BatchDepthPolicy
+
+    if eng.depth is not None:
+        eng.depth = BatchDepthPolicy(eng.cfg.n_draft, eng.depth.cfg, eng.cfg.round_costs_s)
 
 
 def round_tokens(max_batch: int, max_round_tokens: int, k: int) -> int:
@@ -222,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
             h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker,
                                  max_tokens=round_tokens(args.max_batch, args.max_round_tokens, args.k))
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
-                           graphs=args.graphs, max_round_tokens=args.max_round_tokens)
+                           graphs=args.graphs, max_round_tokens=args.max_round_tokens,
+                           depth=args.depth if args.mode != "off" else "fixed")  # off: no drafts to choose
         try:
             sock = listen(args.host, args.port)
         except OSError as exc:
@@ -230,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         bound = sock.getsockname()[1]
         with Engine(target.model, cfg) as eng:
+            use_batch_depth(eng)
             if eng.rounds is not None and eng.rounds.refusal:
                 say(f"async refused, serving sync rounds: {eng.rounds.refusal}")
             sched = None
