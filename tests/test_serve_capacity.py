@@ -140,3 +140,36 @@ def test_worker_capture_limit_keeps_the_buckets_a_context_needs():
     assert {k[3] for k in cut} == {256, 512, 1024}
     assert set(cut) < set(full) and len(cut) == len(full) * 3 // 9
     assert steady_state_keys([4], 2, 300, max_kv=5000) == steady_state_keys([4], 2, 300)
+
+
+def test_measured_rates_veto_a_depth_the_model_thinks_pays():
+    # the model's view: cheap rounds, flat verify, good acceptance: it asks for drafts
+    pol = BatchDepthPolicy(4, DepthConfig(probe_every=10), plain_every=8, probe_every=6)
+    feed(pol, 4, round_ms=1.0, verify_ms=lambda t: 10.0, p=0.8)
+    pol.batch = 4
+    assert pol.current.choose() > 0
+    # what the server measures: a speculative step gives 2.5 tokens per row in 50 ms, a plain one
+    # 1 token in 10 ms (its own work and waits, which the cost model does not see)
+    picks = []
+    for _ in range(60):
+        k = pol.choose()
+        picks.append(k)
+        pol.observe_step(0.050 if k else 0.010, 2.5 if k else 1.0)
+    tail = picks[20:]
+    assert tail.count(0) >= 30 and any(tail)  # vetoed, but for a probe every probe_every steps
+    assert pol.vetoes[4] >= 25
+    s = pol.summary()["by_batch"][4]
+    assert s["measured_tok_per_s"]["plain"] > s["measured_tok_per_s"]["spec"]
+
+
+def test_measured_rates_keep_speculation_where_it_measures_faster():
+    pol = BatchDepthPolicy(4, DepthConfig(probe_every=10), plain_every=8)
+    feed(pol, 1, round_ms=1.0, verify_ms=lambda t: 10.0, p=0.8)
+    pol.batch = 1
+    picks = []
+    for _ in range(64):
+        k = pol.choose()
+        picks.append(k)
+        pol.observe_step(0.012 if k else 0.010, 3.0 if k else 1.0)
+    assert pol.vetoes[1] == 0
+    assert 4 <= picks.count(0) <= 12  # one plain step in plain_every keeps the plain rate measured

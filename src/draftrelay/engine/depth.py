@@ -289,34 +289,101 @@ def batch_bucket(n: int) -> int:
     return b
 
 
+class StepRates:
+    """Measured output per second of a batch class's plain steps and speculative ones, as the server
+    sees them: wall seconds of a whole step (round, verify, acceptance and the server's own work
+    around it) and the tokens it gave each row. Exponential averages of both; a rate is known after
+    `min_steps` steps of its kind."""
+
+    def __init__(self, alpha: float = 0.2, min_steps: int = 3) -> None:
+        self.alpha, self.min_steps = alpha, min_steps
+        self.sec = {False: 0.0, True: 0.0}
+        self.tok = {False: 0.0, True: 0.0}
+        self.n = {False: 0, True: 0}
+
+    def add(self, spec: bool, seconds: float, tokens_per_row: float) -> None:
+        a = 1.0 if self.n[spec] == 0 else self.alpha
+        self.sec[spec] += a * (seconds - self.sec[spec])
+        self.tok[spec] += a * (tokens_per_row - self.tok[spec])
+        self.n[spec] += 1
+
+    def rate(self, spec: bool) -> float | None:
+        if self.n[spec] < self.min_steps or self.sec[spec] <= 0:
+            return None
+        return self.tok[spec] / self.sec[spec]
+
+
 class BatchDepthPolicy:
     """One DepthPolicy per batch-size class (batch_bucket), the same interface as DepthPolicy plus
-    `batch`, the running batch's size, set before each choose().
+    `batch`, the running batch's size, set before each choose(), and observe_step(), the whole
+    step's wall time and tokens, reported by whoever runs the steps.
 
     A single policy keeps costs by depth and width only, so a batch of 16 is judged by what a batch
     of 1 measured until its running averages catch up, and back again each time the batch changes:
     under a server's varying load it is always judging by another batch's costs. Here each class
     measures and decides by itself: speculation steps aside (depth 0, with the usual probe rounds)
     in the classes where its rounds or its wider verifies cost more than the drafts bring (a large
-    batch whose verify is no longer memory-bound, rounds that time out), and stays where it pays."""
+    batch whose verify is no longer memory-bound, rounds that time out), and stays where it pays.
 
-    def __init__(self, k_max: int, cfg: DepthConfig | None = None, round_costs: dict[int, float] | None = None) -> None:
+    The cost model sees the engine's parts of a step; a server's step also holds its own work and
+    waits (the event loop's share of the interpreter, a drafter competing for the same cores). So
+    each class also keeps the measured output rate of its plain and its speculative steps
+    (StepRates): where speculation measures slower than plain decoding by more than `margin`, the
+    model's positive depth is vetoed (depth 0), except one step in `probe_every`, which keeps the
+    speculative rate measured; while speculating, one step in `plain_every` runs at depth 0 to keep
+    the plain rate measured."""
+
+    def __init__(self, k_max: int, cfg: DepthConfig | None = None, round_costs: dict[int, float] | None = None,
+                 margin: float = 1.0, plain_every: int = 32, probe_every: int = 16) -> None:
         if k_max < 1:
             raise ValueError(f"BatchDepthPolicy: k_max must be >= 1, got {k_max}")
         self.k_max, self.cfg, self.round_costs = k_max, cfg, round_costs
+        self.margin, self.plain_every, self.probe_every = margin, plain_every, probe_every
         self.by_bucket: dict[int, DepthPolicy] = {}
+        self.rates: dict[int, StepRates] = {}
+        self.vetoes: dict[int, int] = {}
+        self._since: dict[int, int] = {}  # steps since the kind not chosen was last measured
         self.batch = 1
+        self.last_k = 0
+
+    @property
+    def bucket(self) -> int:
+        return batch_bucket(max(1, self.batch))
 
     @property
     def current(self) -> DepthPolicy:
-        b = batch_bucket(max(1, self.batch))
+        b = self.bucket
         pol = self.by_bucket.get(b)
         if pol is None:
             pol = self.by_bucket[b] = DepthPolicy(self.k_max, self.cfg, self.round_costs)
+            self.rates[b], self.vetoes[b], self._since[b] = StepRates(), 0, 0
         return pol
 
     def choose(self) -> int:
-        return self.current.choose()
+        k = self.current.choose()
+        b = self.bucket
+        r = self.rates[b]
+        plain, spec = r.rate(False), r.rate(True)
+        self._since[b] += 1
+        if k > 0 and plain is not None and spec is not None and spec * self.margin < plain:
+            if self._since[b] >= self.probe_every:  # keep the speculative rate measured
+                self._since[b] = 0
+            else:
+                self.vetoes[b] += 1
+                k = 0
+        elif k > 0 and (plain is None or self._since[b] >= self.plain_every):
+            if plain is None and r.n[True] < r.min_steps:
+                pass  # speculating: measure its rate first
+            else:
+                self._since[b] = 0
+                k = 0  # a plain step: keep the plain rate measured
+        self.last_k = k
+        return k
+
+    def observe_step(self, seconds: float, tokens_per_row: float) -> None:
+        """The last chosen step's wall time and the tokens it gave each row on average."""
+        if seconds > 0 and tokens_per_row > 0:
+            self.rates[self.bucket].add(self.last_k > 0, seconds, tokens_per_row)
 
     def observe_round(self, k: int, seconds: float, sent_tokens: int) -> None:
         self.current.observe_round(k, seconds, sent_tokens)
@@ -331,5 +398,11 @@ class BatchDepthPolicy:
         self.current.observe_accept(asked, offered, kept)
 
     def summary(self) -> dict:
-        """Each batch class's DepthPolicy.summary, keyed by the class."""
-        return {"by_batch": {b: p.summary() for b, p in sorted(self.by_bucket.items())}}
+        """Each batch class's DepthPolicy.summary with its measured plain and speculative rates
+        (tokens per row per second) and vetoes, keyed by the class."""
+        out = {}
+        for b, p in sorted(self.by_bucket.items()):
+            r = self.rates[b]
+            out[b] = {**p.summary(), "measured_tok_per_s": {"plain": r.rate(False), "spec": r.rate(True)},
+                      "measured_steps": {"plain": r.n[False], "spec": r.n[True]}, "vetoes": self.vetoes[b]}
+        return {"by_batch": out}

@@ -185,15 +185,31 @@ class Scheduler:
                     eng.prefill_waiting()  # the first token goes out now, not after the next decode step
                     self._harvest()
                 if eng.running:
-                    if isinstance(eng.depth, BatchDepthPolicy):  # the depth is chosen per batch size
-                        eng.depth.batch = sum(not r.done for r in eng.running)
-                    eng.step()
-                    self._harvest()
+                    self._step()
             except Exception:
                 log.exception("engine step failed: the running requests are ended with an error")
                 self._fail_all(ApiError(500, "the engine failed on this request's step", etype="server_error"))
             self._snapshot()
         self._fail_all(ApiError(503, "the server is shutting down", etype="server_error", code="shutting_down"))
+
+    def _step(self) -> None:
+        """One engine step and its hand-over; with the per-batch depth policy, the batch's size before
+        it and, after it, the step's wall time and tokens per row (what the policy checks its
+        cost model against)."""
+        eng = self.engine
+        depth = eng.depth if isinstance(eng.depth, BatchDepthPolicy) else None
+        if depth is None:
+            eng.step()
+            self._harvest()
+            return
+        live = [r for r in eng.running if not r.done]
+        depth.batch = len(live)
+        n0 = sum(len(r.output) for r in live)
+        t0 = time.perf_counter()
+        eng.step()
+        self._harvest()
+        if live:
+            depth.observe_step(time.perf_counter() - t0, (sum(len(r.output) for r in live) - n0) / len(live))
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:
