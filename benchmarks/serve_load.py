@@ -248,6 +248,9 @@ def main() -> int:
     ap.add_argument("--modes", default="off,sync,async")
     ap.add_argument("--cold-modes", default="async", help="modes also started without warm-up (TTFT only)")
     ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every level this many times (interleaved: all levels and modes, then again); "
+                         "each mode's row then gets per level the median and range of its output tok/s")
     ap.add_argument("--requests", type=int, default=0, help="requests per level (0: max(8, 2 x concurrency))")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=16)
@@ -286,9 +289,23 @@ def main() -> int:
             result["load_average_start"] = list(os.getloadavg())
             for mode, srv in servers.items():  # each server's first request is this one
                 measure_ttft(srv.url, srv.ctx, args, mode, rows[mode])
-            for i, c in enumerate(int(c) for c in args.concurrency.split(",")):
-                for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
-                    measure_level(servers[mode].url, c, args, fixed, mode, rows[mode])
+            levels = [int(c) for c in args.concurrency.split(",")]
+            for rep in range(args.repeats):
+                for i, c in enumerate(levels):
+                    j = (i + rep) % len(modes)
+                    for mode in modes[j:] + modes[:j]:
+                        measure_level(servers[mode].url, c, args, fixed, mode, rows[mode])
+                        rows[mode]["levels"][-1]["repeat"] = rep
+            for mode in modes:  # per level: the median output rate over the repeats and its range
+                rows[mode]["by_level"] = {}
+                for c in levels:
+                    xs = [lv["output_tokens_per_s"] for lv in rows[mode]["levels"] if lv["concurrency"] == c]
+                    rows[mode]["by_level"][c] = {"output_tokens_per_s_median": statistics.median(xs),
+                                                 "min": min(xs), "max": max(xs), "repeats": len(xs)}
+            for c in levels:
+                print(f"c={c:2d} output tok/s median (range) over {args.repeats}: " + ", ".join(
+                    f"{m} {rows[m]['by_level'][c]['output_tokens_per_s_median']:.0f} "
+                    f"({rows[m]['by_level'][c]['min']:.0f}-{rows[m]['by_level'][c]['max']:.0f})" for m in modes))
             result["load_average_end"] = list(os.getloadavg())
         finally:
             for srv in servers.values():
