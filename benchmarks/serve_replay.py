@@ -216,11 +216,11 @@ def main() -> int:
                 h = L.handoff_config(spec, dev, args.deadline_ms, True,
                                      max_tokens=round_tokens(args.max_batch, EngineConfig.max_round_tokens, args.k))
             cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
-                               graphs=graphs, depth=args.depth if mode != "off" else "fixed")  # off: 2 graph widths
+                               graphs=graphs)
             t0 = time.perf_counter()
             try:
                 with Engine(target, cfg) as eng:
-                    use_batch_depth(eng)  # as `draftrelay serve`
+                    use_batch_depth(eng, args.depth == "auto")  # as `draftrelay serve`
                     row["engine_start_s"] = time.perf_counter() - t0
                     row["round_mode"] = eng.round_mode
                     srv = Served(eng, f"{args.target}-replay", max_model_len)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from draftrelay.engine.depth import BatchDepthPolicy, DepthConfig, batch_bucket
+from draftrelay.engine.depth import BatchDepthPolicy, batch_bucket
 from draftrelay.round import RoundRequest
 from draftrelay.serve.cli import startup_requests
 from draftrelay.serve.scheduler import SWEEP_ALL, sweep_lengths
@@ -15,23 +15,21 @@ from draftrelay.wire.roundfn import CATCH_UP_TOKENS, RoundBudget, WorkerRoundFn
 from draftrelay.worker.drafters import steady_state_keys
 
 
-def feed(pol: BatchDepthPolicy, batch: int, round_ms: float, verify_ms, p: float, steps: int = 200) -> None:
-    """Steps at `batch` rows: every depth's round and verify costs measured, acceptance p per position."""
+def run(pol: BatchDepthPolicy, batch: int, steps: int, plain_s: float, spec_s: float, spec_tokens: float,
+        catch_up_s: float | None = None) -> list[int]:
+    """Steps at `batch` rows as a server reports them: a plain step takes plain_s for one token per
+    row, a speculative one spec_s for spec_tokens, one right after a plain step catch_up_s."""
     pol.batch = batch
-    k_max = pol.k_max
-    rng = np.random.default_rng(batch)
+    out = []
     for _ in range(steps):
+        after_plain = not pol.last_k
         k = pol.choose()
+        out.append(k)
         if k:
-            pol.observe_round(k, round_ms * (1 + 0.1 * k) / 1e3, k + 1)
-        pol.observe_verify(k + 1, verify_ms(k + 1) / 1e3)
-        pol.observe_host(0.0)
-        if k:
-            kept = 0
-            while kept < k and rng.random() < p:
-                kept += 1
-            pol.observe_accept(k, k, kept)
-    assert pol.k_max == k_max
+            pol.observe_step(catch_up_s if after_plain and catch_up_s else spec_s, spec_tokens)
+        else:
+            pol.observe_step(plain_s, 1.0)
+    return out
 
 
 def test_batch_buckets_are_powers_of_two():
@@ -39,42 +37,49 @@ def test_batch_buckets_are_powers_of_two():
 
 
 def test_speculation_steps_aside_at_the_batch_size_where_it_does_not_pay():
-    pol = BatchDepthPolicy(4, DepthConfig(probe_every=10))
-    # batch 1: verify flat in width (memory-bound), cheap rounds, good acceptance: speculation pays
-    feed(pol, 1, round_ms=2.0, verify_ms=lambda t: 10.0, p=0.8)
-    # batch 16: a verify's cost grows with its width (compute-bound) and the rounds are slow
-    feed(pol, 16, round_ms=40.0, verify_ms=lambda t: 10.0 * t, p=0.8)
-    pol.batch = 16
-    at16 = [pol.choose() for _ in range(30)]
-    assert at16.count(0) >= 25  # depth 0, but for the probe rounds
-    pol.batch = 1
-    at1 = [pol.choose() for _ in range(30)]
-    assert at1.count(0) <= 2 and max(at1) >= 2  # batch 1 kept its own view: it still speculates
+    pol = BatchDepthPolicy(4, probe_every=16)
+    # batch 1: a speculative step gives 3 tokens in 1.5 plain steps' time: it pays
+    at1 = run(pol, 1, 100, plain_s=0.005, spec_s=0.0075, spec_tokens=3.0)
+    # batch 16: its verify is compute-bound and its rounds slow: 1.5 tokens in 2 plain steps' time
+    at16 = run(pol, 16, 100, plain_s=0.010, spec_s=0.020, spec_tokens=1.5)
+    assert set(at1) | set(at16) == {0, 4}  # k or nothing: the depths whose graphs the worker captured
+    assert at16[20:].count(0) >= 65 and any(at16[20:])  # off, but for a probe now and then
+    assert at1[20:].count(4) >= 70  # on, but for a plain step now and then
     s = pol.summary()["by_batch"]
-    assert set(s) == {1, 16}
-    assert s[16]["expected_tok_per_s_by_k"][0] > max(s[16]["expected_tok_per_s_by_k"][1:])
-    assert s[1]["expected_tok_per_s_by_k"][0] < max(s[1]["expected_tok_per_s_by_k"][1:])
+    assert s[16]["measured_tok_per_s"]["plain"] > s[16]["measured_tok_per_s"]["spec"]
+    assert s[1]["measured_tok_per_s"]["spec"] > s[1]["measured_tok_per_s"]["plain"]
+    pol.batch = 1  # each class kept its own rates: batch 1 speculates again at once
+    assert pol.choose() == 4
 
 
-def test_failing_rounds_turn_one_batch_size_off():
-    pol = BatchDepthPolicy(4, DepthConfig(probe_every=10))
-    feed(pol, 2, round_ms=2.0, verify_ms=lambda t: 10.0, p=0.8)
-    pol.batch = 8
-    for _ in range(100):  # every round at batch 8 fails: its time is spent, no drafts come back
-        k = pol.choose()
-        if k:
-            pol.observe_round(k, 0.15, k + 1)
-            pol.observe_accept(k, 0, 0)
-        pol.observe_verify(1, 0.010)
-        pol.observe_host(0.0)
-    assert [pol.choose() for _ in range(20)].count(0) >= 18  # depth 0, but for the probe rounds
-    pol.batch = 2
-    assert pol.choose() > 0
+def test_catch_up_steps_are_not_counted():
+    # the step after plain ones carries what the drafter missed (slow); steady ones pay
+    pol = BatchDepthPolicy(4, probe_every=8)
+    picks = run(pol, 4, 120, plain_s=0.005, spec_s=0.006, spec_tokens=3.0, catch_up_s=0.5)
+    assert picks[40:].count(4) >= 70
+    r = pol.rates[4]
+    assert r.rate(True) == pytest.approx(3.0 / 0.006)
+    # a step with a request the drafter has not seen yet (its prompt) is not counted either
+    pol.catch_up = True
+    pol.choose()
+    pol.observe_step(1.0, 1.0)
+    assert r.rate(True) == pytest.approx(3.0 / 0.006)
+
+
+def test_a_probe_brings_speculation_back_when_it_pays_again():
+    pol = BatchDepthPolicy(4, probe_every=8, probe_len=3)
+    run(pol, 8, 60, plain_s=0.005, spec_s=0.050, spec_tokens=2.0)  # rounds timing out: off
+    assert pol.choose() == 0
+    later = run(pol, 8, 200, plain_s=0.005, spec_s=0.004, spec_tokens=3.0)  # the drafter is fast again
+    assert later[-50:].count(4) >= 45
+    assert pol.probes[8] >= 1
 
 
 def test_batch_policy_refuses_no_depth():
     with pytest.raises(ValueError, match="k_max"):
         BatchDepthPolicy(0)
+    with pytest.raises(ValueError, match="probe_len"):
+        BatchDepthPolicy(4, probe_len=1)
 
 
 def rr(n_tokens: int) -> RoundRequest:
@@ -140,36 +145,3 @@ def test_worker_capture_limit_keeps_the_buckets_a_context_needs():
     assert {k[3] for k in cut} == {256, 512, 1024}
     assert set(cut) < set(full) and len(cut) == len(full) * 3 // 9
     assert steady_state_keys([4], 2, 300, max_kv=5000) == steady_state_keys([4], 2, 300)
-
-
-def test_measured_rates_veto_a_depth_the_model_thinks_pays():
-    # the model's view: cheap rounds, flat verify, good acceptance: it asks for drafts
-    pol = BatchDepthPolicy(4, DepthConfig(probe_every=10), plain_every=8, probe_every=6)
-    feed(pol, 4, round_ms=1.0, verify_ms=lambda t: 10.0, p=0.8)
-    pol.batch = 4
-    assert pol.current.choose() > 0
-    # what the server measures: a speculative step gives 2.5 tokens per row in 50 ms, a plain one
-    # 1 token in 10 ms (its own work and waits, which the cost model does not see)
-    picks = []
-    for _ in range(60):
-        k = pol.choose()
-        picks.append(k)
-        pol.observe_step(0.050 if k else 0.010, 2.5 if k else 1.0)
-    tail = picks[20:]
-    assert tail.count(0) >= 30 and any(tail)  # vetoed, but for a probe every probe_every steps
-    assert pol.vetoes[4] >= 25
-    s = pol.summary()["by_batch"][4]
-    assert s["measured_tok_per_s"]["plain"] > s["measured_tok_per_s"]["spec"]
-
-
-def test_measured_rates_keep_speculation_where_it_measures_faster():
-    pol = BatchDepthPolicy(4, DepthConfig(probe_every=10), plain_every=8)
-    feed(pol, 1, round_ms=1.0, verify_ms=lambda t: 10.0, p=0.8)
-    pol.batch = 1
-    picks = []
-    for _ in range(64):
-        k = pol.choose()
-        picks.append(k)
-        pol.observe_step(0.012 if k else 0.010, 3.0 if k else 1.0)
-    assert pol.vetoes[1] == 0
-    assert 4 <= picks.count(0) <= 12  # one plain step in plain_every keeps the plain rate measured

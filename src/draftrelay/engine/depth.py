@@ -314,95 +314,106 @@ class StepRates:
 
 
 class BatchDepthPolicy:
-    """One DepthPolicy per batch-size class (batch_bucket), the same interface as DepthPolicy plus
-    `batch`, the running batch's size, set before each choose(), and observe_step(), the whole
-    step's wall time and tokens, reported by whoever runs the steps.
+    """Speculate at k_max or not at all, decided per batch-size class (batch_bucket) by the output
+    rates the server measures; the DepthPolicy interface (choose, observe_*, summary) plus `batch`
+    (the running batch's size) and `catch_up` (a request in the batch has not been sent to the
+    drafter yet), both set before each choose(), and observe_step(), the whole step's wall time and
+    tokens per row, reported after it.
 
-    A single policy keeps costs by depth and width only, so a batch of 16 is judged by what a batch
-    of 1 measured until its running averages catch up, and back again each time the batch changes:
-    under a server's varying load it is always judging by another batch's costs. Here each class
-    measures and decides by itself: speculation steps aside (depth 0, with the usual probe rounds)
-    in the classes where its rounds or its wider verifies cost more than the drafts bring (a large
-    batch whose verify is no longer memory-bound, rounds that time out), and stays where it pays.
+    Why not one DepthPolicy: it keeps costs by depth and width only, so under a server's changing
+    batch it judges each batch by another batch's costs; it times only steady rounds, and a round
+    after plain steps carries the tokens the drafter missed (catch-up), so once it sits at depth 0
+    its probe rounds are never timed and it cannot come back; and depths below k_max ask a worker
+    for draft-step shapes it did not capture at start (a capture inside a round outlasts its
+    deadline). Here each class keeps the measured rate (tokens per row per wall second of the whole
+    step: rounds, verify, and the server's own work around them, StepRates) of its plain steps and
+    of its steady speculative steps: a speculative step that follows a plain one or carries a new
+    request is a catch-up step and is not counted. Speculation runs where it measures at least
+    `margin` times the plain rate and steps aside where it does not; a probe of `probe_len`
+    speculative steps every `probe_every` plain ones, and a plain step every `plain_every`
+    speculative ones, keep both rates current. A class starts speculating (its rate is measured
+    first), then takes plain steps until that rate is measured too."""
 
-    The cost model sees the engine's parts of a step; a server's step also holds its own work and
-    waits (the event loop's share of the interpreter, a drafter competing for the same cores). So
-    each class also keeps the measured output rate of its plain and its speculative steps
-    (StepRates): where speculation measures slower than plain decoding by more than `margin`, the
-    model's positive depth is vetoed (depth 0), except one step in `probe_every`, which keeps the
-    speculative rate measured; while speculating, one step in `plain_every` runs at depth 0 to keep
-    the plain rate measured."""
-
-    def __init__(self, k_max: int, cfg: DepthConfig | None = None, round_costs: dict[int, float] | None = None,
-                 margin: float = 1.0, plain_every: int = 32, probe_every: int = 16) -> None:
+    def __init__(self, k_max: int, margin: float = 1.0, probe_every: int = 16, probe_len: int = 3,
+                 plain_every: int = 32) -> None:
         if k_max < 1:
             raise ValueError(f"BatchDepthPolicy: k_max must be >= 1, got {k_max}")
-        self.k_max, self.cfg, self.round_costs = k_max, cfg, round_costs
-        self.margin, self.plain_every, self.probe_every = margin, plain_every, probe_every
-        self.by_bucket: dict[int, DepthPolicy] = {}
+        if probe_len < 2:
+            raise ValueError(f"BatchDepthPolicy: probe_len must be >= 2 (its first step catches up), got {probe_len}")
+        self.k_max, self.margin = k_max, margin
+        self.probe_every, self.probe_len, self.plain_every = probe_every, probe_len, plain_every
         self.rates: dict[int, StepRates] = {}
-        self.vetoes: dict[int, int] = {}
-        self._since: dict[int, int] = {}  # steps since the kind not chosen was last measured
+        self.chosen: dict[int, dict[int, int]] = {}
+        self.probes: dict[int, int] = {}
+        self._run: dict[int, int] = {}  # steps of the current kind in a row, per class
+        self._probe_left = 0
         self.batch = 1
+        self.catch_up = False
         self.last_k = 0
+        self._counted = False  # whether the last step's measurement is a steady one
+        self.acc = Acceptance(k_max)
 
     @property
     def bucket(self) -> int:
         return batch_bucket(max(1, self.batch))
 
-    @property
-    def current(self) -> DepthPolicy:
-        b = self.bucket
-        pol = self.by_bucket.get(b)
-        if pol is None:
-            pol = self.by_bucket[b] = DepthPolicy(self.k_max, self.cfg, self.round_costs)
-            self.rates[b], self.vetoes[b], self._since[b] = StepRates(), 0, 0
-        return pol
-
     def choose(self) -> int:
-        k = self.current.choose()
         b = self.bucket
+        if b not in self.rates:
+            self.rates[b], self.chosen[b], self.probes[b], self._run[b] = StepRates(), {}, 0, 0
         r = self.rates[b]
         plain, spec = r.rate(False), r.rate(True)
-        self._since[b] += 1
-        if k > 0 and plain is not None and spec is not None and spec * self.margin < plain:
-            if self._since[b] >= self.probe_every:  # keep the speculative rate measured
-                self._since[b] = 0
-            else:
-                self.vetoes[b] += 1
-                k = 0
-        elif k > 0 and (plain is None or self._since[b] >= self.plain_every):
-            if plain is None and r.n[True] < r.min_steps:
-                pass  # speculating: measure its rate first
-            else:
-                self._since[b] = 0
-                k = 0  # a plain step: keep the plain rate measured
+        if spec is None and r.n[False] == 0 or spec is None and plain is not None:
+            k = self.k_max  # measure speculation first (and again if its rate went unknown)
+        elif plain is None:
+            k = 0
+        elif self._probe_left > 0:
+            k = self.k_max
+            self._probe_left -= 1
+        elif spec >= self.margin * plain:
+            k = 0 if self.last_k and self._run[b] >= self.plain_every else self.k_max
+        elif not self.last_k and self._run[b] >= self.probe_every:
+            k = self.k_max
+            self._probe_left = self.probe_len - 1
+            self.probes[b] += 1
+        else:
+            k = 0
+        # a speculative step after a plain one (the drafter catches up on what it missed) or with a
+        # request the drafter has not seen (its prompt) is not a steady step
+        self._counted = not (k and (not self.last_k or self.catch_up))
+        if k and not self._counted and r.n[True] < r.min_steps and self.chosen[b].get(k, 0) >= 16:
+            self._counted = True  # new requests at every step: a rate from catch-up steps beats none
+        self._run[b] = self._run[b] + 1 if bool(k) == bool(self.last_k) else 1
         self.last_k = k
+        self.chosen[b][k] = self.chosen[b].get(k, 0) + 1
         return k
 
     def observe_step(self, seconds: float, tokens_per_row: float) -> None:
         """The last chosen step's wall time and the tokens it gave each row on average."""
-        if seconds > 0 and tokens_per_row > 0:
+        if self._counted and seconds > 0 and tokens_per_row > 0:
             self.rates[self.bucket].add(self.last_k > 0, seconds, tokens_per_row)
 
+    # the engine's per-part reports: this policy judges whole steps (observe_step)
     def observe_round(self, k: int, seconds: float, sent_tokens: int) -> None:
-        self.current.observe_round(k, seconds, sent_tokens)
+        pass
 
     def observe_verify(self, width: int, seconds: float) -> None:
-        self.current.observe_verify(width, seconds)
+        pass
 
     def observe_host(self, seconds: float) -> None:
-        self.current.observe_host(seconds)
+        pass
 
     def observe_accept(self, asked: int, offered: int, kept: int) -> None:
-        self.current.observe_accept(asked, offered, kept)
+        self.acc.add(asked, offered, kept)
 
     def summary(self) -> dict:
-        """Each batch class's DepthPolicy.summary with its measured plain and speculative rates
-        (tokens per row per second) and vetoes, keyed by the class."""
+        """Per batch class: depths chosen, probes, the measured plain and speculative rates (tokens per
+        row per second) and how many steps each rests on; the acceptance seen."""
         out = {}
-        for b, p in sorted(self.by_bucket.items()):
+        for b in sorted(self.rates):
             r = self.rates[b]
-            out[b] = {**p.summary(), "measured_tok_per_s": {"plain": r.rate(False), "spec": r.rate(True)},
-                      "measured_steps": {"plain": r.n[False], "spec": r.n[True]}, "vetoes": self.vetoes[b]}
-        return {"by_batch": out}
+            out[b] = {"chosen": dict(sorted(self.chosen[b].items())), "probes": self.probes[b],
+                      "measured_tok_per_s": {"plain": r.rate(False), "spec": r.rate(True)},
+                      "measured_steps": {"plain": r.n[False], "spec": r.n[True]}}
+        return {"by_batch": out, "accept_cond_by_pos": [round(float(x), 3) for x in self.acc.cond()],
+                "round_success": round(self.acc.success(), 3)}

@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
     p.add_argument("--k", type=int, default=4, help="drafts per round")
     p.add_argument("--depth", default="auto", choices=["auto", "fixed"],
-                   help="auto: the drafts asked per step follow measured costs and acceptance, per batch size "
-                        "(0 where speculation does not pay); fixed: always --k")
+                   help="auto: per batch size, speculate (--k drafts) where it measures faster than plain "
+                        "decoding, else not; fixed: always --k")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
     p.add_argument("--max-round-tokens", type=int, default=4096,
@@ -133,14 +133,15 @@ def self_request(host: str, port: int, api_key: str, timeout: float = 60.0) -> s
     return ""
 
 
-def use_batch_depth(eng) -> None:
-    """With the depth policy on, one policy per batch size (engine.depth.BatchDepthPolicy; the
-    scheduler tells it the running batch's size before each step): a server's batch size changes
-    all the time, and speculation must step aside at the sizes where it does not pay."""
+def use_batch_depth(eng, on: bool = True) -> None:
+    """`--depth auto`: the engine's steps speculate at k or not at all, by batch size, as the
+    measured rates say (engine.depth.BatchDepthPolicy; the scheduler tells it the batch before each
+    step and the step's time and tokens after it). The engine runs with depth "fixed" (verify graphs
+    for widths 1 and k + 1 only: the two it can then run) and this policy in its `depth` slot."""
     from draftrelay.engine.depth import BatchDepthPolicy
 
-    if eng.depth is not None:
-        eng.depth = BatchDepthPolicy(eng.cfg.n_draft, eng.depth.cfg, eng.cfg.round_costs_s)
+    if on and eng.rounds is not None and eng.cfg.n_draft > 0:
+        eng.depth = BatchDepthPolicy(eng.cfg.n_draft)
 
 
 def round_tokens(max_batch: int, max_round_tokens: int, k: int) -> int:
@@ -252,8 +253,7 @@ def run(args: argparse.Namespace) -> int:
             h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker,
                                  max_tokens=round_tokens(args.max_batch, args.max_round_tokens, args.k))
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
-                           graphs=args.graphs, max_round_tokens=args.max_round_tokens,
-                           depth=args.depth if args.mode != "off" else "fixed")  # off: no drafts to choose
+                           graphs=args.graphs, max_round_tokens=args.max_round_tokens)
         try:
             sock = listen(args.host, args.port)
         except OSError as exc:
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         bound = sock.getsockname()[1]
         with Engine(target.model, cfg) as eng:
-            use_batch_depth(eng)
+            use_batch_depth(eng, args.depth == "auto")
             if eng.rounds is not None and eng.rounds.refusal:
                 say(f"async refused, serving sync rounds: {eng.rounds.refusal}")
             sched = None

@@ -204,6 +204,8 @@ class Scheduler:
             return
         live = [r for r in eng.running if not r.done]
         depth.batch = len(live)
+        # a request whose first decode step this is: its round carries its prompt to the drafter
+        depth.catch_up = any(len(r.output) == 1 for r in live)
         n0 = sum(len(r.output) for r in live)
         t0 = time.perf_counter()
         eng.step()
