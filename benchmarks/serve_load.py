@@ -263,7 +263,8 @@ def main() -> int:
     ap.add_argument("--url", default="", help="measure this running server instead of starting servers")
     ap.add_argument("--label", default="server", help="the row's name with --url")
     ap.add_argument("--prompts", default="", metavar="FILE", help="JSON list of prompts for the load levels")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "serve_load_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "serve_load_cpu_interleaved.json"))
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     fixed = None

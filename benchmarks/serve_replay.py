@@ -7,7 +7,8 @@ whose logits are forced to a recorded trace (`draftrelay.replay.install_replay_t
 `draftrelay worker` process running `replay:TRACE:INNER` (a Qwen2.5-0.5B-shaped drafter at random
 weights proposing the trace's recorded drafter tokens) on the same GPU, started with `--warm-graphs k
 --warm-batch MAX_BATCH` as serve starts its local worker (`--warm-drafter 0`: graphs captured on first
-use), and the start-up heap frozen as serve freezes it (`--gc-freeze 0`: not). Replay models exist only here:
+use; `--warm-max-kv`: at start only for contexts up to that many tokens), and the start-up heap
+frozen as serve freezes it (`--gc-freeze 0`: not). Replay models exist only here:
 `draftrelay serve` cannot load one. Every figure is labelled "replayed acceptance of <pair>".
 
 For each mode (off, sync, async; one engine each, side by side in one run, the worker shared) the
@@ -153,7 +154,7 @@ def main() -> int:
     ap.add_argument("--depth", default="auto", choices=["auto", "fixed"], help="as `draftrelay serve --depth`")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop starting modes once this much wall time has gone (0: no limit)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_replay_h200.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_replay_h200_all_modes.json"))
     args = ap.parse_args()
     t_start = time.perf_counter()
     trace = Trace.load(args.trace)

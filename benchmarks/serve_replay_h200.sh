@@ -1,10 +1,11 @@
 #!/bin/bash
 # The H200 run of benchmarks/serve_replay.py, from a copy of the tree on a GPU machine without network:
 #   WHEELS=DIR  a folder of the server's wheels the machine lacks (fastapi, starlette, uvicorn, pydantic,
-#               pydantic-core, annotated-types, typing-inspection, opentelemetry-api, typing-extensions),
-#               installed into /tmp/site; unset: the machine has them
+#               pydantic-core cp312, annotated-types, annotated-doc, typing-inspection, typing-extensions,
+#               opentelemetry-api and importlib-metadata, which fastapi imports), installed into /tmp/site;
+#               unset: the machine has them
 #   OUT=DIR     where the JSON and the logs go, written as the run goes (default /tmp/serve-replay;
-#               the JSON belongs in benchmarks/results/serve_replay_h200.json)
+#               the JSON belongs in benchmarks/results/serve_replay_h200_all_modes.json)
 #   BUDGET=S    seconds after which no further mode is started (default 225)
 set -o pipefail
 cd "$(dirname "$0")/.."
