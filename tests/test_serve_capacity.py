@@ -145,3 +145,39 @@ def test_worker_capture_limit_keeps_the_buckets_a_context_needs():
     assert {k[3] for k in cut} == {256, 512, 1024}
     assert set(cut) < set(full) and len(cut) == len(full) * 3 // 9
     assert steady_state_keys([4], 2, 300, max_kv=5000) == steady_state_keys([4], 2, 300)
+
+
+def test_the_scheduler_drives_the_batch_policy_and_greedy_output_is_unchanged():
+    from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+    from draftrelay.handoff.rounds import HandoffConfig
+    from draftrelay.model import tiny_pair
+    from draftrelay.serve.cli import use_batch_depth
+    from draftrelay.serve.metrics import ServeMetrics
+    from draftrelay.serve.scheduler import Scheduler
+
+    target, _ = tiny_pair()
+    prompts = [[5 + i, 9, 13, 2 * i + 1] for i in range(3)]
+    params = SamplingParams(max_tokens=40)
+
+    def outputs(auto: bool) -> tuple[list[list[int]], Engine]:
+        cfg = EngineConfig(mode="sync", n_draft=3, max_batch=4, max_len=128,
+                           handoff=HandoffConfig(round_spec={"kind": "builtin"}))
+        eng = Engine(target, cfg)
+        use_batch_depth(eng, auto)
+        sched = Scheduler(eng, ServeMetrics("t", lambda: {}), max_queue=4)  # its thread is not started
+        reqs = [eng.add_request(p, params) for p in prompts]
+        eng.prefill_waiting()
+        while eng.running:
+            sched._step()
+        eng.close()
+        return [r.output for r in reqs], eng
+
+    plain, _ = outputs(False)
+    auto, eng = outputs(True)
+    assert auto == plain  # greedy: the policy changes speed only
+    pol = eng.depth
+    assert isinstance(pol, BatchDepthPolicy)
+    assert set(pol.rates) <= {1, 2, 4} and 4 in pol.rates  # told the batch of 3 before its steps
+    r = pol.rates[4]
+    assert r.n[True] + r.n[False] >= 3  # the scheduler reported the steps it ran
+    assert set(pol.chosen[4]) <= {0, 3}
