@@ -181,3 +181,18 @@ def test_the_scheduler_drives_the_batch_policy_and_greedy_output_is_unchanged():
     r = pol.rates[4]
     assert r.n[True] + r.n[False] >= 3  # the scheduler reported the steps it ran
     assert set(pol.chosen[4]) <= {0, 3}
+
+
+def test_local_worker_gets_the_capture_limit(monkeypatch):
+    import torch
+
+    from draftrelay.engine import loading
+    from draftrelay.worker import process
+
+    seen = []
+    monkeypatch.setattr(process, "start_worker_process", lambda args, env=None: seen.append(args))
+    loading.start_local_worker("tiny", torch.device("cuda"), 4, 4096, 8, warm_batch=8, warm_max_kv=1024)
+    loading.start_local_worker("tiny", torch.device("cuda"), 4, 4096, 8, warm_batch=8)
+    a, b = seen
+    assert a[a.index("--warm-max-kv") + 1] == "1024" and a[a.index("--warm-graphs") + 1] == "4"
+    assert "--warm-max-kv" not in b and "--warm-graphs" in b

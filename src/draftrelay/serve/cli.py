@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-prompt-len", type=int, default=0, metavar="N",
                    help="the warm-up's long prompts: at most N tokens (default: the longest the context allows "
                         f"on a GPU, at most {CPU_WARMUP_PROMPT} on a CPU)")
+    p.add_argument("--worker-warm-max-kv", type=int, default=0, metavar="N",
+                   help="GPU: the local worker captures its draft-step graphs at start only for contexts up to N "
+                        "tokens (0: up to --max-model-len; fewer graphs start sooner, a longer context then "
+                        "waits for its capture in a round)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -69,6 +73,8 @@ def _check(args: argparse.Namespace) -> str:
         return f"--warmup-prompt-len must be >= 0, got {args.warmup_prompt_len}"
     if args.max_round_tokens < 1:
         return f"--max-round-tokens must be >= 1, got {args.max_round_tokens}"
+    if args.worker_warm_max_kv < 0:
+        return f"--worker-warm-max-kv must be >= 0, got {args.worker_warm_max_kv}"
     if not args.deadline_ms > 0:
         return f"--deadline-ms must be > 0, got {args.deadline_ms}"
     return ""
@@ -239,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
             if not args.worker:
                 try:
                     worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch,
-                                                  warm_batch=0 if args.no_warmup else args.max_batch)
+                                                  warm_batch=0 if args.no_warmup else args.max_batch,
+                                                  warm_max_kv=args.worker_warm_max_kv)
                 except RuntimeError as exc:
                     say(f"the local worker did not start: {exc}")
                     return 1
