@@ -55,7 +55,10 @@ def prompts(n: int, fixed: list | None = None) -> list:
 class Server:
     def __init__(self, args, mode: str, warmup: bool) -> None:
         fd, self.log_path = tempfile.mkstemp(prefix="serve-load-", suffix=".log")
-        cmd = [sys.executable, "-m", "draftrelay", "serve", "--port", "0", "--mode", mode, "--model", args.model,
+        # a mode named MODE-fixed is MODE at --depth fixed (always k drafts), beside MODE at --depth auto
+        mode, depth = mode.split("-", 1) if "-" in mode else (mode, "auto")
+        cmd = [sys.executable, "-m", "draftrelay", "serve", "--port", "0", "--mode", mode, "--depth", depth,
+               "--model", args.model,
                "--drafter", args.drafter, "--device", args.device, "--max-batch", str(args.max_batch),
                "--max-queue", "256", "--k", str(args.k), *(["--max-model-len", str(args.max_model_len)]
                                                         if args.max_model_len else []),
@@ -245,7 +248,8 @@ def main() -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--drafter", default="tiny")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="off,sync,async")
+    ap.add_argument("--modes", default="off,sync,async",
+                    help="round modes; MODE-fixed: that mode at --depth fixed (the others run --depth auto)")
     ap.add_argument("--cold-modes", default="async", help="modes also started without warm-up (TTFT only)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=1,
