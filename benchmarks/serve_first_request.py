@@ -53,7 +53,7 @@ async def first_then_warm(url: str, prompt, warm: int, idle_repeats: int, gap_s:
             await client.get(url + "/metrics")
         t_ready = time.perf_counter()
         gc0 = await gc_pause_s(client, url)
-        first, first_srv = await timed(client, url, prompt)
+        first = await timed(client, url, prompt)
         gc1 = await gc_pause_s(client, url)
         reps = [await timed(client, url, prompt) for _ in range(warm)]
         gc2 = await gc_pause_s(client, url)
@@ -65,15 +65,22 @@ async def first_then_warm(url: str, prompt, warm: int, idle_repeats: int, gap_s:
             idle.append(await timed(client, url, prompt))
     w = [r[0] for r in reps]
     ws = [r[1] for r in reps]
-    return {"first_ms": 1e3 * first, "first_server_ms": 1e3 * first_srv,
+
+    def phases(rs) -> dict:  # the server's TTFT split: queue (arrival -> engine thread), prefill (-> token out)
+        return {"queue_ms": statistics.median(1e3 * r[2] for r in rs),
+                "prefill_ms": statistics.median(1e3 * r[3] for r in rs),
+                "outside_ms": statistics.median(1e3 * (r[0] - r[1]) for r in rs)}  # HTTP, client, event loop
+
+    return {"first_ms": 1e3 * first[0], "first_server_ms": 1e3 * first[1],
+            "phases": {"first": phases([first]), "warm": phases(reps), "after_idle": phases(idle) if idle else {}},
             "warm_ms": [1e3 * x for x in w], "warm_server_ms": [1e3 * x for x in ws],
             "after_idle_ms": [1e3 * x[0] for x in idle], "after_idle_server_ms": [1e3 * x[1] for x in idle],
             "idle_s": max(0.5, gap_s), "client_setup_s": t_ready - t_setup,
             # garbage-collector pauses of the server during the first request (and the scrapes around
             # it), and during all the warm ones
             "gc_pause_first_ms": 1e3 * (gc1 - gc0), "gc_pause_warm_ms": 1e3 * (gc2 - gc1),
-            "first_over_warm": first / statistics.median(w),
-            "first_over_warm_server": first_srv / statistics.median(ws) if statistics.median(ws) > 0 else 0.0}
+            "first_over_warm": first[0] / statistics.median(w),
+            "first_over_warm_server": first[1] / statistics.median(ws) if statistics.median(ws) > 0 else 0.0}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -129,7 +136,10 @@ def main() -> int:
                       f"warm median {statistics.median(run['warm_ms']):8.1f} ms (x{run['first_over_warm']:.2f}; "
                       f"server x{run['first_over_warm_server']:.2f}; after idle "
                       f"{statistics.median(run['after_idle_ms'] or [0]):8.1f} ms; GC {run['gc_pause_first_ms']:.1f} / "
-                      f"{run['gc_pause_warm_ms']:.1f} ms)", flush=True)
+                      f"{run['gc_pause_warm_ms']:.1f} ms; queue/prefill/outside ms: first "
+                      + "/".join(f"{v:.1f}" for v in run["phases"]["first"].values()) + ", warm "
+                      + "/".join(f"{v:.1f}" for v in run["phases"]["warm"].values()) + ", after idle "
+                      + "/".join(f"{v:.1f}" for v in run["phases"]["after_idle"].values()) + ")", flush=True)
     for name, kinds in result["runs"].items():
         result["summary"][name] = {kind: summary(runs) for kind, runs in kinds.items()}
         for kind, s in result["summary"][name].items():

@@ -1,11 +1,12 @@
 """Load test of `draftrelay serve`: streaming clients at concurrency 1, 4, 16, per round mode.
 
-For each mode (side by side in one run) a server process starts on loopback; then
+Every mode's server process starts on loopback (all up at once, in one run); then
   * first-request TTFT against a warm one: the first request after start, then the same request
     again (median of 5), at a short prompt and at the longest the context allows, one output token
     each (the server started with and without its warm-up, `--cold-modes`);
   * load: at each concurrency C, `--requests` (default 2 C, at least 8) streaming requests of
-    fixed prompts, at most C in flight, greedy, `--max-tokens` each.
+    fixed prompts, at most C in flight, greedy, `--max-tokens` each, in every mode back to back
+    before the next level (interleaved: a shared machine's drift hits the modes alike).
 Per level: output tokens/s (all completion tokens over the level's wall time), TTFT p50/p99 (to
 the first chunk with text: a partial UTF-8 character is held back until complete),
 inter-token latency p50/p99 (gaps between a stream's chunks: one chunk per engine step, which
@@ -54,7 +55,10 @@ def prompts(n: int, fixed: list | None = None) -> list:
 class Server:
     def __init__(self, args, mode: str, warmup: bool) -> None:
         fd, self.log_path = tempfile.mkstemp(prefix="serve-load-", suffix=".log")
-        cmd = [sys.executable, "-m", "draftrelay", "serve", "--port", "0", "--mode", mode, "--model", args.model,
+        # a mode named MODE-fixed is MODE at --depth fixed (always k drafts), beside MODE at --depth auto
+        mode, depth = mode.split("-", 1) if "-" in mode else (mode, "auto")
+        cmd = [sys.executable, "-m", "draftrelay", "serve", "--port", "0", "--mode", mode, "--depth", depth,
+               "--model", args.model,
                "--drafter", args.drafter, "--device", args.device, "--max-batch", str(args.max_batch),
                "--max-queue", "256", "--k", str(args.k), *(["--max-model-len", str(args.max_model_len)]
                                                         if args.max_model_len else []),
@@ -116,6 +120,15 @@ def p(xs, q) -> float:
     return float(np.percentile(xs, q)) * 1e3 if len(xs) else 0.0
 
 
+def counters(text: str, name: str) -> dict[str, float]:
+    """A labelled counter family of a /metrics text: {label values joined: value} (model_name left out)."""
+    out = {}
+    for labels, v in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        key = ",".join(x.split("=", 1)[1].strip('"') for x in labels.split(",") if not x.startswith("model_name"))
+        out[key or "all"] = float(v)
+    return out
+
+
 async def load_level(url: str, conc: int, n_req: int, max_tokens: int, fixed: list | None = None) -> dict:
     sem = asyncio.Semaphore(conc)
     limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
@@ -124,9 +137,13 @@ async def load_level(url: str, conc: int, n_req: int, max_tokens: int, fixed: li
             async with sem:
                 return await stream_one(client, url, pr, max_tokens)
 
+        before = counters((await client.get(url + "/metrics")).text, "draftrelay_rounds_total")
         t0 = time.perf_counter()
         res = await asyncio.gather(*(one(pr) for pr in prompts(n_req, fixed)))
         wall = time.perf_counter() - t0
+        after = counters((await client.get(url + "/metrics")).text, "draftrelay_rounds_total")
+    # the rounds to the drafter during this level, by outcome (ok, timeout, breaker, watchdog, ...)
+    rounds = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
     ttft = [r["ttft_s"] for r in res]
     gaps = [g for r in res for g in r["gaps_s"]]
     drafted = sum(r["spec"]["num_draft_tokens"] for r in res)
@@ -140,20 +157,29 @@ async def load_level(url: str, conc: int, n_req: int, max_tokens: int, fixed: li
             "e2e_ms_p50": p([r["e2e_s"] for r in res], 50),
             "acceptance": accepted / drafted if drafted else 0.0,
             "accepted_per_draft_step": accepted / steps if steps else 0.0,
-            "tokens_per_chunk": tokens / max(1, len(gaps) + len(res))}
+            "tokens_per_chunk": tokens / max(1, len(gaps) + len(res)), "rounds": rounds}
 
 
-async def ttft_sum(client: httpx.AsyncClient, url: str) -> float:
+PHASES = ("time_to_first_token", "request_queue_time", "request_prefill_time")
+
+
+async def phase_sums(client: httpx.AsyncClient, url: str) -> list[float]:
+    """The server's sums of TTFT, queue time and prefill time (seconds) so far, from /metrics."""
     text = (await client.get(url + "/metrics")).text
-    m = re.search(r"^draftrelay_time_to_first_token_seconds_sum\{[^}]*\} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    out = []
+    for name in PHASES:
+        m = re.search(rf"^draftrelay_{name}_seconds_sum\{{[^}}]*\}} (\S+)$", text, re.M)
+        out.append(float(m.group(1)) if m else 0.0)
+    return out
 
 
-async def timed(client: httpx.AsyncClient, url: str, prompt) -> tuple[float, float]:
-    """(the client's time for a 1-token request, the server's own TTFT of it from /metrics)."""
-    before = await ttft_sum(client, url)
+async def timed(client: httpx.AsyncClient, url: str, prompt) -> tuple[float, float, float, float]:
+    """(the client's time for a 1-token request, the server's own TTFT of it, of which queue time
+    (arrival to the engine thread) and prefill time (to the first token out)), from /metrics."""
+    before = await phase_sums(client, url)
     e2e = (await stream_one(client, url, prompt, 1))["e2e_s"]
-    return e2e, await ttft_sum(client, url) - before
+    after = await phase_sums(client, url)
+    return (e2e, *(a - b for a, b in zip(after, before, strict=True)))
 
 
 async def ttft_first_vs_warm(url: str, ctx: int, repeats: int, long_len: int = 0) -> dict:
@@ -167,32 +193,53 @@ async def ttft_first_vs_warm(url: str, ctx: int, repeats: int, long_len: int = 0
         for name, pr in cases.items():
             # one output token: the request's whole time is its TTFT (no text held back for a
             # partial character), as a client sees it
-            first, first_srv = await timed(client, url, pr)
-            warm, warm_srv = zip(*[await timed(client, url, pr) for _ in range(repeats)], strict=True)
+            first, first_srv, first_q, first_p = await timed(client, url, pr)
+            warm, warm_srv, warm_q, warm_p = zip(*[await timed(client, url, pr) for _ in range(repeats)], strict=True)
+            # the same request after an idle second: what a pause costs any request (clocks, caches,
+            # sleeping threads), against what only the first one pays
+            await asyncio.sleep(1.0)
+            idle, idle_srv, idle_q, idle_p = await timed(client, url, pr)
             out[name] = {"prompt_tokens": len(pr) if isinstance(pr, list) else len(pr.encode()),
                          "first_server_ms": 1e3 * first_srv, "warm_server_ms_median": 1e3 * statistics.median(warm_srv),
+                         # the server's TTFT split: queue (arrival -> engine thread), prefill (-> first token out)
+                         "first_queue_ms": 1e3 * first_q, "first_prefill_ms": 1e3 * first_p,
+                         "warm_queue_ms_median": 1e3 * statistics.median(warm_q),
+                         "warm_prefill_ms_median": 1e3 * statistics.median(warm_p),
+                         "after_idle_ms": 1e3 * idle, "after_idle_server_ms": 1e3 * idle_srv,
+                         "after_idle_prefill_ms": 1e3 * idle_p,
                          "first_ms": 1e3 * first, "warm_ms_median": 1e3 * statistics.median(warm),
                          "warm_ms_min": 1e3 * min(warm), "warm_ms_max": 1e3 * max(warm),
                          "first_over_warm": first / statistics.median(warm)}
     return out
 
 
-def measure(url: str, ctx: int, args, fixed: list | None, label: str, row: dict) -> dict:
-    """First-request TTFT, then every load level, on the server at url (filled into row)."""
+def measure_ttft(url: str, ctx: int, args, label: str, row: dict) -> None:
     row["ttft_first_vs_warm"] = t = asyncio.run(ttft_first_vs_warm(url, ctx, args.ttft_repeats, args.long_len))
     print(f"{label:5s} TTFT first/warm: short {t['short']['first_ms']:.1f}/{t['short']['warm_ms_median']:.1f} ms "
           f"(server {t['short']['first_server_ms']:.1f}/{t['short']['warm_server_ms_median']:.1f}), "
           f"long ({t['long']['prompt_tokens']}) {t['long']['first_ms']:.1f}/{t['long']['warm_ms_median']:.1f} ms "
-          f"(server {t['long']['first_server_ms']:.1f}/{t['long']['warm_server_ms_median']:.1f})", flush=True)
-    row["levels"] = []
+          f"(server {t['long']['first_server_ms']:.1f}/{t['long']['warm_server_ms_median']:.1f}); short prefill "
+          f"first/warm/after 1 s idle {t['short']['first_prefill_ms']:.1f}/{t['short']['warm_prefill_ms_median']:.1f}/"
+          f"{t['short']['after_idle_prefill_ms']:.1f} ms, client after idle {t['short']['after_idle_ms']:.1f} ms",
+          flush=True)
+
+
+def measure_level(url: str, c: int, args, fixed: list | None, label: str, row: dict) -> None:
+    n = args.requests or max(8, 2 * c)
+    lv = asyncio.run(load_level(url, c, n, args.max_tokens, fixed))
+    row.setdefault("levels", []).append(lv)
+    print(f"{label:5s} c={c:2d}: {lv['output_tokens_per_s']:7.1f} tok/s  TTFT p50/p99 "
+          f"{lv['ttft_ms_p50']:7.1f}/{lv['ttft_ms_p99']:7.1f} ms  ITL p50/p99 {lv['itl_ms_p50']:6.1f}/"
+          f"{lv['itl_ms_p99']:6.1f} ms  TPOT {lv['tpot_ms_mean']:5.1f} ms  acceptance "
+          f"{lv['acceptance']:.2f} ({lv['accepted_per_draft_step']:.2f}/step, {lv['tokens_per_chunk']:.2f} tokens "
+          f"per chunk)  rounds {json.dumps(lv['rounds'])}", flush=True)
+
+
+def measure(url: str, ctx: int, args, fixed: list | None, label: str, row: dict) -> dict:
+    """First-request TTFT, then every load level, on the server at url (filled into row)."""
+    measure_ttft(url, ctx, args, label, row)
     for c in [int(c) for c in args.concurrency.split(",")]:
-        n = args.requests or max(8, 2 * c)
-        lv = asyncio.run(load_level(url, c, n, args.max_tokens, fixed))
-        row["levels"].append(lv)
-        print(f"{label:5s} c={c:2d}: {lv['output_tokens_per_s']:7.1f} tok/s  TTFT p50/p99 "
-              f"{lv['ttft_ms_p50']:7.1f}/{lv['ttft_ms_p99']:7.1f} ms  ITL p50/p99 {lv['itl_ms_p50']:6.1f}/"
-              f"{lv['itl_ms_p99']:6.1f} ms  TPOT {lv['tpot_ms_mean']:5.1f} ms  acceptance "
-              f"{lv['acceptance']:.2f} ({lv['accepted_per_draft_step']:.2f}/step)", flush=True)
+        measure_level(url, c, args, fixed, label, row)
     return row
 
 
@@ -201,9 +248,13 @@ def main() -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--drafter", default="tiny")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="off,sync,async")
+    ap.add_argument("--modes", default="off,sync,async",
+                    help="round modes; MODE-fixed: that mode at --depth fixed (the others run --depth auto)")
     ap.add_argument("--cold-modes", default="async", help="modes also started without warm-up (TTFT only)")
     ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every level this many times (interleaved: all levels and modes, then again); "
+                         "each mode's row then gets per level the median and range of its output tok/s")
     ap.add_argument("--requests", type=int, default=0, help="requests per level (0: max(8, 2 x concurrency))")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=16)
@@ -216,7 +267,8 @@ def main() -> int:
     ap.add_argument("--url", default="", help="measure this running server instead of starting servers")
     ap.add_argument("--label", default="server", help="the row's name with --url")
     ap.add_argument("--prompts", default="", metavar="FILE", help="JSON list of prompts for the load levels")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "serve_load_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "serve_load_cpu_interleaved.json"))
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     fixed = None
@@ -231,24 +283,52 @@ def main() -> int:
         ctx = httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
         result["modes"][args.label] = measure(args.url, ctx, args, fixed, args.label, {"context": ctx})
         modes = []
-    for mode in modes:
-        srv = Server(args, mode, warmup=True)
+    if modes:
+        # every mode's server up at once; each load level then runs in every mode back to back (the
+        # order rotated from level to level), so a shared machine's drift hits the modes alike
+        servers: dict[str, Server] = {}
         try:
-            row = measure(srv.url, srv.ctx, args, fixed, mode, {"start_s": srv.start_s, "context": srv.ctx})
+            for mode in modes:
+                servers[mode] = Server(args, mode, warmup=True)
+            rows = {m: {"start_s": srv.start_s, "context": srv.ctx} for m, srv in servers.items()}
+            result["load_average_start"] = list(os.getloadavg())
+            for mode, srv in servers.items():  # each server's first request is this one
+                measure_ttft(srv.url, srv.ctx, args, mode, rows[mode])
+            levels = [int(c) for c in args.concurrency.split(",")]
+            for rep in range(args.repeats):
+                for i, c in enumerate(levels):
+                    j = (i + rep) % len(modes)
+                    for mode in modes[j:] + modes[:j]:
+                        measure_level(servers[mode].url, c, args, fixed, mode, rows[mode])
+                        rows[mode]["levels"][-1]["repeat"] = rep
+            for mode in modes:  # per level: the median output rate over the repeats and its range
+                rows[mode]["by_level"] = {}
+                for c in levels:
+                    xs = [lv["output_tokens_per_s"] for lv in rows[mode]["levels"] if lv["concurrency"] == c]
+                    rows[mode]["by_level"][c] = {"output_tokens_per_s_median": statistics.median(xs),
+                                                 "min": min(xs), "max": max(xs), "repeats": len(xs)}
+            for c in levels:
+                print(f"c={c:2d} output tok/s median (range) over {args.repeats}: " + ", ".join(
+                    f"{m} {rows[m]['by_level'][c]['output_tokens_per_s_median']:.0f} "
+                    f"({rows[m]['by_level'][c]['min']:.0f}-{rows[m]['by_level'][c]['max']:.0f})" for m in modes))
+            result["load_average_end"] = list(os.getloadavg())
         finally:
-            srv.stop()
-        if mode in args.cold_modes.split(","):
-            cold = Server(args, mode, warmup=False)
-            try:
-                row["ttft_first_vs_warm_no_warmup"] = t = asyncio.run(
-                    ttft_first_vs_warm(cold.url, cold.ctx, args.ttft_repeats, args.long_len))
-                row["start_s_no_warmup"] = cold.start_s
-            finally:
-                cold.stop()
-            print(f"{mode:5s} without warm-up, TTFT first/warm: short {t['short']['first_ms']:.1f}/"
-                  f"{t['short']['warm_ms_median']:.1f} ms, long {t['long']['first_ms']:.1f}/"
-                  f"{t['long']['warm_ms_median']:.1f} ms", flush=True)
-        result["modes"][mode] = row
+            for srv in servers.values():
+                srv.stop()
+        for mode in modes:
+            row = rows[mode]
+            if mode in args.cold_modes.split(","):
+                cold = Server(args, mode, warmup=False)
+                try:
+                    row["ttft_first_vs_warm_no_warmup"] = t = asyncio.run(
+                        ttft_first_vs_warm(cold.url, cold.ctx, args.ttft_repeats, args.long_len))
+                    row["start_s_no_warmup"] = cold.start_s
+                finally:
+                    cold.stop()
+                print(f"{mode:5s} without warm-up, TTFT first/warm: short {t['short']['first_ms']:.1f}/"
+                      f"{t['short']['warm_ms_median']:.1f} ms, long {t['long']['first_ms']:.1f}/"
+                      f"{t['long']['warm_ms_median']:.1f} ms", flush=True)
+            result["modes"][mode] = row
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -7,7 +7,8 @@ whose logits are forced to a recorded trace (`draftrelay.replay.install_replay_t
 `draftrelay worker` process running `replay:TRACE:INNER` (a Qwen2.5-0.5B-shaped drafter at random
 weights proposing the trace's recorded drafter tokens) on the same GPU, started with `--warm-graphs k
 --warm-batch MAX_BATCH` as serve starts its local worker (`--warm-drafter 0`: graphs captured on first
-use), and the start-up heap frozen as serve freezes it (`--gc-freeze 0`: not). Replay models exist only here:
+use; `--warm-max-kv`: at start only for contexts up to that many tokens), and the start-up heap
+frozen as serve freezes it (`--gc-freeze 0`: not). Replay models exist only here:
 `draftrelay serve` cannot load one. Every figure is labelled "replayed acceptance of <pair>".
 
 For each mode (off, sync, async; one engine each, side by side in one run, the worker shared) the
@@ -49,7 +50,7 @@ from draftrelay.handoff.procinfo import machine_info  # noqa: E402
 from draftrelay.replay import Trace, install_replay_target  # noqa: E402
 from draftrelay.serve.app import build_app  # noqa: E402
 from draftrelay.serve.chat import CHATML, compile_template  # noqa: E402
-from draftrelay.serve.cli import listen, round_tokens, self_request  # noqa: E402
+from draftrelay.serve.cli import listen, round_tokens, self_request, use_batch_depth  # noqa: E402
 from draftrelay.serve.metrics import ServeMetrics, freeze_startup_objects  # noqa: E402
 from draftrelay.serve.protocol import Limits  # noqa: E402
 from draftrelay.serve.scheduler import Scheduler, warm_up  # noqa: E402
@@ -147,9 +148,13 @@ def main() -> int:
     ap.add_argument("--gc-freeze", type=int, default=1, help="1: freeze the start-up heap as the server does")
     ap.add_argument("--warm-drafter", type=int, default=1,
                     help="1: the worker captures its draft-step graphs at start, as serve's local worker does")
+    ap.add_argument("--warm-max-kv", type=int, default=1024,
+                    help="the worker captures at start only for contexts up to this many tokens (0: all; the load "
+                         "levels' contexts are the trace's prompts + --max-tokens)")
+    ap.add_argument("--depth", default="auto", choices=["auto", "fixed"], help="as `draftrelay serve --depth`")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop starting modes once this much wall time has gone (0: no limit)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_replay_h200.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_replay_h200_all_modes.json"))
     args = ap.parse_args()
     t_start = time.perf_counter()
     trace = Trace.load(args.trace)
@@ -184,7 +189,8 @@ def main() -> int:
                                        "--max-ctx", str(max_len + 64), "--rows", str(2 * args.max_batch + 2),
                                        "--max-requests", str(args.max_batch), "--n-out-max", str(max(8, args.k)),
                                        # as `draftrelay serve` starts its local worker (loading.start_local_worker)
-                                       *(["--warm-graphs", str(args.k), "--warm-batch", str(args.max_batch)]
+                                       *(["--warm-graphs", str(args.k), "--warm-batch", str(args.max_batch),
+                                          "--warm-max-kv", str(args.warm_max_kv)]
                                          if dev.type == "cuda" and args.warm_drafter else [])],
                                       timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
     target = target_model(args.target, dev, dtype)
@@ -215,6 +221,7 @@ def main() -> int:
             t0 = time.perf_counter()
             try:
                 with Engine(target, cfg) as eng:
+                    use_batch_depth(eng, args.depth == "auto")  # as `draftrelay serve`
                     row["engine_start_s"] = time.perf_counter() - t0
                     row["round_mode"] = eng.round_mode
                     srv = Served(eng, f"{args.target}-replay", max_model_len)
@@ -244,6 +251,8 @@ def main() -> int:
                         row["trace_check"] = asyncio.run(check_outputs(
                             srv.url, prompts, [e.target for e in trace.entries], max_tokens))
                         row["handoff"] = srv.sched.handoff
+                        if eng.depth is not None:
+                            row["depth"] = eng.depth.summary()
                         row["gc"] = {"collections": list(srv.metrics.gc.count),
                                      "pause_s": list(srv.metrics.gc.seconds)}
                     finally:
@@ -263,12 +272,13 @@ def main() -> int:
             result["worker_log_tail"] = worker.log()[-2000:]
             worker.stop()
     result["wall_s"] = time.perf_counter() - t_start
-    table = [label, "mode | concurrency | output tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | accepted/drafted"]
+    table = [label, "mode | concurrency | output tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | accepted/drafted | "
+                    "tokens per chunk | rounds"]
     for mode, row in result["modes"].items():
         for lv in row.get("levels", []):
             table.append(f"{mode} | {lv['concurrency']} | {lv['output_tokens_per_s']:.0f} | {lv['ttft_ms_p50']:.1f} / "
                          f"{lv['ttft_ms_p99']:.1f} | {lv['itl_ms_p50']:.1f} / {lv['itl_ms_p99']:.1f} | "
-                         f"{lv['acceptance']:.2f}")
+                         f"{lv['acceptance']:.2f} | {lv['tokens_per_chunk']:.2f} | {json.dumps(lv.get('rounds', {}))}")
     result["table"] = table
     save()
     print("\n".join(table))

@@ -108,8 +108,11 @@ def servers():
                                  "--max-tokens", "32", "--device", "cpu"], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, env=ENV, text=True)
     s = {
-        "async": Server("--mode", "async", "--api-key-file", f.name, "--max-batch", "16", "--max-model-len", "512"),
-        "sync": Server("--mode", "sync", "--worker", f"{whost}:{wport}", "--max-batch", "2", "--max-queue", "1",
+        # --depth fixed: these tests look at every request's drafts (the policy may choose 0 for some)
+        "async": Server("--mode", "async", "--depth", "fixed", "--api-key-file", f.name, "--max-batch", "16",
+                        "--max-model-len", "512"),
+        "sync": Server("--mode", "sync", "--depth", "fixed", "--worker", f"{whost}:{wport}", "--max-batch", "2",
+                       "--max-queue", "1",
                        "--max-model-len", "4096"),
         "off": Server("--mode", "off", "--max-model-len", "512"),
     }

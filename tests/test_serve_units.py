@@ -210,7 +210,8 @@ def test_serve_flags_refused_by_name(tmp_path):
     for flags, words in [(["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"),
                          (["--port", "70000"], "--port"), (["--k", "17"], "--k"),
                          (["--deadline-ms", "0"], "--deadline-ms"),
-                         (["--max-round-tokens", "0"], "--max-round-tokens")]:
+                         (["--max-round-tokens", "0"], "--max-round-tokens"),
+                         (["--worker-warm-max-kv", "-1"], "--worker-warm-max-kv")]:
         assert cli._check(p.parse_args(flags)).startswith(words)
     assert cli._check(p.parse_args([])) == ""
     empty, spaced, good = tmp_path / "e", tmp_path / "s", tmp_path / "g"

@@ -339,9 +339,9 @@ class ReplayDrafter:
         self.on_trace = np.zeros(self.n_rows + 1, np.int64)  # longest prefix of the row on its script
         log.warning("REPLAY drafter: drafts come from the trace of %s", trace.pair)
 
-    def warm(self, n_steps_list: list[int], max_batch: int) -> int:
+    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0) -> int:
         fn = getattr(self.inner, "warm", None)
-        return fn(n_steps_list, max_batch) if fn is not None else 0
+        return fn(n_steps_list, max_batch, max_kv) if fn is not None else 0
 
     def _entry_pos(self, row: int, n: int) -> tuple[TraceEntry, int] | None:
         """(entry, index into entry.target) of the token after an on-script context of length n."""

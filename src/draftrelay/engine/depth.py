@@ -277,3 +277,143 @@ class DepthPolicy:
                 "round_ms_by_k": {k: round(1e3 * v, 2) for k, v in sorted(self.round.mean.items())},
                 "verify_ms_by_width": {t: round(1e3 * v, 2) for t, v in sorted(self.verify.mean.items())},
                 "expected_tok_per_s_by_k": [round(r, 2) for r in rates]}
+
+
+def batch_bucket(n: int) -> int:
+    """The batch-size class a step's costs are kept under: 1, 2, 4, 8, ... (the smallest power of
+    two >= n). A verify's cost and a round's grow with the batch; within one class they differ
+    little, and every class has to learn its own costs before it can decide."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+class StepRates:
+    """Measured output per second of a batch class's plain steps and speculative ones, as the server
+    sees them: wall seconds of a whole step (round, verify, acceptance and the server's own work
+    around it) and the tokens it gave each row. Exponential averages of both; a rate is known after
+    `min_steps` steps of its kind."""
+
+    def __init__(self, alpha: float = 0.2, min_steps: int = 3) -> None:
+        self.alpha, self.min_steps = alpha, min_steps
+        self.sec = {False: 0.0, True: 0.0}
+        self.tok = {False: 0.0, True: 0.0}
+        self.n = {False: 0, True: 0}
+
+    def add(self, spec: bool, seconds: float, tokens_per_row: float) -> None:
+        a = 1.0 if self.n[spec] == 0 else self.alpha
+        self.sec[spec] += a * (seconds - self.sec[spec])
+        self.tok[spec] += a * (tokens_per_row - self.tok[spec])
+        self.n[spec] += 1
+
+    def rate(self, spec: bool) -> float | None:
+        if self.n[spec] < self.min_steps or self.sec[spec] <= 0:
+            return None
+        return self.tok[spec] / self.sec[spec]
+
+
+class BatchDepthPolicy:
+    """Speculate at k_max or not at all, decided per batch-size class (batch_bucket) by the output
+    rates the server measures; the DepthPolicy interface (choose, observe_*, summary) plus `batch`
+    (the running batch's size) and `catch_up` (a request in the batch has not been sent to the
+    drafter yet), both set before each choose(), and observe_step(), the whole step's wall time and
+    tokens per row, reported after it.
+
+    Why not one DepthPolicy: it keeps costs by depth and width only, so under a server's changing
+    batch it judges each batch by another batch's costs; it times only steady rounds, and a round
+    after plain steps carries the tokens the drafter missed (catch-up), so once it sits at depth 0
+    its probe rounds are never timed and it cannot come back; and depths below k_max ask a worker
+    for draft-step shapes it did not capture at start (a capture inside a round outlasts its
+    deadline). Here each class keeps the measured rate (tokens per row per wall second of the whole
+    step: rounds, verify, and the server's own work around them, StepRates) of its plain steps and
+    of its steady speculative steps: a speculative step that follows a plain one or carries a new
+    request is a catch-up step and is not counted. Speculation runs where it measures at least
+    `margin` times the plain rate and steps aside where it does not; a probe of `probe_len`
+    speculative steps every `probe_every` plain ones, and a plain step every `plain_every`
+    speculative ones, keep both rates current. A class starts speculating (its rate is measured
+    first), then takes plain steps until that rate is measured too."""
+
+    def __init__(self, k_max: int, margin: float = 1.0, probe_every: int = 16, probe_len: int = 3,
+                 plain_every: int = 32) -> None:
+        if k_max < 1:
+            raise ValueError(f"BatchDepthPolicy: k_max must be >= 1, got {k_max}")
+        if probe_len < 2:
+            raise ValueError(f"BatchDepthPolicy: probe_len must be >= 2 (its first step catches up), got {probe_len}")
+        self.k_max, self.margin = k_max, margin
+        self.probe_every, self.probe_len, self.plain_every = probe_every, probe_len, plain_every
+        self.rates: dict[int, StepRates] = {}
+        self.chosen: dict[int, dict[int, int]] = {}
+        self.probes: dict[int, int] = {}
+        self._run: dict[int, int] = {}  # steps of the current kind in a row, per class
+        self._probe_left = 0
+        self.batch = 1
+        self.catch_up = False
+        self.last_k = 0
+        self._counted = False  # whether the last step's measurement is a steady one
+        self.acc = Acceptance(k_max)
+
+    @property
+    def bucket(self) -> int:
+        return batch_bucket(max(1, self.batch))
+
+    def choose(self) -> int:
+        b = self.bucket
+        if b not in self.rates:
+            self.rates[b], self.chosen[b], self.probes[b], self._run[b] = StepRates(), {}, 0, 0
+        r = self.rates[b]
+        plain, spec = r.rate(False), r.rate(True)
+        if spec is None and r.n[False] == 0 or spec is None and plain is not None:
+            k = self.k_max  # measure speculation first (and again if its rate went unknown)
+        elif plain is None:
+            k = 0
+        elif self._probe_left > 0:
+            k = self.k_max
+            self._probe_left -= 1
+        elif spec >= self.margin * plain:
+            k = 0 if self.last_k and self._run[b] >= self.plain_every else self.k_max
+        elif not self.last_k and self._run[b] >= self.probe_every:
+            k = self.k_max
+            self._probe_left = self.probe_len - 1
+            self.probes[b] += 1
+        else:
+            k = 0
+        # a speculative step after a plain one (the drafter catches up on what it missed) or with a
+        # request the drafter has not seen (its prompt) is not a steady step
+        self._counted = not (k and (not self.last_k or self.catch_up))
+        if k and not self._counted and r.n[True] < r.min_steps and self.chosen[b].get(k, 0) >= 16:
+            self._counted = True  # new requests at every step: a rate from catch-up steps beats none
+        self._run[b] = self._run[b] + 1 if bool(k) == bool(self.last_k) else 1
+        self.last_k = k
+        self.chosen[b][k] = self.chosen[b].get(k, 0) + 1
+        return k
+
+    def observe_step(self, seconds: float, tokens_per_row: float) -> None:
+        """The last chosen step's wall time and the tokens it gave each row on average."""
+        if self._counted and seconds > 0 and tokens_per_row > 0:
+            self.rates[self.bucket].add(self.last_k > 0, seconds, tokens_per_row)
+
+    # the engine's per-part reports: this policy judges whole steps (observe_step)
+    def observe_round(self, k: int, seconds: float, sent_tokens: int) -> None:
+        pass
+
+    def observe_verify(self, width: int, seconds: float) -> None:
+        pass
+
+    def observe_host(self, seconds: float) -> None:
+        pass
+
+    def observe_accept(self, asked: int, offered: int, kept: int) -> None:
+        self.acc.add(asked, offered, kept)
+
+    def summary(self) -> dict:
+        """Per batch class: depths chosen, probes, the measured plain and speculative rates (tokens per
+        row per second) and how many steps each rests on; the acceptance seen."""
+        out = {}
+        for b in sorted(self.rates):
+            r = self.rates[b]
+            out[b] = {"chosen": dict(sorted(self.chosen[b].items())), "probes": self.probes[b],
+                      "measured_tok_per_s": {"plain": r.rate(False), "spec": r.rate(True)},
+                      "measured_steps": {"plain": r.n[False], "spec": r.n[True]}}
+        return {"by_batch": out, "accept_cond_by_pos": [round(float(x), 3) for x in self.acc.cond()],
+                "round_success": round(self.acc.success(), 3)}

@@ -111,7 +111,7 @@ def default_threads() -> int:
 
 
 def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int,
-                       threads: int = 0, dtype: str = "", warm_batch: int = 0):
+                       threads: int = 0, dtype: str = "", warm_batch: int = 0, warm_max_kv: int = 0):
     """A `draftrelay worker` child process on a free loopback port.
 
     threads (CPU): the worker's torch threads; 0 = every core this process may use. The target and
@@ -120,7 +120,9 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
     dtype: the drafter's compute dtype ("": the worker's default; float32 for 'tiny').
     warm_batch (GPU): capture the drafter's draft-step graphs for n_draft drafts and up to warm_batch
     requests at every KV bucket before the worker listens (a server's first round at a new batch
-    size or context would otherwise wait for a capture, past its deadline)."""
+    size or context would otherwise wait for a capture, past its deadline); warm_max_kv > 0: only for
+    contexts up to that many tokens (fewer graphs, a shorter start; longer contexts capture on first
+    use)."""
     from draftrelay.worker.process import start_worker_process
 
     args = ["--model", drafter, "--device", str(device), "--n-out-max", str(max(8, n_draft)),
@@ -128,6 +130,8 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
             "--max-ctx", str(max_ctx), "--rows", str(max(16, rows)), "--max-requests", str(max(16, rows))]
     if warm_batch > 0 and device.type == "cuda" and n_draft > 0:
         args += ["--warm-graphs", str(n_draft), "--warm-batch", str(warm_batch)]
+        if warm_max_kv > 0:
+            args += ["--warm-max-kv", str(warm_max_kv)]
     env = None
     if device.type == "cpu":
         n = threads or (1 if drafter == "tiny" else default_threads())

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt + output tokens per request (default: the model's context)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
     p.add_argument("--k", type=int, default=4, help="drafts per round")
+    p.add_argument("--depth", default="auto", choices=["auto", "fixed"],
+                   help="auto: per batch size, speculate (--k drafts) where it measures faster than plain "
+                        "decoding, else not; fixed: always --k")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
     p.add_argument("--max-round-tokens", type=int, default=4096,
@@ -48,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-prompt-len", type=int, default=0, metavar="N",
                    help="the warm-up's long prompts: at most N tokens (default: the longest the context allows "
                         f"on a GPU, at most {CPU_WARMUP_PROMPT} on a CPU)")
+    p.add_argument("--worker-warm-max-kv", type=int, default=0, metavar="N",
+                   help="GPU: the local worker captures its draft-step graphs at start only for contexts up to N "
+                        "tokens (0: up to --max-model-len; fewer graphs start sooner, a longer context then "
+                        "waits for its capture in a round)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -66,6 +73,8 @@ def _check(args: argparse.Namespace) -> str:
         return f"--warmup-prompt-len must be >= 0, got {args.warmup_prompt_len}"
     if args.max_round_tokens < 1:
         return f"--max-round-tokens must be >= 1, got {args.max_round_tokens}"
+    if args.worker_warm_max_kv < 0:
+        return f"--worker-warm-max-kv must be >= 0, got {args.worker_warm_max_kv}"
     if not args.deadline_ms > 0:
         return f"--deadline-ms must be > 0, got {args.deadline_ms}"
     return ""
@@ -90,27 +99,55 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def startup_requests() -> list[tuple[str, dict | None]]:
+    """What the server sends itself before it announces itself: (path, body or None for a GET).
+    Every endpoint, streaming and whole, one output token (a request that ends at its prefill) and
+    a few (decode steps, a text delta per step), greedy and sampled, with and without a usage chunk:
+    each takes its own first-call path through routing, the request checks, the tokenizer, the chat
+    template, the thread pool, the response and SSE code."""
+    msgs = [{"role": "user", "content": "Hello"}]
+    out: list[tuple[str, dict | None]] = [("health", None), ("v1/models", None), ("metrics", None)]
+    for path, prompt in (("v1/completions", {"prompt": "Hello"}), ("v1/chat/completions", {"messages": msgs})):
+        for stream in (True, False):
+            for n in (1, 3):
+                out.append((path, {**prompt, "max_tokens": n, "temperature": 0, "stream": stream}))
+            out.append((path, {**prompt, "max_tokens": 3, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1,
+                               "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}))
+    return out
+
+
 def self_request(host: str, port: int, api_key: str, timeout: float = 60.0) -> str:
-    """One streamed completion and one streamed chat completion against this server (the first
-    request through the HTTP stack, routing, tokenizer, chat template, thread pool and SSE path is
-    then not a client's). '' on success, else why."""
+    """The start-up requests (startup_requests) against this server, so that no client's request is
+    the first through any path of the HTTP stack. '' on success, else why."""
     import urllib.request
 
     local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    base = f"http://{'[' + local + ']' if ':' in local else local}:{port}/v1/"
+    base = f"http://{'[' + local + ']' if ':' in local else local}:{port}/"
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    for path, body in (("completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "stream": True}),
-                       ("chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
-                                             "temperature": 0, "stream": True})):
-        req = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+    for path, body in startup_requests():
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(base + path, data, headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 text = r.read().decode()
         except OSError as exc:
             return f"{path}: {exc}"
-        if "data: [DONE]" not in text:
+        if body is not None and body["stream"] and "data: [DONE]" not in text:
+            return f"{path}: unexpected answer {text[:200]!r}"
+        if body is not None and not body["stream"] and '"usage"' not in text:
             return f"{path}: unexpected answer {text[:200]!r}"
     return ""
+
+
+def use_batch_depth(eng, on: bool = True) -> None:
+    """`--depth auto`: the engine's steps speculate at k or not at all, by batch size, as the
+    measured rates say (engine.depth.BatchDepthPolicy; the scheduler tells it the batch before each
+    step and the step's time and tokens after it). The engine runs with depth "fixed" (verify graphs
+    for widths 1 and k + 1 only: the two it can then run) and this policy in its `depth` slot."""
+    from draftrelay.engine.depth import BatchDepthPolicy
+
+    if on and eng.rounds is not None and eng.cfg.n_draft > 0:
+        eng.depth = BatchDepthPolicy(eng.cfg.n_draft)
 
 
 def round_tokens(max_batch: int, max_round_tokens: int, k: int) -> int:
@@ -208,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
             if not args.worker:
                 try:
                     worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch,
-                                                  warm_batch=0 if args.no_warmup else args.max_batch)
+                                                  warm_batch=0 if args.no_warmup else args.max_batch,
+                                                  warm_max_kv=args.worker_warm_max_kv)
                 except RuntimeError as exc:
                     say(f"the local worker did not start: {exc}")
                     return 1
@@ -230,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         bound = sock.getsockname()[1]
         with Engine(target.model, cfg) as eng:
+            use_batch_depth(eng, args.depth == "auto")
             if eng.rounds is not None and eng.rounds.refusal:
                 say(f"async refused, serving sync rounds: {eng.rounds.refusal}")
             sched = None

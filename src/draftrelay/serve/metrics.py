@@ -108,6 +108,15 @@ class ServeMetrics:
         self.rows_free = Gauge(P + "kv_rows_free", "Target KV rows free", lab, registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token", lab,
                               buckets=TTFT_BUCKETS, registry=r)
+        # TTFT = queue time + prefill time: where a slow first token went (the HTTP side before the
+        # arrival, the wait for the engine thread, or the prefill and the hand-over of its token)
+        self.queue_time = Histogram(P + "request_queue_time_seconds",
+                                    "Arrival (request checked) to the engine thread taking it", lab,
+                                    buckets=TTFT_BUCKETS, registry=r)
+        self.prefill_time = Histogram(P + "request_prefill_time_seconds",
+                                      "Engine thread taking the request to its first token out (a wait for a "
+                                      "free KV row included)", lab,
+                                      buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds",
                              "Time between a request's successive engine steps that produced tokens", lab,
                              buckets=ITL_BUCKETS, registry=r)

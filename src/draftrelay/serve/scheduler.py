@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftrelay.engine.depth import BatchDepthPolicy
 from draftrelay.engine.engine import Engine
 from draftrelay.engine.request import Request, SamplingParams
 
@@ -52,6 +53,7 @@ class Job:
     stream: TextStream
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     t_arrive: float = field(default_factory=time.perf_counter)
+    t_taken: float = 0.0  # the engine thread took it from the inbox
     req: Request | None = None
     cancelled: bool = False
     finished: bool = False
@@ -172,7 +174,9 @@ class Scheduler:
                     break
                 new, self.inbox = list(self.inbox), deque()
                 gone, self.cancels = list(self.cancels), deque()
+            t_taken = time.perf_counter()
             for job in new:
+                job.t_taken = t_taken
                 self._admit(job)
             for job in gone:
                 self._cancel(job, "abort")
@@ -181,13 +185,33 @@ class Scheduler:
                     eng.prefill_waiting()  # the first token goes out now, not after the next decode step
                     self._harvest()
                 if eng.running:
-                    eng.step()
-                    self._harvest()
+                    self._step()
             except Exception:
                 log.exception("engine step failed: the running requests are ended with an error")
                 self._fail_all(ApiError(500, "the engine failed on this request's step", etype="server_error"))
             self._snapshot()
         self._fail_all(ApiError(503, "the server is shutting down", etype="server_error", code="shutting_down"))
+
+    def _step(self) -> None:
+        """One engine step and its hand-over; with the per-batch depth policy, the batch's size before
+        it and, after it, the step's wall time and tokens per row (what the policy checks its
+        cost model against)."""
+        eng = self.engine
+        depth = eng.depth if isinstance(eng.depth, BatchDepthPolicy) else None
+        if depth is None:
+            eng.step()
+            self._harvest()
+            return
+        live = [r for r in eng.running if not r.done]
+        depth.batch = len(live)
+        # a request whose first decode step this is: its round carries its prompt to the drafter
+        depth.catch_up = any(len(r.output) == 1 for r in live)
+        n0 = sum(len(r.output) for r in live)
+        t0 = time.perf_counter()
+        eng.step()
+        self._harvest()
+        if live:
+            depth.observe_step(time.perf_counter() - t0, (sum(len(r.output) for r in live) - n0) / len(live))
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:
@@ -243,6 +267,8 @@ class Scheduler:
             m.labels(m.generation_tokens).inc(len(new))
             if job.n_seen == 0:
                 m.labels(m.ttft).observe(now - job.t_arrive)
+                m.labels(m.queue_time).observe(job.t_taken - job.t_arrive)
+                m.labels(m.prefill_time).observe(now - job.t_taken)
             elif new:
                 m.labels(m.itl).observe(now - job.t_last)
             job.n_seen, job.t_last = n, now
@@ -317,6 +343,48 @@ class Scheduler:
             self._t_handoff = now
 
 
+SWEEP_ALL = 64  # prefill lengths 1..64 one by one, then every SWEEP_STEP up to the prefill chunk
+SWEEP_STEP = 16
+
+
+def sweep_lengths(chunk: int, max_len: int) -> list[int]:
+    """The prompt lengths of the warm-up's prefill sweep: every length up to SWEEP_ALL, then every
+    SWEEP_STEP-th up to the engine's prefill chunk (a longer prompt runs in chunks of that size and
+    one shorter remainder), within max_len - 1 (one output token must fit)."""
+    top = min(chunk, max_len - 1)
+    out = list(range(1, min(SWEEP_ALL, top) + 1))
+    out += list(range(SWEEP_ALL + SWEEP_STEP, top + 1, SWEEP_STEP))
+    if top > out[-1]:
+        out.append(top)
+    return out
+
+
+def prefill_sweep(engine: Engine, prompt: Callable, params: Callable) -> dict:
+    """Prefill a one-token request at every sweep_lengths length: a GPU's GEMM library picks its
+    kernel by the row count, and a kernel's first launch loads its module (CUDA's lazy loading);
+    a prompt of a length no warm-up step had would pay that during its TTFT. Returns the slowest
+    lengths' first and second prefill (a first-use cost shows as first >> second)."""
+    lens = sweep_lengths(engine.cfg.prefill_chunk, engine.cfg.max_len)
+    t0 = time.perf_counter()
+    took = []
+    for i, n in enumerate(lens):
+        p = prompt(n, 1000 + i)
+        t = time.perf_counter()
+        engine.generate([p], params(p, 1))
+        took.append((time.perf_counter() - t, n))
+    slow = sorted(took, reverse=True)[:4]
+    again = []
+    for _, n in slow:
+        p = prompt(n, 2000 + n)
+        t = time.perf_counter()
+        engine.generate([p], params(p, 1))
+        again.append(time.perf_counter() - t)
+    ms = sorted(1e3 * t for t, _ in took)
+    return {"lengths": len(lens), "seconds": time.perf_counter() - t0, "median_ms": ms[len(ms) // 2],
+            "slowest": [{"tokens": n, "first_ms": 1e3 * t, "again_ms": 1e3 * a}
+                        for (t, n), a in zip(slow, again, strict=True)]}
+
+
 def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_prompt: int = 0) -> dict:
     """Run every path a first request can take before the server accepts one: prefill of a short
     and of a long prompt (several chunks), decode steps of width 1 and verify steps of width k+1 at
@@ -357,6 +425,7 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
     # which cost faults on first touch; a GPU's caching allocator grows a segment)
     full = prompt(min(max_model_len - 1, long_prompt) if long_prompt > 0 else max_model_len - 1, 5)
     engine.generate([full], params(full, 1))
+    sweep = prefill_sweep(engine, prompt, params)
     # Every batch size from max_batch down to 1: as many short requests as there are rows, each
     # ending at least k + 2 tokens after the one before, so one leaves the batch at a time. The
     # drafter then has run its draft step at each batch size (a GPU worker captures a graph per
@@ -375,7 +444,7 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
         if not healthy:
             time.sleep(0.2)
     done = {"seconds": time.perf_counter() - t0, "long_prompt": len(full), "long_decoded": long_len,
-            "batch_sizes": n,
+            "batch_sizes": n, "prefill_sweep": sweep,
             "catch_up_rounds": long_len > cfg.max_round_tokens and engine.rounds is not None,
             "rounds_healthy": healthy}
     engine.reset_metrics()

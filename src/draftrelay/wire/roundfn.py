@@ -17,7 +17,15 @@ from position 0. A request with n_out == 0 and no tokens is the engine saying "f
 sent as an END block so the worker frees the request's draft KV.
 
 spec keys (JSON): host, port, and optionally model_id, vocab_size, tokenizer_hash, n_out_max,
-max_requests, connect_timeout_s, breaker_failures, breaker_cooldown_s, client_name.
+max_requests, connect_timeout_s, breaker_failures, breaker_cooldown_s, client_name, and the round's
+size-following budget (`RoundBudget`): budget_per_catch_up_ms, budget_per_token_us.
+
+The budget a round gets follows its size: the caller's budget is what a steady round (every request
+sending its k + 1 accepted tokens) may take; a round that also carries requests catching up (a new
+request's prompt, a request the drafter lost) makes the worker prefill those tokens first, on its
+eager path, so such a round gets more time for each of them (RoundBudget). A fixed budget timed such
+rounds out: a batch of new requests then never reached the drafter, every retry carried more, and
+the client's breaker opened.
 This module must not import torch: the proxy process refuses to serve if torch is loaded.
 """
 
@@ -66,11 +74,41 @@ def to_blocks(requests: list[RoundRequest]) -> list[P.Block]:
     return out
 
 
-class WorkerRoundFn:
-    """The round function (a callable): one STEP per round through one DrafterClient."""
+CATCH_UP_TOKENS = 16  # a request sending more tokens than this is catching up (the worker's PAD_LIMIT)
 
-    def __init__(self, client: DrafterClient) -> None:
+
+class RoundBudget:
+    """The time one round may take: the steady budget plus per_catch_up_s for every request that
+    sends more than CATCH_UP_TOKENS tokens (the worker prefills it alone, eagerly: a fixed cost per
+    request on a launch-bound GPU) and per_token_s for each of its tokens beyond those."""
+
+    def __init__(self, per_catch_up_s: float = 0.010, per_token_s: float = 20e-6) -> None:
+        if not (per_catch_up_s >= 0 and per_token_s >= 0):
+            raise ValueError(f"RoundBudget: per_catch_up_s and per_token_s must be >= 0, got "
+                             f"{per_catch_up_s}, {per_token_s}")
+        self.per_catch_up_s, self.per_token_s = per_catch_up_s, per_token_s
+
+    def __call__(self, steady_s: float, requests: list[RoundRequest]) -> float:
+        extra = 0.0
+        for r in requests:
+            n = len(r.tokens)
+            if n > CATCH_UP_TOKENS:
+                extra += self.per_catch_up_s + self.per_token_s * (n - CATCH_UP_TOKENS)
+        return steady_s + extra
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> RoundBudget:
+        return cls(float(spec.get("budget_per_catch_up_ms", 10.0)) / 1e3,
+                   float(spec.get("budget_per_token_us", 20.0)) / 1e6)
+
+
+class WorkerRoundFn:
+    """The round function (a callable): one STEP per round through one DrafterClient, with the
+    time the round's size needs (RoundBudget)."""
+
+    def __init__(self, client: DrafterClient, budget: RoundBudget | None = None) -> None:
         self.client = client
+        self.budget = budget or RoundBudget()
 
     @property
     def reconnects(self) -> int:
@@ -86,7 +124,7 @@ class WorkerRoundFn:
             return []
         try:
             blocks = to_blocks(requests)
-            reply = self.client.step(blocks, timeout=budget_s)
+            reply = self.client.step(blocks, timeout=self.budget(budget_s, requests))
         except WireTimeout as exc:
             raise RoundFailure(Status.TIMEOUT, str(exc)) from None
         except WireBreakerOpen as exc:
@@ -110,7 +148,7 @@ class WorkerRoundFn:
 
 
 def worker_round_fn(spec: dict, client: DrafterClient | None = None) -> RoundFn:
-    return WorkerRoundFn(client or client_from_spec(spec))
+    return WorkerRoundFn(client or client_from_spec(spec), RoundBudget.from_spec(spec))
 
 
 def make_round_fn(spec: dict, wrap_worker: Callable[[WorkerRoundFn], RoundFn] | None = None) -> RoundFn:

@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of n_out values whose draft-step graphs are captured at start (for up to "
                         "--warm-batch requests); others are captured on first use")
     p.add_argument("--warm-batch", type=int, default=4)
+    p.add_argument("--warm-max-kv", type=int, default=0, metavar="N",
+                   help="capture the --warm-graphs only for contexts up to N tokens (0: up to --max-ctx); "
+                        "longer contexts are captured on first use")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: 1 for 'tiny', which runs fastest single-threaded; torch's default else)")
     p.add_argument("--log-level", default="WARNING")
@@ -205,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"draftrelay worker: --warm-graphs {args.warm_graphs!r}: expected numbers like 4,5", file=sys.stderr)
             return 2
         if hasattr(drafter, "warm"):
-            drafter.warm([n for n in steps if 1 <= n <= args.n_out_max], args.warm_batch)
+            drafter.warm([n for n in steps if 1 <= n <= args.n_out_max], args.warm_batch, args.warm_max_kv)
     per_session = min(args.max_requests, args.rows) if args.max_requests else max(1, args.rows // 2)
     core = WorkerCore(drafter, max_requests=per_session, idle_timeout=args.idle_timeout, max_frame=args.max_frame,
                       row_lease=args.row_lease, prefill_slice_ms=args.prefill_slice_ms)

@@ -106,10 +106,14 @@ SHAPES = {
 T_BUCKETS = (1, 2, 4, 8, PAD_LIMIT)
 
 
-def steady_state_keys(n_steps_list: list[int], max_batch: int, max_len: int) -> list[tuple[int, int, int, int]]:
+def steady_state_keys(n_steps_list: list[int], max_batch: int, max_len: int,
+                      max_kv: int = 0) -> list[tuple[int, int, int, int]]:
     """Every static-step key (requests, T bucket, n_steps, kv bucket) that a steady state with n_out in
-    n_steps_list can use: a round then sends at most n_steps + 1 tokens per request."""
+    n_steps_list can use: a round then sends at most n_steps + 1 tokens per request. max_kv > 0: only
+    the kv buckets a context of max_kv tokens needs (longer contexts are captured on first use)."""
     kvs = kv_buckets(max_len)
+    if max_kv > 0:
+        kvs = kvs[:next((i for i, kv in enumerate(kvs) if kv >= max_kv), len(kvs) - 1) + 1]
     keys = []
     for n in n_steps_list:
         t_max = next((t for t in T_BUCKETS if t >= n + 1), PAD_LIMIT)
@@ -172,7 +176,7 @@ class LlamaDrafter(Drafter):
         with self._on_model_gpu():
             return self._run(jobs, n_steps)
 
-    def warm(self, n_steps_list: list[int], max_batch: int) -> int:
+    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0) -> int:
         """Build (capture) the static steps of every (requests <= max_batch, T bucket, n_steps, kv bucket)
         a steady state with n_out = n_steps can use (a round sends at most n_steps + 1 tokens), so the
         first rounds of a session do not pay for captures. Returns how many were built."""
@@ -180,7 +184,7 @@ class LlamaDrafter(Drafter):
             return 0
         before = len(self._static)
         with self._on_model_gpu():
-            for key in steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len):
+            for key in steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len, max_kv):
                 self._get_static(key)
         return len(self._static) - before
 
