@@ -119,8 +119,10 @@ def servers():
     try:
         for srv in s.values():
             srv.wait_ready()
+        # before any test's request: what the server's own start-up requests left in /metrics
+        startup = {name: _scrape(srv) for name, srv in s.items()}
         gen_out, _ = gen_proc.communicate(timeout=120)
-        yield {**s, "core": core, "generate": gen_out.rstrip("\n")}
+        yield {**s, "core": core, "generate": gen_out.rstrip("\n"), "startup_metrics": startup}
     finally:
         for srv in s.values():  # all at once: each takes a few seconds to stop its engine and children
             srv.terminate()
@@ -338,6 +340,18 @@ def _scrape(srv: Server) -> dict:
                             + "}" if len(s.labels) > ("model_name" in s.labels) else "")
             out[key] = s.value
     return out
+
+
+def test_startup_requests_are_not_counted(servers):
+    # each server sent itself requests through every HTTP path before it announced itself; a client's
+    # dashboard starts from zero requests, tokens and drafts all the same
+    for name, m in servers["startup_metrics"].items():
+        counted = {k: v for k, v in m.items() if v and k.startswith((
+            "draftrelay_request_success_total", "draftrelay_prompt_tokens_total",
+            "draftrelay_generation_tokens_total", "draftrelay_time_to_first_token_seconds_count",
+            "draftrelay_spec_decode_num_drafts_total"))}
+        assert counted == {}, (name, counted)
+        assert m["draftrelay_kv_rows_free"] > 0, name  # the scrape read the serving metrics
 
 
 def test_metrics_parse_and_spec_counters_equal_usage(servers):

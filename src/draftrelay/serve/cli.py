@@ -289,7 +289,11 @@ def run(args: argparse.Namespace) -> int:
                 lim = Limits(name, max_model_len, eng.vocab, target.stop_ids, target.tokenizer.encode, render_chat)
 
                 def announce() -> None:
-                    why = "" if args.no_warmup else self_request(args.host, bound, api_key)
+                    metrics.quiet = True  # the start-up requests are not clients' requests
+                    try:
+                        why = "" if args.no_warmup else self_request(args.host, bound, api_key)
+                    finally:
+                        metrics.quiet = False
                     # before a client may send: a full collection would otherwise walk the whole
                     # start-up heap during some request (and hold the engine thread meanwhile)
                     freeze_startup_objects()

@@ -92,6 +92,18 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+class _NotCounted:
+    """What labels() hands out for counters and histograms while the metrics are quiet."""
+
+    def inc(self, *a, **kw) -> None:
+        pass
+
+    observe = inc
+
+
+_NOT_COUNTED = _NotCounted()
+
+
 class ServeMetrics:
     def __init__(self, model_name: str, handoff_stats: Callable[[], dict]) -> None:
         self.registry = r = CollectorRegistry()
@@ -135,7 +147,14 @@ class ServeMetrics:
         self.gc = GcWatch(model_name)
         r.register(self.gc)
 
+    # the server's own start-up requests (cli.self_request) run with this set: a client's dashboard
+    # starts from zero requests, tokens and drafts, not from the start-up's (gauges still follow the
+    # state: rows free, running, waiting)
+    quiet = False
+
     def labels(self, m, *values):
+        if self.quiet and not isinstance(m, Gauge):
+            return _NOT_COUNTED
         return m.labels(self.model, *values)
 
     def render(self) -> bytes:
