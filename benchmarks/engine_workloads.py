@@ -36,18 +36,12 @@ from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 from draftrelay.engine.loading import handoff_config
 from draftrelay.handoff.procinfo import machine_info
 from draftrelay.handoff.rounds import SyncRounds, open_rounds
+from draftrelay.worker.drafters import SHAPES
 from draftrelay.worker.process import start_worker_process
 
-TARGET_SHAPES = {  # Qwen2.5-7B with the 0.5B's vocabulary (the handshake requires the same one)
-    "qwen2.5-7b": dict(vocab_size=151936, hidden_size=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
-                       intermediate_size=18944, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                       max_position_embeddings=262144, qkv_bias=True),
-}
-DRAFTER_SHAPES = {
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
-                         intermediate_size=4864, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         max_position_embeddings=262144, qkv_bias=True),
-}
+# Qwen2.5-7B (its vocabulary is the 0.5B's: the handshake requires the same one), at the full context
+TARGET_SHAPES = {"qwen2.5-7b": {**SHAPES["qwen2.5-7b"], "max_position_embeddings": 262144}}
+DRAFTER_SHAPES = {"qwen2.5-0.5b": {**SHAPES["qwen2.5-0.5b"], "max_position_embeddings": 262144}}
 # name -> (context tokens, requests, concurrent?)
 WORKLOADS = {"short": (32, 3, False), "32k": (32768, 3, False), "32k-conc3": (32768, 3, True),
              "128k": (131072, 2, False)}

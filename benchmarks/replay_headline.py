@@ -247,6 +247,8 @@ def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens:
     return out
 
 
+PLACEMENTS = ("same", "emulated", "gpu1")
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", required=True, help="a draftrelay trace (benchmarks/record_traces.py)")
@@ -266,7 +268,10 @@ def main() -> int:
                          "cacheF-all for all")
     ap.add_argument("--hit-curve", default="",
                     help="F values: first count the hit rate of each on the trace itself (CPU, no models)")
-    ap.add_argument("--placements", default="same,emulated", help="same (worker on this GPU) and/or emulated")
+    ap.add_argument("--placements", default="same,emulated",
+                    help="same (worker on this GPU), emulated (drafter on an emulated second device) and/or "
+                         "gpu1 (the worker on the next GPU, --worker-device: the real placement, two GPUs needed)")
+    ap.add_argument("--worker-device", default="cuda:1", help="the gpu1 placement's worker device")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default: the trace's length)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the drafter has caught up")
@@ -303,8 +308,13 @@ def main() -> int:
         first_of[item] = int(first or 0)
     placements = [p for p in args.placements.split(",") if p]
     for p in placements:
-        if p not in ("same", "emulated"):
-            ap.error(f"--placements: {p!r} is not same or emulated")
+        if p not in PLACEMENTS:
+            ap.error(f"--placements: {p!r} is not one of {PLACEMENTS}")
+    if "gpu1" in placements and (not torch.cuda.is_available() or args.device == args.worker_device
+                                 or torch.device(args.worker_device).index is None
+                                 or torch.device(args.worker_device).index >= torch.cuda.device_count()):
+        ap.error(f"--placements gpu1: --worker-device {args.worker_device!r} must be a CUDA device other than "
+                 f"--device {args.device!r} ({torch.cuda.device_count()} GPU(s) here)")
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in ("off", "sync", "async", "async-stream", "async-host", "cache"):
@@ -382,6 +392,9 @@ def main() -> int:
         if "same" in placements:
             workers["same"] = start_worker_process(["--model", f"replay:{big_path}:{inner}", "--device", wdev,
                                                     *common], timeout=300, env=env)
+        if "gpu1" in placements:  # the product's placement: the drafter on its own GPU, loopback TCP
+            workers["gpu1"] = start_worker_process(["--model", f"replay:{big_path}:{inner}", "--device",
+                                                    args.worker_device, *common], timeout=300, env=env)
         if "emulated" in placements:
             t0 = time.perf_counter()
             cost = measure_costs(inner, wdev, sorted({max(c, 16) for _, c, _ in plan}), sorted({n for *_, n in plan}),

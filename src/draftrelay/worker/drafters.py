@@ -92,7 +92,8 @@ class TestDrafter(Drafter):
         return drafts, confs
 
 
-# ~0.5B / ~1.5B drafter shapes for benchmarks at random weights (timing does not depend on values)
+# ~0.5B / ~1.5B drafter shapes for benchmarks at random weights (timing does not depend on values);
+# the 7B shape is a bandwidth-bound drafter (15 GB of bf16 weights) for the TP2 measurement
 SHAPES = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
                          intermediate_size=4864, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
@@ -100,6 +101,9 @@ SHAPES = {
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128,
                          intermediate_size=8960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                          max_position_embeddings=32768, qkv_bias=True),
+    "qwen2.5-7b": dict(vocab_size=151936, hidden_size=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
+                       intermediate_size=18944, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       max_position_embeddings=32768, qkv_bias=True),
 }
 
 
