@@ -185,10 +185,14 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         assert e.base == len(prompt) and e.n_branches == F and np.array_equal(e.drafts, rep.drafts[0, :k])
         outcomes = {(int(a), int(y)) for a, y in zip(e.accepted, e.token, strict=True)}
         assert len(outcomes) == F and all(y != e.drafts[a] for a, y in outcomes if a < k)
-        assert bool(core.prefetcher._stops) == (core.drafter.mode != "eager")  # which forward ran step 1
         from draftrelay.worker.prefetch import PIECES
 
         st = core.prefetcher.stats  # every piece of the branch work is booked, within the table's own time
+        # two drafted STEPs: one forward over their stopping places; forked rows copy nothing of a context
+        # (the scratch rows hold nothing below the earliest place a branch of this table forks at)
+        assert st["stops_forwards"] == 1 and st["stops_from_branches"] == 0, st
+        fork = core.prefetcher.fork.cache
+        assert not fork.k[:, :, :, :8].any() and not fork.v[:, :, :, :8].any()
         assert all(st[f"{p}_us"] > 0 for p in ("stops", "choose", "run", "entries", "encode")), st
         assert sum(st[f"{p}_us"] for p in PIECES if p != "encode") <= st["prefetch_us"] + len(PIECES), st
         for b in range(F):  # batched over all branches, each equals a fresh round of its context
@@ -201,6 +205,8 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         assert core.prefetcher.stats["worker_side_hits"] == hits + 1
         assert np.array_equal(rep2.drafts[0, :k], e.branch_drafts[2])
         t2 = TB.decode(c.recv_branches(10), 256)
+        # the table after a STEP answered from a branch takes its stopping places from that branch's run
+        assert st["stops_forwards"] == 1 and st["stops_from_branches"] == 1, st
         e2 = t2.entry(5)
         assert e2.base == e.base + len(e.prefix(2))
         ctx2 = np.concatenate([prompt, e.prefix(2), e2.prefix(0)])
