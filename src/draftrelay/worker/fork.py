@@ -74,10 +74,11 @@ class ForkKernels:
 
 def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: torch.Tensor, parent_cache,
                  parent: torch.Tensor, pivot: torch.Tensor, kv_len: int,
-                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                 logits_at: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
     """tokens [B, T] (device int64) at positions start[b].. of forked rows rows[b] of `cache` (their keys
-    below pivot[b] in row parent[b] of `parent_cache`) -> fp32 logits [B, T, V] ([B, 1, V] with logits_at).
-    Writes the T new K/V into the forked rows at their positions; kv_len >= every start + T (static)."""
+    below pivot[b] in row parent[b] of `parent_cache`) -> fp32 logits [B, T, V] ([B, 1, V] with logits_at;
+    raw: the head's output in the model's dtype, the same values before the fp32 cast). Writes the T new
+    K/V into the forked rows at their positions; kv_len >= every start + T (static)."""
     dev = model.device
     B, T = tokens.shape
     inv = model._inv_freq.get(dev)
@@ -99,4 +100,9 @@ def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: 
         x, red = M.mlp_down(x, red, w, st, eps)
     st.kernels = base
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return M.head_logits(x, red, st, model.norm.weight, head, eps, logits_at=logits_at)
+    if not raw:
+        return M.head_logits(x, red, st, model.norm.weight, head, eps, logits_at=logits_at)
+    _, x = base.add_rms_norm(x, red, model.norm.weight, eps)  # head_logits' steps, without its fp32 cast
+    if logits_at is not None:
+        x = x[torch.arange(B, device=x.device), logits_at][:, None]
+    return base.linear(x.contiguous(), head)

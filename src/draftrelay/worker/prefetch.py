@@ -127,6 +127,13 @@ class ForkSteps:
                 torch.cuda.current_stream(g.out.device).synchronize()
         return g.host_out.numpy()
 
+    def _pick(self, logits):
+        """(argmax, its softmax probability) of logits [B, V]: the fast forward's greedy pick (fused on
+        CUDA, ties to the lower id), as the drafter's own drafting loop picks."""
+        from draftrelay.kernels import backend
+
+        return backend(logits.device).greedy_pick(logits)
+
     def _top(self, lf, m: int):
         probs = self.torch.softmax(lf, -1)
         tp, tt = probs.topk(m, dim=-1)  # ties: torch's order; the branch choice only, never correctness
@@ -172,26 +179,30 @@ class ForkSteps:
             start, at, parent, pivot, row = (g.inbuf[2 * B + i * B:2 * B + (i + 1) * B] for i in range(5))
             if spare is not None:
                 row = torch.full_like(row, spare)
+            # each step: the head's output as it is (no fp32 copy of the vocabulary) and the drafter's own
+            # fused greedy pick (the same token and confidence as its drafting loop); the top candidates of
+            # all k + 1 places in one top-k at the end, their probabilities exp(l - max) * p(argmax)
             lf = fork_forward(model, tokens, start, self.cache, row, self.d.cache, parent, pivot, kv,
-                              logits_at=at)[:, 0]
+                              logits_at=at, raw=True)[:, 0]
             pos = start + at + 1
-            toks, confs, tts, tps = [], [], [], []
+            logits, toks, confs = [], [], []
             for s in range(k + 1):
-                probs, tp, tt = self._top(lf, m)
-                tts.append(tt)
-                tps.append(tp)
+                logits.append(lf)
+                tok, conf = self._pick(lf)
+                toks.append(tok)
+                confs.append(conf)
                 if s == k:
                     break
-                tok = lf.argmax(-1)  # ties go to the lower id, as the drafter's greedy pick
-                toks.append(tok)
-                confs.append(probs.gather(-1, tok[:, None])[:, 0])
                 lf = fork_forward(model, tok[:, None], pos + s, self.cache, row, self.d.cache, parent, pivot,
-                                  kv)[:, 0]
+                                  kv, raw=True)[:, 0]
+            tl, tt = torch.stack(logits, 1).topk(m, dim=-1)  # [B, k + 1, m]
+            conf = torch.stack(confs, 1)  # [B, k + 1]
+            tp = torch.exp(tl.float() - tl[..., :1].float()) * conf[..., None]
             o = g.out
-            o[:B * k].copy_(torch.stack(toks, 1).reshape(-1).to(torch.int32))
-            o[B * k:2 * B * k].view(torch.float32).copy_(torch.stack(confs, 1).reshape(-1))
-            o[2 * B * k:2 * B * k + n_top].copy_(torch.stack(tts, 1).reshape(-1).to(torch.int32))
-            o[2 * B * k + n_top:].view(torch.float32).copy_(torch.stack(tps, 1).reshape(-1))
+            o[:B * k].copy_(torch.stack(toks[:k], 1).reshape(-1).to(torch.int32))
+            o[B * k:2 * B * k].view(torch.float32).copy_(conf[:, :k].reshape(-1))
+            o[2 * B * k:2 * B * k + n_top].copy_(tt.reshape(-1).to(torch.int32))
+            o[2 * B * k + n_top:].view(torch.float32).copy_(tp.reshape(-1))
 
         host = np.concatenate([first.reshape(-1), starts, last, parents, pivots, rows]).astype(np.int64)
         with self.d._on_model_gpu():
