@@ -38,17 +38,20 @@ log = logging.getLogger("draftrelay.worker")
 
 TOP_M = 8  # candidates per position considered for branches (F <= (k + 1) * TOP_M)
 # the pieces of a table's branch work: observe (acceptance from the STEP), stops (the forward over the k + 1
-# stopping places, where one runs), choose (choose_branches), run (the batched branch run), entries (the
-# table's entries and the hit records), encode (the BRANCHES payload)
-PIECES = ("observe", "stops", "choose", "run", "entries", "encode")
-DEVICE_PIECES = ("stops", "run")  # what a drafter on an emulated device spends as wall time (CostTable.prefetch)
+# stopping places, where one runs), choose (choose_branches), run (the batched branch run), bonus (its last
+# forward, the bonus place's candidates: booked only where Prefetcher.sync_bonus waits for it; else it runs
+# on the device while the table goes out), entries (the table's entries and the hit records), encode (the
+# BRANCHES payload). DEVICE_PIECES: what a drafter on an emulated device spends as wall time (CostTable)
+PIECES = ("observe", "stops", "choose", "run", "bonus", "entries", "encode")
+DEVICE_PIECES = ("stops", "run", "bonus")
 
 
 class Branch(NamedTuple):
     """One pre-drafted branch the next STEP can be answered from (HitDrafter): its prefix (f1..fa, y), its
     forked scratch row and the first position that row holds (`lo`: below it the request's own row
-    holds the branch's KV), its drafts and confidences, and the drafter's top candidates at the k + 1
-    places a verify of those drafts can stop (None where the branch run did not give them)."""
+    holds the branch's KV), its drafts and confidences, and the drafter's top candidates at the first
+    k_run places a verify of those drafts can stop (None where the branch run did not give them; the
+    place after the last draft is row `q` of the run's bonus forward, ForkSteps.bonus_tops)."""
     prefix: np.ndarray
     row: int
     lo: int
@@ -56,6 +59,7 @@ class Branch(NamedTuple):
     confs: np.ndarray
     top_t: np.ndarray | None
     top_p: np.ndarray | None
+    q: int = -1
 
 
 class ForkSteps:
@@ -79,6 +83,8 @@ class ForkSteps:
         self.n_rows = 0  # usable scratch rows; row n_rows is the spare one for warm-up and capture
         self._steps: dict[tuple, object] = {}
         self._capture = None
+        self._bonus = None  # (the bonus step of the last branch run, B, m, its host copy once read)
+        self.last_bonus_s = 0.0  # the bonus forward's seconds when branches() waited for it
 
     @property
     def graph(self) -> bool:
@@ -89,6 +95,7 @@ class ForkSteps:
             n = 1 << max(0, rows - 1).bit_length()
             self.cache = None
             self._steps.clear()  # static steps read the old cache's tensors
+            self._bonus = None
             self.cache = self.d.model.new_cache(n + 1, self.d.cache.max_len)
             self.n_rows = n
 
@@ -164,56 +171,99 @@ class ForkSteps:
         return out[:n].reshape(R, T, m).copy(), out[n:].view(np.float32).reshape(R, T, m).copy()
 
     def branches(self, first: np.ndarray, last: list[int], starts: list[int], parents: list[int],
-                 pivots: list[int], rows: list[int], k: int, m: int):
+                 pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool = False):
         """first [B, 2] (y, or f_k then y; right-padded) at positions starts[b].. of forked rows rows[b]
         (below pivots[b]: row parents[b] of the drafter's cache); last[b]: the index of y. -> drafts
-        int32 [B, k], confidences [B, k], top tokens [B, k + 1, m] and probabilities at the stopping
-        places of a verify of those drafts."""
+        int32 [B, k], confidences [B, k], top tokens [B, k, m] and probabilities at the first k stopping
+        places of a verify of those drafts. The last place's (after d_k: one more forward, feeding d_k)
+        is launched behind them without waiting for it (on a GPU it runs while the table goes out):
+        `bonus_tops()` reads it; sync_bonus waits for it here (to time it)."""
         torch, model = self.torch, self.d.model
         B = first.shape[0]
         kv = kv_bucket(max(starts) + 2 + k, self.cache.max_len)
-        n_top = B * (k + 1) * m
+        n_top = B * k * m
 
-        def body(g, spare=None):
-            tokens = g.inbuf[:2 * B].view(B, 2)
+        def inputs(g, spare):
             start, at, parent, pivot, row = (g.inbuf[2 * B + i * B:2 * B + (i + 1) * B] for i in range(5))
             if spare is not None:
                 row = torch.full_like(row, spare)
+            return start, at, parent, pivot, row
+
+        def body(g, spare=None):
+            tokens = g.inbuf[:2 * B].view(B, 2)
+            start, at, parent, pivot, row = inputs(g, spare)
             # each step: the head's output as it is (no fp32 copy of the vocabulary) and the drafter's own
             # fused greedy pick (the same token and confidence as its drafting loop); the top candidates of
-            # all k + 1 places in one top-k at the end, their probabilities exp(l - max) * p(argmax)
+            # the k places in one top-k at the end, their probabilities exp(l - max) * p(argmax)
             lf = fork_forward(model, tokens, start, self.cache, row, self.d.cache, parent, pivot, kv,
                               logits_at=at, raw=True)[:, 0]
             pos = start + at + 1
             logits, toks, confs = [], [], []
-            for s in range(k + 1):
+            for s in range(k):
                 logits.append(lf)
                 tok, conf = self._pick(lf)
                 toks.append(tok)
                 confs.append(conf)
-                if s == k:
-                    break
-                lf = fork_forward(model, tok[:, None], pos + s, self.cache, row, self.d.cache, parent, pivot,
-                                  kv, raw=True)[:, 0]
-            tl, tt = torch.stack(logits, 1).topk(m, dim=-1)  # [B, k + 1, m]
-            conf = torch.stack(confs, 1)  # [B, k + 1]
+                if s < k - 1:
+                    lf = fork_forward(model, tok[:, None], pos + s, self.cache, row, self.d.cache, parent, pivot,
+                                      kv, raw=True)[:, 0]
+            tl, tt = torch.stack(logits, 1).topk(m, dim=-1)  # [B, k, m]
+            conf = torch.stack(confs, 1)  # [B, k]
             tp = torch.exp(tl.float() - tl[..., :1].float()) * conf[..., None]
             o = g.out
-            o[:B * k].copy_(torch.stack(toks[:k], 1).reshape(-1).to(torch.int32))
-            o[B * k:2 * B * k].view(torch.float32).copy_(conf[:, :k].reshape(-1))
+            o[:B * k].copy_(torch.stack(toks, 1).reshape(-1).to(torch.int32))
+            o[B * k:2 * B * k].view(torch.float32).copy_(conf.reshape(-1))
             o[2 * B * k:2 * B * k + n_top].copy_(tt.reshape(-1).to(torch.int32))
             o[2 * B * k + n_top:].view(torch.float32).copy_(tp.reshape(-1))
 
         host = np.concatenate([first.reshape(-1), starts, last, parents, pivots, rows]).astype(np.int64)
         with self.d._on_model_gpu():
             g = self._step(("branches", B, k, m, kv), 7 * B, 2 * B * k + 2 * n_top, body)
+
+            def bonus(gb, spare=None):  # feeds d_k (g's output) at its position: the bonus place's candidates
+                start, at, parent, pivot, row = inputs(g, spare)
+                dk = g.out[:B * k].view(B, k)[:, k - 1:].long()
+                lf = fork_forward(model, dk, start + at + k, self.cache, row, self.d.cache, parent, pivot, kv,
+                                  raw=True)[:, 0]
+                _, conf = self._pick(lf)
+                tl, tt = lf.topk(m, dim=-1)
+                gb.out[:B * m].copy_(tt.reshape(-1).to(torch.int32))
+                gb.out[B * m:].view(torch.float32).copy_((torch.exp(tl.float() - tl[:, :1].float())
+                                                          * conf[:, None]).reshape(-1))
+
+            gb = self._step(("bonus", B, k, m, kv), 1, 2 * B * m, bonus)
             out = self._launch(g, host)
-        d = out[:B * k].reshape(B, k).copy()
-        c = out[B * k:2 * B * k].view(np.float32).reshape(B, k).copy()
-        o = 2 * B * k
-        tt = out[o:o + n_top].reshape(B, k + 1, m).copy()
-        tp = out[o + n_top:].view(np.float32).reshape(B, k + 1, m).copy()
+            d = out[:B * k].reshape(B, k).copy()
+            c = out[B * k:2 * B * k].view(np.float32).reshape(B, k).copy()
+            o = 2 * B * k
+            tt = out[o:o + n_top].reshape(B, k, m).copy()
+            tp = out[o + n_top:].view(np.float32).reshape(B, k, m).copy()
+            self._bonus = (gb, B, m, None)
+            t_bonus = time.perf_counter()
+            with torch.inference_mode():
+                if gb.graph is not None:
+                    gb.graph.replay()
+                else:
+                    gb.run()
+                gb.host_out.copy_(gb.out, non_blocking=True)
+            if sync_bonus:
+                self.bonus_tops()
+                self.last_bonus_s = time.perf_counter() - t_bonus
         return d, c, tt, tp
+
+    def bonus_tops(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The last branch run's candidates at the bonus place (top tokens [B, m], probabilities), waiting
+        for its forward if it has not finished; None before any run."""
+        if self._bonus is None:
+            return None
+        gb, B, m, got = self._bonus
+        if got is None:
+            if gb.out.device.type == "cuda":
+                self.torch.cuda.current_stream(gb.out.device).synchronize()
+            out = gb.host_out.numpy()
+            got = (out[:B * m].reshape(B, m).copy(), out[B * m:].view(np.float32).reshape(B, m).copy())
+            self._bonus = (gb, B, m, got)
+        return got
 
 
 class Prefetcher:
@@ -230,10 +280,11 @@ class Prefetcher:
         # request row -> (base L, round drafts f, [Branch]): what a next STEP that extends that row by a
         # branch's prefix can be answered with (HitDrafter), until the next prefetch reuses the scratch rows
         self.records: dict[int, tuple[int, np.ndarray, list[Branch]]] = {}
-        # request row -> (context length, drafts, top tokens, top probs) of the STEP just answered from a
-        # branch (HitDrafter): that branch's own candidates at the stopping places, so the table after it
-        # runs no forward over them (top None: no candidates, e.g. the replay drafter's branches)
-        self.answered: dict[int, tuple[int, np.ndarray, np.ndarray | None, np.ndarray | None]] = {}
+        # request row -> (context length, drafts, the Branch) of the STEP just answered from a branch
+        # (HitDrafter): that branch's own candidates at the stopping places, so the table after it runs no
+        # forward over them (Branch.top_t None: no candidates, e.g. the replay drafter's branches)
+        self.answered: dict[int, tuple[int, np.ndarray, Branch]] = {}
+        self.sync_bonus = False  # wait for (and book) the bonus place's forward in each table (to time it)
         self.stats = {"tables": 0, "branches": 0, "prefetch_us": 0, "worker_side_hits": 0, "observed": 0,
                       "hit_mismatches": 0, "stops_forwards": 0, "stops_from_branches": 0}
         # where the branch work goes, µs summed over tables (PIECES; device work included: every piece
@@ -241,6 +292,10 @@ class Prefetcher:
         self.stats.update({f"{p}_us": 0 for p in PIECES})
         # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch)
         self.delay_s = float(os.environ.get("DRAFTRELAY_PREFETCH_DELAY_MS", "0") or 0) / 1000
+
+    def device_free(self) -> None:
+        """Wait for the drafter's device to finish work queued behind a table (the real device orders it
+        itself; the emulated one does not: ReplayPrefetcher)."""
 
     def forget_session(self, session_id: int) -> None:
         self._acc.pop(session_id, None)
@@ -312,10 +367,19 @@ class Prefetcher:
     def _answered_top(self, st, f: np.ndarray):
         """The candidates at the stopping places of the STEP just answered from a branch for this request,
         or None (the STEP drafted: a forward over them is needed)."""
-        if not self._from_branch(st, f) or self.answered[st.row][2] is None:
+        if not self._from_branch(st, f):
             return None
-        h = self.answered[st.row]
-        return h[2][:len(f) + 1], h[3][:len(f) + 1]
+        br = self.answered[st.row][2]
+        n = len(f)
+        if br.top_t is None:
+            return None
+        if n < len(br.top_t):
+            return br.top_t[:n + 1], br.top_p[:n + 1]
+        bonus = self.fork.bonus_tops() if br.q >= 0 else None
+        if bonus is None or n != len(br.top_t):
+            return None
+        return (np.concatenate([br.top_t, bonus[0][br.q:br.q + 1]]),
+                np.concatenate([br.top_p, bonus[1][br.q:br.q + 1]]))
 
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
         t = time.perf_counter()
@@ -394,7 +458,12 @@ class Prefetcher:
             z = np.zeros((0, k_max), np.int32)
             return z, z.astype(np.float32), None, None, []
         m = min(TOP_M, self.drafter.model.cfg.vocab_size)
-        d, c, tt, tp = self.fork.branches(np.asarray(first, np.int64), last, starts, parents, pivots, rows, k_max, m)
+        d, c, tt, tp = self.fork.branches(np.asarray(first, np.int64), last, starts, parents, pivots, rows, k_max, m,
+                                          sync_bonus=self.sync_bonus)
+        if self.sync_bonus:  # its own piece: in the worker it runs while the table goes out
+            us = int(self.fork.last_bonus_s * 1e6)
+            self.stats["run_us"] -= us
+            self.stats["bonus_us"] += us
         return d, c, tt, tp, pivots
 
     def _entries(self, blocks, result, todo, choices, base_rows, out_d, out_c, out_tt=None, out_tp=None,
@@ -411,9 +480,10 @@ class Prefetcher:
             for j, (a, y) in enumerate(pairs):
                 q = first + j
                 row = base_rows[n] + j if base_rows[n] >= 0 else -1
-                tops = (None, None) if out_tt is None else (out_tt[q, :k + 1].copy(), out_tp[q, :k + 1].copy())
+                tops = (None, None) if out_tt is None else (out_tt[q].copy(), out_tp[q].copy())
                 branches.append(Branch(np.concatenate([f[:a], [y]]).astype(np.int32), row,
-                                       lows[q] if lows else 0, out_d[q, :k].copy(), out_c[q, :k].copy(), *tops))
+                                       lows[q] if lows else 0, out_d[q, :k].copy(), out_c[q, :k].copy(), *tops,
+                                       q if out_tt is not None else -1))
             self.records[st.row] = (st.ctx_len, f, branches)
             entries.append(Entry(b.request_id, b.generation, st.ctx_len, f,
                                  np.array([a for a, _ in pairs], np.int32), np.array([y for _, y in pairs], np.int32),
@@ -456,6 +526,8 @@ class HitDrafter:
         for j in jobs:
             pf.records.pop(j.row, None)
             pf.answered.pop(j.row, None)
+        if len(hits) < len(jobs):
+            pf.device_free()
         if not hits:
             return self._d.run(jobs, n_steps)
         drafts = np.zeros((len(jobs), n_steps), np.int32)
@@ -466,8 +538,7 @@ class HitDrafter:
         self._answer(jobs, hits, n_steps, drafts, confs)
         for i, br in hits.items():  # the next table reads this round's stopping places from the branch
             j = jobs[i]
-            top = (None, None) if br.top_t is None else (br.top_t[:n_steps + 1], br.top_p[:n_steps + 1])
-            pf.answered[j.row] = (j.keep + len(j.tokens), drafts[i].copy(), *top)
+            pf.answered[j.row] = (j.keep + len(j.tokens), drafts[i].copy(), br)
         pf.stats["worker_side_hits"] += len(hits)
         return drafts, confs
 
@@ -497,6 +568,7 @@ class ReplayPrefetcher(Prefetcher):
         super().__init__(inner if real else drafter, max_fanout)
         self.replay = drafter
         self.real = real
+        self._busy_until = 0.0  # the emulated device is busy until then (the bonus forward behind a table)
         self.supported = real or (drafter.cost is not None and bool(drafter.cost.prefetch))
         if not self.supported:
             log.warning("replay prefetch: no branch cost (inner %r, no prefetch entries in the cost table): "
@@ -522,15 +594,19 @@ class ReplayPrefetcher(Prefetcher):
             run = self._branch_run(result, todo, base_rows, choices)
         else:  # the device pieces (DEVICE_PIECES) as measured; the host pieces run here for real
             ctx = max(st.ctx_len for _, st, _ in todo)
-            s = rd.cost.lookup_prefetch(len(todo), fanout, k_max, ctx)
+            key = (len(todo), fanout, k_max, ctx)
+            s, bonus = rd.cost.lookup_prefetch(*key), rd.cost.lookup_prefetch_bonus(*key)
             # after a STEP answered from branches for every request, the real work has no forward over the
             # stopping places (the branch run gave their candidates)
             if all(self._from_branch(st, result.drafts[i, :k]) for i, st, k in todo):
-                s -= rd.cost.lookup_prefetch_stops(len(todo), fanout, k_max, ctx)
+                s -= rd.cost.lookup_prefetch_stops(*key)
                 self.stats["stops_from_branches"] += len(todo)
             else:
                 self.stats["stops_forwards"] += 1
-            spend(s)
+            self.device_free()
+            spend(s - bonus)
+            # the bonus forward runs on the device after the table is out: the device's next work waits for it
+            self._busy_until = time.perf_counter() + bonus
         t = self._lap("run", t)
         out_d = np.zeros((sum(len(c) for c in choices), k_max), np.int32)
         row = 0
@@ -545,6 +621,13 @@ class ReplayPrefetcher(Prefetcher):
             out = self._entries(blocks, result, todo, choices, base_rows, out_d, *run[1:])
         self._lap("entries", t)
         return out
+
+
+    def device_free(self) -> None:
+        """The emulated device's queue: wait for the work still running on it (the last bonus forward)."""
+        left = self._busy_until - time.perf_counter()
+        if left > 0:
+            spend(left)
 
 
 class ReplayHitDrafter(HitDrafter):
