@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from draftrelay.capture import GraphCapture, kv_bucket
+from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
 from draftrelay.wire import protocol as P
@@ -146,13 +146,17 @@ class ForkSteps:
         tp, tt = probs.topk(m, dim=-1)  # ties: torch's order; the branch choice only, never correctness
         return probs, tp, tt
 
-    def stops(self, toks: np.ndarray, starts: list[int], parents: list[int], rows: list[int],
-              m: int) -> tuple[np.ndarray, np.ndarray]:
-        """toks [R, T] at positions starts[r].. of forked rows rows[r] (pivot starts[r], parent parents[r])
-        -> the top m tokens [R, T, m] and their probabilities."""
+    def _buckets(self, need: int) -> list[int]:
+        """The kv bucket holding `need` keys and, in graph mode, the next ones up to need + 512: their
+        graphs are built at once, so a growing context does not pay a capture in the middle of a run."""
+        lo = kv_bucket(need, self.cache.max_len)
+        if not self.graph:
+            return [lo]
+        hi = kv_bucket(need + 512, self.cache.max_len)
+        return [kv for kv in kv_buckets(self.cache.max_len) if lo <= kv <= hi]
+
+    def _stops_step(self, R: int, T: int, m: int, kv: int):
         torch, model = self.torch, self.d.model
-        R, T = toks.shape
-        kv = kv_bucket(max(starts) + T, self.cache.max_len)
 
         def body(g, spare=None):
             tokens = g.inbuf[:R * T].view(R, T)
@@ -164,23 +168,25 @@ class ForkSteps:
             g.out[:R * T * m].copy_(tt.reshape(-1).to(torch.int32))
             g.out[R * T * m:].view(torch.float32).copy_(tp.reshape(-1))
 
+        return self._step(("stops", R, T, m, kv), R * T + 3 * R, 2 * R * T * m, body)
+
+    def stops(self, toks: np.ndarray, starts: list[int], parents: list[int], rows: list[int],
+              m: int) -> tuple[np.ndarray, np.ndarray]:
+        """toks [R, T] at positions starts[r].. of forked rows rows[r] (pivot starts[r], parent parents[r])
+        -> the top m tokens [R, T, m] and their probabilities."""
+        R, T = toks.shape
         with self.d._on_model_gpu():
-            g = self._step(("stops", R, T, m, kv), R * T + 3 * R, 2 * R * T * m, body)
+            kvs = self._buckets(max(starts) + T)
+            for kv in kvs[1:]:
+                self._stops_step(R, T, m, kv)
+            g = self._stops_step(R, T, m, kvs[0])
             out = self._launch(g, np.concatenate([toks.reshape(-1), starts, parents, rows]).astype(np.int64))
         n = R * T * m
         return out[:n].reshape(R, T, m).copy(), out[n:].view(np.float32).reshape(R, T, m).copy()
 
-    def branches(self, first: np.ndarray, last: list[int], starts: list[int], parents: list[int],
-                 pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool = False):
-        """first [B, 2] (y, or f_k then y; right-padded) at positions starts[b].. of forked rows rows[b]
-        (below pivots[b]: row parents[b] of the drafter's cache); last[b]: the index of y. -> drafts
-        int32 [B, k], confidences [B, k], top tokens [B, k, m] and probabilities at the first k stopping
-        places of a verify of those drafts. The last place's (after d_k: one more forward, feeding d_k)
-        is launched behind them without waiting for it (on a GPU it runs while the table goes out):
-        `bonus_tops()` reads it; sync_bonus waits for it here (to time it)."""
+    def _branch_steps(self, B: int, k: int, m: int, kv: int):
+        """The branch run's step and its bonus step (which reads the run's buffers) for one key."""
         torch, model = self.torch, self.d.model
-        B = first.shape[0]
-        kv = kv_bucket(max(starts) + 2 + k, self.cache.max_len)
         n_top = B * k * m
 
         def inputs(g, spare):
@@ -216,22 +222,38 @@ class ForkSteps:
             o[2 * B * k:2 * B * k + n_top].copy_(tt.reshape(-1).to(torch.int32))
             o[2 * B * k + n_top:].view(torch.float32).copy_(tp.reshape(-1))
 
+        g = self._step(("branches", B, k, m, kv), 7 * B, 2 * B * k + 2 * n_top, body)
+
+        def bonus(gb, spare=None):  # feeds d_k (g's output) at its position: the bonus place's candidates
+            start, at, parent, pivot, row = inputs(g, spare)
+            dk = g.out[:B * k].view(B, k)[:, k - 1:].long()
+            lf = fork_forward(model, dk, start + at + k, self.cache, row, self.d.cache, parent, pivot, kv,
+                              raw=True)[:, 0]
+            _, conf = self._pick(lf)
+            tl, tt = lf.topk(m, dim=-1)
+            gb.out[:B * m].copy_(tt.reshape(-1).to(torch.int32))
+            gb.out[B * m:].view(torch.float32).copy_((torch.exp(tl.float() - tl[:, :1].float())
+                                                      * conf[:, None]).reshape(-1))
+
+        return g, self._step(("bonus", B, k, m, kv), 1, 2 * B * m, bonus)
+
+    def branches(self, first: np.ndarray, last: list[int], starts: list[int], parents: list[int],
+                 pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool = False):
+        """first [B, 2] (y, or f_k then y; right-padded) at positions starts[b].. of forked rows rows[b]
+        (below pivots[b]: row parents[b] of the drafter's cache); last[b]: the index of y. -> drafts
+        int32 [B, k], confidences [B, k], top tokens [B, k, m] and probabilities at the first k stopping
+        places of a verify of those drafts. The last place's (after d_k: one more forward, feeding d_k)
+        is launched behind them without waiting for it (on a GPU it runs while the table goes out):
+        `bonus_tops()` reads it; sync_bonus waits for it here (to time it)."""
+        torch = self.torch
+        B = first.shape[0]
+        n_top = B * k * m
         host = np.concatenate([first.reshape(-1), starts, last, parents, pivots, rows]).astype(np.int64)
         with self.d._on_model_gpu():
-            g = self._step(("branches", B, k, m, kv), 7 * B, 2 * B * k + 2 * n_top, body)
-
-            def bonus(gb, spare=None):  # feeds d_k (g's output) at its position: the bonus place's candidates
-                start, at, parent, pivot, row = inputs(g, spare)
-                dk = g.out[:B * k].view(B, k)[:, k - 1:].long()
-                lf = fork_forward(model, dk, start + at + k, self.cache, row, self.d.cache, parent, pivot, kv,
-                                  raw=True)[:, 0]
-                _, conf = self._pick(lf)
-                tl, tt = lf.topk(m, dim=-1)
-                gb.out[:B * m].copy_(tt.reshape(-1).to(torch.int32))
-                gb.out[B * m:].view(torch.float32).copy_((torch.exp(tl.float() - tl[:, :1].float())
-                                                          * conf[:, None]).reshape(-1))
-
-            gb = self._step(("bonus", B, k, m, kv), 1, 2 * B * m, bonus)
+            kvs = self._buckets(max(starts) + 2 + k)
+            for kv in kvs[1:]:
+                self._branch_steps(B, k, m, kv)
+            g, gb = self._branch_steps(B, k, m, kvs[0])
             out = self._launch(g, host)
             d = out[:B * k].reshape(B, k).copy()
             c = out[B * k:2 * B * k].view(np.float32).reshape(B, k).copy()
