@@ -354,7 +354,8 @@ class Prefetcher:
                 self._last.pop((sid, b.request_id), None)
                 continue
             self._last[(sid, b.request_id)] = (b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32))
-            if fanout and self.supported and st.ctx_len + k + 1 <= self.drafter.max_ctx and self._holds(st, k):
+            if (fanout and self.supported and st.ctx_len + k + 1 <= self.drafter.max_ctx and self._fits(k)
+                    and self._holds(st, k)):
                 todo.append((i, st, k))
         entries: list[Entry] = []
         self.records.clear()  # the scratch rows are about to be reused
@@ -368,6 +369,14 @@ class Prefetcher:
         us = int((time.perf_counter() - t0) * 1e6)
         self.stats["prefetch_us"] += us
         return Table(entries, us, sid)
+
+    def _fits(self, k: int) -> bool:
+        """Whether the forward over k + 1 stopping places has the fast attention's shapes (forked rows
+        need them: n_rep * (k + 1) query rows per kv head, at most model.DECODE_ROWS)."""
+        from draftrelay.model import DECODE_ROWS
+
+        model = getattr(self.drafter, "model", None)
+        return model is None or model.cfg.n_rep * (k + 1) <= DECODE_ROWS
 
     def _holds(self, st, k: int) -> bool:
         """Whether the request's row holds C + f1..f(k-1), what every branch's forked row reads below its
