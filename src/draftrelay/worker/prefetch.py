@@ -84,15 +84,19 @@ class ForkSteps:
         self._steps: dict[tuple, object] = {}
         self._capture = None
         self._bonus = None  # (the bonus step of the last branch run, B, m, its host copy once read)
+        self._graph_failed = False
         self.last_bonus_s = 0.0  # the bonus forward's seconds when branches() waited for it
 
     @property
     def graph(self) -> bool:
-        return self.d.mode == "graph"
+        return self.d.mode == "graph" and not self._graph_failed
 
     def scratch(self, rows: int) -> None:
         if self.cache is None or self.n_rows < rows:
             n = 1 << max(0, rows - 1).bit_length()
+            if self.cache is not None and self.cache.k.device.type == "cuda":
+                # a bonus forward may still run on the old rows: its graph's memory must not be reused under it
+                self.torch.cuda.synchronize(self.cache.k.device)
             self.cache = None
             self._steps.clear()  # static steps read the old cache's tensors
             self._bonus = None
@@ -114,9 +118,14 @@ class ForkSteps:
         if self.graph:
             if self._capture is None:
                 self._capture = GraphCapture(dev)
-            with torch.inference_mode():  # warm-up on the spare row: kernels compiled, blocks allocated
-                self._capture.warm(lambda: body(g, spare=self.n_rows))
-                g.graph, _ = self._capture.capture(g.run)
+            try:
+                with torch.inference_mode():  # warm-up on the spare row: kernels compiled, blocks allocated
+                    self._capture.warm(lambda: body(g, spare=self.n_rows))
+                    g.graph, _ = self._capture.capture(g.run)
+            except Exception:  # as the drafter's own capture failure: the same steps uncaptured from now on
+                log.exception("prefetch: CUDA graph capture of a branch step failed; its steps run uncaptured")
+                self._graph_failed = True
+                g.graph = None
         self._steps[key] = g
         return g
 
