@@ -115,6 +115,8 @@ class ForkSteps:
         g.host_out = torch.zeros(n_out, dtype=torch.int32, pin_memory=dev.type == "cuda")
         g.graph = None
         g.run = lambda: body(g)
+        if self.d.mode in ("eager", "lean"):  # one step per exact length: made per call, never kept
+            return g
         if self.graph:
             if self._capture is None:
                 self._capture = GraphCapture(dev)
@@ -157,7 +159,10 @@ class ForkSteps:
 
     def _buckets(self, need: int) -> list[int]:
         """The kv bucket holding `need` keys and, in graph mode, the next ones up to need + 512: their
-        graphs are built at once, so a growing context does not pay a capture in the middle of a run."""
+        graphs are built at once, so a growing context does not pay a capture in the middle of a run.
+        A drafter in eager or lean mode (the CPU) takes `need` itself."""
+        if self.d.mode in ("eager", "lean"):  # shapes as they come: attention over the keys there are
+            return [need]
         lo = kv_bucket(need, self.cache.max_len)
         if not self.graph:
             return [lo]
