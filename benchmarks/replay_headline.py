@@ -74,8 +74,8 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                   iters: int, fanouts: list[int]) -> CostTable:
     """The real drafter's STEP seconds (median of `iters`) for every (jobs, n_steps <= k, context) the
     runs use, and the seconds of the device pieces of its speculation-cache branch work
-    (worker.prefetch.Prefetcher, DEVICE_PIECES: the forward over the k + 1 stopping places, the
-    scratch-row copies, one batched k-step run over jobs x F branches) for every F of `fanouts`, in this
+    (worker.prefetch.Prefetcher, DEVICE_PIECES: the forward over the k + 1 stopping places, recorded
+    apart too, and one batched run over jobs x F forked rows) for every F of `fanouts`, in this
     process on this GPU: the emulated second device spends them as wall time and does the host pieces
     (choose_branches, the entries, the encoding) itself."""
     d = load_drafter(ddir, device=dev, n_rows=max(jobs) + 1, max_ctx=max_ctx, n_out_max=max(8, k))
@@ -83,7 +83,10 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
     rng = np.random.default_rng(0)
     out: dict[tuple[int, int, int], float] = {}
     pre: dict[tuple[int, int, int, int], float] = {}
+    pre_stops: dict[tuple[int, int, int, int], float] = {}
+    pre_bonus: dict[tuple[int, int, int, int], float] = {}
     pf = Prefetcher(d, max_fanout=max(fanouts, default=1))
+    pf.sync_bonus = True  # the bonus place's forward timed as its own piece
     failed: list[str] = []
     for ctx in contexts:
         for b in jobs:
@@ -103,7 +106,7 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                     times.append(time.perf_counter() - t0)
                 out[(b, n, kv_bucket(L + 3 + n, d.cache.max_len))] = p50(times[2:])
             for F in fanouts:  # the branch work after a STEP of b requests with k drafts each
-                times = []
+                times, stops, bonus = [], [], []
                 for _ in range(iters + 2) if not failed else ():
                     jb = [Job(r, L, rng.integers(0, d.vocab_size, 3).astype(np.int32)) for r in range(b)]
                     drafts, _ = d.run(jb, k)
@@ -112,6 +115,7 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                     todo = [(r, types.SimpleNamespace(row=r, ctx_len=L + 3), k) for r in range(b)]
                     sync()
                     before = sum(pf.stats[f"{p}_us"] for p in DEVICE_PIECES)
+                    before_stops, before_bonus = pf.stats["stops_us"], pf.stats["bonus_us"]
                     try:
                         pf._draft(blocks, res, todo, Acceptance(), F)
                     except Exception:  # no prefetch entries: the emulated worker then answers empty tables
@@ -121,12 +125,16 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                     # the device pieces only (each ends in a host read): the emulated worker spends these
                     # and runs the host pieces (choose, entries, encode) itself, for real
                     times.append(1e-6 * (sum(pf.stats[f"{p}_us"] for p in DEVICE_PIECES) - before))
+                    stops.append(1e-6 * (pf.stats["stops_us"] - before_stops))
+                    bonus.append(1e-6 * (pf.stats["bonus_us"] - before_bonus))
                 if len(times) > 2:
-                    pre[(b, F, k, kv_bucket(L + 3 + k, d.cache.max_len))] = p50(times[2:])
+                    key = (b, F, k, kv_bucket(L + 3 + k, d.cache.max_len))
+                    pre[key], pre_stops[key], pre_bonus[key] = p50(times[2:]), p50(stops[2:]), p50(bonus[2:])
     del d, pf
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
-    return CostTable(out, source=f"measured in this run on {dev}", prefetch=pre)
+    return CostTable(out, source=f"measured in this run on {dev}", prefetch=pre, prefetch_stops=pre_stops,
+                     prefetch_bonus=pre_bonus)
 
 
 def hit_curve(trace: Trace, k: int, fanouts: list[int], max_tokens: int) -> dict:
@@ -404,7 +412,12 @@ def main() -> int:
             result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}
             result["prefetch_cost_ms"] = {f"{j}x{f}xk{k}@{kv}": 1e3 * s
                                           for (j, f, k, kv), s in sorted(cost.prefetch.items())}
-            print(f"branch work measured: {result['prefetch_cost_ms']}", flush=True)
+            result["prefetch_stops_ms"] = {f"{j}x{f}xk{k}@{kv}": 1e3 * s
+                                           for (j, f, k, kv), s in sorted(cost.prefetch_stops.items())}
+            result["prefetch_bonus_ms"] = {f"{j}x{f}xk{k}@{kv}": 1e3 * s
+                                           for (j, f, k, kv), s in sorted(cost.prefetch_bonus.items())}
+            print(f"branch work measured: {result['prefetch_cost_ms']} (stopping places {result['prefetch_stops_ms']}, "
+                  f"bonus forward {result['prefetch_bonus_ms']})", flush=True)
             print(f"drafter STEP table measured in {time.perf_counter() - t0:.1f} s: {result['cost_table_ms']}",
                   flush=True)
             workers["emulated"] = start_worker_process(["--model", f"replay:{big_path}:emulated={cpath}",
@@ -510,11 +523,15 @@ def cache_bound(res: dict, cost: CostTable, n: int, ctx: int, k: int) -> dict:
         step = 1e3 * cost.lookup(n, k, L)
         F = reps[0]["spec_cache"]["fanout"]
         branch = 1e3 * cost.lookup_prefetch(n, F, k, L) if cost.prefetch else 0.0
+        # after a hit: no forward over the stopping places, and the bonus forward after the table is out
+        after_hit = (branch - 1e3 * (cost.lookup_prefetch_stops(n, F, k, L) + cost.lookup_prefetch_bonus(n, F, k, L))
+                     if cost.prefetch else 0.0)
         bound = max(verify, step)
         out[name] = {"hit_rate": p50([r["spec_cache"]["hit_rate"] for r in reps]),
                      "fast_step_fraction": p50([r["spec_cache"]["fast_steps"] / max(1, r["timed_steps"])
                                                 for r in reps]),
                      "step_ms_on_hits": fast, "verify_ms": verify, "drafter_step_ms": step, "branch_work_ms": branch,
+                     "branch_work_after_hit_ms": after_hit,
                      "bound_ms": bound, "hit_step_over_bound": fast / bound if bound else 0.0}
     return out
 

@@ -302,9 +302,36 @@ def test_emulated_branch_work_spends_the_device_pieces_and_does_the_host_pieces(
     rounds = lockstep(core, e, 4, 4)
     st = core.prefetcher.stats
     tables = sum(1 for _, _, t in rounds if t is not None and t.entries)
-    assert tables >= 3 and st["stops_us"] == 0 and set(DEVICE_PIECES) == {"stops", "run"}
+    assert tables >= 3 and st["stops_us"] == 0 and set(DEVICE_PIECES) == {"stops", "run", "bonus"}
     assert 4000 * tables <= st["run_us"] < 4000 * tables + 20000 * tables, st
     assert st["choose_us"] > 0 and st["entries_us"] > 0 and st["encode_us"] > 0
+
+
+def test_emulated_device_runs_the_bonus_forward_after_the_table_and_skips_answered_stops():
+    """The emulated device spends a table's work less its bonus forward before the table goes out and
+    keeps the bonus forward queued (the next STEP that drafts waits for it); after a STEP answered from
+    branches it spends no forward over the stopping places."""
+    import time
+
+    from draftrelay.worker.core import WorkerCore
+
+    tr = synthetic_trace(seed=2, n=1, length=40)
+    cost = CostTable({(1, 4, 256): 0.0}, prefetch={(1, 4, 4, 256): 0.010},
+                     prefetch_stops={(1, 4, 4, 256): 0.004}, prefetch_bonus={(1, 4, 4, 256): 0.003})
+    e = tr.entries[0]
+    core = WorkerCore(ReplayDrafter(tr, cost=cost, n_rows=2, max_ctx=len(e.sequence) + 64, vocab_size=VOCAB))
+    rounds = lockstep(core, e, 4, 4)
+    st = core.prefetcher.stats
+    tables = sum(1 for _, _, t in rounds if t is not None and t.entries)
+    after_hit, drafted = st["stops_from_branches"], st["stops_forwards"]
+    assert after_hit >= 1 and drafted >= 1 and after_hit + drafted == tables, st
+    spent = 1e-6 * st["run_us"]  # per table: 10 - 3 ms, or 10 - 3 - 4 after a STEP answered from a branch
+    assert 0.007 * drafted + 0.003 * after_hit <= spent < 0.007 * drafted + 0.003 * after_hit + 0.02 * tables, st
+    pf = core.prefetcher
+    pf._busy_until = time.perf_counter() + 0.05
+    t0 = time.perf_counter()
+    pf.device_free()
+    assert time.perf_counter() - t0 >= 0.045
 
 
 def test_cost_table_keeps_the_branch_work_and_takes_the_nearest_entry(tmp_path):
@@ -314,6 +341,12 @@ def test_cost_table_keeps_the_branch_work_and_takes_the_nearest_entry(tmp_path):
     t.save(path)
     back = CostTable.load(path)
     assert back.seconds == t.seconds and back.prefetch == t.prefetch
+    assert back.lookup_prefetch_stops(1, 8, 4, 300) == 0.0 == back.lookup_prefetch_bonus(1, 8, 4, 300)
+    t.prefetch_stops, t.prefetch_bonus = {(1, 8, 4, 256): 0.002}, {(1, 8, 4, 256): 0.001}  # parts of the entries
+    t.save(path)
+    back = CostTable.load(path)
+    assert back.lookup_prefetch_stops(1, 8, 4, 300) == 0.002 and back.lookup_prefetch_bonus(1, 8, 4, 300) == 0.001
+    assert back.lookup_prefetch_stops(4, 8, 4, 30000) == 0.0
     assert back.lookup_prefetch(1, 8, 4, 300) == 0.007 and back.lookup_prefetch(4, 8, 4, 30000) == 0.020
     assert back.lookup_prefetch(2, 5, 4, 200) == 0.006  # nearest: requests first, then F
     with pytest.raises(TraceError, match="no prefetch entries"):

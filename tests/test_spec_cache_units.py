@@ -185,10 +185,14 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         assert e.base == len(prompt) and e.n_branches == F and np.array_equal(e.drafts, rep.drafts[0, :k])
         outcomes = {(int(a), int(y)) for a, y in zip(e.accepted, e.token, strict=True)}
         assert len(outcomes) == F and all(y != e.drafts[a] for a, y in outcomes if a < k)
-        assert bool(core.prefetcher._stops) == (core.drafter.mode != "eager")  # which forward ran step 1
         from draftrelay.worker.prefetch import PIECES
 
         st = core.prefetcher.stats  # every piece of the branch work is booked, within the table's own time
+        # two drafted STEPs: one forward over their stopping places; forked rows copy nothing of a context
+        # (the scratch rows hold nothing below the earliest place a branch of this table forks at)
+        assert st["stops_forwards"] == 1 and st["stops_from_branches"] == 0, st
+        fork = core.prefetcher.fork.cache
+        assert not fork.k[:, :, :, :8].any() and not fork.v[:, :, :, :8].any()
         assert all(st[f"{p}_us"] > 0 for p in ("stops", "choose", "run", "entries", "encode")), st
         assert sum(st[f"{p}_us"] for p in PIECES if p != "encode") <= st["prefetch_us"] + len(PIECES), st
         for b in range(F):  # batched over all branches, each equals a fresh round of its context
@@ -201,6 +205,8 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         assert core.prefetcher.stats["worker_side_hits"] == hits + 1
         assert np.array_equal(rep2.drafts[0, :k], e.branch_drafts[2])
         t2 = TB.decode(c.recv_branches(10), 256)
+        # the table after a STEP answered from a branch takes its stopping places from that branch's run
+        assert st["stops_forwards"] == 1 and st["stops_from_branches"] == 1, st
         e2 = t2.entry(5)
         assert e2.base == e.base + len(e.prefix(2))
         ctx2 = np.concatenate([prompt, e.prefix(2), e2.prefix(0)])
@@ -425,3 +431,37 @@ def test_paused_tables_send_steps_without_a_fanout():
         br.shm.close()
     finally:
         shm.close()
+
+
+def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives():
+    """After a STEP answered from a branch, the next table takes the candidates at its k + 1 stopping places
+    from that branch's run (its k drafting forwards and the bonus forward behind them) instead of a forward
+    over them: the same tokens and probabilities as that forward (fp32, up to the order of sums)."""
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.prefetch import branches_payload
+
+    core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode="eager"), max_requests=2)
+    session, _ = core.open_session(P.Hello(max_requests=1, n_out_max=8))
+    prompt = (np.arange(1, 30) * 53 % 256).astype(np.int32)
+    k, F = 4, 6
+    block = P.Block(7, 1, 0, prompt, k)
+    res = core.step(session, [block])
+    e = TB.decode(branches_payload(core, session, [block], res, F), 256).entry(7)
+    pf = core.prefetcher
+    for b in range(F):  # every kind of branch: a bonus one (all k kept) feeds f_k first
+        if int(e.accepted[b]) == k:
+            break
+    block2 = P.Block(7, 1, e.base, e.prefix(b), k)
+    res2 = core.step(session, [block2])
+    assert pf.stats["worker_side_hits"] == 1
+    st = session.requests[7]
+    f = res2.drafts[0, :k].astype(np.int32)
+    got = pf._answered_top(st, f)
+    assert got is not None and got[0].shape == (k + 1, 8)
+    pf.answered.clear()  # now the table would run the forward over the stopping places
+    tt, tp, _ = pf._stop_distributions([block2], res2, [(0, st, k)], F)
+    for j in range(k + 1):
+        assert set(got[0][j].tolist()) == set(tt[0, j].tolist()), j
+        np.testing.assert_allclose(np.sort(got[1][j]), np.sort(tp[0, j]), rtol=1e-4, atol=1e-6)
+    assert int(got[0][0][0]) == int(f[0])  # the first place's most likely token is the first draft

@@ -253,35 +253,46 @@ class CostTable:
     seconds[(jobs, n_steps, kv)]: one STEP (jobs requests, n_steps drafts, kv bucket of the context);
     prefetch[(requests, fanout, k, kv)]: the speculation cache's branch work after a STEP of `requests`
         requests with k drafts each (worker.prefetch.Prefetcher: the forward over the k + 1 stopping
-        places, the scratch-row copies and one batched k-step run over requests x fanout branches).
+        places and one batched run over requests x fanout branches); prefetch_stops[same key]: the part
+        of it that is the forward over the stopping places, which the work after a STEP answered from
+        branches does not run; prefetch_bonus[same key]: the part that is the branch run's last forward
+        (the bonus place's candidates), which the worker runs on the device after the table is out.
     Lookup takes the nearest measured key (jobs or requests first, then n_steps or fanout and k, then
     context), never extrapolating silently beyond the table (it takes the largest entry). In the file,
-    a prefetch entry is {"kind": "prefetch", "jobs", "fanout", "k", "kv", "s"}; other entries are STEPs."""
+    a prefetch entry is {"kind": "prefetch", "jobs", "fanout", "k", "kv", "s"} (and "stops_s", "bonus_s");
+    other entries are STEPs."""
 
     seconds: dict[tuple[int, int, int], float]
     source: str = ""
     prefetch: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
+    prefetch_stops: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
+    prefetch_bonus: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str) -> CostTable:
         try:
             with open(path) as f:
                 d = json.load(f)
-            sec, pre = {}, {}
+            sec, pre, stops, bonus = {}, {}, {}, {}
             for e in d["entries"]:
                 if e.get("kind", "step") == "prefetch":
-                    pre[(int(e["jobs"]), int(e["fanout"]), int(e["k"]), int(e["kv"]))] = float(e["s"])
+                    key = (int(e["jobs"]), int(e["fanout"]), int(e["k"]), int(e["kv"]))
+                    pre[key] = float(e["s"])
+                    stops[key] = float(e.get("stops_s", 0.0))
+                    bonus[key] = float(e.get("bonus_s", 0.0))
                 else:
                     sec[(int(e["jobs"]), int(e["n_steps"]), int(e["kv"]))] = float(e["s"])
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TraceError(f"{path}: not a replay cost table: {exc}") from None
         if not sec:
             raise TraceError(f"{path}: the cost table has no STEP entries")
-        return cls(sec, str(d.get("source", "")), pre)
+        return cls(sec, str(d.get("source", "")), pre, stops, bonus)
 
     def save(self, path: str) -> None:
         steps = [{"jobs": j, "n_steps": n, "kv": kv, "s": s} for (j, n, kv), s in sorted(self.seconds.items())]
-        pre = [{"kind": "prefetch", "jobs": j, "fanout": f, "k": k, "kv": kv, "s": s}
+        pre = [{"kind": "prefetch", "jobs": j, "fanout": f, "k": k, "kv": kv, "s": s,
+                "stops_s": self.prefetch_stops.get((j, f, k, kv), 0.0),
+                "bonus_s": self.prefetch_bonus.get((j, f, k, kv), 0.0)}
                for (j, f, k, kv), s in sorted(self.prefetch.items())]
         with open(path, "w") as f:
             json.dump({"source": self.source, "entries": steps + pre}, f)
@@ -301,6 +312,16 @@ class CostTable:
         if not self.prefetch:
             raise TraceError("replay cost table: no prefetch entries (the branch work was not measured)")
         return self._nearest(self.prefetch, (requests, fanout, k), ctx)
+
+    def lookup_prefetch_stops(self, requests: int, fanout: int, k: int, ctx: int) -> float:
+        """The stopping places' forward within lookup_prefetch's entry (0 where it was not measured)."""
+        table = {key: self.prefetch_stops.get(key, 0.0) for key in self.prefetch}
+        return self._nearest(table, (requests, fanout, k), ctx) if table else 0.0
+
+    def lookup_prefetch_bonus(self, requests: int, fanout: int, k: int, ctx: int) -> float:
+        """The bonus place's forward within lookup_prefetch's entry (0 where it was not measured)."""
+        table = {key: self.prefetch_bonus.get(key, 0.0) for key in self.prefetch}
+        return self._nearest(table, (requests, fanout, k), ctx) if table else 0.0
 
 
 def spend(seconds: float) -> None:

@@ -2,15 +2,17 @@
 likely outcomes of the verify now running on the engine (see draftrelay.speculation.table).
 
 For each request the STEP just served (context C of length L = base, drafts f1..fk):
-  1. one forward over (C[-1], f1..fk) in a scratch row (a copy of the request's draft KV) gives the
-     drafter's distribution at each of the k+1 places the verify can stop (k corrections, 1 bonus);
-  2. `choose_branches` picks the F most likely outcomes (a kept, token y) from those distributions
-     and the session's running per-position acceptance;
-  3. every branch gets its own scratch row (the KV of C + f1..fa, copied) and all branches of all
-     requests are drafted in ONE batched drafter run: extension by [y], then k greedy steps.
+  1. the drafter's top candidates at each of the k+1 places the verify can stop (k corrections, 1
+     bonus): from the branch run that answered the STEP where it was answered from a branch (that run
+     fed every draft, the last one included), else one forward over (C[-1], f1..fk) in a forked row;
+  2. `choose_branches` picks the F most likely outcomes (a kept, token y) from those candidates and
+     the session's running per-position acceptance;
+  3. every branch gets a forked scratch row and all branches of all requests are drafted in ONE batched
+     run: the first forward (y, or f_k then y for a bonus branch), then k greedy steps.
+A forked row (worker.fork) holds only its own positions and reads the request's row below its pivot in
+place: nothing of the context is copied, so the branch work does not grow with the context by copies.
 The request's own KV row is only read, never written: the next STEP sees exactly the state it would
-have seen without prefetching. Scratch rows are full-context copies (simple and exact on the CPU
-path; a GPU layout that shares the prefix is a separate piece of work).
+have seen without prefetching (a STEP answered from a branch copies that branch's few own positions in).
 
 The session's acceptance estimate learns from the next STEP's tokens: the block that follows a
 round with drafts f starts with the accepted drafts, then the target's token.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,19 +32,274 @@ from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
 from draftrelay.wire import protocol as P
 from draftrelay.worker.drafters import Job, LlamaDrafter
+from draftrelay.worker.fork import fork_forward
 
 log = logging.getLogger("draftrelay.worker")
 
 TOP_M = 8  # candidates per position considered for branches (F <= (k + 1) * TOP_M)
-# the forward over the stopping places runs with static shapes (a CUDA graph on a GPU) up to this kv
-# bucket, eagerly beyond: on the H200 it ran at contexts up to 512 and hit an illegal memory access at
-# 33K (T = k + 1 = 5 query positions, kv = the cache's full length), not yet explained
-STATIC_STOPS_MAX_KV = 4096
 # the pieces of a table's branch work: observe (acceptance from the STEP), stops (the forward over the k + 1
-# stopping places, with its row copy), choose (choose_branches), run (the branch rows' copies and the batched
-# run), entries (the table's entries and the hit records), encode (the BRANCHES payload)
-PIECES = ("observe", "stops", "choose", "run", "entries", "encode")
-DEVICE_PIECES = ("stops", "run")  # what a drafter on an emulated device spends as wall time (CostTable.prefetch)
+# stopping places, where one runs), choose (choose_branches), run (the batched branch run), bonus (its last
+# forward, the bonus place's candidates: booked only where Prefetcher.sync_bonus waits for it; else it runs
+# on the device while the table goes out), entries (the table's entries and the hit records), encode (the
+# BRANCHES payload). DEVICE_PIECES: what a drafter on an emulated device spends as wall time (CostTable)
+PIECES = ("observe", "stops", "choose", "run", "bonus", "entries", "encode")
+DEVICE_PIECES = ("stops", "run", "bonus")
+
+
+class Branch(NamedTuple):
+    """One pre-drafted branch the next STEP can be answered from (HitDrafter): its prefix (f1..fa, y), its
+    forked scratch row and the first position that row holds (`lo`: below it the request's own row
+    holds the branch's KV), its drafts and confidences, and the drafter's top candidates at the first
+    k_run places a verify of those drafts can stop (None where the branch run did not give them; the
+    place after the last draft is row `q` of the run's bonus forward, ForkSteps.bonus_tops)."""
+    prefix: np.ndarray
+    row: int
+    lo: int
+    drafts: np.ndarray
+    confs: np.ndarray
+    top_t: np.ndarray | None
+    top_p: np.ndarray | None
+    q: int = -1
+
+
+class ForkSteps:
+    """The branch work's two device steps on forked rows (worker.fork): scratch rows that hold only their
+    own positions and read the request's row below a pivot, so no step copies a context.
+
+      stops(...)     the forward over (C[-1], f1..fk): top candidates at the k + 1 stopping places;
+      branches(...)  every branch of every request in one batched run: the first forward (y, or f_k, y
+                     for a bonus branch), then k one-token steps feeding each greedy draft, the last
+                     one (d_k) giving the distribution at the bonus place: the drafts, confidences and the
+                     top candidates at the k + 1 places a verify of those drafts can stop, so a STEP
+                     answered from the branch needs no forward over its stopping places.
+
+    Static shapes per key ((rows, T or k, kv bucket)); in the drafter's graph mode each is one CUDA graph
+    (captured in a pool of its own), else the same buffers run as they are."""
+
+    def __init__(self, drafter: LlamaDrafter) -> None:
+        self.d = drafter
+        self.torch = drafter.torch
+        self.cache = None  # the scratch KVCache (its rows are forked rows)
+        self.n_rows = 0  # usable scratch rows; row n_rows is the spare one for warm-up and capture
+        self._steps: dict[tuple, object] = {}
+        self._capture = None
+        self._bonus = None  # (the bonus step of the last branch run, B, m, its host copy once read)
+        self._graph_failed = False
+        self.last_bonus_s = 0.0  # the bonus forward's seconds when branches() waited for it
+
+    @property
+    def graph(self) -> bool:
+        return self.d.mode == "graph" and not self._graph_failed
+
+    def scratch(self, rows: int) -> None:
+        if self.cache is None or self.n_rows < rows:
+            n = 1 << max(0, rows - 1).bit_length()
+            if self.cache is not None and self.cache.k.device.type == "cuda":
+                # a bonus forward may still run on the old rows: its graph's memory must not be reused under it
+                self.torch.cuda.synchronize(self.cache.k.device)
+            self.cache = None
+            self._steps.clear()  # static steps read the old cache's tensors
+            self._bonus = None
+            self.cache = self.d.model.new_cache(n + 1, self.d.cache.max_len)
+            self.n_rows = n
+
+    def _step(self, key: tuple, n_in: int, n_out: int, body):
+        g = self._steps.get(key)
+        if g is not None:
+            return g
+        torch, dev = self.torch, self.d.model.device
+        g = type("ForkStep", (), {})()
+        g.inbuf = torch.zeros(n_in, dtype=torch.int64, device=dev)
+        g.host = torch.zeros(n_in, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        g.out = torch.zeros(n_out, dtype=torch.int32, device=dev)
+        g.host_out = torch.zeros(n_out, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        g.graph = None
+        g.run = lambda: body(g)
+        if self.d.mode in ("eager", "lean"):  # one step per exact length: made per call, never kept
+            return g
+        if self.graph:
+            if self._capture is None:
+                self._capture = GraphCapture(dev)
+            try:
+                with torch.inference_mode():  # warm-up on the spare row: kernels compiled, blocks allocated
+                    self._capture.warm(lambda: body(g, spare=self.n_rows))
+                    g.graph, _ = self._capture.capture(g.run)
+            except Exception:  # as the drafter's own capture failure: the same steps uncaptured from now on
+                log.exception("prefetch: CUDA graph capture of a branch step failed; its steps run uncaptured")
+                self._graph_failed = True
+                g.graph = None
+        self._steps[key] = g
+        return g
+
+    def _launch(self, g, host_in: np.ndarray) -> np.ndarray:
+        torch = self.torch
+        g.host.numpy()[:] = host_in
+        with torch.inference_mode():
+            g.inbuf.copy_(g.host, non_blocking=True)
+            if g.graph is not None:
+                g.graph.replay()
+            else:
+                g.run()
+            g.host_out.copy_(g.out, non_blocking=True)
+            if g.out.device.type == "cuda":
+                torch.cuda.current_stream(g.out.device).synchronize()
+        return g.host_out.numpy()
+
+    def _pick(self, logits):
+        """(argmax, its softmax probability) of logits [B, V]: the fast forward's greedy pick (fused on
+        CUDA, ties to the lower id), as the drafter's own drafting loop picks."""
+        from draftrelay.kernels import backend
+
+        return backend(logits.device).greedy_pick(logits)
+
+    def _top(self, lf, m: int):
+        probs = self.torch.softmax(lf, -1)
+        tp, tt = probs.topk(m, dim=-1)  # ties: torch's order; the branch choice only, never correctness
+        return probs, tp, tt
+
+    def _buckets(self, need: int) -> list[int]:
+        """The kv bucket holding `need` keys and, in graph mode, the next ones up to need + 512: their
+        graphs are built at once, so a growing context does not pay a capture in the middle of a run.
+        A drafter in eager or lean mode (the CPU) takes `need` itself."""
+        if self.d.mode in ("eager", "lean"):  # shapes as they come: attention over the keys there are
+            return [need]
+        lo = kv_bucket(need, self.cache.max_len)
+        if not self.graph:
+            return [lo]
+        hi = kv_bucket(need + 512, self.cache.max_len)
+        return [kv for kv in kv_buckets(self.cache.max_len) if lo <= kv <= hi]
+
+    def _stops_step(self, R: int, T: int, m: int, kv: int):
+        torch, model = self.torch, self.d.model
+
+        def body(g, spare=None):
+            tokens = g.inbuf[:R * T].view(R, T)
+            start, parent, row = (g.inbuf[R * T + i * R:R * T + (i + 1) * R] for i in range(3))
+            if spare is not None:
+                row = torch.full_like(row, spare)
+            lf = fork_forward(model, tokens, start, self.cache, row, self.d.cache, parent, start, kv)
+            _, tp, tt = self._top(lf, m)
+            g.out[:R * T * m].copy_(tt.reshape(-1).to(torch.int32))
+            g.out[R * T * m:].view(torch.float32).copy_(tp.reshape(-1))
+
+        return self._step(("stops", R, T, m, kv), R * T + 3 * R, 2 * R * T * m, body)
+
+    def stops(self, toks: np.ndarray, starts: list[int], parents: list[int], rows: list[int],
+              m: int) -> tuple[np.ndarray, np.ndarray]:
+        """toks [R, T] at positions starts[r].. of forked rows rows[r] (pivot starts[r], parent parents[r])
+        -> the top m tokens [R, T, m] and their probabilities."""
+        R, T = toks.shape
+        with self.d._on_model_gpu():
+            kvs = self._buckets(max(starts) + T)
+            for kv in kvs[1:]:
+                self._stops_step(R, T, m, kv)
+            g = self._stops_step(R, T, m, kvs[0])
+            out = self._launch(g, np.concatenate([toks.reshape(-1), starts, parents, rows]).astype(np.int64))
+        n = R * T * m
+        return out[:n].reshape(R, T, m).copy(), out[n:].view(np.float32).reshape(R, T, m).copy()
+
+    def _branch_steps(self, B: int, k: int, m: int, kv: int):
+        """The branch run's step and its bonus step (which reads the run's buffers) for one key."""
+        torch, model = self.torch, self.d.model
+        n_top = B * k * m
+
+        def inputs(g, spare):
+            start, at, parent, pivot, row = (g.inbuf[2 * B + i * B:2 * B + (i + 1) * B] for i in range(5))
+            if spare is not None:
+                row = torch.full_like(row, spare)
+            return start, at, parent, pivot, row
+
+        def body(g, spare=None):
+            tokens = g.inbuf[:2 * B].view(B, 2)
+            start, at, parent, pivot, row = inputs(g, spare)
+            # each step: the head's output as it is (no fp32 copy of the vocabulary) and the drafter's own
+            # fused greedy pick (the same token and confidence as its drafting loop); the top candidates of
+            # the k places in one top-k at the end, their probabilities exp(l - max) * p(argmax)
+            lf = fork_forward(model, tokens, start, self.cache, row, self.d.cache, parent, pivot, kv,
+                              logits_at=at, raw=True)[:, 0]
+            pos = start + at + 1
+            logits, toks, confs = [], [], []
+            for s in range(k):
+                logits.append(lf)
+                tok, conf = self._pick(lf)
+                toks.append(tok)
+                confs.append(conf)
+                if s < k - 1:
+                    lf = fork_forward(model, tok[:, None], pos + s, self.cache, row, self.d.cache, parent, pivot,
+                                      kv, raw=True)[:, 0]
+            tl, tt = torch.stack(logits, 1).topk(m, dim=-1)  # [B, k, m]
+            conf = torch.stack(confs, 1)  # [B, k]
+            tp = torch.exp(tl.float() - tl[..., :1].float()) * conf[..., None]
+            o = g.out
+            o[:B * k].copy_(torch.stack(toks, 1).reshape(-1).to(torch.int32))
+            o[B * k:2 * B * k].view(torch.float32).copy_(conf.reshape(-1))
+            o[2 * B * k:2 * B * k + n_top].copy_(tt.reshape(-1).to(torch.int32))
+            o[2 * B * k + n_top:].view(torch.float32).copy_(tp.reshape(-1))
+
+        g = self._step(("branches", B, k, m, kv), 7 * B, 2 * B * k + 2 * n_top, body)
+
+        def bonus(gb, spare=None):  # feeds d_k (g's output) at its position: the bonus place's candidates
+            start, at, parent, pivot, row = inputs(g, spare)
+            dk = g.out[:B * k].view(B, k)[:, k - 1:].long()
+            lf = fork_forward(model, dk, start + at + k, self.cache, row, self.d.cache, parent, pivot, kv,
+                              raw=True)[:, 0]
+            _, conf = self._pick(lf)
+            tl, tt = lf.topk(m, dim=-1)
+            gb.out[:B * m].copy_(tt.reshape(-1).to(torch.int32))
+            gb.out[B * m:].view(torch.float32).copy_((torch.exp(tl.float() - tl[:, :1].float())
+                                                      * conf[:, None]).reshape(-1))
+
+        return g, self._step(("bonus", B, k, m, kv), 1, 2 * B * m, bonus)
+
+    def branches(self, first: np.ndarray, last: list[int], starts: list[int], parents: list[int],
+                 pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool = False):
+        """first [B, 2] (y, or f_k then y; right-padded) at positions starts[b].. of forked rows rows[b]
+        (below pivots[b]: row parents[b] of the drafter's cache); last[b]: the index of y. -> drafts
+        int32 [B, k], confidences [B, k], top tokens [B, k, m] and probabilities at the first k stopping
+        places of a verify of those drafts. The last place's (after d_k: one more forward, feeding d_k)
+        is launched behind them without waiting for it (on a GPU it runs while the table goes out):
+        `bonus_tops()` reads it; sync_bonus waits for it here (to time it)."""
+        torch = self.torch
+        B = first.shape[0]
+        n_top = B * k * m
+        host = np.concatenate([first.reshape(-1), starts, last, parents, pivots, rows]).astype(np.int64)
+        with self.d._on_model_gpu():
+            kvs = self._buckets(max(starts) + 2 + k)
+            for kv in kvs[1:]:
+                self._branch_steps(B, k, m, kv)
+            g, gb = self._branch_steps(B, k, m, kvs[0])
+            out = self._launch(g, host)
+            d = out[:B * k].reshape(B, k).copy()
+            c = out[B * k:2 * B * k].view(np.float32).reshape(B, k).copy()
+            o = 2 * B * k
+            tt = out[o:o + n_top].reshape(B, k, m).copy()
+            tp = out[o + n_top:].view(np.float32).reshape(B, k, m).copy()
+            self._bonus = (gb, B, m, None)
+            t_bonus = time.perf_counter()
+            with torch.inference_mode():
+                if gb.graph is not None:
+                    gb.graph.replay()
+                else:
+                    gb.run()
+                gb.host_out.copy_(gb.out, non_blocking=True)
+            if sync_bonus:
+                self.bonus_tops()
+                self.last_bonus_s = time.perf_counter() - t_bonus
+        return d, c, tt, tp
+
+    def bonus_tops(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The last branch run's candidates at the bonus place (top tokens [B, m], probabilities), waiting
+        for its forward if it has not finished; None before any run."""
+        if self._bonus is None:
+            return None
+        gb, B, m, got = self._bonus
+        if got is None:
+            if gb.out.device.type == "cuda":
+                self.torch.cuda.current_stream(gb.out.device).synchronize()
+            out = gb.host_out.numpy()
+            got = (out[:B * m].reshape(B, m).copy(), out[B * m:].view(np.float32).reshape(B, m).copy())
+            self._bonus = (gb, B, m, got)
+        return got
 
 
 class Prefetcher:
@@ -52,91 +310,33 @@ class Prefetcher:
         self.drafter = drafter
         self.max_fanout = max_fanout
         self.supported = isinstance(drafter, LlamaDrafter)
-        self._scratch: LlamaDrafter | None = None
+        self.fork = ForkSteps(drafter) if self.supported else None
         self._acc: dict[int, Acceptance] = {}  # session id -> running acceptance
         self._last: dict[tuple[int, int], tuple[int, int, np.ndarray]] = {}  # (session, req) -> gen, base, drafts
-        # request row -> (base L, round drafts f, [(prefix, scratch row, drafts, confidences)]): what a next
-        # STEP that extends that row by a branch's prefix can be answered with (HitDrafter), until the
-        # next prefetch reuses the scratch rows
-        self.records: dict[int, tuple[int, np.ndarray, list]] = {}
-        self._stops: dict[tuple[int, int, int], object] = {}  # static step-1 forwards by (requests, T, kv)
-        self._stops_failed = False
+        # request row -> (base L, round drafts f, [Branch]): what a next STEP that extends that row by a
+        # branch's prefix can be answered with (HitDrafter), until the next prefetch reuses the scratch rows
+        self.records: dict[int, tuple[int, np.ndarray, list[Branch]]] = {}
+        # request row -> (context length, drafts, the Branch) of the STEP just answered from a branch
+        # (HitDrafter): that branch's own candidates at the stopping places, so the table after it runs no
+        # forward over them (Branch.top_t None: no candidates, e.g. the replay drafter's branches)
+        self.answered: dict[int, tuple[int, np.ndarray, Branch]] = {}
+        self.sync_bonus = False  # wait for (and book) the bonus place's forward in each table (to time it)
         self.stats = {"tables": 0, "branches": 0, "prefetch_us": 0, "worker_side_hits": 0, "observed": 0,
-                      "hit_mismatches": 0}
+                      "hit_mismatches": 0, "stops_forwards": 0, "stops_from_branches": 0}
         # where the branch work goes, µs summed over tables (PIECES; device work included: every piece
         # ends in a host read of its results, so its wall time is the device's too)
         self.stats.update({f"{p}_us": 0 for p in PIECES})
         # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch)
         self.delay_s = float(os.environ.get("DRAFTRELAY_PREFETCH_DELAY_MS", "0") or 0) / 1000
 
+    def device_free(self) -> None:
+        """Wait for the drafter's device to finish work queued behind a table (the real device orders it
+        itself; the emulated one does not: ReplayPrefetcher)."""
+
     def forget_session(self, session_id: int) -> None:
         self._acc.pop(session_id, None)
         for key in [k for k in self._last if k[0] == session_id]:
             del self._last[key]
-
-    def _scratch_for(self, rows: int) -> LlamaDrafter:
-        d = self.drafter
-        if self._scratch is None or self._scratch.n_rows < rows:
-            n = 1 << max(0, rows - 1).bit_length()
-            # the branch run is a batched 1-token extension + k steps: on a GPU the drafter's CUDA graphs
-            # (one per (branches, k, kv bucket)), else eager
-            mode = getattr(d, "mode", "eager")
-            self._scratch = LlamaDrafter(d.model, n, d.max_ctx, d.n_out_max, d.model_id, d.tokenizer_hash,
-                                         mode=mode)
-            # the static forwards over the stopping places were built on (graph mode: captured reading)
-            # the old scratch cache: kept, they would read rows nobody copies into any more, and the
-            # branch choice would follow stale distributions (the drafts stay right, the hits fall)
-            self._stops.clear()
-        return self._scratch
-
-    def _next_buckets(self, sc: LlamaDrafter, need: int) -> list[int]:
-        """The kv bucket holding `need` keys and the next ones up to need + 512: built at once, so a
-        growing context does not pay a capture in the middle of a run."""
-        lo, hi = kv_bucket(need, sc.cache.max_len), kv_bucket(need + 512, sc.cache.max_len)
-        return [kv for kv in kv_buckets(sc.cache.max_len) if lo <= kv <= hi]
-
-    def _warm_branch_graphs(self, sc: LlamaDrafter, n_jobs: int, k: int, ctx: int) -> None:
-        if sc.mode != "graph":
-            return
-        with sc._on_model_gpu():
-            for kv in self._next_buckets(sc, ctx + 1 + k):
-                sc._get_static((n_jobs, 1, k, kv))
-
-    def _stops_static(self, sc: LlamaDrafter, R: int, T: int, kv: int, m: int):
-        """Step 1 with static shapes (the drafter in static or graph mode): inputs in one device buffer,
-        the forward over the first kv positions, softmax and top-m into static outputs; in graph mode
-        captured once per (R, T, kv bucket) like the drafter's own steps."""
-        key = (R, T, kv)
-        g = self._stops.get(key)
-        if g is not None:
-            return g
-        torch, model, cache = sc.torch, sc.model, sc.cache
-        dev = model.device
-        g = type("StopStep", (), {})()
-        g.inbuf = torch.zeros(R * T + 2 * R, dtype=torch.int64, device=dev)
-        g.host = torch.zeros(R * T + 2 * R, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        g.tokens = g.inbuf[:R * T].view(R, T)
-        g.start, g.rows = g.inbuf[R * T:R * T + R], g.inbuf[R * T + R:]
-        g.top_p = torch.zeros(R, T, m, dtype=torch.float32, device=dev)
-        g.top_t = torch.zeros(R, T, m, dtype=torch.int64, device=dev)
-        g.graph = None
-
-        def step():
-            logits = model(g.tokens, g.start, cache, g.rows, kv_len=kv)
-            tp, tt = torch.softmax(logits.float(), -1).topk(m, dim=-1)
-            g.top_p.copy_(tp)
-            g.top_t.copy_(tt)
-
-        g.step = step
-        if sc.mode == "graph":
-            g.rows.fill_(sc.n_rows)  # warm-up and capture write only into the scratch drafter's spare row
-            if sc._capture is None:
-                sc._capture = GraphCapture(dev)
-            with torch.inference_mode():
-                sc._capture.warm(step)
-                g.graph, _ = sc._capture.capture(step)
-        self._stops[key] = g
-        return g
 
     def _observe(self, sid: int, blocks: list[P.Block]) -> Acceptance:
         acc = self._acc.setdefault(sid, Acceptance())
@@ -168,23 +368,63 @@ class Prefetcher:
                 self._last.pop((sid, b.request_id), None)
                 continue
             self._last[(sid, b.request_id)] = (b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32))
-            if fanout and self.supported and st.ctx_len + k + 1 <= self.drafter.max_ctx:
+            if (fanout and self.supported and st.ctx_len + k + 1 <= self.drafter.max_ctx and self._fits(k)
+                    and self._holds(st, k)):
                 todo.append((i, st, k))
         entries: list[Entry] = []
         self.records.clear()  # the scratch rows are about to be reused
-        if todo:
-            entries = self._draft(blocks, result, todo, acc, fanout)
+        try:
+            if todo:
+                entries = self._draft(blocks, result, todo, acc, fanout)
+        finally:
+            self.answered.clear()
         self.stats["tables"] += 1
         self.stats["branches"] += sum(e.n_branches for e in entries)
         us = int((time.perf_counter() - t0) * 1e6)
         self.stats["prefetch_us"] += us
         return Table(entries, us, sid)
 
+    def _fits(self, k: int) -> bool:
+        """Whether the forward over k + 1 stopping places has the fast attention's shapes (forked rows
+        need them: n_rep * (k + 1) query rows per kv head, at most model.DECODE_ROWS)."""
+        from draftrelay.model import DECODE_ROWS
+
+        model = getattr(self.drafter, "model", None)
+        return model is None or model.cfg.n_rep * (k + 1) <= DECODE_ROWS
+
+    def _holds(self, st, k: int) -> bool:
+        """Whether the request's row holds C + f1..f(k-1), what every branch's forked row reads below its
+        pivot (a drafter that cut its run short holds less: no branches then)."""
+        cache = getattr(self.drafter, "cache", None)
+        return cache is None or int(cache.lengths[st.row]) >= st.ctx_len + k - 1
+
     def _lap(self, piece: str, t0: float) -> float:
         """Book the time since t0 to `piece`; returns now."""
         now = time.perf_counter()
         self.stats[f"{piece}_us"] += int((now - t0) * 1e6)
         return now
+
+    def _from_branch(self, st, f: np.ndarray) -> bool:
+        """Whether the STEP just answered for this request (context length, drafts f) came from a branch."""
+        h = self.answered.get(st.row)
+        return h is not None and h[0] == st.ctx_len and len(h[1]) == len(f) and np.array_equal(h[1], f)
+
+    def _answered_top(self, st, f: np.ndarray):
+        """The candidates at the stopping places of the STEP just answered from a branch for this request,
+        or None (the STEP drafted: a forward over them is needed)."""
+        if not self._from_branch(st, f):
+            return None
+        br = self.answered[st.row][2]
+        n = len(f)
+        if br.top_t is None:
+            return None
+        if n < len(br.top_t):
+            return br.top_t[:n + 1], br.top_p[:n + 1]
+        bonus = self.fork.bonus_tops() if br.q >= 0 else None
+        if bonus is None or n != len(br.top_t):
+            return None
+        return (np.concatenate([br.top_t, bonus[0][br.q:br.q + 1]]),
+                np.concatenate([br.top_p, bonus[1][br.q:br.q + 1]]))
 
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
         t = time.perf_counter()
@@ -196,104 +436,83 @@ class Prefetcher:
             choices.append([(a, y) for a, y, _ in choose_branches(top_t[n, :k + 1], top_p[n, :k + 1], f, acc.rates(k),
                                                                   fanout)])
         t = self._lap("choose", t)
-        out_d, out_c = self._branch_run(result, todo, base_rows, choices)
+        run = self._branch_run(result, todo, base_rows, choices)
         t = self._lap("run", t)
-        out = self._entries(blocks, result, todo, choices, base_rows, out_d, out_c)
+        out = self._entries(blocks, result, todo, choices, base_rows, *run)
         self._lap("entries", t)
         return out
 
     def _stop_distributions(self, blocks, result, todo, fanout: int):
-        """Step 1: one padded forward over (C[-1], f1..fk) for every request, each in the first of its
-        `fanout` scratch rows. Returns the top TOP_M (tokens [R, k+1, m], probs) and those base rows."""
+        """Step 1: the top TOP_M candidates (tokens [R, k+1, m], probs) at each request's k + 1 stopping
+        places. A request whose STEP was answered from a branch has them from that branch's run; the others
+        get one padded forward over (C[-1], f1..fk), each in the first of its `fanout` forked scratch rows
+        (pivot L - 1: nothing of the context is copied). Returns them and those base rows."""
         d = self.drafter
-        torch = d.torch
-        main = d.cache
-        sc = self._scratch_for(len(todo) * fanout)
-        cache = sc.cache
-        model = d.model
-        with torch.inference_mode():
-            T = 1 + max(k for _, _, k in todo)
-            toks = np.zeros((len(todo), T), np.int64)
-            starts = []
-            base_rows = []
-            for n, (i, st, k) in enumerate(todo):
-                L = st.ctx_len
-                row = n * fanout
-                _copy_row(main, st.row, cache, row, L - 1)
-                toks[n, 0] = int(blocks[i].tokens[-1])
-                toks[n, 1:1 + k] = result.drafts[i, :k]
-                starts.append(L - 1)
-                base_rows.append(row)
-            m = min(TOP_M, model.cfg.vocab_size)
-            kv = kv_bucket(max(starts) + T, cache.max_len)
-            if sc.mode != "eager" and not self._stops_failed and kv <= STATIC_STOPS_MAX_KV:
-                try:
-                    top_t, top_p = self._stops_run(sc, toks, starts, base_rows, T, m)
-                    return top_t, top_p, base_rows
-                except Exception:  # like the drafter's own capture failure: eager from now on, not no tables
-                    log.exception("prefetch: the static forward over the stopping places failed; eager from now on")
-                    self._stops_failed = True
-            logits = model(torch.from_numpy(toks).to(model.device), torch.tensor(starts), cache,
-                           torch.tensor(base_rows))
-            probs = torch.softmax(logits.float(), -1)
-            top_p, top_t = probs.topk(m, dim=-1)  # ties: torch's order; choice only, never correctness
-            return top_t.cpu().numpy(), top_p.cpu().numpy(), base_rows
-
-    def _stops_run(self, sc: LlamaDrafter, toks: np.ndarray, starts: list[int], base_rows: list[int], T: int,
-                   m: int) -> tuple[np.ndarray, np.ndarray]:
-        cache = sc.cache
-        R = len(starts)
-        with sc.torch.inference_mode():
-            with sc._on_model_gpu():
-                if sc.mode == "graph":
-                    for kv in self._next_buckets(sc, max(starts) + T):
-                        self._stops_static(sc, R, T, kv, m)
-                g = self._stops_static(sc, R, T, kv_bucket(max(starts) + T, cache.max_len), m)
-                host = g.host.numpy()
-                host[:R * T] = toks.reshape(-1)
-                host[R * T:R * T + R] = starts
-                host[R * T + R:] = base_rows
-                g.inbuf.copy_(g.host, non_blocking=True)
-                if g.graph is not None:
-                    g.graph.replay()
-                else:
-                    g.step()
-                top_t, top_p = g.top_t.cpu().numpy(), g.top_p.cpu().numpy()
-        for n, row in enumerate(base_rows):  # a static forward leaves the row lengths to its caller
-            cache.lengths[row] = starts[n] + T
-        return top_t, top_p
+        self.fork.scratch(len(todo) * fanout)
+        T = 1 + max(k for _, _, k in todo)
+        m = min(TOP_M, d.model.cfg.vocab_size)
+        top_t = np.zeros((len(todo), T, m), np.int64)
+        top_p = np.zeros((len(todo), T, m), np.float32)
+        base_rows = [n * fanout for n in range(len(todo))]
+        need = []
+        for n, (i, st, k) in enumerate(todo):
+            got = self._answered_top(st, result.drafts[i, :k].astype(np.int32))
+            if got is None:
+                need.append(n)
+            else:
+                top_t[n, :k + 1], top_p[n, :k + 1] = got
+        self.stats["stops_from_branches"] += len(todo) - len(need)
+        if need:
+            toks = np.zeros((len(need), T), np.int64)
+            starts, parents, rows = [], [], []
+            for r, n in enumerate(need):
+                i, st, k = todo[n]
+                toks[r, 0] = int(blocks[i].tokens[-1])
+                toks[r, 1:1 + k] = result.drafts[i, :k]
+                starts.append(st.ctx_len - 1)
+                parents.append(st.row)
+                rows.append(base_rows[n])
+            tt, tp = self.fork.stops(toks, starts, parents, rows, m)
+            top_t[need], top_p[need] = tt, tp
+            self.stats["stops_forwards"] += 1
+        return top_t, top_p, base_rows
 
     def _branch_run(self, result, todo, base_rows, choices):
-        """Step 3: every branch (a, y) of every request gets a scratch row (the KV of C + f1..fa) and all
-        are drafted in one batched run (extension by [y], then k steps). Returns (drafts, confidences),
-        one row per branch in `choices` order."""
-        sc = self._scratch
-        cache = sc.cache
-        jobs: list[Job] = []
-        src_rows, dst_rows, n_max = [], [], 0
-        with self.drafter.torch.inference_mode():
-            for n, (_i, st, k) in enumerate(todo):
-                L = st.ctx_len
-                base = base_rows[n]
-                cache.lengths[base] = L + k  # (C[-1], f1..fk) fed: KV of C + f1..fk
-                for b, (a, y) in enumerate(choices[n]):
-                    if b:
-                        src_rows.append(base)
-                        dst_rows.append(base + b)
-                        n_max = max(n_max, L + a)
-                    jobs.append(Job(base + b, L + a, np.array([y], np.int32)))
-            # every branch row's KV in one gather per tensor (positions past a branch's own length are
-            # never read: the lengths say where each row ends)
-            _copy_rows(self.drafter.torch, cache, src_rows, dst_rows, n_max)
-            for j in jobs:  # each branch row holds C + f1..fa (the base row is cut back from C + f1..fk)
-                cache.lengths[j.row] = j.keep
+        """Step 3: every branch (a, y) of every request gets a forked scratch row (pivot L + a, or L + k - 1
+        for a bonus branch, which feeds f_k first; below it the request's row) and all are drafted in one
+        batched run. Returns (drafts, confidences, top tokens, top probs, lo), one row per branch in
+        `choices` order."""
+        first, last, starts, parents, pivots, rows = [], [], [], [], [], []
+        for n, (i, st, k) in enumerate(todo):
+            L = st.ctx_len
+            f = result.drafts[i, :k]
+            for b, (a, y) in enumerate(choices[n]):
+                rows.append(base_rows[n] + b)
+                parents.append(st.row)
+                if a < k:
+                    first.append((y, 0))
+                    last.append(0)
+                    starts.append(L + a)
+                else:
+                    first.append((int(f[k - 1]), y))
+                    last.append(1)
+                    starts.append(L + k - 1)
+                pivots.append(starts[-1])
         k_max = max(k for _, _, k in todo)
-        if not jobs:
-            return np.zeros((0, k_max), np.int32), np.zeros((0, k_max), np.float32)
-        self._warm_branch_graphs(sc, len(jobs), k_max, max(j.keep for j in jobs))
-        return sc.run(jobs, k_max)
+        if not rows:
+            z = np.zeros((0, k_max), np.int32)
+            return z, z.astype(np.float32), None, None, []
+        m = min(TOP_M, self.drafter.model.cfg.vocab_size)
+        d, c, tt, tp = self.fork.branches(np.asarray(first, np.int64), last, starts, parents, pivots, rows, k_max, m,
+                                          sync_bonus=self.sync_bonus)
+        if self.sync_bonus:  # its own piece: in the worker it runs while the table goes out
+            us = int(self.fork.last_bonus_s * 1e6)
+            self.stats["run_us"] -= us
+            self.stats["bonus_us"] += us
+        return d, c, tt, tp, pivots
 
-    def _entries(self, blocks, result, todo, choices, base_rows, out_d, out_c) -> list[Entry]:
+    def _entries(self, blocks, result, todo, choices, base_rows, out_d, out_c, out_tt=None, out_tp=None,
+                 lows=None) -> list[Entry]:
         """The table's entries, and the records a next STEP can be answered from (HitDrafter)."""
         entries = []
         first = 0
@@ -302,10 +521,15 @@ class Prefetcher:
             b = blocks[i]
             nb = len(pairs)
             f = result.drafts[i, :k].astype(np.int32)
-            rows = [base_rows[n] + j if base_rows[n] >= 0 else -1 for j in range(nb)]
-            self.records[st.row] = (st.ctx_len, f, [
-                (np.concatenate([f[:a], [y]]).astype(np.int32), rows[j], out_d[first + j, :k].copy(),
-                 out_c[first + j, :k].copy()) for j, (a, y) in enumerate(pairs)])
+            branches = []
+            for j, (a, y) in enumerate(pairs):
+                q = first + j
+                row = base_rows[n] + j if base_rows[n] >= 0 else -1
+                tops = (None, None) if out_tt is None else (out_tt[q].copy(), out_tp[q].copy())
+                branches.append(Branch(np.concatenate([f[:a], [y]]).astype(np.int32), row,
+                                       lows[q] if lows else 0, out_d[q, :k].copy(), out_c[q, :k].copy(), *tops,
+                                       q if out_tt is not None else -1))
+            self.records[st.row] = (st.ctx_len, f, branches)
             entries.append(Entry(b.request_id, b.generation, st.ctx_len, f,
                                  np.array([a for a, _ in pairs], np.int32), np.array([y for _, y in pairs], np.int32),
                                  out_d[first:first + nb, :k].astype(np.int32).reshape(nb, k)))
@@ -327,7 +551,7 @@ class HitDrafter:
     def __getattr__(self, name):
         return getattr(self._d, name)
 
-    def _hit(self, job: Job, n_steps: int):
+    def _hit(self, job: Job, n_steps: int) -> Branch | None:
         rec = self._pf.records.get(job.row)
         if rec is None:
             return None
@@ -336,15 +560,19 @@ class HitDrafter:
         if c < 0 or c >= len(f) or n_steps < 1:
             return None
         want = np.concatenate([f[:c], job.tokens]).astype(np.int32)
-        for prefix, srow, d, conf in branches:
-            if n_steps <= len(d) and len(prefix) == len(want) and np.array_equal(prefix, want):
-                return srow, d[:n_steps], conf[:n_steps]
+        for br in branches:
+            if n_steps <= len(br.drafts) and len(br.prefix) == len(want) and np.array_equal(br.prefix, want):
+                return br
         return None
 
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         hits = {i: h for i, j in enumerate(jobs) if (h := self._hit(j, n_steps)) is not None}
+        pf = self._pf
         for j in jobs:
-            self._pf.records.pop(j.row, None)
+            pf.records.pop(j.row, None)
+            pf.answered.pop(j.row, None)
+        if len(hits) < len(jobs):
+            pf.device_free()
         if not hits:
             return self._d.run(jobs, n_steps)
         drafts = np.zeros((len(jobs), n_steps), np.int32)
@@ -353,17 +581,21 @@ class HitDrafter:
         if idx:
             drafts[idx], confs[idx] = self._d.run([jobs[i] for i in idx], n_steps)
         self._answer(jobs, hits, n_steps, drafts, confs)
-        self._pf.stats["worker_side_hits"] += len(hits)
+        for i, br in hits.items():  # the next table reads this round's stopping places from the branch
+            j = jobs[i]
+            pf.answered[j.row] = (j.keep + len(j.tokens), drafts[i].copy(), br)
+        pf.stats["worker_side_hits"] += len(hits)
         return drafts, confs
 
     def _answer(self, jobs: list[Job], hits: dict, n_steps: int, drafts: np.ndarray, confs: np.ndarray) -> None:
-        """The hit jobs' drafts and confidences from their branches, and the branch's KV into the row."""
-        sc = self._pf._scratch.cache
-        for i, (srow, d, c) in hits.items():
+        """The hit jobs' drafts and confidences from their branches, and the branch's own KV (its forked
+        row from its pivot on; below it the request's row already holds it) into the request's row."""
+        sc = self._pf.fork.cache
+        for i, br in hits.items():
             j = jobs[i]
             # the same row length the drafter leaves: context + the first n_steps - 1 drafts
-            _copy_row(sc, srow, self._d.cache, j.row, j.keep + len(j.tokens) + n_steps - 1)
-            drafts[i], confs[i] = d, c
+            _copy_row(sc, br.row, self._d.cache, j.row, j.keep + len(j.tokens) + n_steps - 1, lo=br.lo)
+            drafts[i], confs[i] = br.drafts[:n_steps], br.confs[:n_steps]
 
 
 class ReplayPrefetcher(Prefetcher):
@@ -381,6 +613,7 @@ class ReplayPrefetcher(Prefetcher):
         super().__init__(inner if real else drafter, max_fanout)
         self.replay = drafter
         self.real = real
+        self._busy_until = 0.0  # the emulated device is busy until then (the bonus forward behind a table)
         self.supported = real or (drafter.cost is not None and bool(drafter.cost.prefetch))
         if not self.supported:
             log.warning("replay prefetch: no branch cost (inner %r, no prefetch entries in the cost table): "
@@ -401,12 +634,24 @@ class ReplayPrefetcher(Prefetcher):
             choices.append([(a, y) for a, y, _ in choose_branches(tok, prob, f, acc.rates(k), fanout)])
         k_max = max(k for _, _, k in todo)
         t = self._lap("choose", t)
+        run = None
         if self.real:  # the real step 3 on the chosen outcomes
-            _, out_c = self._branch_run(result, todo, base_rows, choices)
+            run = self._branch_run(result, todo, base_rows, choices)
         else:  # the device pieces (DEVICE_PIECES) as measured; the host pieces run here for real
             ctx = max(st.ctx_len for _, st, _ in todo)
-            spend(rd.cost.lookup_prefetch(len(todo), fanout, k_max, ctx))
-            out_c = None
+            key = (len(todo), fanout, k_max, ctx)
+            s, bonus = rd.cost.lookup_prefetch(*key), rd.cost.lookup_prefetch_bonus(*key)
+            # after a STEP answered from branches for every request, the real work has no forward over the
+            # stopping places (the branch run gave their candidates)
+            if all(self._from_branch(st, result.drafts[i, :k]) for i, st, k in todo):
+                s -= rd.cost.lookup_prefetch_stops(*key)
+                self.stats["stops_from_branches"] += len(todo)
+            else:
+                self.stats["stops_forwards"] += 1
+            self.device_free()
+            spend(s - bonus)
+            # the bonus forward runs on the device after the table is out: the device's next work waits for it
+            self._busy_until = time.perf_counter() + bonus
         t = self._lap("run", t)
         out_d = np.zeros((sum(len(c) for c in choices), k_max), np.int32)
         row = 0
@@ -415,11 +660,19 @@ class ReplayPrefetcher(Prefetcher):
             for a, y in pairs:
                 out_d[row, :k] = rd.branch_drafts(st.row, st.ctx_len, np.concatenate([f[:a], [y]]), k)
                 row += 1
-        if out_c is None:
-            out_c = np.zeros(out_d.shape, np.float32)
-        out = self._entries(blocks, result, todo, choices, base_rows, out_d, out_c)
+        if run is None:
+            out = self._entries(blocks, result, todo, choices, base_rows, out_d, np.zeros(out_d.shape, np.float32))
+        else:
+            out = self._entries(blocks, result, todo, choices, base_rows, out_d, *run[1:])
         self._lap("entries", t)
         return out
+
+
+    def device_free(self) -> None:
+        """The emulated device's queue: wait for the work still running on it (the last bonus forward)."""
+        left = self._busy_until - time.perf_counter()
+        if left > 0:
+            spend(left)
 
 
 class ReplayHitDrafter(HitDrafter):
@@ -434,11 +687,12 @@ class ReplayHitDrafter(HitDrafter):
         drafts[hi], confs[hi] = self._d.book([jobs[i] for i in hi], n_steps)
         pf = self._pf
         for i in hi:
-            srow, d, _ = hits[i]
-            pf.stats["hit_mismatches"] += int(not np.array_equal(d, drafts[i]))
+            br = hits[i]
+            pf.stats["hit_mismatches"] += int(not np.array_equal(br.drafts[:n_steps], drafts[i]))
             if pf.real:
                 j = jobs[i]
-                _copy_row(pf._scratch.cache, srow, self._d.inner.cache, j.row, j.keep + len(j.tokens) + n_steps - 1)
+                _copy_row(pf.fork.cache, br.row, self._d.inner.cache, j.row, j.keep + len(j.tokens) + n_steps - 1,
+                          lo=br.lo)
 
 
 def make_prefetcher(drafter) -> tuple[Prefetcher, object]:
@@ -451,22 +705,13 @@ def make_prefetcher(drafter) -> tuple[Prefetcher, object]:
     return pf, (HitDrafter(drafter, pf) if pf.supported else drafter)
 
 
-def _copy_row(src, src_row: int, dst, dst_row: int, n: int) -> None:
-    """KV of the first n positions of src's row into dst's row (the two caches share the model's shape)."""
-    if n > 0:
-        dst.k[:, dst_row, :, :n] = src.k[:, src_row, :, :n]
-        dst.v[:, dst_row, :, :n] = src.v[:, src_row, :, :n]
+def _copy_row(src, src_row: int, dst, dst_row: int, n: int, lo: int = 0) -> None:
+    """KV of positions lo .. n - 1 of src's row into dst's row, whose length becomes n (the two caches
+    share the model's shape; a forked row's positions below its pivot are dst's already)."""
+    if n > lo:
+        dst.k[:, dst_row, :, lo:n] = src.k[:, src_row, :, lo:n]
+        dst.v[:, dst_row, :, lo:n] = src.v[:, src_row, :, lo:n]
     dst.lengths[dst_row] = n
-
-
-def _copy_rows(torch, cache, src_rows: list[int], dst_rows: list[int], n: int) -> None:
-    """KV of the first n positions of each src row into its dst row, one indexed copy per tensor."""
-    if not dst_rows or n <= 0:
-        return
-    src = torch.tensor(src_rows, device=cache.k.device)
-    dst = torch.tensor(dst_rows, device=cache.k.device)
-    cache.k[:, dst, :, :n] = cache.k[:, src, :, :n]
-    cache.v[:, dst, :, :n] = cache.v[:, src, :, :n]
 
 
 def branches_payload(core, session, blocks: list[P.Block], result, fanout: int) -> bytes:

@@ -1,0 +1,112 @@
+"""The forked rows' attention on CUDA (draftrelay.worker.fork): the fast forward's flash-decoding kernel
+(draftrelay.kernels.triton_ops: one program per (row, kv head, key chunk), all n_rep * T query rows of a
+kv head at once, online softmax in fp32, long contexts split and combined) with its key loop in two
+parts: the chunk's keys below the row's pivot from the parent row, the rest from the forked row itself.
+The tiles, the split plan and the combine kernel are triton_ops' own, so a forked row costs what a
+plain row of the same length costs. Imported only where Triton is (fork.fork_attention_triton)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from draftrelay.kernels import triton_ops as TO
+from draftrelay.kernels.triton_ops import _attn_tile
+
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr,
+                      o_ptr, acc_ptr, ml_ptr, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos,
+                      s_prow, s_phead, s_ppos, s_qrow, s_qhead, s_qpos, chunk, n_split, scale,
+                      REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                      SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr):
+    bg = tl.program_id(0)
+    sp = tl.program_id(1)
+    n_kv = H // REP
+    b = bg // n_kv
+    g = bg % n_kv
+    start = tl.load(start_ptr + b).to(tl.int32)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    prow = tl.load(parent_ptr + b).to(tl.int64)
+    pivot = tl.load(pivot_ptr + b).to(tl.int32)
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, start + T)
+    mid = tl.maximum(tl.minimum(hi, pivot), lo)  # [lo, mid): the parent's keys; [mid, hi): the row's own
+    r = tl.arange(0, R_PAD)
+    rvalid = r < REP * T
+    t = r % T
+    h = g * REP + r // T
+    d = tl.arange(0, D)
+    qo = ((b * T + t).to(tl.int64) * H + h) * D
+    q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
+    qpos = start + t
+    m_i = tl.full([R_PAD], NEG_INF, tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, D], tl.float32)
+    pkb = pk_ptr + prow * s_prow + g * s_phead
+    pvb = pv_ptr + prow * s_qrow + g * s_qhead
+    kb = ck_ptr + row * s_crow + g * s_chead
+    vb = cv_ptr + row * s_vrow + g * s_vhead
+    if FIXED_TRIPS:  # Triton's interpreter takes no run-time loop bound: every tile of the chunk, masked
+        for it in range(0, FIXED_TRIPS):
+            m_i, l_i, acc = _attn_tile(q, pkb, pvb, s_ppos, s_qpos, lo + it * BLOCK, mid, qpos, d, m_i, l_i,
+                                          acc, scale, BLOCK, IEEE)
+        for it in range(0, FIXED_TRIPS + 1):
+            m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, mid + it * BLOCK, hi, qpos, d, m_i, l_i,
+                                          acc, scale, BLOCK, IEEE)
+    else:
+        n_par = (tl.maximum(mid - lo, 0) + BLOCK - 1) // BLOCK
+        for it in range(0, n_par):
+            m_i, l_i, acc = _attn_tile(q, pkb, pvb, s_ppos, s_qpos, lo + it * BLOCK, mid, qpos, d, m_i, l_i,
+                                          acc, scale, BLOCK, IEEE)
+        n_own = (tl.maximum(hi - mid, 0) + BLOCK - 1) // BLOCK
+        for it in range(0, n_own):
+            m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, mid + it * BLOCK, hi, qpos, d, m_i, l_i,
+                                          acc, scale, BLOCK, IEEE)
+    if SINGLE:
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + qo[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])
+    else:
+        part = (bg * n_split + sp).to(tl.int64)
+        tl.store(acc_ptr + (part * R_PAD + r)[:, None] * D + d[None, :], acc)
+        tl.store(ml_ptr + part * 2 * R_PAD + r, m_i)
+        tl.store(ml_ptr + part * 2 * R_PAD + R_PAD + r, l_i)
+
+
+def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+                   kv_len: int, pk: torch.Tensor, pv: torch.Tensor, parent: torch.Tensor,
+                   pivot: torch.Tensor) -> torch.Tensor:
+    B, T, H, D = q.shape
+    n_kv = ck.shape[1]
+    rep = H // n_kv
+    R_PAD = max(16, triton.next_power_of_2(rep * T))
+    for name, x in (("ck", ck), ("cv", cv), ("pk", pk), ("pv", pv)):
+        if x.stride(-1) != 1 or x.dtype != q.dtype:
+            raise ValueError(f"fork_attention: {name} needs a dense last dim and q's dtype")
+    if not q.is_contiguous():
+        raise ValueError("fork_attention: q must be contiguous")
+    sblock = TO.SINGLE_BLOCK.get((D, R_PAD), TO.BLOCK_N)
+    chunk, n_split = TO.split_plan(kv_len, B * n_kv, TO._n_sm(q.device), sblock)
+    block = sblock if n_split == 1 else TO.BLOCK_N
+    out = torch.empty_like(q)
+    single = n_split == 1
+    if single:
+        acc = ml = out  # unused
+    else:
+        acc = torch.empty(B * n_kv * n_split * R_PAD * D, device=q.device, dtype=torch.float32)
+        ml = torch.empty(B * n_kv * n_split * 2 * R_PAD, device=q.device, dtype=torch.float32)
+    warps = 4 if R_PAD * D <= 64 * 64 else 8
+    _fork_attn_kernel[(B * n_kv, n_split)](
+        q, ck, cv, rows, start, pk, pv, parent, pivot, out, acc, ml, T, H,
+        ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
+        pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
+        chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
+        IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if TO._INTERPRETED else 0,
+        num_warps=warps, num_stages=2)
+    if not single:
+        TO._attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D,
+                                             num_warps=warps)
+    return out

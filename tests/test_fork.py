@@ -1,0 +1,111 @@
+"""Forked rows (worker/fork.py): a scratch row that reads its parent's KV below a pivot computes what a
+row holding a copy of that KV computes, and never writes the parent."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from draftrelay import model as M
+from draftrelay.kernels import reference as R
+from draftrelay.worker import fork
+
+
+def _copy_below(ck, rows, pk, parent, pivot):
+    """The cache a full-context copy would give: row rows[b] of ck with parent[b]'s keys below pivot[b]."""
+    out = ck.clone()
+    for b in range(len(rows)):
+        p = int(pivot[b])
+        out[int(rows[b]), :, :p] = pk[int(parent[b]), :, :p]
+    return out
+
+
+def test_fork_attention_is_attention_over_a_copied_row():
+    g = torch.Generator().manual_seed(3)
+    B, T, H, HK, D, kv = 3, 2, 4, 2, 16, 96
+    q = torch.randn(B, T, H, D, generator=g)
+    ck, cv = torch.randn(5, HK, kv + 4, D, generator=g), torch.randn(5, HK, kv + 4, D, generator=g)
+    pk, pv = torch.randn(4, HK, kv + 4, D, generator=g), torch.randn(4, HK, kv + 4, D, generator=g)
+    rows, parent = torch.tensor([4, 0, 2]), torch.tensor([1, 3, 1])
+    start, pivot = torch.tensor([70, 5, 0]), torch.tensor([70, 3, 0])  # pivot at start, below it, nothing shared
+    got = fork.fork_attention_reference(q, ck, cv, rows, start, kv, pk, pv, parent, pivot)
+    want = R.decode_attention(q, _copy_below(ck, rows, pk, parent, pivot), _copy_below(cv, rows, pv, parent, pivot),
+                              rows, start, kv)
+    assert torch.equal(got, want)
+    # the parent's keys at and above the pivot are not read: changing them changes nothing
+    pk2 = pk.clone()
+    pk2[1, :, 70:] += 5.0
+    pk2[3, :, 3:] -= 7.0
+    assert torch.equal(fork.fork_attention_reference(q, ck, cv, rows, start, kv, pk2, pv, parent, pivot), got)
+
+
+def test_fork_forward_equals_the_forward_over_a_copied_row():
+    torch.manual_seed(0)
+    _, net = M.tiny_pair(M.TINY_SEED)
+    net.fast = True  # the fast forward's structure (reference kernels on a CPU), what fork_forward runs
+    parent_cache = net.new_cache(3, 64)
+    ctx = torch.randint(0, net.cfg.vocab_size, (2, 20))
+    net(ctx, torch.tensor([0, 0]), parent_cache, torch.tensor([0, 2]))
+    before_k, before_v = parent_cache.k.clone(), parent_cache.v.clone()
+    scratch = net.new_cache(4, 64)
+    copied = net.new_cache(4, 64)
+    rows, parent = torch.tensor([3, 1]), torch.tensor([0, 2])
+    pivot = torch.tensor([17, 20])
+    toks = torch.randint(0, net.cfg.vocab_size, (2, 2))
+    for b in range(2):
+        copied.k[:, int(rows[b]), :, :int(pivot[b])] = parent_cache.k[:, int(parent[b]), :, :int(pivot[b])]
+        copied.v[:, int(rows[b]), :, :int(pivot[b])] = parent_cache.v[:, int(parent[b]), :, :int(pivot[b])]
+    with torch.inference_mode():
+        got = fork.fork_forward(net, toks, pivot, scratch, rows, parent_cache, parent, pivot, 32)
+        want = net(toks, pivot, copied, rows, kv_len=32)
+    assert torch.equal(got, want)
+    assert torch.equal(parent_cache.k, before_k) and torch.equal(parent_cache.v, before_v)  # only read
+    assert not scratch.k[:, :, :, :17].any()  # nothing below a pivot was written into the forked rows
+    with pytest.raises(ValueError, match="exceed the fast attention"):
+        fork.fork_forward(net, torch.zeros(1, 64, dtype=torch.long), torch.tensor([0]), scratch, torch.tensor([0]),
+                          parent_cache, torch.tensor([0]), torch.tensor([0]), 64)
+
+
+INTERPRETED = r'''
+import os, sys, torch
+os.environ["TRITON_INTERPRET"] = "1"
+from draftrelay.kernels import reference as R
+from draftrelay.worker import fork, fork_triton as FT
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+n = 0
+# one program per (row, kv head) and, at 2048 keys, a split over chunks with the combine kernel
+for B, Tq, kv, starts, pivots in ((2, 1, 256, [100, 3], [60, 3]), (3, 2, 512, [400, 10, 0], [400, 0, 0]),
+                                  (1, 5, 2048, [1500], [1200])):
+    q = torch.randn(B, Tq, 4, 16, generator=g)
+    ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)
+    pk, pv = torch.randn(5, 2, kv + 8, 16, generator=g), torch.randn(5, 2, kv + 8, 16, generator=g)
+    rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
+    parent, pivot = torch.arange(B) % 5 + 1, torch.tensor(pivots)
+    torch.testing.assert_close(FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, parent, pivot),
+                               fork.fork_attention_reference(q, ck, cv, rows, st, kv, pk, pv, parent, pivot),
+                               atol=1e-5, rtol=1e-5)
+    zero = torch.zeros(B, dtype=torch.long)  # pivot 0: the plain attention over the row itself
+    torch.testing.assert_close(FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, parent, zero),
+                               R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
+    n += 1
+print("checked", n)
+'''
+
+
+def test_fork_kernel_under_the_interpreter_equals_its_definition(tmp_path):
+    """The CUDA kernel run by Triton's interpreter in fp32 (bf16 runs on the GPU)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (CPU-only CI)")
+    script = tmp_path / "check.py"
+    script.write_text(INTERPRETED)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(script), str(int(torch.randint(0, 1 << 30, ())))], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "checked 3" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,0 +1,73 @@
+"""Forked rows on a real GPU (not collected by CI): `pytest -q tests_gpu/test_fork_gpu.py`.
+
+1. The forked attention kernel (worker/fork_triton.py) against its plain-torch definition on bf16 inputs
+   of the 0.5B drafter's shape, one program per row and a 33K split with the combine.
+2. The branch work in graph mode on the 0.5B shape at random weights: each branch's drafts against a
+   fresh round of its context (the drafter's own graphs) agree in most branches (both bf16; a mismatch
+   is a numeric near-tie of random weights, and a wrong draft costs acceptance only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from draftrelay import kernels
+from draftrelay.worker import fork
+from draftrelay.worker import fork_triton as FT
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton_available("cuda")),
+                                reason="needs a CUDA GPU with Triton")
+DEV = torch.device("cuda")
+
+
+@pytest.mark.parametrize("kv,starts,pivots", [(512, [300, 7, 0, 511 - 6], [290, 7, 0, 400]),
+                                              (33024, [33000, 1200], [32990, 1000])])
+def test_fork_kernel_equals_its_definition_in_bf16(kv, starts, pivots):
+    g = torch.Generator(device=DEV).manual_seed(1)
+    B, T, H, HK, D = len(starts), 5, 14, 2, 64
+    q = torch.randn(B, T, H, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    ck = torch.randn(B + 2, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    cv = torch.randn(B + 2, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    pk = torch.randn(3, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    pv = torch.randn(3, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    rows = torch.arange(B, device=DEV) + 1
+    parent = torch.arange(B, device=DEV) % 3
+    st, pv_t = torch.tensor(starts, device=DEV), torch.tensor(pivots, device=DEV)
+    got = FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, parent, pv_t)
+    ref = fork.fork_attention_reference(q, ck, cv, rows, st, kv, pk, pv, parent, pv_t)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_branches_in_graph_mode_are_the_rounds_of_their_contexts():
+    import types
+
+    from draftrelay.speculation.table import Acceptance
+    from draftrelay.wire import protocol as P
+    from draftrelay.worker.drafters import Job, load_drafter
+    from draftrelay.worker.prefetch import Prefetcher
+
+    d = load_drafter("random:qwen2.5-0.5b", device="cuda", n_rows=4, max_ctx=2048, n_out_max=8)
+    assert d.mode == "graph"
+    pf = Prefetcher(d, max_fanout=8)
+    rng = np.random.default_rng(0)
+    k, F, L = 4, 8, 700
+    ctx = [rng.integers(0, d.vocab_size, L).astype(np.int32) for _ in range(2)]
+    for r in range(2):
+        d.run([Job(r, 0, ctx[r])], 0)
+    drafts, _ = d.run([Job(r, L - 3, ctx[r][L - 3:]) for r in range(2)], k)
+    blocks = [P.Block(r, 1, L - 3, ctx[r][L - 3:], k) for r in range(2)]
+    res = types.SimpleNamespace(drafts=drafts)
+    todo = [(r, types.SimpleNamespace(row=r, ctx_len=L), k) for r in range(2)]
+    entries = pf._draft(blocks, res, todo, Acceptance(), F)
+    agree = total = 0
+    spare = 3
+    for r, e in enumerate(entries):
+        for b in range(e.n_branches):
+            full = np.concatenate([ctx[r], e.prefix(b)]).astype(np.int32)
+            d.run([Job(spare, 0, full[:-1])], 0)
+            fresh, _ = d.run([Job(spare, len(full) - 1, full[-1:])], k)
+            agree += int(np.array_equal(fresh[0], e.branch_drafts[b]))
+            total += 1
+    assert total == 2 * F and agree >= 0.75 * total, (agree, total)
