@@ -71,6 +71,12 @@ class ForkKernels:
     def decode_attention(self, q, ck, cv, rows, start, kv_len):
         return self._attn(q, ck, cv, rows, start, kv_len, self._pk, self._pv, self._parent, self._pivot)
 
+    def rope_attention(self, qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len):
+        # the module's fused RoPE + attention reads only the forked row: here RoPE and the K/V write
+        # stay the module's, the attention is the forked one (parent below the pivot)
+        q = self._base.rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
+        return self.decode_attention(q, ck, cv, rows, start, kv_len)
+
 
 def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: torch.Tensor, parent_cache,
                  parent: torch.Tensor, pivot: torch.Tensor, kv_len: int,

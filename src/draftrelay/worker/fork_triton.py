@@ -107,6 +107,7 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
         IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if TO._INTERPRETED else 0,
         num_warps=warps, num_stages=2)
     if not single:
-        TO._attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D,
+        # PDL off: the fork kernel above is launched without programmatic dependent launch
+        TO._attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=False,
                                              num_warps=warps)
     return out
