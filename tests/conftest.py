@@ -66,3 +66,27 @@ def exact_law(target, prompt: list[int], vocab: int, n_tokens: int, keep: int):
             seqs = [prompt + list(t) for t in itertools.product(range(vocab), repeat=j)]
             joint = joint[..., None] * probs(seqs).view(*([vocab] * (j + 1)))
         return joint.sum(tuple(range(n_tokens - keep))).numpy()
+
+
+def run_interpreted(tmp_path, source: str) -> str:
+    """Run a check script under Triton's interpreter (TRITON_INTERPRET=1) in a child process with this
+    tree's src first on the path, a random seed as its argument; its stdout (the assertion carries the
+    tails of both streams when it fails). Skips where Triton is not installed (CPU-only CI)."""
+    import importlib.util
+    import os
+    import subprocess
+
+    import torch
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (CPU-only CI)")
+    script = tmp_path / "check.py"
+    script.write_text(source)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(script), str(int(torch.randint(0, 1 << 30, ())))], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+

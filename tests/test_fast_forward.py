@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from conftest import run_interpreted
 from draftrelay import kernels
 from draftrelay import model as M
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
@@ -282,18 +283,6 @@ def test_triton_kernels_under_the_interpreter_equal_their_definitions(tmp_path):
     """The skinny GEMM (every candidate configuration of a few shapes, each prologue), greedy_pick and
     the attention at each one-program tile size run by Triton's interpreter in fp32 (its bf16 emulation
     is not faithful; bf16 runs on the GPU tests)."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (CPU-only CI)")
-    script = tmp_path / "check.py"
-    script.write_text(INTERPRETED_CHECK)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                          os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(script), str(int(torch.randint(0, 1 << 30, ())))], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "checked" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert int(r.stdout.split("checked")[1]) >= 25  # configurations checked
+    out = run_interpreted(tmp_path, INTERPRETED_CHECK)
+    assert "checked" in out, out[-3000:]
+    assert int(out.split("checked")[1]) >= 25  # configurations checked

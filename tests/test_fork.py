@@ -3,14 +3,10 @@ row holding a copy of that KV computes, and never writes the parent."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from conftest import run_interpreted
 from draftrelay import model as M
 from draftrelay.kernels import reference as R
 from draftrelay.worker import fork
@@ -99,13 +95,5 @@ print("checked", n)
 
 def test_fork_kernel_under_the_interpreter_equals_its_definition(tmp_path):
     """The CUDA kernel run by Triton's interpreter in fp32 (bf16 runs on the GPU)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (CPU-only CI)")
-    script = tmp_path / "check.py"
-    script.write_text(INTERPRETED)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                          os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(script), str(int(torch.randint(0, 1 << 30, ())))], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "checked 3" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    out = run_interpreted(tmp_path, INTERPRETED)
+    assert "checked 3" in out, out[-3000:]
