@@ -81,6 +81,25 @@ def test_an_outlier_at_a_depth_not_chosen_gets_measured_again():
     assert picks[-10:].count(5) >= 8  # and the true best (rate(5) 5.09 > rate(6) 5.02 per s) is chosen
 
 
+def test_refreshes_stay_next_to_the_best_depth():
+    # the CPU pair on code: round 100 ms per draft, verify 400 ms x (1 + (T - 1) / 4), acceptance 0.9;
+    # the best depth is 3 and a refresh runs 2 or 4, never the k_max = 6 that costs a 1.2 s wide verify
+    round_ms, verify_ms = (lambda k: 100 * k), (lambda t: 400 * (1 + (t - 1) / 4))
+    pol = trained(6, round_ms, verify_ms, [0.9] * 6)
+    pol.cfg.refresh_every = 6
+    best = max(range(7), key=lambda k: pol.rates()[k])
+    assert best == 3
+    picks = []
+    for _ in range(120):
+        k = pol.choose()
+        picks.append(k)
+        pol.observe_verify(k + 1, verify_ms(k + 1) / 1e3)
+        if k:
+            pol.observe_round(k, round_ms(k) / 1e3, 1)
+    assert pol.refreshes >= 15 and set(picks) <= {2, 3, 4} and picks.count(3) >= 100
+    assert {2, 4} <= set(picks)  # both neighbours measured
+
+
 def test_acceptance_counts_positions_reached_and_kept():
     a = Acceptance(4, prior=0.5, prior_weight=1e-9, decay=1.0)
     a.add(4, 4, 2)  # kept 0 and 1, rejected at 2, position 3 never judged

@@ -17,7 +17,8 @@ Costs are running estimates from the engine's own step clock, each a scale times
 moves all depths alike), and the relative cost of its depth or width slowly; the shape is
 non-decreasing, interpolated between measured points and a least-squares line beyond them (both are
 close to linear in k on CPU and GPU alike). While speculating, every `refresh_every` steps one step
-runs at the depth measured longest ago, so no depth keeps a cost that one bad measurement gave it.
+runs at the best depth's neighbour (best - 1 or best + 1) measured longer ago, so the depths the choice
+is between never keep a cost that one bad measurement gave them, and no step pays for a far one.
 Until both the width-1 and the deepest verify have been timed once, and a round at two depths (unless
 `round_costs` seeded them: engine/calibrate.py measures the worker before decoding), the policy explores those first.
 One depth serves the whole batch (the verify is as wide as its longest draft), and costs are kept by
@@ -238,8 +239,12 @@ class DepthPolicy:
             if rates[best] >= self.cfg.min_gain * rates[0]:
                 k = best
                 self._since_refresh += 1
-                if self._since_refresh >= self.cfg.refresh_every:  # re-measure the stalest depth
-                    k = min(range(1, self.k_max + 1), key=lambda d: self._seen.get(d + 1, -1))
+                if self._since_refresh >= self.cfg.refresh_every:  # re-measure a neighbour of the best
+                    # only best - 1 and best + 1: the shared scale keeps every depth's cost current, and
+                    # a depth can become the best only through its neighbours; a refresh far away (k_max
+                    # while 2 is best) cost a wide verify and a long round for nothing
+                    near = [d for d in (best - 1, best + 1) if 1 <= d <= self.k_max] or [best]
+                    k = min(near, key=lambda d: self._seen.get(d + 1, -1))
                     self._since_refresh = 0
                     self.refreshes += 1
             elif self._at_zero >= self.cfg.probe_every:
