@@ -185,6 +185,28 @@ def test_explores_unmeasured_widths_first_then_decides():
     assert pol.choose() in range(5) and pol._explore() is None
 
 
+def test_the_deepest_step_is_explored_once_even_when_its_verify_went_untimed():
+    # the first step's verify was a thread probe (not timed) or its round failed: the policy does not
+    # pay for another k_max step, it times width 1 and width 2 and decides on the line through them
+    pol = DepthPolicy(6, round_costs={1: 0.1, 6: 0.6})
+    assert pol.choose() == 6  # nothing observed for it
+    assert pol.choose() == 0
+    pol.observe_verify(1, 0.40)
+    assert pol.choose() == 1
+    pol.observe_verify(2, 0.45)
+    assert pol._explore() is None and pol.verify(7) is not None
+    assert pol.chosen[6] == 1
+
+
+def test_every_other_probe_at_depth_zero_asks_a_neighbour():
+    # speculation does not pay (acceptance 0.1): probes alternate between the best depth and its neighbour
+    cfg = DepthConfig(decay=1.0, probe_every=4)
+    pol = trained(4, lambda k: 50 + 50 * k, lambda t: 400 * (1 + (t - 1) / 6), [0.1] * 4, cfg=cfg)
+    probes = [k for k in (pol.choose() for _ in range(40)) if k]
+    assert len(probes) == pol.probes >= 7
+    assert set(probes[0::2]) == {1} and set(probes[1::2]) == {2}
+
+
 def test_seeded_round_costs_skip_round_exploration():
     pol = DepthPolicy(4, round_costs={1: 0.002, 4: 0.005})
     assert pol.choose() == 4

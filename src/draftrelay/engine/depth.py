@@ -19,8 +19,10 @@ non-decreasing, interpolated between measured points and a least-squares line be
 close to linear in k on CPU and GPU alike). While speculating, every `refresh_every` steps one step
 runs at the best depth's neighbour (best - 1 or best + 1) measured longer ago, so the depths the choice
 is between never keep a cost that one bad measurement gave them, and no step pays for a far one.
-Until both the width-1 and the deepest verify have been timed once, and a round at two depths (unless
-`round_costs` seeded them: engine/calibrate.py measures the worker before decoding), the policy explores those first.
+Until the width-1 verify and a second width have been timed, and a round at two depths (unless
+`round_costs` seeded them: engine/calibrate.py measures the worker before decoding), the policy explores
+those first; the deepest step is tried once among them (on a CPU it costs several plain steps), and
+every other probe at depth 0 asks a neighbour of the best depth instead of the best one.
 One depth serves the whole batch (the verify is as wide as its longest draft), and costs are kept by
 depth and width only: a change of batch size moves them, and the running averages follow within a
 few steps. Acceptance counts decay per round (`decay`), so the estimate follows the text it is drafting; a
@@ -193,6 +195,7 @@ class DepthPolicy:
                 self.round.add(int(k), float(s))
         self._at_zero = 0  # consecutive steps chosen at depth 0
         self._explore_left = 6  # exploring steps allowed (failed rounds time no verify width)
+        self._deep_tried = False  # the k_max step of the exploration has run
         self.chosen: dict[int, int] = {}  # depth -> steps (metrics)
         self.probes = 0
         self.refreshes = 0
@@ -207,10 +210,15 @@ class DepthPolicy:
         if self._explore_left <= 0:
             return None
         k = None
-        if not self.verify.known(self.k_max + 1):
-            k = self.k_max
+        if not self.verify.known(self.k_max + 1) and not self._deep_tried:
+            # once: on a CPU the deepest step costs several plain ones (a 7-wide verify on top of a
+            # 6-draft round), and a step whose verify was not timed (a failed round, a thread probe)
+            # would repeat it; the line through the narrower widths stands in for it meanwhile
+            k, self._deep_tried = self.k_max, True
         elif not self.verify.known(1):
             k = 0
+        elif self.verify(2) is None:  # one width timed: the cheapest second one gives the line
+            k = 1
         elif self.round(1) is None:  # one round depth timed: a second one gives the line
             k = 1 if not self.round.known(1) else self.k_max
         if k is not None:
@@ -250,6 +258,11 @@ class DepthPolicy:
             elif self._at_zero >= self.cfg.probe_every:
                 k = best
                 self.probes += 1
+                if self.probes % 2 == 0:  # every other probe at a neighbour of the best: its cost and
+                    # acceptance are otherwise only interpolated (a round line through k = 1 and k_max
+                    # put a 2-draft round at 1.6x its cost, and the probes kept asking k = 1)
+                    near = [d for d in (best - 1, best + 1) if 1 <= d <= self.k_max] or [best]
+                    k = min(near, key=lambda d: self._seen.get(d + 1, -1))
             else:
                 k = 0
         self._at_zero = self._at_zero + 1 if k == 0 else 0
