@@ -66,6 +66,18 @@ def test_scaled_curve_moves_every_width_with_the_load():
     assert c(7) == pytest.approx(0.90) and c(1) == pytest.approx(0.75 * 0.90 / 1.50 * 2 / 1.2, rel=0.5)
 
 
+def test_scaled_curve_drops_an_outlier_within_three_measurements():
+    c = ScaledCurve()  # the policy's weights
+    c.add(1, 0.40)
+    c.add(2, 1.30)  # the first 2-wide verify timed during a load spike: 3.25x a 1-wide one
+    for _ in range(3):
+        c.add(1, 0.40)
+    assert c(2) > 1.0  # one measurement is all it knows
+    c.add(2, 0.46)
+    c.add(2, 0.46)
+    assert c(2) == pytest.approx(0.46, rel=0.05)  # the exponential average (0.1) said 0.84
+
+
 def test_an_outlier_at_a_depth_not_chosen_gets_measured_again():
     pol = trained(6, lambda k: 100 * k, lambda t: 300 + 20 * t, [0.9] * 6)
     pol.cfg.refresh_every = 8

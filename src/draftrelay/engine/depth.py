@@ -88,7 +88,8 @@ class CostCurve:
 
 class ScaledCurve:
     """cost(x) = scale * shape(x): the machine's current speed (`scale`, updated by every measurement at
-    any x) times the relative cost of x (`shape`, a CostCurve normalised to 1 at the first x measured).
+    any x) times the relative cost of x (`shape`, a CostCurve normalised to 1 at the first x measured,
+    each other x the median of its last few relative measurements).
     The load of a shared CPU moves every depth's and width's cost together; a policy that sits at one
     depth measures only that one, so with a plain average per x the costs of the others stay whatever
     they were when last measured (an outlier measured once at the deepest width kept it off for good).
@@ -99,6 +100,9 @@ class ScaledCurve:
         self.shape = CostCurve(shape_alpha)
         self.scale: float | None = None
         self.ref: int | None = None
+        # the last round(1 / shape_alpha) relative costs of each x: its shape is their median
+        self.window = max(1, round(1 / shape_alpha))
+        self._rel: dict[int, list[float]] = {}
 
     def add(self, x: int, seconds: float) -> None:
         if self.ref is None:
@@ -109,7 +113,14 @@ class ScaledCurve:
         if rel is not None:
             self.scale += self.alpha * (seconds / rel - self.scale)
         if x != self.ref:
-            self.shape.add(x, seconds / self.scale)
+            # a median, not an exponential average: a load spike during a measurement only ever makes
+            # it slower, and the average kept one such outlier (a 2-wide verify timed at 3x a 1-wide one
+            # during exploration) for dozens of measurements, speculation off meanwhile; the median
+            # halves it at the second measurement and drops it at the third
+            r = self._rel.setdefault(x, [])
+            r.append(seconds / self.scale)
+            del r[:-self.window]
+            self.shape.mean[x] = float(np.median(r))
 
     def known(self, x: int) -> bool:
         return self.shape.known(x)
