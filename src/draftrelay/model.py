@@ -272,9 +272,9 @@ def attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, blocked: to
 # (in blocks: 1.5-1.8x). Each block's GEMM computes whole output columns (the same dot products).
 # With n threads a block holds n x CPU_BLOCK_BYTES (one share per thread), and only weights of
 # CPU_BLOCK_MIN_THREADED or more are blocked: each block is a parallel region that waits for every
-# thread. On the idle 2-core machine a 7-row product over the 1.5B's 110 MB gate/up weight took 7.1 ms
-# as one GEMM and 5.1 ms in 2 MB blocks, over its 933 MB head 119 ms and 68 ms (1 row: 2.8 and 32 ms);
-# under load the thread policy runs one thread anyway.
+# thread. On two threads of the 2-core machine the 1.5B reference target's 7-wide verify takes 534 ms
+# in blocks against 709 ms as one GEMM per weight (benchmarks/cpu_step.py); under load the thread policy
+# runs one thread anyway.
 CPU_BLOCK_ROWS = (4, 16)
 CPU_BLOCK_BYTES = 1 << 20  # weight bytes per block and thread
 CPU_BLOCK_MIN = 4 << 20  # smaller weights run as one GEMM (a block costs ~10 us of Python)
@@ -285,8 +285,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """F.linear, in row blocks of w for CPU products of CPU_BLOCK_ROWS rows (above)."""
     if x.device.type == "cpu" and x.dim() >= 2 and CPU_BLOCK_ROWS[0] <= x.numel() // x.shape[-1] <= CPU_BLOCK_ROWS[1]:
         per_row = w.shape[1] * w.element_size()
-        n = torch.get_num_threads()
-        if w.shape[0] * per_row >= (CPU_BLOCK_MIN if n == 1 else CPU_BLOCK_MIN_THREADED):
+        size = w.shape[0] * per_row
+        n = torch.get_num_threads() if size >= CPU_BLOCK_MIN else 0  # small weights: no call at all
+        if n == 1 or n > 1 and size >= CPU_BLOCK_MIN_THREADED:
             rows = max(16, n * CPU_BLOCK_BYTES // per_row)
             return torch.cat([F.linear(x, w[i:i + rows], None if b is None else b[i:i + rows])
                               for i in range(0, w.shape[0], rows)], dim=-1)
