@@ -1,7 +1,8 @@
 """One decode step of the reference target on this CPU, interleaved step by step in one process so the
 machine's load hits every variant alike: draftrelay's forward on one thread and on all of them,
 transformers' forward (torch's default thread count) on the same tensors, and verifies of 5 and 7
-positions on one thread with the weight products in row blocks (model.linear) and as one GEMM.
+positions on one thread and of 3, 4 and 7 on all of them, with the weight products in row blocks
+(model.linear) and as one GEMM.
 
     python benchmarks/cpu_step.py                  # 24 steps x 2 rounds (about 4 minutes on 2 cores)
     python benchmarks/cpu_step.py --steps 8 --rounds 1
@@ -49,14 +50,15 @@ def main(argv: list[str] | None = None) -> int:
 
         def step(self) -> None:
             torch.set_num_threads(self.threads)
-            saved = M.CPU_BLOCK_MIN
-            M.CPU_BLOCK_MIN = saved if self.blocks else 1 << 62
+            saved = M.CPU_BLOCK_MIN, M.CPU_BLOCK_MIN_THREADED
+            if not self.blocks:
+                M.CPU_BLOCK_MIN = M.CPU_BLOCK_MIN_THREADED = 1 << 62
             try:
                 toks = torch.tensor([[self.nxt] * self.width])
                 with torch.inference_mode():
                     lg = model(toks, torch.tensor([self.pos]), self.cache, torch.tensor([0]))
             finally:
-                M.CPU_BLOCK_MIN = saved
+                M.CPU_BLOCK_MIN, M.CPU_BLOCK_MIN_THREADED = saved
             self.nxt = int(lg[0, 0].argmax())
             self.out.append(self.nxt)
             self.pos += 1
@@ -83,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         v = {"ours, 1 thread": Ours(1), f"ours, {n_all} threads": Ours(n_all), "transformers": HF(),
              "verify 5, 1 thread, blocks": Ours(1, 5), "verify 5, 1 thread, one GEMM": Ours(1, 5, False),
-             "verify 7, 1 thread, blocks": Ours(1, 7), "verify 7, 1 thread, one GEMM": Ours(1, 7, False)}
+             "verify 7, 1 thread, blocks": Ours(1, 7), "verify 7, 1 thread, one GEMM": Ours(1, 7, False),
+             f"verify 3, {n_all} threads": Ours(n_all, 3),
+             f"verify 4, {n_all} threads, blocks": Ours(n_all, 4),
+             f"verify 4, {n_all} threads, one GEMM": Ours(n_all, 4, False),
+             f"verify 7, {n_all} threads, blocks": Ours(n_all, 7),
+             f"verify 7, {n_all} threads, one GEMM": Ours(n_all, 7, False)}
         times: dict[str, list[float]] = {k: [] for k in v}
         loads = []
         for i in range(args.steps):

@@ -100,7 +100,9 @@ def test_local_cpu_worker_gets_every_allowed_core(monkeypatch):
     cpu = torch.device("cpu")
     L.start_local_worker("some/dir", cpu, 4, 256, 1)
     n = L.default_threads()
-    assert n >= 1 and seen["args"][-2:] == ["--threads", str(n)] and seen["env"] == {"OMP_NUM_THREADS": str(n)}
+    assert n >= 1 and seen["args"][-2:] == ["--threads", str(n)]
+    assert seen["env"] == {"OMP_NUM_THREADS": str(n), **L.CPU_WORKER_OMP_ENV}
+    assert int(seen["env"]["GOMP_SPINCOUNT"]) <= 20_000  # an idle worker thread sleeps within about a millisecond
     L.start_local_worker("some/dir", cpu, 4, 256, 1, threads=3)
     assert seen["args"][-2:] == ["--threads", "3"]
     L.start_local_worker("tiny", cpu, 4, 256, 1)

@@ -66,6 +66,18 @@ def test_scaled_curve_moves_every_width_with_the_load():
     assert c(7) == pytest.approx(0.90) and c(1) == pytest.approx(0.75 * 0.90 / 1.50 * 2 / 1.2, rel=0.5)
 
 
+def test_scaled_curve_drops_an_outlier_within_three_measurements():
+    c = ScaledCurve()  # the policy's weights
+    c.add(1, 0.40)
+    c.add(2, 1.30)  # the first 2-wide verify timed during a load spike: 3.25x a 1-wide one
+    for _ in range(3):
+        c.add(1, 0.40)
+    assert c(2) > 1.0  # one measurement is all it knows
+    c.add(2, 0.46)
+    c.add(2, 0.46)
+    assert c(2) == pytest.approx(0.46, rel=0.05)  # the exponential average (0.1) said 0.84
+
+
 def test_an_outlier_at_a_depth_not_chosen_gets_measured_again():
     pol = trained(6, lambda k: 100 * k, lambda t: 300 + 20 * t, [0.9] * 6)
     pol.cfg.refresh_every = 8
@@ -79,6 +91,25 @@ def test_an_outlier_at_a_depth_not_chosen_gets_measured_again():
             pol.observe_round(k, 0.1 * k, 1)
     assert pol.refreshes >= 8 and pol.verify(7) < 0.6  # width 7 measured again: its outlier is gone
     assert picks[-10:].count(5) >= 8  # and the true best (rate(5) 5.09 > rate(6) 5.02 per s) is chosen
+
+
+def test_refreshes_stay_next_to_the_best_depth():
+    # the CPU pair on code: round 100 ms per draft, verify 400 ms x (1 + (T - 1) / 4), acceptance 0.9;
+    # the best depth is 3 and a refresh runs 2 or 4, never the k_max = 6 that costs a 1.2 s wide verify
+    round_ms, verify_ms = (lambda k: 100 * k), (lambda t: 400 * (1 + (t - 1) / 4))
+    pol = trained(6, round_ms, verify_ms, [0.9] * 6)
+    pol.cfg.refresh_every = 6
+    best = max(range(7), key=lambda k: pol.rates()[k])
+    assert best == 3
+    picks = []
+    for _ in range(120):
+        k = pol.choose()
+        picks.append(k)
+        pol.observe_verify(k + 1, verify_ms(k + 1) / 1e3)
+        if k:
+            pol.observe_round(k, round_ms(k) / 1e3, 1)
+    assert pol.refreshes >= 15 and set(picks) <= {2, 3, 4} and picks.count(3) >= 100
+    assert {2, 4} <= set(picks)  # both neighbours measured
 
 
 def test_acceptance_counts_positions_reached_and_kept():
@@ -164,6 +195,28 @@ def test_explores_unmeasured_widths_first_then_decides():
     pol.observe_round(1, 0.002, 1)
     pol.observe_verify(2, 0.0105)
     assert pol.choose() in range(5) and pol._explore() is None
+
+
+def test_the_deepest_step_is_explored_once_even_when_its_verify_went_untimed():
+    # the first step's verify was a thread probe (not timed) or its round failed: the policy does not
+    # pay for another k_max step, it times width 1 and width 2 and decides on the line through them
+    pol = DepthPolicy(6, round_costs={1: 0.1, 6: 0.6})
+    assert pol.choose() == 6  # nothing observed for it
+    assert pol.choose() == 0
+    pol.observe_verify(1, 0.40)
+    assert pol.choose() == 1
+    pol.observe_verify(2, 0.45)
+    assert pol._explore() is None and pol.verify(7) is not None
+    assert pol.chosen[6] == 1
+
+
+def test_every_other_probe_at_depth_zero_asks_a_neighbour():
+    # speculation does not pay (acceptance 0.1): probes alternate between the best depth and its neighbour
+    cfg = DepthConfig(decay=1.0, probe_every=4)
+    pol = trained(4, lambda k: 50 + 50 * k, lambda t: 400 * (1 + (t - 1) / 6), [0.1] * 4, cfg=cfg)
+    probes = [k for k in (pol.choose() for _ in range(40)) if k]
+    assert len(probes) == pol.probes >= 7
+    assert set(probes[0::2]) == {1} and set(probes[1::2]) == {2}
 
 
 def test_seeded_round_costs_skip_round_exploration():

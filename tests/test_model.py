@@ -343,6 +343,31 @@ def test_decode_forward_never_waits_for_the_device_stream():
     assert blocking == [], f"blocking host-to-device copies of shapes {blocking}"
 
 
+def test_blocked_cpu_linear_with_threads_blocks_only_large_weights(monkeypatch):
+    """With several threads a block holds a share per thread, and only weights of at least
+    CPU_BLOCK_MIN_THREADED are blocked; the values are the one GEMM's."""
+    monkeypatch.setattr(M, "CPU_BLOCK_BYTES", 16384)
+    monkeypatch.setattr(M, "CPU_BLOCK_MIN", 1 << 16)
+    monkeypatch.setattr(M, "CPU_BLOCK_MIN_THREADED", 1 << 19)
+    g = torch.Generator().manual_seed(4)
+    big, small = torch.randn(1000, 256, generator=g), torch.randn(400, 256, generator=g)  # 1 MB, 0.4 MB
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(M.F, "linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        x = torch.randn(7, 256, generator=g)
+        out = M.linear(x, big)
+        assert len(calls) > 1 and max(calls) == 32  # 2 x 16 KB of 1 KB rows per block
+        torch.testing.assert_close(out, real(x, big), rtol=1e-6, atol=1e-5)
+        calls.clear()
+        M.linear(x, small)
+        assert calls == [400]  # below the threaded minimum: one GEMM
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocked_cpu_linear_equals_one_gemm(monkeypatch, dtype):
     """A few-row single-threaded product in row blocks of the weight gives the one GEMM's values

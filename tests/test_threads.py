@@ -44,6 +44,22 @@ def test_follows_a_change_of_load():
     assert pol.best == 1 and after[-20:].count(1) >= 19
 
 
+def test_one_slow_probe_under_a_passing_load_does_not_keep_a_count_off():
+    # two threads measured once during a load spike (1.2 s against one thread's 0.4 s), then the load goes
+    # and two threads take 0.22 s: the policy must come back to them within two probes
+    def back_at(**kw) -> int:
+        pol = ThreadPolicy(2, probe_every=12, **kw)
+        picks = []
+        for i in range(200):
+            n = pol.choose(1)
+            pol.observe(1, 0.4 if n == 1 else (1.2 if i < 4 else 0.22))
+            picks.append(n)
+        return next(i for i in range(4, 200) if picks[i:i + 10] == [2] * 10)
+
+    assert back_at() <= 60  # first probe after ceil((3 - 1) / 0.05) = 40 steps, the second 12 later
+    assert back_at(probe_alpha=0.3) > 60  # a probe weighed as an ordinary step: more probes, later
+
+
 def test_a_width_seen_with_one_count_only_follows_the_other_widths():
     pol = ThreadPolicy(2, probe_every=1000)
     drive(pol, lambda n, w: (0.45 if n == 1 else 1.26) * w, 4)  # width 1, both counts

@@ -17,9 +17,12 @@ Costs are running estimates from the engine's own step clock, each a scale times
 moves all depths alike), and the relative cost of its depth or width slowly; the shape is
 non-decreasing, interpolated between measured points and a least-squares line beyond them (both are
 close to linear in k on CPU and GPU alike). While speculating, every `refresh_every` steps one step
-runs at the depth measured longest ago, so no depth keeps a cost that one bad measurement gave it.
-Until both the width-1 and the deepest verify have been timed once, and a round at two depths (unless
-`round_costs` seeded them: engine/calibrate.py measures the worker before decoding), the policy explores those first.
+runs at the best depth's neighbour (best - 1 or best + 1) measured longer ago, so the depths the choice
+is between never keep a cost that one bad measurement gave them, and no step pays for a far one.
+Until the width-1 verify and a second width have been timed, and a round at two depths (unless
+`round_costs` seeded them: engine/calibrate.py measures the worker before decoding), the policy explores
+those first; the deepest step is tried once among them (on a CPU it costs several plain steps), and
+every other probe at depth 0 asks a neighbour of the best depth instead of the best one.
 One depth serves the whole batch (the verify is as wide as its longest draft), and costs are kept by
 depth and width only: a change of batch size moves them, and the running averages follow within a
 few steps. Acceptance counts decay per round (`decay`), so the estimate follows the text it is drafting; a
@@ -85,7 +88,8 @@ class CostCurve:
 
 class ScaledCurve:
     """cost(x) = scale * shape(x): the machine's current speed (`scale`, updated by every measurement at
-    any x) times the relative cost of x (`shape`, a CostCurve normalised to 1 at the first x measured).
+    any x) times the relative cost of x (`shape`, a CostCurve normalised to 1 at the first x measured,
+    each other x the median of its last few relative measurements).
     The load of a shared CPU moves every depth's and width's cost together; a policy that sits at one
     depth measures only that one, so with a plain average per x the costs of the others stay whatever
     they were when last measured (an outlier measured once at the deepest width kept it off for good).
@@ -96,6 +100,9 @@ class ScaledCurve:
         self.shape = CostCurve(shape_alpha)
         self.scale: float | None = None
         self.ref: int | None = None
+        # the last round(1 / shape_alpha) relative costs of each x: its shape is their median
+        self.window = max(1, round(1 / shape_alpha))
+        self._rel: dict[int, list[float]] = {}
 
     def add(self, x: int, seconds: float) -> None:
         if self.ref is None:
@@ -106,7 +113,14 @@ class ScaledCurve:
         if rel is not None:
             self.scale += self.alpha * (seconds / rel - self.scale)
         if x != self.ref:
-            self.shape.add(x, seconds / self.scale)
+            # a median, not an exponential average: a load spike during a measurement only ever makes
+            # it slower, and the average kept one such outlier (a 2-wide verify timed at 3x a 1-wide one
+            # during exploration) for dozens of measurements, speculation off meanwhile; the median
+            # halves it at the second measurement and drops it at the third
+            r = self._rel.setdefault(x, [])
+            r.append(seconds / self.scale)
+            del r[:-self.window]
+            self.shape.mean[x] = float(np.median(r))
 
     def known(self, x: int) -> bool:
         return self.shape.known(x)
@@ -192,6 +206,7 @@ class DepthPolicy:
                 self.round.add(int(k), float(s))
         self._at_zero = 0  # consecutive steps chosen at depth 0
         self._explore_left = 6  # exploring steps allowed (failed rounds time no verify width)
+        self._deep_tried = False  # the k_max step of the exploration has run
         self.chosen: dict[int, int] = {}  # depth -> steps (metrics)
         self.probes = 0
         self.refreshes = 0
@@ -206,10 +221,15 @@ class DepthPolicy:
         if self._explore_left <= 0:
             return None
         k = None
-        if not self.verify.known(self.k_max + 1):
-            k = self.k_max
+        if not self.verify.known(self.k_max + 1) and not self._deep_tried:
+            # once: on a CPU the deepest step costs several plain ones (a 7-wide verify on top of a
+            # 6-draft round), and a step whose verify was not timed (a failed round, a thread probe)
+            # would repeat it; the line through the narrower widths stands in for it meanwhile
+            k, self._deep_tried = self.k_max, True
         elif not self.verify.known(1):
             k = 0
+        elif self.verify(2) is None:  # one width timed: the cheapest second one gives the line
+            k = 1
         elif self.round(1) is None:  # one round depth timed: a second one gives the line
             k = 1 if not self.round.known(1) else self.k_max
         if k is not None:
@@ -238,13 +258,22 @@ class DepthPolicy:
             if rates[best] >= self.cfg.min_gain * rates[0]:
                 k = best
                 self._since_refresh += 1
-                if self._since_refresh >= self.cfg.refresh_every:  # re-measure the stalest depth
-                    k = min(range(1, self.k_max + 1), key=lambda d: self._seen.get(d + 1, -1))
+                if self._since_refresh >= self.cfg.refresh_every:  # re-measure a neighbour of the best
+                    # only best - 1 and best + 1: the shared scale keeps every depth's cost current, and
+                    # a depth can become the best only through its neighbours; a refresh far away (k_max
+                    # while 2 is best) cost a wide verify and a long round for nothing
+                    near = [d for d in (best - 1, best + 1) if 1 <= d <= self.k_max] or [best]
+                    k = min(near, key=lambda d: self._seen.get(d + 1, -1))
                     self._since_refresh = 0
                     self.refreshes += 1
             elif self._at_zero >= self.cfg.probe_every:
                 k = best
                 self.probes += 1
+                if self.probes % 2 == 0:  # every other probe at a neighbour of the best: its cost and
+                    # acceptance are otherwise only interpolated (a round line through k = 1 and k_max
+                    # put a 2-draft round at 1.6x its cost, and the probes kept asking k = 1)
+                    near = [d for d in (best - 1, best + 1) if 1 <= d <= self.k_max] or [best]
+                    k = min(near, key=lambda d: self._seen.get(d + 1, -1))
             else:
                 k = 0
         self._at_zero = self._at_zero + 1 if k == 0 else 0

@@ -11,7 +11,9 @@ The policy keeps, per (thread count, verify width), an exponential average of th
 Each step runs with the count whose average is lower at that width (for a width measured with only one
 count, the ratio of the two counts at the other widths decides); every `probe_every` steps one forward
 runs with the other count (less often where the other count is much slower: probes cost at most 5 % of
-the time), so a change of load is seen within a few probes. A change of count costs a
+the time), so a change of load is seen within a few probes: a probe weighs more than an ordinary step
+(the other count's average is otherwise many steps old), and one well below that average brings the
+next probe forward. A change of count costs a
 thread-pool resize (~1.5 ms), so the count is set only when it changes, and restored on close.
 
 Thread counts change the order of floating-point reductions inside GEMMs (fp32 logits differ in the
@@ -29,13 +31,14 @@ class ThreadPolicy:
     """choose(width) before a forward, observe(width, seconds) after it; apply() sets torch's count."""
 
     def __init__(self, max_threads: int, probe_every: int = 12, alpha: float = 0.3, margin: float = 0.03,
-                 probe_cost: float = 0.05) -> None:
+                 probe_cost: float = 0.05, probe_alpha: float = 0.7) -> None:
         if max_threads < 2:
             raise ValueError(f"ThreadPolicy: needs at least 2 threads to choose from, got {max_threads}")
         if probe_every < 2:
             raise ValueError(f"ThreadPolicy: probe_every must be >= 2, got {probe_every}")
         self.options = (1, max_threads)
         self.probe_every, self.alpha, self.margin, self.probe_cost = probe_every, alpha, margin, probe_cost
+        self.probe_alpha = probe_alpha
         self.mean: dict[tuple[int, int], float] = {}
         self.best = max_threads  # torch's default until measured otherwise
         self.steps = 0
@@ -43,6 +46,7 @@ class ThreadPolicy:
         self.probes = 0
         self._n = 0  # the count this step runs with
         self._since_probe = 0
+        self._soon = False  # the last probe ran well below its count's average: probe again at probe_every
         self.probing = False  # this step runs the other count (its time says nothing about the best one's)
         self._restore = torch.get_num_threads()
 
@@ -75,7 +79,7 @@ class ThreadPolicy:
         a, b = self.options
         ta, tb = self.mean.get((a, width)), self.mean.get((b, width))
         r = ta / tb if ta is not None and tb is not None else self._ratio()
-        if r is None:
+        if r is None or self._soon:
             return self.probe_every
         slow = max(r, 1 / r)
         return max(self.probe_every, math.ceil((slow - 1) / self.probe_cost))
@@ -91,6 +95,7 @@ class ThreadPolicy:
             n = other
             self.probes += 1
             self._since_probe = 0
+            self._soon = False
         else:
             n = self.best
         self.chosen[n] += 1
@@ -103,9 +108,16 @@ class ThreadPolicy:
             torch.set_num_threads(n)
 
     def observe(self, width: int, seconds: float) -> None:
+        """A probe weighs more than a step of the count in use (probe_alpha): the other count is measured
+        only every few dozen steps, so with the usual weight one slow probe under a passing load would keep
+        it off for several probes, hundreds of steps, after the load has gone. A probe well below its
+        count's average (the load fell) brings the next probe forward to probe_every steps."""
         key = (self._n or self.best, width)
         old = self.mean.get(key)
-        self.mean[key] = seconds if old is None else old + self.alpha * (seconds - old)
+        a = self.probe_alpha if self.probing else self.alpha
+        self.mean[key] = seconds if old is None else old + a * (seconds - old)
+        if self.probing and old is not None and seconds < 0.8 * old:
+            self._soon = True
 
     def restore(self) -> None:
         self.apply(self._restore)
