@@ -262,8 +262,7 @@ class DepthPolicy:
                     # only best - 1 and best + 1: the shared scale keeps every depth's cost current, and
                     # a depth can become the best only through its neighbours; a refresh far away (k_max
                     # while 2 is best) cost a wide verify and a long round for nothing
-                    near = [d for d in (best - 1, best + 1) if 1 <= d <= self.k_max] or [best]
-                    k = min(near, key=lambda d: self._seen.get(d + 1, -1))
+                    k = self._stale_neighbour(best)
                     self._since_refresh = 0
                     self.refreshes += 1
             elif self._at_zero >= self.cfg.probe_every:
@@ -272,13 +271,18 @@ class DepthPolicy:
                 if self.probes % 2 == 0:  # every other probe at a neighbour of the best: its cost and
                     # acceptance are otherwise only interpolated (a round line through k = 1 and k_max
                     # put a 2-draft round at 1.6x its cost, and the probes kept asking k = 1)
-                    near = [d for d in (best - 1, best + 1) if 1 <= d <= self.k_max] or [best]
-                    k = min(near, key=lambda d: self._seen.get(d + 1, -1))
+                    k = self._stale_neighbour(best)
             else:
                 k = 0
         self._at_zero = self._at_zero + 1 if k == 0 else 0
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
+
+    def _stale_neighbour(self, best: int) -> int:
+        """best - 1 or best + 1 (within 1..k_max; best itself when neither is), whichever verify width
+        was measured longer ago."""
+        near = [d for d in (best - 1, best + 1) if 1 <= d <= self.k_max] or [best]
+        return min(near, key=lambda d: self._seen.get(d + 1, -1))
 
     # -- what the step measured -------------------------------------------------------------------------
     def observe_round(self, k: int, seconds: float, sent_tokens: int) -> None:
