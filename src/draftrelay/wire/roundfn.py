@@ -82,7 +82,9 @@ class RoundBudget:
     sends more than CATCH_UP_TOKENS tokens (the worker prefills it alone, eagerly: a fixed cost per
     request on a launch-bound GPU) and per_token_s for each of its tokens beyond those."""
 
-    def __init__(self, per_catch_up_s: float = 0.010, per_token_s: float = 20e-6) -> None:
+    PER_CATCH_UP_MS, PER_TOKEN_US = 10.0, 20.0  # the defaults (spec keys budget_per_catch_up_ms, _per_token_us)
+
+    def __init__(self, per_catch_up_s: float = PER_CATCH_UP_MS / 1e3, per_token_s: float = PER_TOKEN_US / 1e6) -> None:
         if not (per_catch_up_s >= 0 and per_token_s >= 0):
             raise ValueError(f"RoundBudget: per_catch_up_s and per_token_s must be >= 0, got "
                              f"{per_catch_up_s}, {per_token_s}")
@@ -98,8 +100,8 @@ class RoundBudget:
 
     @classmethod
     def from_spec(cls, spec: dict) -> RoundBudget:
-        return cls(float(spec.get("budget_per_catch_up_ms", 10.0)) / 1e3,
-                   float(spec.get("budget_per_token_us", 20.0)) / 1e6)
+        return cls(float(spec.get("budget_per_catch_up_ms", cls.PER_CATCH_UP_MS)) / 1e3,
+                   float(spec.get("budget_per_token_us", cls.PER_TOKEN_US)) / 1e6)
 
 
 class WorkerRoundFn:
