@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -116,3 +117,80 @@ def test_worker_exits_when_its_parent_is_already_gone():
     p = subprocess.run([sys.executable, "-m", "draftrelay.worker", "--model", "test", "--port", "0",
                         "--parent-pid", "1"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 1 and "is gone" in p.stderr
+
+
+def test_worker_parent_gone_before_prctl_deletes_the_log_file_it_was_given(tmp_path):
+    log = tmp_path / "worker.log"
+    log.write_text("")
+    p = subprocess.run([sys.executable, "-m", "draftrelay.worker", "--model", "test", "--port", "0",
+                        "--parent-pid", "1", "--parent-log", str(log)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and not log.exists()
+
+
+SLOW = 999
+
+
+def _slow_worker(tmp_path, delay_ms: float):
+    """A worker whose step on token SLOW sleeps delay_ms, started with this test as its parent."""
+    from draftrelay.worker.process import start_worker_process
+
+    return start_worker_process(["--model", "test", "--test-vocab", "1000", "--test-slow-token", str(SLOW),
+                                 "--test-delay-ms", str(delay_ms)], timeout=60)
+
+
+def test_worker_sigterm_mid_step_exits_at_once_and_says_a_step_was_running(tmp_path):
+    """SIGTERM while a connection's step outlasts the stop's wait for it: the worker still ends (rc 0) in
+    bounded time, without tearing the interpreter down around the busy thread, and its log says so."""
+    import numpy as np
+
+    from draftrelay.wire import Block, DrafterClient
+
+    w = _slow_worker(tmp_path, 20_000)
+    try:
+        c = DrafterClient(w.host, w.port, timeout=30.0, max_requests=1, n_out_max=2)
+        c.connect()
+        blocks = [Block(1, 0, 0, np.asarray([SLOW], np.int32), 2)]  # request 1, generation 0, position 0
+        t = threading.Thread(target=_ignore, args=(c.step, blocks), daemon=True)
+        t.start()
+        time.sleep(1.0)  # the step is asleep inside the worker
+        t0 = time.monotonic()
+        w.proc.terminate()
+        rc = w.proc.wait(15)
+        took = time.monotonic() - t0
+        log = w.log()
+        assert rc == 0, log[-2000:]
+        assert took < 10, f"{took:.1f} s to stop"  # the step alone would hold it 19 s more
+        assert "still in a step; exiting without interpreter teardown" in log, log[-2000:]
+        c.close()
+    finally:
+        w.stop()
+
+
+def test_worker_killed_parent_leaves_no_log_file(tmp_path):
+    """The parent (a process that started the worker) is SIGKILLed: the worker ends by PR_SET_PDEATHSIG and
+    deletes the log file the dead parent can no longer delete."""
+    script = ("import sys, time\n"
+              "from draftrelay.worker.process import start_worker_process\n"
+              "w = start_worker_process(['--model', 'test'], timeout=60)\n"
+              "print(w.pid, w.log_path, flush=True)\n"
+              "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, log = parent.stdout.readline().split()
+        assert os.path.exists(log)
+        parent.kill()
+        parent.wait(10)
+        end = time.monotonic() + 20
+        while (_alive(int(pid)) or os.path.exists(log)) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not _alive(int(pid)) and not os.path.exists(log)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _ignore(fn, *a):
+    try:
+        fn(*a)
+    except Exception:
+        pass

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=float, default=5.0,
                    help="seconds between WARNING lines of one kind (refusals, malformed frames, expiry)")
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)  # exit when this process dies
+    p.add_argument("--parent-log", default="", help=argparse.SUPPRESS)  # its log file: ours to delete if it dies
     p.add_argument("--test-gpu-uuid", default="", help=argparse.SUPPRESS)  # lock this (fake) GPU UUID on a CPU
 
 
@@ -131,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.parent_pid and not die_with_parent(args.parent_pid):
         print(f"draftrelay worker: the parent (PID {args.parent_pid}) is gone; exiting", file=sys.stderr)
+        _drop_parent_log(args)
         return 1
     from draftrelay.wire import security
 
@@ -239,7 +243,16 @@ def run(args: argparse.Namespace) -> int:
 
         drafter.on_fatal = on_fatal
     host, port = server.start()
-    signal.signal(signal.SIGTERM, lambda *_: server._stopping.set())
+
+    def on_term(*_) -> None:
+        # SIGTERM: the supervisor's stop, or the parent's death (PR_SET_PDEATHSIG). The alarm bounds the
+        # clean stop: SIGALRM's default action ends the process if anything below hangs. The event is set
+        # from another thread: Event.set here could deadlock on the condition lock this same (main)
+        # thread holds inside Event.wait when the signal lands.
+        signal.alarm(STOP_BOUND_S)
+        threading.Thread(target=server._stopping.set, name="worker-term", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
     print(f"draftrelay worker listening on {host}:{port} model_id={drafter.model_id} vocab={drafter.vocab_size} "
           f"max_ctx={drafter.max_ctx} rows={drafter.n_rows} per-session={per_session} "
           f"auth={'secret' if secret else 'none'} tls={'on' if tls else 'off'} ({drafter.info})", flush=True)
@@ -253,5 +266,36 @@ def run(args: argparse.Namespace) -> int:
             lk.release()
     if fatal:
         print(f"draftrelay worker: exiting for a restart: {fatal[0]}", file=sys.stderr)
-        return 3
-    return 0
+    _leave(3 if fatal else 0, server.active_connections(), args)
+
+
+STOP_BOUND_S = 15  # a clean stop (connections closed and joined, GPU locks released) takes well under this
+
+
+def _leave(rc: int, busy: int, args: argparse.Namespace) -> NoReturn:
+    """End the process without Python's interpreter teardown. A connection thread can still be inside a
+    drafter step (stop() waits for each only so long, and it is a daemon); tearing the interpreter down
+    around such a thread was seen to spin forever in the garbage collector (gc_list_size under
+    interpreter_clear) after the parent was SIGKILLed on a loaded host, leaving an orphaned worker.
+    Everything the worker owns is released by now (sockets, GPU locks; the kernel frees the rest), and
+    nothing it runs registers atexit work."""
+    if busy:
+        logging.getLogger("draftrelay.worker").warning(
+            "%d connection thread(s) still in a step; exiting without interpreter teardown", busy)
+    _drop_parent_log(args)
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
+
+
+def _drop_parent_log(args: argparse.Namespace) -> None:
+    """A parent that died (SIGKILL) could not delete the log file it gave us as stderr: we do."""
+    if args.parent_log and args.parent_pid and os.getppid() != args.parent_pid:
+        try:
+            os.unlink(args.parent_log)
+        except OSError:
+            pass

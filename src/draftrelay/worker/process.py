@@ -70,7 +70,7 @@ def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: floa
     fd, log_path = tempfile.mkstemp(prefix="draftrelay-worker-", suffix=".log")
     cmd = [sys.executable, "-m", "draftrelay.worker", "--host", host, "--port", "0", *args]
     if die_with_us:
-        cmd += ["--parent-pid", str(os.getpid())]
+        cmd += ["--parent-pid", str(os.getpid()), "--parent-log", log_path]
     with os.fdopen(fd, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
                                 env={**os.environ, **(env or {})})
