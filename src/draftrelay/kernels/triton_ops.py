@@ -673,7 +673,7 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
 
 def _plan_cache(dev_index: int) -> P.PlanCache | None:
     """The plan cache of CUDA device dev_index (plan.cache_path; None where DRAFTRELAY_PLAN_CACHE=off)."""
-    meta = {"device": torch.cuda.get_device_name(dev_index), "torch": torch.__version__,
+    meta = {"device": torch.cuda.get_device_name(dev_index), "torch": torch.__version__, "cuda": torch.version.cuda,
             "triton": triton.__version__, "kernels": _SOURCE_DIGEST, "pdl": _pdl(torch.device("cuda", dev_index))}
     path = P.cache_path(meta)
     return None if path is None else P.PlanCache(path, meta)
