@@ -184,6 +184,7 @@ def main() -> int:
         write_drafter_dir(args.drafter, inner, 2)
         model_id = os.path.basename(inner)
     worker = None
+    t_worker = time.perf_counter()
     if any(m != "off" for m in modes):  # started first: it loads while the target is built
         worker = start_worker_process(["--model", f"replay:{os.path.abspath(args.trace)}:{inner}", "--device", str(dev),
                                        "--max-ctx", str(max_len + 64), "--rows", str(2 * args.max_batch + 2),
@@ -193,6 +194,9 @@ def main() -> int:
                                           "--warm-max-kv", str(args.warm_max_kv)]
                                          if dev.type == "cuda" and args.warm_drafter else [])],
                                       timeout=300, env={"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None)
+    if worker is not None:  # the banner carries the worker's kernel planning (count, seconds, from the cache)
+        result["worker_start_s"], result["worker_banner"] = time.perf_counter() - t_worker, worker.banner
+    t_target = time.perf_counter()
     target = target_model(args.target, dev, dtype)
     if max_model_len > target.cfg.max_position_embeddings:
         ap.error(f"--long-len {args.long_len}: beyond the target's context {target.cfg.max_position_embeddings}")
@@ -201,6 +205,7 @@ def main() -> int:
     pfile = os.path.join(tmp, "prompts.json")
     with open(pfile, "w") as f:
         json.dump(prompts, f)
+    result["target_build_s"] = time.perf_counter() - t_target
     result["setup_s"] = time.perf_counter() - t_start
     try:
         for mode in modes:

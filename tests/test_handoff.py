@@ -381,3 +381,34 @@ def test_long_wait_slices_do_not_slow_closing_a_parked_stream_or_stopping_the_pr
         r.proxy = None
     finally:
         r.close()
+
+
+def test_the_watchdog_deadline_follows_the_rounds_size():
+    """The proxy hands the watchdog what RoundBudget gives a round beyond a steady one: a round that
+    carries a catch-up request (more than CATCH_UP_TOKENS tokens) is not claimed at the steady
+    deadline, a small round as slow still is, and a large round slower than its own budget is claimed
+    once that budget has passed."""
+    spec = {"kind": "builtin", "budget_per_catch_up_ms": 1000.0, "budget_per_token_us": 0.0}
+    big = [RoundRequest(1, 1, 0, np.arange(40, dtype=np.int32), 2)]  # extra: 1 s
+    small = [RoundRequest(2, 1, 0, np.array([5], np.int32), 2)]
+    r = open_rounds(cfg(round_spec={**spec, "faults": dict(p_delay=1.0, delay_ms=300)}, deadline_ms=100,
+                        selftest_rounds=0))
+    assert isinstance(r, AsyncRounds), r.refusal
+    try:
+        res = r.result(r.submit(big), timeout_s=10)
+        assert res.status == Status.OK and res.counts.sum() > 0  # 300 ms, past the steady 100 ms deadline
+        t0 = time.monotonic()
+        res = r.result(r.submit(small), timeout_s=10)
+        assert res.status == Status.WATCHDOG and res.counts.sum() == 0
+        assert time.monotonic() - t0 < 0.3  # claimed at its deadline, not when the proxy finished
+    finally:
+        r.close()
+    r = open_rounds(cfg(round_spec={**spec, "faults": dict(p_delay=1.0, delay_ms=3000)}, deadline_ms=100,
+                        selftest_rounds=0))
+    try:
+        t0 = time.monotonic()
+        res = r.result(r.submit(big), timeout_s=10)
+        took = time.monotonic() - t0
+        assert res.status == Status.WATCHDOG and 1.05 <= took < 2.5, took  # deadline + the round's 1 s
+    finally:
+        r.close()

@@ -119,6 +119,28 @@ def test_watchdog_claims_and_releases_an_overdue_round_only():
         wd.stop()
 
 
+def test_watchdog_deadline_extends_only_for_the_round_its_budget_word_names():
+    """The budget word (round << 32) | microseconds: round 1 named in it gets deadline + 150 ms; a
+    word naming another round (a stale one) extends nothing."""
+    buf = np.zeros(128, np.uint32)
+    base = int(buf.ctypes.data)
+    g, r, c0, c1, f = layout_offsets()
+    bw = 320  # its own line, 8-byte aligned
+    wd = native.Watchdog(base, g, r, (c0, c1), f, deadline_us=30_000, poll_us=500, off_budget=bw)
+    try:
+        native.store64(base + bw, 1 << 32 | 150_000)
+        t0 = time.monotonic()
+        native.store32(base + g, 1)
+        assert native.wait_geq32(base + r, 1, 0, 200, 1_000_000) == native.WAIT_OK
+        assert time.monotonic() - t0 >= 0.17 and wd.fires == 1  # 30 + 150 ms, not 30
+        t0 = time.monotonic()
+        native.store32(base + g, 2)  # the word still names round 1
+        assert native.wait_geq32(base + r, 2, 0, 200, 1_000_000) == native.WAIT_OK
+        assert time.monotonic() - t0 < 0.15 and wd.fires == 2
+    finally:
+        wd.stop()
+
+
 def test_watchdog_reset_under_lock_never_fires_spuriously():
     buf = np.zeros(128, np.uint32)
     base = int(buf.ctypes.data)

@@ -11,6 +11,7 @@ import pytest
 from draftrelay.handoff.region import (
     LINE,
     MAGIC,
+    VERSION,
     DescriptorError,
     Layout,
     Region,
@@ -62,7 +63,7 @@ def _foreign(payload: bytes, size: int) -> int:
 def test_open_refuses_foreign_or_corrupt_regions(case):
     size = Layout(CFG).total_size
     hdr = struct.Struct("<IIQIIII")
-    fields = dict(magic=MAGIC, version=1, size=size, r=4, t=64, d=5, v=1000)
+    fields = dict(magic=MAGIC, version=VERSION, size=size, r=4, t=64, d=5, v=1000)
     fsize = size
     if case == "magic":
         fields["magic"] = 0xDEADBEEF

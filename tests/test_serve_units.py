@@ -254,13 +254,17 @@ def test_a_round_of_every_row_catching_up_fits_the_region(sized):
                 eng.generate(prompts, SamplingParams(max_tokens=6))
 
 
-def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt():
+def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt(monkeypatch):
     """Scheduler.start(warm) runs the warm-up on the thread that serves and hands back its result (or
-    its exception); the warm-up's long prompt is the longest the context leaves room for."""
+    its exception); the warm-up's long prompt is the longest the context leaves room for; where the
+    Triton kernels planned products its result carries what the planning cost."""
+    import sys
     import threading
+    import types
 
     from draftrelay import model as M
     from draftrelay.engine.engine import Engine, EngineConfig
+    from draftrelay.kernels import plan as P
     from draftrelay.serve.metrics import ServeMetrics
     from draftrelay.serve.scheduler import Scheduler, warm_up
 
@@ -288,6 +292,11 @@ def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt():
         assert {1, 2, 3, 4, 5} <= sizes  # decode steps at every batch size up to max_batch
         assert w["long_prompt"] == 511 and 512 - 16 <= w["long_decoded"] < 511 and w["rounds_healthy"]
         assert warm_up(eng, 512, long_prompt=100)["long_prompt"] == 100
+        assert "kernel_plan" not in w  # a CPU: the Triton kernels never loaded, nothing planned
+        stats = P.PlanStats(measured=35, candidates=170, seconds=41.5, from_cache=2)
+        monkeypatch.setitem(sys.modules, "draftrelay.kernels.triton_ops",
+                            types.SimpleNamespace(PLANNER=types.SimpleNamespace(stats=stats)))
+        assert warm_up(eng, 512, long_prompt=100)["kernel_plan"] == stats.summary()
 
         def broken():
             raise RuntimeError("warm-up failed")

@@ -240,6 +240,7 @@ typedef struct {
     pthread_mutex_t lock;
     char *base;
     uint64_t off_gathered, off_released, off_claim0, off_claim1, off_fires;
+    uint64_t off_budget; /* u64 (round << 32) | extra us for that round, written by the proxy; 0: none */
     uint64_t deadline_ns;
     uint32_t poll_us;
     a32 stop;
@@ -259,7 +260,12 @@ static void watchdog_check(hf_watchdog_t *wd) {
         wd->seen_ns = now;
     }
     if (g == 0 || geq32(r, g)) return; /* nothing pending */
-    if (now - wd->seen_ns < wd->deadline_ns) return;
+    uint64_t limit = wd->deadline_ns;
+    if (wd->off_budget) { /* the round's size asked for more time (the proxy's RoundBudget) */
+        uint64_t e = hf_load64(b + wd->off_budget);
+        if ((uint32_t)(e >> 32) == g) limit += (e & 0xFFFFFFFFull) * 1000ull;
+    }
+    if (now - wd->seen_ns < limit) return;
     void *claim = b + ((g & 1u) ? wd->off_claim1 : wd->off_claim0);
     if (hf_claim32(claim, 2u * g, 2u * g + 1u)) {
         atomic_fetch_add_explicit(&wd->fires, 1, memory_order_relaxed);
@@ -283,7 +289,7 @@ static void *watchdog_main(void *arg) {
 
 HF_API void *hf_watchdog_start(void *base, uint64_t off_gathered, uint64_t off_released,
                                uint64_t off_claim0, uint64_t off_claim1, uint64_t off_fires,
-                               uint64_t deadline_us, uint32_t poll_us) {
+                               uint64_t off_budget, uint64_t deadline_us, uint32_t poll_us) {
     hf_watchdog_t *wd = calloc(1, sizeof(*wd));
     if (!wd) return NULL;
     wd->base = (char *)base;
@@ -292,6 +298,7 @@ HF_API void *hf_watchdog_start(void *base, uint64_t off_gathered, uint64_t off_r
     wd->off_claim0 = off_claim0;
     wd->off_claim1 = off_claim1;
     wd->off_fires = off_fires;
+    wd->off_budget = off_budget;
     wd->deadline_ns = deadline_us * 1000ull;
     wd->poll_us = poll_us ? poll_us : 1000;
     wd->last_g = hf_load32(wd->base + off_gathered);

@@ -50,7 +50,7 @@ _sig("hf_store32_wake", None, _p, _u32)
 _sig("hf_store_max32_wake", _int, _p, _u32)
 _sig("hf_heartbeat_start", _p, _p, _u32)
 _sig("hf_heartbeat_stop", None, _p)
-_sig("hf_watchdog_start", _p, _p, _u64, _u64, _u64, _u64, _u64, _u64, _u32)
+_sig("hf_watchdog_start", _p, _p, _u64, _u64, _u64, _u64, _u64, _u64, _u64, _u32)
 _sig("hf_watchdog_lock", None, _p)
 _sig("hf_watchdog_unlock", None, _p)
 _sig("hf_watchdog_reset", None, _p, ctypes.POINTER(_u64), _u32)
@@ -105,9 +105,11 @@ class Watchdog:
     """The native watchdog thread (see hostflag.c). Lives in the engine process."""
 
     def __init__(self, base: int, off_gathered: int, off_released: int, off_claims: tuple[int, int],
-                 off_fires: int, deadline_us: int, poll_us: int = 1000) -> None:
+                 off_fires: int, deadline_us: int, poll_us: int = 1000, off_budget: int = 0) -> None:
+        """off_budget: a u64 word (round << 32) | microseconds that round gets beyond deadline_us (the
+        proxy writes it from the round's size once it has parsed the round); 0: every round deadline_us."""
         self._h = lib.hf_watchdog_start(base, off_gathered, off_released, off_claims[0], off_claims[1],
-                                        off_fires, deadline_us, poll_us)
+                                        off_fires, off_budget, deadline_us, poll_us)
         if not self._h:
             raise OSError("could not start the native watchdog thread")
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from draftrelay.round import RoundFailure, RoundFn, Status, check_drafts
 from draftrelay.testing import FaultPlan, builtin_round_fn
-from draftrelay.wire.roundfn import make_round_fn
+from draftrelay.wire.roundfn import RoundBudget, make_round_fn
 
 from . import branch_push, native
 from .region import (
@@ -53,13 +53,16 @@ from .region import (
 # The serving loop
 
 
-def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_fn: RoundFn, budget_s: float):
+def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_fn: RoundFn, budget_s: float,
+           sized: Callable[[int, list], None] | None = None):
     """Round t's reply from a private copy of its staging: parse it, run the round function (the
     built-in one for the engine's self-test rounds), check the output. Returns (status, counts,
     drafts, conf); every failure is a status with no drafts (None)."""
     cfg = L.cfg
     try:
         flags, requests = unpack_staging(L, private, t)
+        if sized is not None:  # before the round: the watchdog's deadline follows the round's size
+            sized(t, requests)
         fn = selftest_fn if flags & FLAG_SELFTEST else round_fn
         out = fn(t, requests, budget_s)
         return (Status.OK, *check_drafts(out, requests, cfg.vocab_size, cfg.max_drafts))
@@ -85,11 +88,13 @@ def copy_staged(L: Layout, private: np.ndarray, staged: np.ndarray) -> None:
 def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int = 20,
           round_budget_s: float = 0.15, faults: FaultPlan | None = None,
           parent_pid: int | None = None, wait: str = "poll", wait_slice_us: int = 2000,
-          after_release: Callable[[int], None] | None = None, wake_release: bool = False) -> None:
+          after_release: Callable[[int], None] | None = None, wake_release: bool = False,
+          budget: RoundBudget | None = None) -> None:
     """The proxy's loop. wait "block": sleep on `gathered` (an emulated stream wakes it) and wake the
     stream with the release; "poll": spin_us, then nap_us naps (a GPU writes `gathered`, no wake).
     wake_release: wake the release word in poll mode too (an engine thread sleeps on it: the host park).
-    after_release(t): called after round t is released (the speculation cache's branch push)."""
+    after_release(t): called after round t is released (the speculation cache's branch push).
+    budget: each parsed round's time beyond a steady round's goes to the watchdog's deadline."""
     L, cfg, base = region.layout, region.cfg, region.base
     a_gathered = base + L.word(W.GATHERED)
     a_released = base + L.word(W.RELEASED)
@@ -108,6 +113,9 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
     def stall(point: str, fault: str, where: str) -> None:
         if fault == "stall" and point == where and faults is not None:
             time.sleep(faults.stall_ms / 1000)
+
+    def sized(t: int, requests: list) -> None:  # round t's time beyond a steady round's, for the watchdog
+        native.store64(base + L.word(W.ROUND_BUDGET), (t & 0xFFFFFFFF) << 32 | budget.extra_us(requests))
 
     blocking = wait == "block"
     release = native.store_max32_wake if blocking or wake_release else native.store_max32
@@ -139,7 +147,8 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
             t = native.load32(a_gathered)
             continue
         count(Counter.ROUNDS)
-        status, counts, drafts, conf = answer(L, private, t, selftest_fn, round_fn, round_budget_s)
+        status, counts, drafts, conf = answer(L, private, t, selftest_fn, round_fn, round_budget_s,
+                                              sized if budget is not None else None)
         # The GPU acknowledged round t-2 before it staged t (stream order); re-check, bounded.
         native.wait_geq32(a_consumed, t - 2, 0, 50, 200_000, a_stop)
         stall(point, fault, "write")
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
               round_budget_s=float(spec.get("round_budget_s", 0.15)), faults=faults, parent_pid=parent,
               wait=str(spec.get("wait", "poll")), wait_slice_us=int(spec.get("wait_slice_us", 2000)),
               after_release=pushes[0].after_release if pushes else None,
-              wake_release=bool(spec.get("wake_release", False)))
+              wake_release=bool(spec.get("wake_release", False)), budget=RoundBudget.from_spec(spec))
     finally:
         if args.audit:
             _audit(args.audit)

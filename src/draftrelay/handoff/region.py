@@ -7,7 +7,7 @@ round parity: round t uses slot t & 1.
 
     header   magic, version, sizes (one cache line)
     words    each on its own 64-byte line: gathered, released, consumed, heartbeat, proxy state,
-             stop, proxy pid, watchdog fires, last release time, proxy counters
+             stop, proxy pid, watchdog fires, last release time, proxy counters, round budget
     staging  [2] descriptor header + request table + tokens        (engine -> proxy, proxy only reads)
     reply    [2] claim word (own line) + header + counts + drafts + confidences  (proxy -> engine)
 
@@ -33,7 +33,7 @@ import numpy as np
 from draftrelay.round import RoundRequest, RoundResult, Status
 
 MAGIC = 0x594C5244  # "DRLY"
-VERSION = 1
+VERSION = 2
 LINE = 64
 
 _HEADER = struct.Struct("<IIQIIII")  # magic, version, total_size, max_requests, max_tokens, max_drafts, vocab
@@ -52,9 +52,10 @@ class W(IntEnum):
     WD_FIRES = 7
     LAST_RELEASE_NS = 8  # u64, the proxy's clock just before its last release (benchmarks)
     COUNTERS = 9  # u32[16] proxy-side counters, see Counter
+    ROUND_BUDGET = 10  # u64 (round << 32) | us the watchdog adds to its deadline for that round (proxy)
 
 
-N_WORDS = 10
+N_WORDS = 11
 
 
 class ProxyState(IntEnum):

@@ -278,7 +278,8 @@ class AsyncRounds:
         L = self.region.layout
         self.watchdog = native.Watchdog(self.region.base, L.word(W.GATHERED), L.word(W.RELEASED),
                                         (L.claim(0), L.claim(1)), L.word(W.WD_FIRES),
-                                        int(cfg.deadline_ms * 1000), cfg.watchdog_poll_us)
+                                        int(cfg.deadline_ms * 1000), cfg.watchdog_poll_us,
+                                        off_budget=L.word(W.ROUND_BUDGET))
         self.stream = make_stream(cfg, self.region)
         self.stream.preload(cfg.preload)  # before any round is armed, the self-test's included
         self._off = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
@@ -547,7 +548,8 @@ class AsyncRounds:
         L = self.region.layout
         self.watchdog.reset_words([L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED), L.claim(0),
                                    L.claim(1), L.word(W.STOP), L.word(W.PROXY_STATE), L.word(W.HEARTBEAT),
-                                   L.word(W.HEARTBEAT) + 4, L.word(W.PROXY_PID)])
+                                   L.word(W.HEARTBEAT) + 4, L.word(W.PROXY_PID), L.word(W.ROUND_BUDGET),
+                                   L.word(W.ROUND_BUDGET) + 4])
         self._t = 0
         event["respawn_ns"] = native.now_ns()
         try:

@@ -26,13 +26,14 @@ where the card has it (`triton_ops.PDL`).
 from __future__ import annotations
 
 import functools
+import sys
 from types import ModuleType
 
 import torch
 
 from draftrelay.kernels import reference
 
-__all__ = ["backend", "triton_available", "reference"]
+__all__ = ["backend", "plan_stats", "triton_available", "reference"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,3 +53,11 @@ def triton_available(device: torch.device | str) -> bool:
 def backend(device: torch.device | str) -> ModuleType:
     """The kernels for tensors on `device`: Triton's on CUDA where available, else the references."""
     return _triton_module() if triton_available(device) else reference
+
+
+def plan_stats():
+    """This process's kernel-planning cost so far (`plan.PlanStats`: shapes measured, configurations
+    timed, seconds, shapes taken from the plan cache), or None where the Triton kernels were never
+    loaded (a CPU, the plain forward). Start-up logs it: the measurement is the start's largest cost."""
+    mod = sys.modules.get(__name__ + ".triton_ops")
+    return None if mod is None else mod.PLANNER.stats

@@ -7,11 +7,25 @@ Why measured: at these row counts cuBLAS's choice swings between 0.3 and 4 TB/s 
 Triton kernel's speed depends on the card; the measurement times every candidate on the card the
 forward runs on, inside a CUDA graph (launch gaps as in a replay), over enough distinct weight copies
 that the L2 cache does not serve the repeats, and checks each candidate's output against cuBLAS's
-first. The choice is per (product kind, rows, weight shape, dtype, bias, residual) and fixed for the
-process once made (graphs captured later bake it in; a rank of a tensor-parallel pair may choose
+first. The choice is per (product kind, row bucket, weight shape, dtype, bias, residual) and fixed for
+the process once made (graphs captured later bake it in; a rank of a tensor-parallel pair may choose
 differently from its peer, which changes no replicated value: each rank's products are its own).
 
-Pure Python (no torch, no Triton): the CPU tests check the candidate lists and the choice rule.
+Row buckets (1, 2, 3-4, 5-8, 9-16 rows): a product is measured once per bucket, at the bucket's top
+row count, and every row count of the bucket runs the same compiled kernel (`row_tiles`: the
+multiply-and-sum tile loops over the bucket's rows with those past M masked; the dot tiles pad to 16
+anyway). A server's start-up runs every row count from 1 to 16 (graph captures per batch size and
+verify width, the prefill sweep), so planning per exact row count measured and compiled each
+candidate sixteen times per shape; per bucket it is five, and a row count inside a bucket costs what
+the measured top costs at most.
+
+`PlanCache`: the choices on disk, one JSON file per (device name, torch and Triton versions, the
+kernels' source), so a restart on the same card measures nothing. An unreadable, malformed or
+mismatched file, or an entry naming a configuration the present candidates do not have, is ignored
+with a warning and measured afresh.
+
+Pure Python (no torch, no Triton): the CPU tests check the candidate lists, the choice and bucket
+rules and the cache file.
 
 `MODE` (environment DRAFTRELAY_SKINNY): "auto" measures; "off" keeps cuBLAS for every product and the
 separate norm / SiLU / pick kernels (the forward as it is without the skinny kernels).
@@ -19,10 +33,16 @@ separate norm / SiLU / pick kernels (the forward as it is without the skinny ker
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
 import math
 import os
+import tempfile
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_ROWS = 16  # products with more rows (prefill chunks, large batches) stay on cuBLAS
 SUM_MAX_ROWS = 8  # the multiply-and-sum tile's rows (each row one more pass over the loaded weight tile)
@@ -34,6 +54,9 @@ MODE = os.environ.get("DRAFTRELAY_SKINNY", "auto")
 if MODE not in MODES:
     raise ValueError(f"DRAFTRELAY_SKINNY={MODE!r}: expected one of {', '.join(MODES)}")
 NORM_MAX_K = 4096  # the norm prologue holds the whole row in one tile (its RMS needs all of it)
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # a product is planned and compiled once per bucket, at its top row count
+
+log = logging.getLogger("draftrelay.kernels")
 
 
 @dataclass(frozen=True)
@@ -114,17 +137,230 @@ def split_range(K: int, cfg: SkinnyConfig) -> tuple[int, int]:
     return ks, math.ceil(K / ks)
 
 
-Key = tuple  # (device, pro, M, N, K, dtype name, has bias, has residual)
+def row_bucket(M: int) -> int:
+    """The row count a product of M rows (1..MAX_ROWS) is planned and compiled at: the smallest of
+    ROW_BUCKETS that holds M."""
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"row_bucket: {M} rows, expected 1 to {MAX_ROWS}")
+    return next(b for b in ROW_BUCKETS if b >= M)
+
+
+def bucket_rows(M: int) -> range:
+    """Every row count that shares M's bucket."""
+    top = row_bucket(M)
+    i = ROW_BUCKETS.index(top)
+    return range(ROW_BUCKETS[i - 1] + 1 if i else 1, top + 1)
+
+
+def supports(cfg: SkinnyConfig, M: int) -> bool:
+    """Whether skinny_linear can run cfg on M rows (the multiply-and-sum tile takes up to SUM_MAX_ROWS)."""
+    return 1 <= M <= MAX_ROWS and (cfg.dot or M <= SUM_MAX_ROWS)
+
+
+def bucket_candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
+    """The candidates measured for M rows: those of the bucket's top row count that run every row
+    count of the bucket (a bucket's choice serves all of them)."""
+    if not 1 <= M <= MAX_ROWS:
+        return []
+    rows = bucket_rows(M)
+    return [c for c in candidates(pro, rows[-1], N, K) if all(supports(c, m) for m in rows)]
+
+
+def row_tiles(cfg: SkinnyConfig, M: int) -> tuple[int, int]:
+    """(M_PAD, M_ROWS), the row constexprs of skinny_linear's launch for M rows. The multiply-and-sum
+    tile runs its static row loop over the bucket's top row count, rows from M on masked (no loads,
+    zeros summed): every row count of a bucket runs the one kernel measured at the top. The dot tiles
+    pad the rows to 16 and never read M_ROWS (1: one kernel for every row count)."""
+    if cfg.dot:
+        return 16, 1
+    top = row_bucket(M)
+    return top, top
+
+
+def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, has_bias: bool,
+               has_delta: bool, tiles: tuple[int, int] | None = None) -> tuple:
+    """What Triton compiles skinny_linear's kernel for (its constexprs and the specialisations of its
+    integer arguments: == 1 and divisible by 16): equal keys share one compiled kernel. Counts compiles
+    on a CPU (benchmarks/plan_count.py); mirrors skinny_linear's launch, a looped dot tile with a
+    prologue included (the prologue's own launch first, then the plain product). tiles: (M_PAD, M_ROWS)
+    in place of row_tiles' (to count another row rule)."""
+    if pro == PRO_SILU and cfg.dot or pro == PRO_NORM and cfg.dot and K > cfg.block_k:
+        pro, has_delta = PRO_NONE, False
+    m_pad, m_rows = tiles or row_tiles(cfg, M)
+    ks, n_split = split_range(K, cfg) if pro != PRO_NORM else (K, 1)
+
+    def spec(v: int) -> tuple[bool, bool]:
+        return v == 1, v % 16 == 0
+
+    return (pro, cfg.block_n, cfg.block_k, cfg.dot, cfg.warps, cfg.stages, m_pad, m_rows, has_delta, has_bias,
+            ks // cfg.block_k if cfg.unroll else 0, n_split, dtype, spec(M), spec(N), spec(K), spec(ks))
+
+
+Key = tuple  # (device index, pro, row bucket, N, K, dtype name, has bias, has residual)
+
+
+def plan_key(dev: int, pro: int, M: int, N: int, K: int, dtype: str, has_bias: bool,
+             has_delta: bool) -> tuple[Key, list[SkinnyConfig]] | None:
+    """(the Planner's key, the candidates it measures) of a product of M rows; None beyond MAX_ROWS
+    (cuBLAS, nothing measured). The key holds M's row bucket: one measurement, at the bucket's top,
+    serves every row count of the bucket."""
+    if not 1 <= M <= MAX_ROWS:
+        return None
+    return (dev, pro, row_bucket(M), N, K, dtype, has_bias, has_delta), bucket_candidates(pro, M, N, K)
+MISSING = object()  # PlanCache.get: no usable entry
+
+
+class PlanCache:
+    """The plan's choices on disk for one card and one build (`meta`: device name, torch and Triton
+    versions, a digest of the kernels' source): {"format", "meta", "plans": {key: {"choice", "us"}}}.
+    A file that cannot be read, does not parse, has another format or another meta is ignored with a
+    warning (its plans are measured afresh and the file rewritten); an entry whose choice is not one
+    of the present candidates for its key is ignored likewise. Writes merge with what the file holds
+    (two processes on one card plan different models), under a lock, through a rename."""
+
+    FORMAT = 1
+
+    def __init__(self, path: str, meta: dict) -> None:
+        self.path, self.meta = path, dict(meta)
+        self.entries: dict[str, dict] = self._read(warn=True)
+
+    @staticmethod
+    def entry_key(key: tuple) -> str:
+        return "|".join(str(v) for v in key)
+
+    def _read(self, warn: bool) -> dict[str, dict]:
+        why = None
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            why = f"unreadable ({exc})"
+        else:
+            plans = data.get("plans") if isinstance(data, dict) else None
+            if not isinstance(plans, dict) or data.get("format") != self.FORMAT:
+                why = f"not a format-{self.FORMAT} plan file"
+            elif data.get("meta") != self.meta:
+                got = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+                diff = ", ".join(f"{k} {got.get(k)!r} != {v!r}" for k, v in self.meta.items() if got.get(k) != v)
+                why = f"made for another card or build ({diff or 'meta differs'})"
+            else:
+                return {k: v for k, v in plans.items() if isinstance(v, dict)}
+        if warn:
+            log.warning("kernel plan cache %s: %s; ignored, the plans are measured", self.path, why)
+        return {}
+
+    def get(self, key: tuple, cands: list[SkinnyConfig]) -> SkinnyConfig | None | object:
+        """The stored choice for key among cands (None: cuBLAS), or MISSING."""
+        e = self.entries.get(self.entry_key(key))
+        if e is None:
+            return MISSING
+        choice = e.get("choice")
+        if choice == "cublas":
+            return None
+        match = [c for c in cands if c.label() == choice]
+        if not match:
+            log.warning("kernel plan cache %s: %s chose %r, not a present candidate; measured afresh",
+                        self.path, self.entry_key(key), choice)
+            return MISSING
+        return match[0]
+
+    def report(self, key: tuple) -> dict[str, float]:
+        """The stored times of key's measurement (seconds per call by label; inf: failed)."""
+        us = self.entries.get(self.entry_key(key), {}).get("us")
+        if not isinstance(us, dict):
+            return {}
+        return {k: (v / 1e6 if isinstance(v, (int, float)) else math.inf) for k, v in us.items()}
+
+    def put(self, key: tuple, choice: SkinnyConfig | None, report: dict[str, float]) -> None:
+        self.entries[self.entry_key(key)] = {
+            "choice": "cublas" if choice is None else choice.label(),
+            "us": {k: (round(v * 1e6, 3) if math.isfinite(v) else None) for k, v in report.items()}}
+        try:
+            self._write()
+        except OSError as exc:
+            log.warning("kernel plan cache %s: not written (%s)", self.path, exc)
+
+    def _write(self) -> None:
+        d = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(d, exist_ok=True)
+        with open(self.path + ".lock", "a") as lock:
+            with contextlib.suppress(ImportError):
+                import fcntl
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            merged = {**self._read(warn=False), **self.entries}
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".kernel-plan-")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": self.FORMAT, "meta": self.meta, "plans": merged}, f, indent=0, sort_keys=True)
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        self.entries = merged
+
+
+def cache_path(meta: dict, setting: str | None = None) -> str | None:
+    """Where the plan cache of `meta` lives: environment DRAFTRELAY_PLAN_CACHE (or `setting`) "off":
+    nowhere; a path: that file; unset: a file named by meta's digest under $XDG_CACHE_HOME/draftrelay
+    (~/.cache/draftrelay)."""
+    setting = os.environ.get("DRAFTRELAY_PLAN_CACHE", "") if setting is None else setting
+    if setting == "off":
+        return None
+    if setting:
+        return setting
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(base, "draftrelay", f"kernel-plan-{digest}.json")
+
+
+@dataclass
+class PlanStats:
+    """What planning cost this process: keys measured, candidate configurations timed (cuBLAS not
+    counted), seconds inside the measurements, keys taken from the cache."""
+    measured: int = 0
+    candidates: int = 0
+    seconds: float = 0.0
+    from_cache: int = 0
+    caches: set = field(default_factory=set)
+
+    def summary(self) -> dict:
+        return {"measured": self.measured, "candidates": self.candidates, "seconds": round(self.seconds, 2),
+                "from_cache": self.from_cache, "cache": sorted(self.caches)}
+
+    def line(self) -> str:
+        return (f"kernel plan: {self.measured} shapes measured ({self.candidates} configurations) in "
+                f"{self.seconds:.1f} s, {self.from_cache} from the cache")
 
 
 class Planner:
     """The choice table: key -> the chosen config (None: cuBLAS), made once per key by `measure`
-    (candidates -> seconds per call for None and each config; inf for one that failed its check)."""
+    (candidates -> seconds per call for None and each config; inf for one that failed its check), or
+    taken from the device's PlanCache (`cache_for(device index)`, None: no cache) when it has the key."""
 
-    def __init__(self, measure: Callable[[Key, list[SkinnyConfig]], dict]) -> None:
+    def __init__(self, measure: Callable[[Key, list[SkinnyConfig]], dict],
+                 cache_for: Callable[[int], PlanCache | None] | None = None) -> None:
         self.measure = measure
+        self.cache_for = cache_for
         self.table: dict[Key, SkinnyConfig | None] = {}
         self.report: dict[Key, dict[str, float]] = {}
+        self.stats = PlanStats()
+        self._caches: dict[int, PlanCache | None] = {}
+
+    def _cache(self, dev: int) -> PlanCache | None:
+        if self.cache_for is None:
+            return None
+        if dev not in self._caches:
+            try:
+                self._caches[dev] = self.cache_for(dev)
+            except Exception as exc:  # no cache is a slower start, never a failed one
+                log.warning("kernel plan cache for device %s unavailable (%s): plans are measured", dev, exc)
+                self._caches[dev] = None
+            if self._caches[dev] is not None:
+                self.stats.caches.add(self._caches[dev].path)
+        return self._caches[dev]
 
     def choose(self, key: Key, cands: list[SkinnyConfig]) -> SkinnyConfig | None:
         if key in self.table:
@@ -132,9 +368,23 @@ class Planner:
         if not cands:
             self.table[key] = None
             return None
+        cache = self._cache(key[0])
+        if cache is not None:
+            hit = cache.get(key[1:], cands)
+            if hit is not MISSING:
+                self.stats.from_cache += 1
+                self.table[key] = hit
+                self.report[key] = cache.report(key[1:])  # the times of the measurement that made the entry
+                return hit
+        t0 = time.perf_counter()
         times = self.measure(key, cands)
+        self.stats.measured += 1
+        self.stats.candidates += len(cands)
+        self.stats.seconds += time.perf_counter() - t0
         self.table[key] = pick(times)
         self.report[key] = {("cublas" if c is None else c.label()): t for c, t in times.items()}
+        if cache is not None and any(math.isfinite(t) for c, t in times.items() if c is not None):
+            cache.put(key[1:], self.table[key], self.report[key])  # (every candidate failed: not stored)
         return self.table[key]
 
 

@@ -28,6 +28,7 @@ Shapes and dtypes are the reference's; inputs must be contiguous where the refer
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import os
@@ -580,10 +581,11 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     xo = torch.empty_like(x) if delta is not None else x
     pdl = _pdl(x.device)
+    m_pad, m_rows = P.row_tiles(cfg, M)  # one compiled kernel per row bucket (plan.row_tiles)
     _skinny_kernel[(n_blocks, n_split)](
         x, delta if delta is not None else x, norm_w if norm_w is not None else w, xo, w,
         b if b is not None else w, y, ws, cnt, M, N, K, ks, eps,
-        M_PAD=16 if cfg.dot else triton.next_power_of_2(M), M_ROWS=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
+        M_PAD=m_pad, M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
         HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
         FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0,
         K_UNROLL=ks // cfg.block_k if cfg.unroll else 0, SPLIT=n_split, PDL=pdl,
@@ -669,7 +671,26 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     return times
 
 
-PLANNER = P.Planner(_measure)
+def _plan_cache(dev_index: int) -> P.PlanCache | None:
+    """The plan cache of CUDA device dev_index (plan.cache_path; None where DRAFTRELAY_PLAN_CACHE=off)."""
+    meta = {"device": torch.cuda.get_device_name(dev_index), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton.__version__, "kernels": _SOURCE_DIGEST, "pdl": _pdl(torch.device("cuda", dev_index))}
+    path = P.cache_path(meta)
+    return None if path is None else P.PlanCache(path, meta)
+
+
+def _source_digest() -> str:
+    """A digest of the kernels' and the plan's source: a cached choice is trusted only for the code
+    that measured it (a changed kernel or candidate rule measures again)."""
+    h = hashlib.sha256()
+    for path in (__file__, P.__file__):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+_SOURCE_DIGEST = _source_digest()
+PLANNER = P.Planner(_measure, _plan_cache)
 
 
 def _plan(pro: int, x: torch.Tensor, w: torch.Tensor, b, delta) -> P.SkinnyConfig | None:
@@ -677,12 +698,15 @@ def _plan(pro: int, x: torch.Tensor, w: torch.Tensor, b, delta) -> P.SkinnyConfi
         return None
     N, K = w.shape
     M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
-    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), pro, M, N, K,
-           str(x.dtype).replace("torch.", ""), b is not None, delta is not None)
+    planned = P.plan_key(x.device.index if x.device.index is not None else torch.cuda.current_device(), pro, M,
+                         N, K, str(x.dtype).replace("torch.", ""), b is not None, delta is not None)
+    if planned is None:
+        return None  # prefill chunks and large batches: cuBLAS, nothing to measure
+    key, cands = planned  # per row bucket, measured at its top
     if key not in PLANNER.table and torch.cuda.is_current_stream_capturing():
         return None  # no measuring inside a capture (the forward is warmed up first, so this is rare)
     try:
-        return PLANNER.choose(key, P.candidates(pro, M, N, K))
+        return PLANNER.choose(key, cands)
     except Exception:  # the measurement itself failed (memory, a capture refused): cuBLAS for this shape
         log.exception("skinny GEMM plan for %s failed; cuBLAS", key)
         PLANNER.table[key] = None

@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
+    from draftrelay import kernels
     from draftrelay.engine import loading as L
     from draftrelay.engine.engine import Engine, EngineConfig
     from draftrelay.model import ModelError
@@ -285,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
                     say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
                         f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})"
                         + ("" if w["rounds_healthy"] else "; rounds to the drafter still fail (decoding target-only "
-                           "until they succeed)"))
+                           "until they succeed)")
+                        + (f"; {kernels.plan_stats().line()}" if "kernel_plan" in w else ""))
                 lim = Limits(name, max_model_len, eng.vocab, target.stop_ids, target.tokenizer.encode, render_chat)
 
                 def announce() -> None:

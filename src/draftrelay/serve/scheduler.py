@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftrelay import kernels
 from draftrelay.engine.depth import BatchDepthPolicy
 from draftrelay.engine.engine import Engine
 from draftrelay.engine.request import Request, SamplingParams
@@ -447,5 +448,8 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
             "batch_sizes": n, "prefill_sweep": sweep,
             "catch_up_rounds": long_len > cfg.max_round_tokens and engine.rounds is not None,
             "rounds_healthy": healthy}
+    planned = kernels.plan_stats()
+    if planned is not None:  # this process's kernel planning (engine start's captures and this warm-up)
+        done["kernel_plan"] = planned.summary()
     engine.reset_metrics()
     return done

@@ -98,6 +98,11 @@ class RoundBudget:
                 extra += self.per_catch_up_s + self.per_token_s * (n - CATCH_UP_TOKENS)
         return steady_s + extra
 
+    def extra_us(self, requests: list[RoundRequest]) -> int:
+        """Microseconds the round gets beyond a steady one (the async watchdog's deadline extension),
+        within a u32."""
+        return min(0xFFFFFFFF, int(self(0.0, requests) * 1e6))
+
     @classmethod
     def from_spec(cls, spec: dict) -> RoundBudget:
         return cls(float(spec.get("budget_per_catch_up_ms", cls.PER_CATCH_UP_MS)) / 1e3,

@@ -253,9 +253,13 @@ def run(args: argparse.Namespace) -> int:
         threading.Thread(target=server._stopping.set, name="worker-term", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_term)
+    from draftrelay.kernels import plan_stats
+
+    planned = plan_stats()  # what the start-up's warm-up spent measuring kernels (CUDA only)
     print(f"draftrelay worker listening on {host}:{port} model_id={drafter.model_id} vocab={drafter.vocab_size} "
           f"max_ctx={drafter.max_ctx} rows={drafter.n_rows} per-session={per_session} "
-          f"auth={'secret' if secret else 'none'} tls={'on' if tls else 'off'} ({drafter.info})", flush=True)
+          f"auth={'secret' if secret else 'none'} tls={'on' if tls else 'off'} ({drafter.info}"
+          + ("" if planned is None else f"; {planned.line()}") + ")", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

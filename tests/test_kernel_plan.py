@@ -1,0 +1,198 @@
+"""kernels.plan without a GPU: the row buckets (one measurement and one compiled kernel per bucket),
+the plan cache file (round trip, corrupt, mismatched, stale), the planning counters start-up logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import types
+
+import pytest
+
+from draftrelay import kernels
+from draftrelay.kernels import plan as P
+
+SHAPES = [(896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 151936), (3584, 4608), (18944, 3584)]
+META = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.5.0", "kernels": "abc", "pdl": True}
+
+
+def test_row_buckets_cover_every_planned_row_count_once():
+    assert [P.row_bucket(m) for m in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8
+    assert [list(P.bucket_rows(m)) for m in (1, 2, 3, 6, 16)] == [[1], [2], [3, 4], [5, 6, 7, 8], list(range(9, 17))]
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="rows"):
+            P.row_bucket(bad)
+    assert P.plan_key(0, P.PRO_NONE, 17, 896, 896, "bfloat16", False, False) is None  # beyond: cuBLAS
+
+
+def test_a_bucket_measures_what_each_of_its_row_counts_would_and_each_choice_runs_them_all():
+    for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
+        for K, N in SHAPES:
+            for M in range(1, 17):
+                key, cands = P.plan_key(3, pro, M, N, K, "bfloat16", True, False)
+                assert key == (3, pro, P.row_bucket(M), N, K, "bfloat16", True, False)
+                # nothing a row count would have measured on its own is lost to the bucket
+                assert cands == P.candidates(pro, M, N, K), (pro, M, N, K)
+                assert all(P.supports(c, m) for c in cands for m in P.bucket_rows(M))
+
+
+def test_every_row_count_of_a_bucket_runs_the_kernel_measured_at_its_top():
+    """One compile per bucket (plan.launch_key: what Triton compiles for), where rows as a constexpr
+    compiled one per row count. Row count 16 and 1 differ from their neighbours only by Triton's
+    integer specialisation (== 1, divisible by 16)."""
+    for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
+        for K, N in SHAPES:
+            for top in (2, 4, 8, 16):
+                for c in P.bucket_candidates(pro, top, N, K):
+                    rows = [m for m in P.bucket_rows(top) if m % 16]
+                    keys = {P.launch_key(pro, c, m, N, K, "bfloat16", False, pro == P.PRO_NORM) for m in rows}
+                    assert len(keys) == 1, (pro, K, N, top, c)
+                    old = {P.launch_key(pro, c, m, N, K, "bfloat16", False, pro == P.PRO_NORM,
+                                        (16 if c.dot else P.next_pow2(m), m)) for m in rows}
+                    assert len(old) == len(rows)  # the rows as a constexpr: a kernel per row count
+    s = P.SkinnyConfig(4, 1024, False, 4, 2)
+    assert P.row_tiles(s, 5) == (8, 8) and P.row_tiles(s, 3) == (4, 4) and P.row_tiles(s, 1) == (1, 1)
+    assert P.row_tiles(P.SkinnyConfig(16, 128, True, 4, 4), 5) == (16, 1)
+
+
+def counting_measure(calls: list, times: dict | None = None):
+    def measure(key, cands):
+        calls.append(key)
+        t = times or {}
+        return {None: t.get(None, 10e-6), **{c: t.get(c, 5e-6 + 1e-7 * i) for i, c in enumerate(cands)}}
+    return measure
+
+
+def test_the_cache_file_round_trip_measures_nothing_on_restart(tmp_path, caplog):
+    path = str(tmp_path / "sub" / "plan.json")
+    key = (0, P.PRO_NORM, 8, 1152, 896, "bfloat16", True, True)
+    cands = P.bucket_candidates(P.PRO_NORM, 8, 1152, 896)
+    cub = (0, P.PRO_NONE, 4, 896, 896, "bfloat16", False, False)
+    cub_cands = P.bucket_candidates(P.PRO_NONE, 4, 896, 896)
+    calls: list = []
+    first = P.Planner(counting_measure(calls, {None: 1e-6}), lambda dev: P.PlanCache(path, META))
+    assert first.choose(cub, cub_cands) is None  # cuBLAS won: stored too
+    first.stats = P.PlanStats()
+    first.table.clear()
+    won = P.Planner(counting_measure(calls), lambda dev: P.PlanCache(path, META)).choose(key, cands)
+    assert won == cands[0] and len(calls) == 2
+    data = json.loads(open(path).read())
+    assert data["meta"] == META and data["format"] == P.PlanCache.FORMAT and len(data["plans"]) == 2
+    with caplog.at_level(logging.WARNING, logger="draftrelay.kernels"):
+        again = P.Planner(counting_measure(calls), lambda dev: P.PlanCache(path, META))
+        assert again.choose(key, cands) == won and again.choose(cub, cub_cands) is None
+    assert len(calls) == 2 and not caplog.records  # nothing measured, nothing to warn about
+    assert again.stats.from_cache == 2 and again.stats.measured == 0 and again.stats.caches == {path}
+    assert again.report[key][won.label()] == pytest.approx(5e-6) and again.report[key]["cublas"] == pytest.approx(1e-5)
+    # the device index is not part of the file's key: another index of the same card finds it
+    assert P.Planner(counting_measure(calls), lambda dev: P.PlanCache(path, META)).choose(
+        (5, *key[1:]), cands) == won and len(calls) == 2
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"{\"format\": 1, \"meta\": ", "unreadable"),  # cut short
+    (b"\xff\xfe garbage", "unreadable"),
+    (b"[1, 2]", "not a format-1"),
+    (json.dumps({"format": 99, "meta": META, "plans": {}}).encode(), "not a format-1"),
+    (json.dumps({"format": 1, "meta": {**META, "triton": "3.4.0"}, "plans": {}}).encode(), "triton '3.4.0'"),
+    (json.dumps({"format": 1, "meta": {**META, "device": "NVIDIA A100"}, "plans": {}}).encode(), "another card"),
+])
+def test_a_corrupt_or_mismatched_file_is_ignored_with_a_warning_and_rewritten(tmp_path, caplog, content, why):
+    path = tmp_path / "plan.json"
+    key = (0, P.PRO_NONE, 1, 896, 896, "bfloat16", False, False)
+    cands = P.bucket_candidates(P.PRO_NONE, 1, 896, 896)
+    if b"plans" in content:  # a mismatched file with an entry that would pick the slowest candidate
+        d = json.loads(content)
+        d["plans"] = {P.PlanCache.entry_key(key[1:]): {"choice": cands[-1].label(), "us": {}}}
+        content = json.dumps(d).encode()
+    path.write_bytes(content)
+    calls: list = []
+    with caplog.at_level(logging.WARNING, logger="draftrelay.kernels"):
+        pl = P.Planner(counting_measure(calls), lambda dev: P.PlanCache(str(path), META))
+        assert pl.choose(key, cands) == cands[0]  # measured, not taken from the file
+    assert calls == [key] and pl.stats.from_cache == 0
+    assert any(why in r.getMessage() and "ignored" in r.getMessage() for r in caplog.records), caplog.text
+    d = json.loads(path.read_text())  # rewritten for this card and build
+    assert d["meta"] == META and d["plans"][P.PlanCache.entry_key(key[1:])]["choice"] == cands[0].label()
+
+
+def test_a_stale_entry_is_measured_again_and_a_failed_measurement_is_not_stored(tmp_path, caplog):
+    path = str(tmp_path / "plan.json")
+    key = (0, P.PRO_SILU, 8, 896, 4864, "bfloat16", False, False)
+    cands = P.bucket_candidates(P.PRO_SILU, 8, 896, 4864)
+    with open(path, "w") as f:
+        json.dump({"format": 1, "meta": META, "plans": {
+            P.PlanCache.entry_key(key[1:]): {"choice": "sum999x7w4s1", "us": {}},  # no such candidate now
+            "junk": 5}}, f)
+    calls: list = []
+    with caplog.at_level(logging.WARNING, logger="draftrelay.kernels"):
+        pl = P.Planner(counting_measure(calls), lambda dev: P.PlanCache(path, META))
+        assert pl.choose(key, cands) == cands[0]
+    assert calls == [key] and "not a present candidate" in caplog.text
+    broken = (0, P.PRO_NONE, 2, 896, 896, "bfloat16", False, False)
+    pl.measure = lambda k, c: {None: 1e-5, **dict.fromkeys(c, math.inf)}
+    assert pl.choose(broken, P.bucket_candidates(P.PRO_NONE, 2, 896, 896)) is None  # every candidate failed
+    stored = json.load(open(path))["plans"]
+    assert stored[P.PlanCache.entry_key(key[1:])]["choice"] == cands[0].label()  # the stale one replaced
+    assert P.PlanCache.entry_key(broken[1:]) not in stored  # nothing learned: measured again next start
+    assert "junk" not in stored  # an entry that is not a record is dropped
+
+
+def test_two_processes_writing_one_file_keep_each_others_plans(tmp_path):
+    path = str(tmp_path / "plan.json")
+    a, b = P.PlanCache(path, META), P.PlanCache(path, META)  # both opened before either wrote
+    cfg = P.SkinnyConfig(4, 1024, False, 4, 2)
+    a.put((P.PRO_NONE, 1, 896, 896, "bfloat16", False, False), cfg, {"cublas": 1e-5, cfg.label(): 5e-6})
+    b.put((P.PRO_NONE, 1, 3584, 3584, "bfloat16", False, False), None, {"cublas": 1e-5})
+    plans = json.load(open(path))["plans"]
+    assert len(plans) == 2 and sorted(p["choice"] for p in plans.values()) == ["cublas", cfg.label()]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kernel-plan-")]  # no temporary left
+
+
+def test_an_unwritable_cache_only_warns(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    calls: list = []
+    key = (0, P.PRO_NONE, 1, 896, 896, "bfloat16", False, False)
+    with caplog.at_level(logging.WARNING, logger="draftrelay.kernels"):
+        pl = P.Planner(counting_measure(calls), lambda dev: P.PlanCache(str(blocker / "plan.json"), META))
+        assert pl.choose(key, P.bucket_candidates(P.PRO_NONE, 1, 896, 896)) is not None
+    assert calls == [key] and "not written" in caplog.text
+
+    def refuse(dev):
+        raise RuntimeError("no device name")
+    pl = P.Planner(counting_measure(calls), refuse)
+    with caplog.at_level(logging.WARNING, logger="draftrelay.kernels"):
+        assert pl.choose(key, P.bucket_candidates(P.PRO_NONE, 1, 896, 896)) is not None
+    assert "unavailable" in caplog.text and len(calls) == 2
+
+
+def test_cache_path_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("DRAFTRELAY_PLAN_CACHE", raising=False)
+    p1 = P.cache_path(META)
+    assert p1.startswith(str(tmp_path / "draftrelay" / "kernel-plan-")) and p1.endswith(".json")
+    assert P.cache_path({**META, "torch": "2.12.0"}) != p1  # another build: another file
+    monkeypatch.setenv("DRAFTRELAY_PLAN_CACHE", "off")
+    assert P.cache_path(META) is None
+    monkeypatch.setenv("DRAFTRELAY_PLAN_CACHE", str(tmp_path / "mine.json"))
+    assert P.cache_path(META) == str(tmp_path / "mine.json")
+
+
+def test_planning_counters_and_the_start_up_line(monkeypatch):
+    calls: list = []
+    pl = P.Planner(counting_measure(calls))
+    for M in (5, 6, 7, 8, 1, 16, 12):
+        planned = P.plan_key(0, P.PRO_NONE, M, 896, 896, "bfloat16", False, False)
+        pl.choose(*planned)
+    assert [k[2] for k in calls] == [8, 1, 16]  # one measurement per bucket, at its top
+    n = sum(len(P.bucket_candidates(P.PRO_NONE, m, 896, 896)) for m in (8, 1, 16))
+    assert pl.stats.measured == 3 and pl.stats.candidates == n and pl.stats.seconds >= 0
+    assert pl.stats.line().startswith(f"kernel plan: 3 shapes measured ({n} configurations) in ")
+    assert pl.stats.summary()["from_cache"] == 0
+    monkeypatch.delitem(sys.modules, "draftrelay.kernels.triton_ops", raising=False)
+    assert kernels.plan_stats() is None  # the Triton kernels never loaded: nothing planned
+    monkeypatch.setitem(sys.modules, "draftrelay.kernels.triton_ops", types.SimpleNamespace(PLANNER=pl))
+    assert kernels.plan_stats() is pl.stats
