@@ -207,6 +207,8 @@ def plan_key(dev: int, pro: int, M: int, N: int, K: int, dtype: str, has_bias: b
     if not 1 <= M <= MAX_ROWS:
         return None
     return (dev, pro, row_bucket(M), N, K, dtype, has_bias, has_delta), bucket_candidates(pro, M, N, K)
+
+
 MISSING = object()  # PlanCache.get: no usable entry
 
 
