@@ -433,15 +433,17 @@ def test_paused_tables_send_steps_without_a_fanout():
         shm.close()
 
 
-def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives():
+@pytest.mark.parametrize("mode", ["eager", "lean"])
+def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives(mode):
     """After a STEP answered from a branch, the next table takes the candidates at its k + 1 stopping places
-    from that branch's run (its k drafting forwards and the bonus forward behind them) instead of a forward
-    over them: the same tokens and probabilities as that forward (fp32, up to the order of sums)."""
+    from that branch's run (its k drafting forwards and the bonus forward behind them; in the lean loop the
+    bonus forward runs when this table reads it) instead of a forward over them: the same tokens and
+    probabilities as that forward (fp32, up to the order of sums)."""
     from draftrelay.worker.core import WorkerCore
     from draftrelay.worker.drafters import load_drafter
     from draftrelay.worker.prefetch import branches_payload
 
-    core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode="eager"), max_requests=2)
+    core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode=mode), max_requests=2)
     session, _ = core.open_session(P.Hello(max_requests=1, n_out_max=8))
     prompt = (np.arange(1, 30) * 53 % 256).astype(np.int32)
     k, F = 4, 6
@@ -465,3 +467,37 @@ def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives():
         assert set(got[0][j].tolist()) == set(tt[0, j].tolist()), j
         np.testing.assert_allclose(np.sort(got[1][j]), np.sort(tp[0, j]), rtol=1e-4, atol=1e-6)
     assert int(got[0][0][0]) == int(f[0])  # the first place's most likely token is the first draft
+
+
+def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch):
+    """A drafter in its lean loop (the CPU default) drafts its branches with fork.LeanFork: neither the
+    fast-forward structure (fork_forward) nor the reference attention's merged full-length rows run, and
+    the bonus forward runs only when a next table reads it. Its branches are what a fresh round drafts."""
+    from draftrelay.worker import fork, prefetch
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.prefetch import branches_payload
+
+    def refuse(*a, **kw):
+        raise AssertionError("the lean drafter's branch work took the fast-forward path")
+
+    monkeypatch.setattr(prefetch, "fork_forward", refuse)
+    monkeypatch.setattr(fork, "_merged_rows", refuse)
+    d = load_drafter("tiny", n_rows=4, max_ctx=256, mode="lean")
+    core = WorkerCore(d, max_requests=2)
+    session, _ = core.open_session(P.Hello(max_requests=2, n_out_max=8))
+    k, F = 4, 8
+    prompts = [(np.arange(1, 30) * 53 % 256).astype(np.int32), (np.arange(1, 12) * 29 % 256).astype(np.int32)]
+    blocks = [P.Block(7, 1, 0, prompts[0], k), P.Block(8, 1, 0, prompts[1], k)]
+    res = core.step(session, blocks)
+    t = TB.decode(branches_payload(core, session, blocks, res, F), 256)
+    assert [e.n_branches for e in t.entries] == [F, F]  # a failed branch run would give an empty table
+    pf = core.prefetcher
+    assert pf.fork._bonus is not None and pf.fork._bonus[3] is None  # not run yet
+    for e, prompt in zip(t.entries, prompts, strict=True):
+        for b in range(F):
+            ctx = np.concatenate([prompt, e.prefix(b)]).astype(np.int32)
+            other = WorkerCore(load_drafter("tiny", n_rows=2, max_ctx=256, mode="lean"), max_requests=1)
+            s2, _ = other.open_session(P.Hello(max_requests=1, n_out_max=8))
+            fresh = other.step(s2, [P.Block(1, 1, 0, ctx, k)]).drafts[0, :k]
+            assert np.array_equal(fresh, e.branch_drafts[b]), (e.request_id, b)

@@ -32,7 +32,7 @@ from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
 from draftrelay.wire import protocol as P
 from draftrelay.worker.drafters import Job, LlamaDrafter
-from draftrelay.worker.fork import fork_forward
+from draftrelay.worker.fork import LeanFork, fork_forward
 
 log = logging.getLogger("draftrelay.worker")
 
@@ -86,6 +86,7 @@ class ForkSteps:
         self._bonus = None  # (the bonus step of the last branch run, B, m, its host copy once read)
         self._graph_failed = False
         self.last_bonus_s = 0.0  # the bonus forward's seconds when branches() waited for it
+        self._lean_fork: LeanFork | None = None
 
     @property
     def graph(self) -> bool:
@@ -102,6 +103,16 @@ class ForkSteps:
             self._bonus = None
             self.cache = self.d.model.new_cache(n + 1, self.d.cache.max_len)
             self.n_rows = n
+
+    def _lean(self) -> LeanFork | None:
+        """The CPU's forked forward for a drafter in its lean loop (worker.fork.LeanFork), else None."""
+        steps = getattr(self.d, "_lean", None)
+        if steps is None:
+            return None
+        lf = self._lean_fork
+        if lf is None or lf.cache is not self.cache or lf.parent_cache is not self.d.cache:
+            lf = self._lean_fork = LeanFork(steps, self.cache, self.d.cache)
+        return lf
 
     def _step(self, key: tuple, n_in: int, n_out: int, body):
         g = self._steps.get(key)
@@ -189,6 +200,15 @@ class ForkSteps:
         """toks [R, T] at positions starts[r].. of forked rows rows[r] (pivot starts[r], parent parents[r])
         -> the top m tokens [R, T, m] and their probabilities."""
         R, T = toks.shape
+        lf = self._lean()
+        if lf is not None:
+            torch = self.torch
+            with torch.inference_mode():
+                pos = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]
+                logits = lf.forward(torch.from_numpy(np.ascontiguousarray(toks, np.int64)), pos,
+                                    lf.plan(list(rows), list(parents), list(starts), T))
+                _, tp, tt = self._top(logits, m)
+            return tt.numpy().astype(np.int32).astype(np.int64), tp.numpy().copy()
         with self.d._on_model_gpu():
             kvs = self._buckets(max(starts) + T)
             for kv in kvs[1:]:
@@ -261,6 +281,8 @@ class ForkSteps:
         `bonus_tops()` reads it; sync_bonus waits for it here (to time it)."""
         torch = self.torch
         B = first.shape[0]
+        if self._lean() is not None:
+            return self._lean_branches(first, last, starts, parents, pivots, rows, k, m, sync_bonus)
         n_top = B * k * m
         host = np.concatenate([first.reshape(-1), starts, last, parents, pivots, rows]).astype(np.int64)
         with self.d._on_model_gpu():
@@ -287,13 +309,58 @@ class ForkSteps:
                 self.last_bonus_s = time.perf_counter() - t_bonus
         return d, c, tt, tp
 
+    def _lean_branches(self, first: np.ndarray, last: list[int], starts: list[int], parents: list[int],
+                       pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool):
+        """branches() in the lean loop's forked forward (a CPU): the same drafts, confidences and
+        candidates. The bonus forward is not run here but by bonus_tops(), only when a next table reads
+        it (after a STEP answered from a bonus branch): on a CPU nothing runs behind the table, so a
+        forward run here would only delay it."""
+        torch = self.torch
+        lf = self._lean()
+        T = first.shape[1]
+        first_plan, plan = lf.plan(rows, parents, pivots, T), lf.plan(rows, parents, pivots)
+        with torch.inference_mode():
+            start = torch.tensor(starts)
+            at = torch.tensor(last)
+            logits = lf.forward(torch.from_numpy(np.ascontiguousarray(first, np.int64)),
+                                start[:, None] + torch.arange(T)[None, :], first_plan, pick=at)
+            pos = start + at + 1  # the first draft's position
+            picked, toks = [], []
+            for s in range(k):
+                tok = logits.argmax(-1)  # ties go to the lower id, as the drafter's lean loop picks
+                picked.append(logits)
+                toks.append(tok)
+                if s < k - 1:
+                    logits = lf.forward(tok[:, None], (pos + s)[:, None], plan)[:, 0]
+            probs = torch.softmax(torch.stack(picked, 1), -1)  # [B, k, V]
+            tok = torch.stack(toks, 1)
+            conf = probs.gather(-1, tok[..., None])[..., 0]
+            tp, tt = probs.topk(m, dim=-1)
+        d_k, at_k = tok[:, k - 1:], (pos + k - 1)[:, None]
+
+        def bonus() -> tuple[np.ndarray, np.ndarray]:  # feeds d_k at its position: the bonus place's candidates
+            with torch.inference_mode():
+                _, bp, bt = self._top(lf.forward(d_k, at_k, plan)[:, 0], m)
+            return bt.numpy().astype(np.int64), bp.numpy().copy()
+
+        self._bonus = (bonus, first.shape[0], m, None)
+        if sync_bonus:
+            t_bonus = time.perf_counter()
+            self.bonus_tops()
+            self.last_bonus_s = time.perf_counter() - t_bonus
+        return (tok.numpy().astype(np.int32), conf.numpy().astype(np.float32), tt.numpy().astype(np.int32),
+                tp.numpy().astype(np.float32))
+
     def bonus_tops(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The last branch run's candidates at the bonus place (top tokens [B, m], probabilities), waiting
-        for its forward if it has not finished; None before any run."""
+        for its forward if it has not finished (in the lean loop: running it); None before any run."""
         if self._bonus is None:
             return None
         gb, B, m, got = self._bonus
-        if got is None:
+        if got is None and callable(gb):
+            got = gb()
+            self._bonus = (gb, B, m, got)
+        elif got is None:
             if gb.out.device.type == "cuda":
                 self.torch.cuda.current_stream(gb.out.device).synchronize()
             out = gb.host_out.numpy()
