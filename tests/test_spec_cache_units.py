@@ -44,6 +44,32 @@ def test_table_roundtrip_and_exact_prefix_selection():
     assert TB.select(None, 7, 2, 10, [9]) == -1
 
 
+def test_k0_entry_roundtrip_and_selection():
+    """A request whose round asked no drafts: an entry with k = 0 whose branches are next tokens y (accepted
+    0), each with kb = 3 drafts. It is selected only by exactly that one token; a k > 0 entry must carry k
+    drafts per branch (the decoder refuses anything else)."""
+    e = TB.Entry(9, 1, 40, np.zeros(0, np.int32), np.zeros(3, np.int32), np.array([5, 6, 7], np.int32),
+                 np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], np.int32))
+    back = TB.decode(TB.encode(TB.Table([e, entry()])), V)
+    b = back.entry(9)
+    assert b.kb == 3 and len(b.drafts) == 0 and np.array_equal(b.branch_drafts, e.branch_drafts)
+    assert back.entry(7).kb == 3 and len(back.entry(7).drafts) == 3
+    assert TB.select(b, 9, 1, 40, [6]) == 1 and b.prefix(1).tolist() == [6]
+    for new in ([8], [6, 1], [], [5, 1, 2]):
+        assert TB.select(b, 9, 1, 40, new) == -1, new
+    ok, prefix, plen, drafts = TB.dense(back, [(9, 1, 40)], 4, 4)
+    assert ok[0] and plen[0].tolist() == [1, 1, 1, 0] and drafts[0, 2].tolist() == [7, 8, 9, 0]
+    bad = entry()
+    bad.branch_drafts = bad.branch_drafts[:, :2]
+    with pytest.raises(TB.TableError, match="k=3"):
+        TB.encode(TB.Table([bad]))
+    raw = bytearray(TB.encode(TB.Table([entry()])))
+    off = TB.TABLE_HEAD.size + 20  # the entry's kb field
+    raw[off:off + 2] = (2).to_bytes(2, "little")
+    with pytest.raises(TB.TableError, match="2 drafts per branch after a round of k=3"):
+        TB.decode(bytes(raw), V)
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda b: b[:-1], "fit"), (lambda b: b + b"\0", "trailing"), (lambda b: b[:10], "bytes"),
 ])
@@ -501,3 +527,41 @@ def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch):
             s2, _ = other.open_session(P.Hello(max_requests=1, n_out_max=8))
             fresh = other.step(s2, [P.Block(1, 1, 0, ctx, k)]).drafts[0, :k]
             assert np.array_equal(fresh, e.branch_drafts[b]), (e.request_id, b)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lean"])
+def test_a_round_without_drafts_gets_a_k0_entry(mode):
+    """A STEP block that asks no drafts beside one that asks k: its request gets a k = 0 entry, branches
+    over the drafter's likely next tokens after its context, each with k drafts equal to a fresh round of
+    context + y; the next STEP along one of them is answered from the branch with those drafts."""
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.prefetch import TOP_M, branches_payload
+
+    def fresh(ctx, k):
+        other = WorkerCore(load_drafter("tiny", n_rows=2, max_ctx=256, mode=mode), max_requests=1)
+        s2, _ = other.open_session(P.Hello(max_requests=1, n_out_max=8))
+        return other.step(s2, [P.Block(1, 1, 0, np.asarray(ctx, np.int32), k)]).drafts[0, :k]
+
+    core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode=mode), max_requests=2)
+    session, _ = core.open_session(P.Hello(max_requests=2, n_out_max=8))
+    k, F = 4, 6
+    p0, p1 = (np.arange(1, 30) * 53 % 256).astype(np.int32), (np.arange(1, 17) * 31 % 256).astype(np.int32)
+    blocks = [P.Block(7, 1, 0, p0, k), P.Block(8, 1, 0, p1, 0)]
+    res = core.step(session, blocks)
+    assert int(res.counts[1]) == 0
+    t = TB.decode(branches_payload(core, session, blocks, res, F), 256)
+    e = t.entry(8)
+    assert e is not None and len(e.drafts) == 0 and e.kb == k and e.base == len(p1)
+    assert e.n_branches == min(F, TOP_M) and not e.accepted.any() and len(set(e.token.tolist())) == e.n_branches
+    assert t.entry(7).kb == k and len(t.entry(7).drafts) == k
+    for b in range(e.n_branches):
+        assert np.array_equal(fresh(np.concatenate([p1, e.prefix(b)]), k), e.branch_drafts[b]), b
+    hits = core.prefetcher.stats["worker_side_hits"]
+    rep = core.step(session, [P.Block(8, 1, e.base, e.prefix(1), k)])
+    assert core.prefetcher.stats["worker_side_hits"] == hits + 1
+    assert np.array_equal(rep.drafts[0, :k], e.branch_drafts[1])
+    # and the round after it drafts what a fresh round does (the request's KV is the drafted state)
+    ctx = np.concatenate([p1, e.prefix(1), rep.drafts[0, :1], [3]]).astype(np.int32)
+    rep2 = core.step(session, [P.Block(8, 1, e.base + 1, ctx[e.base + 1:], k)])
+    assert np.array_equal(rep2.drafts[0, :k], fresh(ctx, k))

@@ -379,6 +379,7 @@ class Prefetcher:
         self.supported = isinstance(drafter, LlamaDrafter)
         self.fork = ForkSteps(drafter) if self.supported else None
         self._acc: dict[int, Acceptance] = {}  # session id -> running acceptance
+        self.k_run = 0  # the deepest round of the frame being branched (a k = 0 entry's drafts per branch)
         self._last: dict[tuple[int, int], tuple[int, int, np.ndarray]] = {}  # (session, req) -> gen, base, drafts
         # request row -> (base L, round drafts f, [Branch]): what a next STEP that extends that row by a
         # branch's prefix can be answered with (HitDrafter), until the next prefetch reuses the scratch rows
@@ -427,16 +428,24 @@ class Prefetcher:
         acc = self._observe(sid, blocks)
         self._lap("observe", t0)
         fanout = max(0, min(fanout, self.max_fanout))
+        # a request that asked no drafts (its verify runs without drafts: the target's one token) gets a k = 0
+        # entry, branches over that token with as many drafts as the frame's deepest round (none if no round
+        # of the frame asked any)
+        self.k_run = k_run = int(max((int(c) for c in result.counts), default=0))
         todo = []  # (block index, request state, k)
         for i, b in enumerate(blocks):
             k = int(result.counts[i])
             st = session.requests.get(b.request_id)
-            if st is None or k == 0 or int(result.status[i]) not in (P.OK, P.PARTIAL) or len(b.tokens) == 0:
+            if (st is None or (k == 0 and (b.n_out or not k_run)) or int(result.status[i]) not in (P.OK, P.PARTIAL)
+                    or len(b.tokens) == 0):
                 self._last.pop((sid, b.request_id), None)
                 continue
-            self._last[(sid, b.request_id)] = (b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32))
-            if (fanout and self.supported and st.ctx_len + k + 1 <= self.drafter.max_ctx and self._fits(k)
-                    and self._holds(st, k)):
+            if k:
+                self._last[(sid, b.request_id)] = (b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32))
+            else:
+                self._last.pop((sid, b.request_id), None)
+            if (fanout and self.supported and st.ctx_len + max(k, k_run) + 1 <= self.drafter.max_ctx
+                    and self._fits(k) and self._holds(st, k)):
                 todo.append((i, st, k))
         entries: list[Entry] = []
         self.records.clear()  # the scratch rows are about to be reused
@@ -460,10 +469,10 @@ class Prefetcher:
         return model is None or model.cfg.n_rep * (k + 1) <= DECODE_ROWS
 
     def _holds(self, st, k: int) -> bool:
-        """Whether the request's row holds C + f1..f(k-1), what every branch's forked row reads below its
-        pivot (a drafter that cut its run short holds less: no branches then)."""
+        """Whether the request's row holds C + f1..f(k-1) (k = 0: C), what every branch's forked row reads
+        below its pivot (a drafter that cut its run short holds less: no branches then)."""
         cache = getattr(self.drafter, "cache", None)
-        return cache is None or int(cache.lengths[st.row]) >= st.ctx_len + k - 1
+        return cache is None or int(cache.lengths[st.row]) >= st.ctx_len + max(k - 1, 0)
 
     def _lap(self, piece: str, t0: float) -> float:
         """Book the time since t0 to `piece`; returns now."""
@@ -556,7 +565,7 @@ class Prefetcher:
             for b, (a, y) in enumerate(choices[n]):
                 rows.append(base_rows[n] + b)
                 parents.append(st.row)
-                if a < k:
+                if a < k or k == 0:  # y at L + a (k = 0: right after the context)
                     first.append((y, 0))
                     last.append(0)
                     starts.append(L + a)
@@ -565,7 +574,7 @@ class Prefetcher:
                     last.append(1)
                     starts.append(L + k - 1)
                 pivots.append(starts[-1])
-        k_max = max(k for _, _, k in todo)
+        k_max = max(max(k for _, _, k in todo), self.k_run)
         if not rows:
             z = np.zeros((0, k_max), np.int32)
             return z, z.astype(np.float32), None, None, []
@@ -587,6 +596,7 @@ class Prefetcher:
             i, st, k = todo[n]
             b = blocks[i]
             nb = len(pairs)
+            kb = k or self.k_run  # drafts per branch (a k = 0 entry: the frame's depth)
             f = result.drafts[i, :k].astype(np.int32)
             branches = []
             for j, (a, y) in enumerate(pairs):
@@ -594,12 +604,12 @@ class Prefetcher:
                 row = base_rows[n] + j if base_rows[n] >= 0 else -1
                 tops = (None, None) if out_tt is None else (out_tt[q].copy(), out_tp[q].copy())
                 branches.append(Branch(np.concatenate([f[:a], [y]]).astype(np.int32), row,
-                                       lows[q] if lows else 0, out_d[q, :k].copy(), out_c[q, :k].copy(), *tops,
+                                       lows[q] if lows else 0, out_d[q, :kb].copy(), out_c[q, :kb].copy(), *tops,
                                        q if out_tt is not None else -1))
             self.records[st.row] = (st.ctx_len, f, branches)
             entries.append(Entry(b.request_id, b.generation, st.ctx_len, f,
                                  np.array([a for a, _ in pairs], np.int32), np.array([y for _, y in pairs], np.int32),
-                                 out_d[first:first + nb, :k].astype(np.int32).reshape(nb, k)))
+                                 out_d[first:first + nb, :kb].astype(np.int32).reshape(nb, kb)))
             first += nb
         return entries
 
@@ -624,7 +634,7 @@ class HitDrafter:
             return None
         L, f, branches = rec
         c = job.keep - L
-        if c < 0 or c >= len(f) or n_steps < 1:
+        if c < 0 or c > max(len(f) - 1, 0) or n_steps < 1:  # a k = 0 record: c = 0, the token right after L
             return None
         want = np.concatenate([f[:c], job.tokens]).astype(np.int32)
         for br in branches:
@@ -699,7 +709,7 @@ class ReplayPrefetcher(Prefetcher):
             f = result.drafts[i, :k].astype(np.int32)
             tok, prob = rd.stops(st.row, st.ctx_len, f, m)
             choices.append([(a, y) for a, y, _ in choose_branches(tok, prob, f, acc.rates(k), fanout)])
-        k_max = max(k for _, _, k in todo)
+        k_max = max(max(k for _, _, k in todo), self.k_run)
         t = self._lap("choose", t)
         run = None
         if self.real:  # the real step 3 on the chosen outcomes
@@ -724,8 +734,9 @@ class ReplayPrefetcher(Prefetcher):
         row = 0
         for (i, st, k), pairs in zip(todo, choices, strict=True):
             f = result.drafts[i, :k].astype(np.int32)
+            kb = k or self.k_run
             for a, y in pairs:
-                out_d[row, :k] = rd.branch_drafts(st.row, st.ctx_len, np.concatenate([f[:a], [y]]), k)
+                out_d[row, :kb] = rd.branch_drafts(st.row, st.ctx_len, np.concatenate([f[:a], [y]]), kb)
                 row += 1
         if run is None:
             out = self._entries(blocks, result, todo, choices, base_rows, out_d, np.zeros(out_d.shape, np.float32))
