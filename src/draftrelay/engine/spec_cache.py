@@ -76,8 +76,10 @@ DEFAULT_FANOUT = 8
 # branches over the target's one token); the step waits for its round only when no row hit
 WAIT_RULES = ("all", "rows", "early")
 # "early": how long a lookup waits for a table that has not arrived (no round of this step is in flight yet
-# to say it will not come): TABLE_WAIT_FACTOR x the slowest of the recent arrivals, at least
-# TABLE_WAIT_MIN_S, at most the round deadline; TABLE_WAIT_FIRST_S before any has arrived
+# to say it will not come): until the round it follows was sent TABLE_WAIT_FACTOR x the longest of the
+# recent (arrival - send) times ago, at least TABLE_WAIT_MIN_S from now, at most the round deadline;
+# TABLE_WAIT_FIRST_S before any has arrived. Timed from the send, the bound covers the worker's whole
+# STEP and branch work, however long the verify in between took
 TABLE_WAIT_FACTOR = 3.0
 TABLE_WAIT_MIN_S = 0.003
 TABLE_WAIT_FIRST_S = 0.05
@@ -147,7 +149,9 @@ class SpecCache:
         if table_wait_ms is not None and table_wait_ms <= 0:
             raise ValueError(f"spec-cache table_wait_ms must be > 0, got {table_wait_ms}")
         self.table_wait_s = None if table_wait_ms is None else table_wait_ms / 1000  # "early": a fixed bound
-        self._arrivals: list[float] = []  # "early": recent waits for a table that arrived
+        self._arrivals: list[float] = []  # "early": recent (table found - its round sent) times
+        self._sent: dict[int, float] = {}  # "early": round id -> when it was submitted
+        self._stamp_sent: float | None = None  # when the round of _stamp was submitted
         self.shared_gpu = shared_gpu  # run even when the worker shares the engine's GPU (benchmarks)
         if probe_steps < 2 or reprobe_steps < 1:
             raise ValueError(f"spec-cache probe_steps must be >= 2 and reprobe_steps >= 1, got {probe_steps}, "
@@ -243,9 +247,10 @@ class SpecCache:
         res = self._early.pop(rid, None)
         return res if res is not None else rounds.result(rid)
 
-    def _collected(self, res) -> None:
+    def _collected(self, res, rid: int | None = None) -> None:
         ok = res.ok and res.proxy_generation == self._proxy_gen
         self._stamp = res.stream_round if ok else None
+        self._stamp_sent = self._sent.pop(rid, None) if rid is not None else None
 
     def settle(self, eng) -> None:
         """Collect the round the last verify did not wait for: its result moves the drafter bookkeeping
@@ -256,7 +261,7 @@ class SpecCache:
         self._inflight = None
         res = self._result(eng.rounds, rid)
         out = eng.planner.settle(plan, res, eng.vocab)
-        self._collected(res)
+        self._collected(res, rid)
         for i in bare:  # rows that verified without drafts: keep the round's drafts for the next step
             r = plan.batch[i]
             if out[i]:
@@ -352,22 +357,24 @@ class SpecCache:
             return []
         return d[n:n + n_out]
 
-    def _table_bound(self, rounds) -> float:
+    def _table_limit(self, rounds, now: float) -> float:
+        """When a lookup stops waiting for its table (see TABLE_WAIT_FACTOR)."""
         if self.table_wait_s is not None:
-            return self.table_wait_s
-        if not self._arrivals:
-            return min(rounds.deadline_s, TABLE_WAIT_FIRST_S)
-        return min(rounds.deadline_s, max(TABLE_WAIT_MIN_S, TABLE_WAIT_FACTOR * max(self._arrivals)))
+            return now + self.table_wait_s
+        if not self._arrivals or self._stamp_sent is None:
+            return now + min(rounds.deadline_s, TABLE_WAIT_FIRST_S)
+        due = self._stamp_sent + TABLE_WAIT_FACTOR * max(self._arrivals)
+        return min(now + rounds.deadline_s, max(now + TABLE_WAIT_MIN_S, due))
 
     def _table_now(self, rounds, stamp: int) -> tuple[TB.Table | None, str]:
-        """Wait rule "early": the table following round `stamp`, waited for up to `_table_bound` (nothing is
+        """Wait rule "early": the table following round `stamp`, waited for up to `_table_limit` (nothing is
         in flight to say it will not come: the proxy writes it, or gives up, before it takes the next round)."""
-        t0 = time.perf_counter()
-        limit = t0 + self._table_bound(rounds)
+        limit = self._table_limit(rounds, time.perf_counter())
         while True:
             body, why = self.shm.read(stamp)
             if body is not None:
-                self._arrivals = (self._arrivals + [time.perf_counter() - t0])[-16:]
+                if self._stamp_sent is not None:
+                    self._arrivals = (self._arrivals + [time.perf_counter() - self._stamp_sent])[-16:]
                 try:
                     return TB.decode(body, self.vocab), ""
                 except TB.TableError:
@@ -409,6 +416,7 @@ class SpecCache:
         if plan.asks:
             with clock.part("submit"):
                 t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
+                self._sent = {t: time.perf_counter()}  # only the newest round's table is ever looked up
         inp = VerifyInputs.of(batch)
         with clock.part("wait"):
             if fast:
@@ -420,7 +428,7 @@ class SpecCache:
             elif t:
                 res = self._result(rounds, t)
                 drafts = eng.planner.settle(plan, res, eng.vocab)
-                self._collected(res)
+                self._collected(res, t)
                 if asking and plain:
                     self.c["plain_steps"] += 1
                 elif asking:
