@@ -565,3 +565,43 @@ def test_a_round_without_drafts_gets_a_k0_entry(mode):
     ctx = np.concatenate([p1, e.prefix(1), rep.drafts[0, :1], [3]]).astype(np.int32)
     rep2 = core.step(session, [P.Block(8, 1, e.base + 1, ctx[e.base + 1:], k)])
     assert np.array_equal(rep2.drafts[0, :k], fresh(ctx, k))
+
+
+def test_a_block_asking_no_drafts_beside_a_branch_hit_is_only_extended():
+    """A STEP whose one block is answered from a branch and whose other asks no drafts (the engine's
+    "early" rule after a missed lookup): the drafter runs the second block's extension only (0 draft
+    steps), not the frame's depth; its state is what a fresh round of its context gives."""
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.prefetch import branches_payload
+
+    core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode="lean"), max_requests=2)
+    session, _ = core.open_session(P.Hello(max_requests=2, n_out_max=8))
+    k, F = 4, 6
+    p0, p1 = (np.arange(1, 30) * 53 % 256).astype(np.int32), (np.arange(1, 17) * 31 % 256).astype(np.int32)
+    blocks = [P.Block(7, 1, 0, p0, k), P.Block(8, 1, 0, p1, k)]
+    res = core.step(session, blocks)
+    e = TB.decode(branches_payload(core, session, blocks, res, F), 256).entry(7)
+    inner = core.drafter._d
+    calls = []
+    real_run = inner.run
+
+    def counting(jobs, n_steps):
+        calls.append((len(jobs), n_steps))
+        return real_run(jobs, n_steps)
+
+    inner.run = counting
+    try:
+        y = (int(res.drafts[1, 0]) + 1) % 256  # request 8: its first draft rejected
+        blocks2 = [P.Block(7, 1, e.base, e.prefix(0), k), P.Block(8, 1, len(p1), np.array([y], np.int32), 0)]
+        res2 = core.step(session, blocks2)
+    finally:
+        inner.run = real_run
+    assert core.prefetcher.stats["worker_side_hits"] == 1
+    assert calls == [(1, 0)], calls  # request 8's extension, no drafting
+    assert int(res2.counts[1]) == 0 and np.array_equal(res2.drafts[0, :k], e.branch_drafts[0])
+    t2 = TB.decode(branches_payload(core, session, blocks2, res2, F), 256)
+    e8 = t2.entry(8)
+    assert e8 is not None and len(e8.drafts) == 0 and e8.kb == k
+    rep = core.step(session, [P.Block(8, 1, e8.base, e8.prefix(0), k)])
+    assert np.array_equal(rep.drafts[0, :k], e8.branch_drafts[0])

@@ -621,6 +621,11 @@ class HitDrafter:
     job goes to the real drafter, and a job on a row drops that row's record: the record then no
     longer describes the row. Everything else is the real drafter's."""
 
+    # each job's draft count of the frame being run, set by WorkerCore before run() (None: not given). The
+    # jobs no branch answers are drafted only as deep as the deepest of them asks: a block asking no drafts
+    # (the engine's "early" rule: a row that missed) costs its extension only, not the frame's depth
+    windows: list[int] | None = None
+
     def __init__(self, drafter, prefetcher: Prefetcher) -> None:
         self._d = drafter
         self._pf = prefetcher
@@ -643,6 +648,9 @@ class HitDrafter:
         return None
 
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        windows, self.windows = self.windows, None
+        if windows is None or len(windows) != len(jobs):
+            windows = [n_steps] * len(jobs)
         hits = {i: h for i, j in enumerate(jobs) if (h := self._hit(j, n_steps)) is not None}
         pf = self._pf
         for j in jobs:
@@ -650,13 +658,15 @@ class HitDrafter:
             pf.answered.pop(j.row, None)
         if len(hits) < len(jobs):
             pf.device_free()
-        if not hits:
+        idx = [i for i in range(len(jobs)) if i not in hits]
+        deep = max((windows[i] for i in idx), default=0)  # what the jobs no branch answers need
+        if not hits and deep == n_steps:
             return self._d.run(jobs, n_steps)
         drafts = np.zeros((len(jobs), n_steps), np.int32)
         confs = np.zeros((len(jobs), n_steps), np.float32)
-        idx = [i for i in range(len(jobs)) if i not in hits]
         if idx:
-            drafts[idx], confs[idx] = self._d.run([jobs[i] for i in idx], n_steps)
+            d, c = self._d.run([jobs[i] for i in idx], deep)
+            drafts[idx, :deep], confs[idx, :deep] = d, c
         self._answer(jobs, hits, n_steps, drafts, confs)
         for i, br in hits.items():  # the next table reads this round's stopping places from the branch
             j = jobs[i]
