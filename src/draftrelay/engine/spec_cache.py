@@ -70,19 +70,15 @@ DEFAULT_FANOUT = 8
 # "rows" is the slower one (0.54-0.56 x sync against 0.83-0.84 x): a step that does not wait still waits
 # for the table, which comes after the worker's STEP (real drafting for every row that missed or took
 # its tail) plus the branch work of all four rows, and its miss rows verify one token or k - 1 drafts
-# "early": the table is looked up before round N is submitted, so each row's round asks what that row's verify
-# will take: a row that hit asks its k drafts (the worker answers it from the branch), a row that missed asks
-# none and verifies without drafts (its round carries its tokens; the next table has a k = 0 entry for it,
-# branches over the target's one token); the step waits for its round only when no row hit
+# "early": where the table is there when the step starts (or within table_wait_ms), it is looked up before
+# round N is submitted, so each row's round asks what that row's verify will take: a row that hit asks its
+# k drafts (the worker answers it from the branch), a row that missed asks none and verifies without drafts
+# (its round carries its tokens; the next table has a k = 0 entry for it, branches over the target's one
+# token); the step waits for its round only when no row hit. Where the table is not there yet (the worker
+# is the longer chain), the step is an "all" step: round N goes out at once, so the worker takes it up right
+# after the table, with no wait for the engine's lookup in its chain (on the shared 2-core CPU, looking up
+# first and waiting for the table made every step slower: benchmarks/results/spec_cache_cpu.json)
 WAIT_RULES = ("all", "rows", "early")
-# "early": how long a lookup waits for a table that has not arrived (no round of this step is in flight yet
-# to say it will not come): until the round it follows was sent TABLE_WAIT_FACTOR x the longest of the
-# recent (arrival - send) times ago, at least TABLE_WAIT_MIN_S from now, at most the round deadline;
-# TABLE_WAIT_FIRST_S before any has arrived. Timed from the send, the bound covers the worker's whole
-# STEP and branch work, however long the verify in between took
-TABLE_WAIT_FACTOR = 3.0
-TABLE_WAIT_MIN_S = 0.003
-TABLE_WAIT_FIRST_S = 0.05
 SHARED_GPU_REFUSAL = (
     "the worker shares the engine's GPU: its branch work runs during the verify and the two time-slice the "
     "GPU, so cache steps are slower than sequential ones (benchmarks/results/replay_headline_cache.json); "
@@ -146,12 +142,10 @@ class SpecCache:
             raise ValueError(f"spec-cache wait_rule must be one of {WAIT_RULES}, got {wait_rule!r}")
         self.fanout = fanout
         self.wait_rule = wait_rule
-        if table_wait_ms is not None and table_wait_ms <= 0:
-            raise ValueError(f"spec-cache table_wait_ms must be > 0, got {table_wait_ms}")
-        self.table_wait_s = None if table_wait_ms is None else table_wait_ms / 1000  # "early": a fixed bound
-        self._arrivals: list[float] = []  # "early": recent (table found - its round sent) times
-        self._sent: dict[int, float] = {}  # "early": round id -> when it was submitted
-        self._stamp_sent: float | None = None  # when the round of _stamp was submitted
+        if table_wait_ms is not None and table_wait_ms < 0:
+            raise ValueError(f"spec-cache table_wait_ms must be >= 0, got {table_wait_ms}")
+        # "early": how long a step waits for its table before it looks up first (0: only a look)
+        self.table_wait_s = 0.0 if table_wait_ms is None else table_wait_ms / 1000
         self.shared_gpu = shared_gpu  # run even when the worker shares the engine's GPU (benchmarks)
         if probe_steps < 2 or reprobe_steps < 1:
             raise ValueError(f"spec-cache probe_steps must be >= 2 and reprobe_steps >= 1, got {probe_steps}, "
@@ -247,10 +241,9 @@ class SpecCache:
         res = self._early.pop(rid, None)
         return res if res is not None else rounds.result(rid)
 
-    def _collected(self, res, rid: int | None = None) -> None:
+    def _collected(self, res) -> None:
         ok = res.ok and res.proxy_generation == self._proxy_gen
         self._stamp = res.stream_round if ok else None
-        self._stamp_sent = self._sent.pop(rid, None) if rid is not None else None
 
     def settle(self, eng) -> None:
         """Collect the round the last verify did not wait for: its result moves the drafter bookkeeping
@@ -261,7 +254,7 @@ class SpecCache:
         self._inflight = None
         res = self._result(eng.rounds, rid)
         out = eng.planner.settle(plan, res, eng.vocab)
-        self._collected(res, rid)
+        self._collected(res)
         for i in bare:  # rows that verified without drafts: keep the round's drafts for the next step
             r = plan.batch[i]
             if out[i]:
@@ -357,54 +350,33 @@ class SpecCache:
             return []
         return d[n:n + n_out]
 
-    def _table_limit(self, rounds, now: float) -> float:
-        """When a lookup stops waiting for its table (see TABLE_WAIT_FACTOR)."""
-        if self.table_wait_s is not None:
-            return now + self.table_wait_s
-        if not self._arrivals or self._stamp_sent is None:
-            return now + min(rounds.deadline_s, TABLE_WAIT_FIRST_S)
-        due = self._stamp_sent + TABLE_WAIT_FACTOR * max(self._arrivals)
-        return min(now + rounds.deadline_s, max(now + TABLE_WAIT_MIN_S, due))
-
-    def _table_now(self, rounds, stamp: int) -> tuple[TB.Table | None, str]:
-        """Wait rule "early": the table following round `stamp`, waited for up to `_table_limit` (nothing is
-        in flight to say it will not come: the proxy writes it, or gives up, before it takes the next round)."""
-        limit = self._table_limit(rounds, time.perf_counter())
+    def _table_now(self, stamp: int, wait_s: float) -> tuple[TB.Table | None, str]:
+        """Wait rule "early": the table following round `stamp` if it is there within wait_s; (None, why)
+        otherwise ("absent" or "torn": not there yet; anything else: it is there and a miss)."""
+        limit = time.perf_counter() + wait_s
         while True:
             body, why = self.shm.read(stamp)
             if body is not None:
-                if self._stamp_sent is not None:
-                    self._arrivals = (self._arrivals + [time.perf_counter() - self._stamp_sent])[-16:]
                 try:
                     return TB.decode(body, self.vocab), ""
                 except TB.TableError:
                     return None, "corrupt"
-            if why not in ("absent", "torn"):
+            if why not in ("absent", "torn") or time.perf_counter() >= limit:
                 return None, why
-            if time.perf_counter() > limit:
-                return None, "late" if why == "absent" else why
             time.sleep(self.poll_s)
 
-    def _decode_early(self, eng, batch: list) -> None:
-        """Wait rule "early" (see WAIT_RULES): settle the round left in flight; look each request that asks
-        for drafts up in the table that followed it; if any hit, the rows that hit verify their branch
-        drafts and the rows that missed verify none, and round N, asking the hit rows their drafts and the
-        missed rows none, stays in flight; if none hit, round N is an ordinary one, waited for."""
-        clock = StepClock(eng.timing)
-        t_step, n_before = time.perf_counter(), sum(len(r.output) for r in batch)
+    def _decode_early(self, eng, batch: list, clock, t_step: float, n_before: int, plan, table, why: str) -> None:
+        """Wait rule "early" (see WAIT_RULES) once the table that followed the settled round is there (or
+        known to be a miss): look each request that asks for drafts up in it; if any hit, the rows that hit
+        verify their branch drafts and the rows that missed verify none, and round N, asking the hit rows
+        their drafts and the missed rows none, stays in flight; if none hit, round N is an ordinary one,
+        waited for."""
         rounds = eng.rounds
-        self._check_generation(rounds)
-        with clock.part("wait"):
-            self.settle(eng)
-        stamp = self._stamp
-        plan = eng.planner.plan(batch, drafting=True)
-        plain = self.adapt is not None and self.adapt.plain
         asking = [i for i, n in enumerate(plan.n_out) if n]
         hits: dict[int, list[int]] = {}
         t_wait = time.perf_counter()
         with clock.part("wait"):
-            if asking and not plain:
-                table, why = (None, "no_table") if stamp is None else self._table_now(rounds, stamp)
+            if asking:
                 hits = self._select(batch, plan, table, why, asking)
         fast = bool(hits)
         drafts: list[list[int]] = [[] for _ in batch]
@@ -416,7 +388,6 @@ class SpecCache:
         if plan.asks:
             with clock.part("submit"):
                 t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
-                self._sent = {t: time.perf_counter()}  # only the newest round's table is ever looked up
         inp = VerifyInputs.of(batch)
         with clock.part("wait"):
             if fast:
@@ -428,10 +399,8 @@ class SpecCache:
             elif t:
                 res = self._result(rounds, t)
                 drafts = eng.planner.settle(plan, res, eng.vocab)
-                self._collected(res, t)
-                if asking and plain:
-                    self.c["plain_steps"] += 1
-                elif asking:
+                self._collected(res)
+                if asking:
                     self.c["waited_steps"] += 1
                     self.wait_miss_s.append(time.perf_counter() - t_wait)
             self.c["asking_rows"] += len(asking)
@@ -452,9 +421,8 @@ class SpecCache:
         round N; each request that asks for drafts takes its branch (a hit) or else its round tail
         (`_tail`, decided before round N is submitted); if any has drafts (wait_rule "rows"; "all": if
         every one hit) the verify starts now, the others verify without drafts and round N stays in
-        flight; else the step waits for round N. Wait rule "early": `_decode_early`."""
-        if self.wait_rule == "early":
-            return self._decode_early(eng, batch)
+        flight; else the step waits for round N. Wait rule "early": where the table is there, `_decode_early`;
+        else this step as under "all"."""
         clock = StepClock(eng.timing)
         t_step, n_before = time.perf_counter(), sum(len(r.output) for r in batch)
         rounds = eng.rounds
@@ -463,12 +431,21 @@ class SpecCache:
             self.settle(eng)
         stamp = self._stamp
         plan = eng.planner.plan(batch, drafting=True)
+        plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
+        rule = self.wait_rule
+        if rule == "early" and not plain and any(plan.n_out):
+            table, why = None, "no_table"
+            if stamp is not None:
+                with clock.part("wait"):
+                    table, why = self._table_now(stamp, self.table_wait_s)
+            if table is not None or why not in ("absent", "torn"):
+                return self._decode_early(eng, batch, clock, t_step, n_before, plan, table, why)
+            rule = "all"  # the table is not there yet: round N goes out now, as under "all"
         # rows with a round tail verify it, and round N asks each of them exactly that many drafts: then
         # round N's drafts are the tail itself (the drafter's continuation of the same context), so its
         # table models the outcomes of this verify and the row is back in step with the tables
         tails: dict[int, list[int]] = {}
-        plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
-        if self.wait_rule == "rows" and not plain:
+        if rule == "rows" and not plain:
             for i, n in enumerate(plan.n_out):
                 if n and (d := self._tail(batch[i], n)):
                     tails[i] = d
@@ -486,7 +463,7 @@ class SpecCache:
             asking = [i for i, n in enumerate(plan.n_out) if n]
             lookup = [] if plain else [i for i in asking if i not in tails]
             hits = self._lookup(rounds, batch, plan, t, stamp, lookup) if t and lookup else {}
-            if self.wait_rule == "all":
+            if rule in ("all", "early"):
                 fast = bool(asking) and len(hits) == len(asking)
             else:
                 fast = bool(hits or tails)
