@@ -17,7 +17,10 @@ shared memory (draftrelay.handoff.branch_shm) while verify N-1 runs. Step N then
      N and use its drafts, an ordinary round. Wait rule "rows": verify now if any request has drafts
      (a hit, or its round tail: see `_tail`), the others without. A table that has not arrived is
      waited for only while round N is not done (the proxy writes a table before it starts the next
-     round, so after that it will not come).
+     round, so after that it will not come). Wait rule "early": where the table is there before round N
+     is submitted, the lookup comes first and round N asks each row what its verify takes (k drafts for
+     a hit; none for a miss, which verifies without drafts and gets a k = 0 entry in the next table);
+     else the step is an "all" step (`_decode_early`, WAIT_RULES).
 
 A worker on the engine's GPU declines the cache (SHARED_GPU_REFUSAL), and `adapt=True` (class Adapt)
 pauses the tables where measured steps are faster without them.
