@@ -16,6 +16,8 @@ Modes (`--modes`, comma-separated):
   off                      target only (draftrelay's engine)
   sync:D / async:D         rounds to a local drafter worker process (loopback), D = auto (the depth
                            policy, engine/depth.py, up to --k-max) or a fixed k
+  cache:K/F[/RULE]         async rounds with the speculation cache (engine/spec_cache.py): fixed k = K,
+                           F branches per request, wait rule RULE (all, rows or early; default all)
   hf                       transformers' plain greedy generate
   hf-assisted:K            transformers' assisted generation, constant K drafts (confidence threshold off)
   hf-assisted:heuristic    transformers' assisted generation with its own defaults (heuristic schedule)
@@ -72,12 +74,22 @@ def parse_modes(s: str) -> list[str]:
         kind, _, arg = m.partition(":")
         ok = (kind == "off" and not arg) or (kind == "hf" and not arg) \
             or (kind in ("sync", "async") and (arg == "auto" or arg.isdigit() and 1 <= int(arg) <= 16)) \
-            or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16))
+            or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
+            or (kind == "cache" and _cache_arg(arg) is not None)
         if not ok:
             raise SystemExit(f"real_pair: --modes: {m!r} is not off, hf, sync:auto|K, async:auto|K, "
-                             f"hf-assisted:K|heuristic")
+                             f"cache:K/F[/all|rows|early], hf-assisted:K|heuristic")
         out.append(m)
     return out
+
+
+def _cache_arg(arg: str) -> tuple[int, int, str] | None:
+    """cache:K/F[/RULE] -> (K, F, RULE), or None if malformed."""
+    parts = arg.split("/")
+    if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts[:2]):
+        return None
+    k, f, rule = int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "all"
+    return (k, f, rule) if 1 <= k <= 16 and 1 <= f <= 64 and rule in ("all", "rows", "early") else None
 
 
 # -- draftrelay ---------------------------------------------------------------------------------------
@@ -104,6 +116,10 @@ class EngineRunner:
         from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 
         kind, _, arg = mode.partition(":")
+        fanout, options = 0, {}
+        if kind == "cache":  # async rounds with the speculation cache, a fixed depth
+            k_fixed, fanout, rule = _cache_arg(arg)
+            kind, arg, options = "async", str(k_fixed), {"wait_rule": rule}
         k_max = args.k_max if arg in ("", "auto") else int(arg)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
         h = None
@@ -111,7 +127,8 @@ class EngineRunner:
             h = L.handoff_config(spec, torch.device("cpu"), rs.deadline_ms, True, round_budget_ms=rs.budget_ms)
         cfg = EngineConfig(mode=kind, n_draft=k_max if kind != "off" else 0, max_batch=1, max_len=max_len,
                            handoff=h, depth="auto" if arg == "auto" else "fixed",
-                           round_costs_s=rs.round_costs_s if h else None, threads=args.threads)
+                           round_costs_s=rs.round_costs_s if h else None, threads=args.threads,
+                           spec_fanout=fanout, spec_options=options)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
         self.eng = Engine(model, cfg)
         self.eng.generate([next(iter(ids.values()))], SamplingParams(max_tokens=4))  # warm-up (and the policy's start)
@@ -130,7 +147,10 @@ class EngineRunner:
                 "rounds": t["rounds"], "depth": delta(eng.depth.chosen, d0) if eng.depth is not None else None,
                 "depth_view": t.get("depth"),
                 "threads": delta(eng.threads.chosen, th0) if eng.threads is not None else None,
-                "warning": t.get("speculation_warning", "")}
+                "warning": t.get("speculation_warning", ""),
+                "spec_cache": {k: t["spec_cache"][k] for k in ("active", "refusal", "hits", "lookups", "hit_rate",
+                                                               "fast_steps", "waited_steps", "bare_rows", "misses")}
+                if "spec_cache" in t else None}
 
     def close(self) -> dict:
         mode = self.eng.round_mode
@@ -353,10 +373,11 @@ def main(argv: list[str] | None = None) -> int:
         runners: dict[str, object] = {}
         hf_threads = torch.get_num_threads()
         try:
-            if any(m.split(":")[0] in ("sync", "async") for m in modes):
+            if any(m.split(":")[0] in ("sync", "async", "cache") for m in modes):
                 max_ctx = max(len(x) for x in ids.values()) + args.max_tokens + 64
                 k_all = max([args.k_max] + [int(m.split(":")[1]) for m in modes if m.split(":")[-1].isdigit()
-                                            and m.startswith(("sync", "async"))])
+                                            and m.startswith(("sync", "async"))]
+                            + [_cache_arg(m.partition(":")[2])[0] for m in modes if m.startswith("cache:")])
                 worker = L.start_local_worker(str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 4,
                                               args.worker_threads, dtype="float32" if dname == "fp32" else "bfloat16")
                 spec = L.worker_spec(worker.host, worker.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash,

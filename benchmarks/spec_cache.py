@@ -16,6 +16,10 @@ the speed-up of a real deployment (replayed real-pair acceptance on a GPU is a s
 
     python benchmarks/spec_cache.py                       # batch 1 and 4, k 4, F 1..16, 3 passes
     python benchmarks/spec_cache.py --batches 1 --fanouts 4,8 --repeats 5 --max-tokens 96
+    python benchmarks/spec_cache.py --fanouts 8,16 --wait-rules all,early   # the cache under two wait rules
+
+The load average (os.getloadavg) is recorded before and after every pass: on a shared machine it says how
+much else ran beside the figures.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ PROMPTS = [b"The capital of France is", b"def fibonacci(n):", b"Speculative deco
            b"Once upon a time", b"import numpy as np", b"The quick brown fox"]
 
 
-def one_pass(target, spec: dict, mode: str, fanout: int, prompts, max_tokens: int, k: int, batch: int) -> dict:
+def one_pass(target, spec: dict, mode: str, fanout: int, prompts, max_tokens: int, k: int, batch: int,
+             rule: str = "all") -> dict:
     h = HandoffConfig(round_spec=spec, deadline_ms=2000, round_budget_ms=1500)
     cfg = EngineConfig(mode=mode, n_draft=k, max_batch=batch, max_len=512, handoff=h if mode != "off" else None,
-                       spec_fanout=fanout)
+                       spec_fanout=fanout, spec_options={"wait_rule": rule} if fanout else {})
+    load_before = os.getloadavg()[0]
     with Engine(target, cfg) as eng:
         eng.generate([prompts[0]], SamplingParams(max_tokens=8))  # warm-up: worker session, proxy, first forwards
         eng.reset_metrics()
@@ -53,13 +59,15 @@ def one_pass(target, spec: dict, mode: str, fanout: int, prompts, max_tokens: in
     out = {"tokens_per_s": m["output_tokens"] / wall, "step_p50_ms": m["step_p50_ms"],
            "mean_accepted": m["mean_accepted"], "accept_rate_by_pos": m["accept_rate_by_pos"],
            "rounds": m["rounds"], "step_parts_p50_ms": m["step_parts_p50_ms"], "round_mode": m["round_mode"],
-           "outputs": [r.output for r in reqs]}
+           "outputs": [r.output for r in reqs], "load_before": load_before, "load_after": os.getloadavg()[0]}
     if "spec_cache" in m:
         sc = m["spec_cache"]
         steps = sc["fast_steps"] + sc["waited_steps"]
         out.update(hit_rate=sc["hit_rate"], no_wait_share=sc["fast_steps"] / steps if steps else 0.0,
                    wait_ms_mean=sc["wait_ms_mean"], wait_ms_p50_hit=sc["wait_ms_p50_hit"],
-                   wait_ms_p50_miss=sc["wait_ms_p50_miss"], misses=sc["misses"], spec_active=sc["active"])
+                   wait_ms_p50_miss=sc["wait_ms_p50_miss"], misses=sc["misses"], spec_active=sc["active"],
+                   bare_rows=sc["bare_rows"], k0_hits=sc["k0_hits"], k0_lookups=sc["k0_lookups"],
+                   rows_with_drafts=sc["rows_with_drafts"])
     return out
 
 
@@ -69,6 +77,7 @@ def main() -> int:
     ap.add_argument("--fanouts", default="1,2,4,8,16")
     ap.add_argument("--ks", default="4", help="draft depths k")
     ap.add_argument("--configs", default="off,sync,async,cache", help="subset of off,sync,async,cache")
+    ap.add_argument("--wait-rules", default="all", help="the cache's wait rules (engine.spec_cache.WAIT_RULES)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_cache_cpu.json"))
@@ -82,22 +91,27 @@ def main() -> int:
     w = start_worker_process(["--model", "tiny", "--device", "cpu"], env={"OMP_NUM_THREADS": "1"})
     spec = {"kind": "worker", "host": w.host, "port": w.port, "model_id": tiny_model_id(), "max_requests": 8}
     want = args.configs.split(",")
-    configs = [(m, m, 0) for m in ("off", "sync", "async") if m in want] + \
-              ([(f"cache F={f}", "async", f) for f in fanouts] if "cache" in want else [])
+    rules = args.wait_rules.split(",")
+    configs = [(m, m, 0, "all") for m in ("off", "sync", "async") if m in want] + \
+              ([(f"cache F={f}" + ("" if r == "all" else f" {r}"), "async", f, r) for r in rules for f in fanouts]
+               if "cache" in want else [])
     results: list[dict] = []
     try:
         for batch, k in [(b, k) for b in batches for k in (int(x) for x in args.ks.split(","))]:
             prompts = [list(p) for p in (PROMPTS * 2)[:max(batch, 4)]]
-            runs: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
+            runs: dict[str, list[dict]] = {name: [] for name, _, _, _ in configs}
             for _ in range(args.repeats):  # interleaved passes: drift hits every configuration alike
-                for name, mode, fanout in configs:
-                    runs[name].append(one_pass(target, spec, mode, fanout, prompts, args.max_tokens, k, batch))
+                for name, mode, fanout, rule in configs:
+                    runs[name].append(one_pass(target, spec, mode, fanout, prompts, args.max_tokens, k, batch, rule))
                     print(f"  batch {batch} k {k} {name}: {runs[name][-1]['tokens_per_s']:.1f} tok/s", flush=True)
             ref = runs["off"][0]["outputs"] if "off" in runs else next(iter(runs.values()))[0]["outputs"]
-            for name, mode, fanout in configs:
+            for name, mode, fanout, rule in configs:
                 rs = runs[name]
                 tps = [r["tokens_per_s"] for r in rs]
                 row = {"batch": batch, "prompts": len(prompts), "config": name, "mode": mode, "fanout": fanout,
+                       "wait_rule": rule if fanout else "",
+                       "load_min": min(min(r["load_before"], r["load_after"]) for r in rs),
+                       "load_max": max(max(r["load_before"], r["load_after"]) for r in rs),
                        "k": k, "max_tokens": args.max_tokens, "passes": len(rs),
                        "identical_to_off": all(r["outputs"] == ref for r in rs),
                        "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps),
@@ -108,24 +122,26 @@ def main() -> int:
                 if fanout:
                     row.update({key: statistics.median(r[key] for r in rs)
                                 for key in ("hit_rate", "no_wait_share", "wait_ms_mean", "wait_ms_p50_hit",
-                                            "wait_ms_p50_miss")})
+                                            "wait_ms_p50_miss", "rows_with_drafts")})
+                    row.update({key: sum(r[key] for r in rs) for key in ("bare_rows", "k0_hits", "k0_lookups")})
                     row["misses_last_pass"] = rs[-1]["misses"]
                     row["spec_active"] = all(r["spec_active"] for r in rs)
                 results.append(row)
     finally:
         w.stop()
     base = {(r["batch"], r["k"], r["config"]): r["tokens_per_s_median"] for r in results}
-    print(f"{'batch':>5} {'k':>2}  {'config':<12} {'tok/s med (min-max)':>22} {'vs off':>7} {'vs sync':>7} "
-          f"{'step p50':>9} {'kept':>5} {'hit %':>6} {'no-wait %':>9} {'wait ms':>8}  same")
+    print(f"{'batch':>5} {'k':>2}  {'config':<18} {'tok/s med (min-max)':>22} {'vs off':>7} {'vs sync':>7} "
+          f"{'step p50':>9} {'kept':>5} {'hit %':>6} {'no-wait %':>9} {'wait ms':>8}  {'load':>9}  same")
     for r in results:
         b, k = r["batch"], r["k"]
         extra = (f"{100 * r['hit_rate']:6.1f} {100 * r['no_wait_share']:9.1f} {r['wait_ms_mean']:8.2f}"
                  if r["fanout"] else f"{'-':>6} {'-':>9} {'-':>8}")
         vs = [r["tokens_per_s_median"] / base[(b, k, c)] if (b, k, c) in base else float("nan")
               for c in ("off", "sync")]
-        print(f"{b:>5} {k:>2}  {r['config']:<12} {r['tokens_per_s_median']:8.1f} ({r['tokens_per_s_min']:5.1f}-"
+        print(f"{b:>5} {k:>2}  {r['config']:<18} {r['tokens_per_s_median']:8.1f} ({r['tokens_per_s_min']:5.1f}-"
               f"{r['tokens_per_s_max']:5.1f}) {vs[0]:7.2f} {vs[1]:7.2f} {r['step_p50_ms_median']:9.2f} "
-              f"{r['mean_accepted']:5.2f} {extra}  {'yes' if r['identical_to_off'] else 'NO'}")
+              f"{r['mean_accepted']:5.2f} {extra}  {r['load_min']:4.1f}-{r['load_max']:<4.1f}  "
+              f"{'yes' if r['identical_to_off'] else 'NO'}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"benchmark": "spec_cache", "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),

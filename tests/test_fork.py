@@ -97,3 +97,50 @@ def test_fork_kernel_under_the_interpreter_equals_its_definition(tmp_path):
     """The CUDA kernel run by Triton's interpreter in fp32 (bf16 runs on the GPU)."""
     out = run_interpreted(tmp_path, INTERPRETED)
     assert "checked 3" in out, out[-3000:]
+
+
+def test_lean_fork_forward_equals_the_forward_over_a_copied_row():
+    """LeanFork (the CPU's forked forward in the lean loop's ops): rows sharing a parent read it in place,
+    rows in runs and out of order, a pivot of 0 (nothing shared): the logits of a forward over rows that
+    hold a copy of the parent's KV (fp32, up to the order of sums), the parent never written, its keys at
+    and above the pivot never read, nothing below a pivot written into the forked rows."""
+    from draftrelay.worker import lean
+
+    torch.manual_seed(0)
+    _, net = M.tiny_pair(M.TINY_SEED)
+    parent_cache = net.new_cache(3, 64)
+    ctx = torch.randint(0, net.cfg.vocab_size, (2, 24))
+    net(ctx, torch.tensor([0, 0]), parent_cache, torch.tensor([0, 2]))
+    before_k = parent_cache.k.clone()
+    rows, parent, pivot = [3, 4, 1, 6, 0], [0, 0, 2, 2, 0], [17, 19, 20, 21, 0]
+    T = 2
+    toks = torch.randint(0, net.cfg.vocab_size, (5, T))
+    start = torch.tensor(pivot)
+    # a row must not read its parent at or above its own pivot, even where a sibling with a higher pivot
+    # reads it: changed values there reach only the rows whose copies hold them
+    parent_cache.k[:, 0, :, 17:] += 3.0
+    parent_cache.v[:, 2, :, 20:] -= 5.0
+    poisoned_k, poisoned_v = parent_cache.k.clone(), parent_cache.v.clone()
+    copied = net.new_cache(7, 64)
+    for b in range(5):
+        copied.k[:, rows[b], :, :pivot[b]] = parent_cache.k[:, parent[b], :, :pivot[b]]
+        copied.v[:, rows[b], :, :pivot[b]] = parent_cache.v[:, parent[b], :, :pivot[b]]
+    scratch = net.new_cache(7, 64)
+    lf = fork.LeanFork(lean.LeanSteps(net, parent_cache), scratch, parent_cache)
+    with torch.inference_mode():
+        pos = start[:, None] + torch.arange(T)[None, :]
+        got = lf.forward(toks, pos, lf.plan(rows, parent, pivot, T))
+        want = net(toks, start, copied, torch.tensor(rows), kv_len=32)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(got, torch.zeros_like(got))
+        # one more token per row (the branch run's steps), picked logits
+        nxt = got[:, -1].argmax(-1)[:, None]
+        got2 = lf.forward(nxt, pos[:, -1:] + 1, lf.plan(rows, parent, pivot), pick=torch.zeros(5, dtype=torch.long))
+        copied.lengths[torch.tensor(rows)] = start + T
+        want2 = net(nxt, start + T, copied, torch.tensor(rows), kv_len=32)[:, 0]
+        torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
+    assert torch.equal(parent_cache.k, poisoned_k) and torch.equal(parent_cache.v, poisoned_v)
+    assert not torch.equal(poisoned_k, before_k)
+    for b in range(5):  # the forked rows hold only their own positions
+        assert not scratch.k[:, rows[b], :, :pivot[b]].any()
+        assert scratch.k[:, rows[b], :, pivot[b]:pivot[b] + T + 1].abs().sum() > 0

@@ -102,6 +102,62 @@ def test_a_miss_does_not_hold_back_the_rows_that_hit(pair, reference, worker):
         run(pair[0], spec_of(worker), F=2, wait_rule="some")
 
 
+@pytest.mark.parametrize("F, k", [(2, 4), (8, 4), (8, 2)])
+def test_early_lookup_lets_hit_rows_go_and_misses_ask_no_drafts(pair, reference, worker, F, k):
+    """Wait rule "early", batch 4, each step waiting for its table (table_wait_ms): the table is looked up
+    before the round is sent, so a step whose rows hit only in part does not wait: its missed rows verify
+    no drafts and their round asks none; the next table's k = 0 entry (branches over the target's one
+    token) gives them drafts again. Output stays target-only's; more steps go without waiting than under
+    the all-rows rule; every request-round is booked once: the rounds that asked drafts, plus the missed
+    rows' rounds that asked none."""
+    out, m, log = run(pair[0], spec_of(worker), F=F, max_batch=4, k=k, wait_rule="early", table_wait_ms=2000,
+                      log=True)
+    out_all, m_all, _ = run(pair[0], spec_of(worker), F=F, max_batch=4, k=k)
+    assert out == reference and out_all == reference
+    sc, sa = m["total"]["spec_cache"], m_all["total"]["spec_cache"]
+    assert sc["wait_rule"] == "early" and sc["tail_rows"] == 0
+    assert sc["bare_rows"] > 0 and sc["k0_lookups"] > 0 and sc["k0_hits"] > 0, sc
+    assert sc["k0_hits"] <= sc["k0_lookups"] <= sc["bare_rows"]
+    frac = sc["fast_steps"] / (sc["fast_steps"] + sc["waited_steps"])
+    frac_all = sa["fast_steps"] / (sa["fast_steps"] + sa["waited_steps"])
+    assert frac > frac_all, (sc, sa)
+    assert m["total"]["rounds"]["failed"] == 0
+    ok = sum(r["rounds"]["ok"] for r in m["requests"])
+    assert sc["request_rounds"] == sc["lookups"] == ok + sc["bare_rows"], (sc, ok)
+    assert sc["lookups"] == sc["hits"] + sum(sc["misses"].values())
+    assert sum(e["hit"] for e in log) == sc["hits"] and len(log) == sc["lookups"]
+    assert set(sc["misses"]) <= {"no_match", "no_entry", "no_table"}, sc["misses"]
+
+
+def test_early_lookup_with_push_faults_and_a_fixed_table_wait(pair, reference, worker):
+    """Rule "early" with dropped and corrupted tables: a dropped table is waited for up to table_wait_ms,
+    then the step goes on as under "all" (its lookup a miss, "late"); output stays target-only's."""
+    out, m, _ = run(pair[0], spec_of(worker), F=8, max_batch=2, wait_rule="early", table_wait_ms=20,
+                    push_faults={"seed": 3, "p_drop": 0.3, "p_corrupt": 0.2})
+    assert out == reference
+    sc = m["total"]["spec_cache"]
+    assert sc["hits"] > 0 and sc["misses"].get("late", 0) > 0 and sc["misses"].get("corrupt", 0) > 0, sc
+    with pytest.raises(ValueError, match="table_wait_ms"):
+        run(pair[0], spec_of(worker), F=2, wait_rule="early", table_wait_ms=-1)
+
+
+def test_early_rule_sends_the_round_first_while_the_table_is_not_there(pair, reference):
+    """Rule "early" with its default wait (a look): a worker whose every table comes 150 ms after its STEP
+    (the worker the longer chain) never has the table there when a step starts, so every step is an
+    "all" step (round out at once, lookups after): no row verifies without drafts, no k = 0 entry is
+    looked up, lookups still hit, output stays target-only's."""
+    w = start_worker_process(["--model", "tiny", "--device", "cpu"],
+                             env={**ENV, "DRAFTRELAY_PREFETCH_DELAY_MS": "150"})
+    try:
+        out, m, _ = run(pair[0], spec_of(w), F=8, max_batch=2, prompts=PROMPTS[:2], wait_rule="early")
+        ref, _, _ = run(pair[0], mode="off", prompts=PROMPTS[:2])
+    finally:
+        w.stop()
+    assert out == ref
+    sc = m["total"]["spec_cache"]
+    assert sc["bare_rows"] == 0 and sc["k0_lookups"] == 0 and sc["hits"] > 0, sc
+
+
 def test_adapt_turns_tables_off_when_they_do_not_pay(pair, reference, worker):
     """adapt=True with a margin no cache can beat: after one probe the tables are paused and the steps are
     ordinary ones; with a margin any cache beats, they stay on. Output is target-only's either way."""
@@ -270,12 +326,13 @@ def small_target() -> Transformer:
     return Transformer.random(cfg, seed=5, std=0.25)
 
 
-@pytest.mark.parametrize("rule", ["all", "rows"])
+@pytest.mark.parametrize("rule", ["all", "rows", "early"])
 def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path, rule):
     """Temperature 1, k = 2, the worker's drafter is the target itself (greedy drafts), F = 12 branches:
     later steps verify branch drafts without waiting. The joint law of the third and fourth output tokens
     (produced by hit steps in most samples) equals the target's exact law (chi-square, 64 cells, 1,024
-    samples), under both wait rules (rows: miss rows verify their round tails or no drafts)."""
+    samples), under each wait rule (rows: miss rows verify their round tails or no drafts; early, each step
+    waiting for its table: miss rows verify no drafts, then branches of their k = 0 entries)."""
     target = small_target()
     save_hf_dir(target, tmp_path / "m")
     # one session of B = 16 requests: the whole worker (its default share is half of its rows)
@@ -289,7 +346,7 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path,
         spec = {"kind": "worker", "host": w.host, "port": w.port, "max_requests": B}
         h = HandoffConfig(round_spec=spec, deadline_ms=3000, round_budget_ms=2500)
         cfg = EngineConfig(mode="async", n_draft=2, max_batch=B, max_len=32, handoff=h, spec_fanout=12,
-                           spec_options={"wait_rule": rule})
+                           spec_options={"wait_rule": rule, **({"table_wait_ms": 2000} if rule == "early" else {})})
         with Engine(target, cfg) as eng:
             for b in range(n_batches):
                 ps = [SamplingParams(max_tokens=6, temperature=1.0, seed=b * B + i) for i in range(B)]
@@ -302,7 +359,7 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path,
         w.stop()
     assert t["rounds"]["failed"] == 0 and t["rounds"]["watchdog"] == 0
     assert sc["active"] and hits > 0.3 * rounds and sc["fast_steps"] > 0
-    assert sc["wait_rule"] == rule and (sc["tail_rows"] + sc["bare_rows"] > 0) == (rule == "rows"), sc
+    assert sc["wait_rule"] == rule and (sc["tail_rows"] + sc["bare_rows"] > 0) == (rule in ("rows", "early")), sc
     exact = exact_law(target, prompt, V, n_tokens=4, keep=2)  # law of (output[2], output[3])
     n = n_batches * B
     expected = exact * n

@@ -44,6 +44,32 @@ def test_table_roundtrip_and_exact_prefix_selection():
     assert TB.select(None, 7, 2, 10, [9]) == -1
 
 
+def test_k0_entry_roundtrip_and_selection():
+    """A request whose round asked no drafts: an entry with k = 0 whose branches are next tokens y (accepted
+    0), each with kb = 3 drafts. It is selected only by exactly that one token; a k > 0 entry must carry k
+    drafts per branch (the decoder refuses anything else)."""
+    e = TB.Entry(9, 1, 40, np.zeros(0, np.int32), np.zeros(3, np.int32), np.array([5, 6, 7], np.int32),
+                 np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], np.int32))
+    back = TB.decode(TB.encode(TB.Table([e, entry()])), V)
+    b = back.entry(9)
+    assert b.kb == 3 and len(b.drafts) == 0 and np.array_equal(b.branch_drafts, e.branch_drafts)
+    assert back.entry(7).kb == 3 and len(back.entry(7).drafts) == 3
+    assert TB.select(b, 9, 1, 40, [6]) == 1 and b.prefix(1).tolist() == [6]
+    for new in ([8], [6, 1], [], [5, 1, 2]):
+        assert TB.select(b, 9, 1, 40, new) == -1, new
+    ok, prefix, plen, drafts = TB.dense(back, [(9, 1, 40)], 4, 4)
+    assert ok[0] and plen[0].tolist() == [1, 1, 1, 0] and drafts[0, 2].tolist() == [7, 8, 9, 0]
+    bad = entry()
+    bad.branch_drafts = bad.branch_drafts[:, :2]
+    with pytest.raises(TB.TableError, match="k=3"):
+        TB.encode(TB.Table([bad]))
+    raw = bytearray(TB.encode(TB.Table([entry()])))
+    off = TB.TABLE_HEAD.size + 20  # the entry's kb field
+    raw[off:off + 2] = (2).to_bytes(2, "little")
+    with pytest.raises(TB.TableError, match="2 drafts per branch after a round of k=3"):
+        TB.decode(bytes(raw), V)
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda b: b[:-1], "fit"), (lambda b: b + b"\0", "trailing"), (lambda b: b[:10], "bytes"),
 ])
@@ -433,15 +459,17 @@ def test_paused_tables_send_steps_without_a_fanout():
         shm.close()
 
 
-def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives():
+@pytest.mark.parametrize("mode", ["eager", "lean"])
+def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives(mode):
     """After a STEP answered from a branch, the next table takes the candidates at its k + 1 stopping places
-    from that branch's run (its k drafting forwards and the bonus forward behind them) instead of a forward
-    over them: the same tokens and probabilities as that forward (fp32, up to the order of sums)."""
+    from that branch's run (its k drafting forwards and the bonus forward behind them; in the lean loop the
+    bonus forward runs when this table reads it) instead of a forward over them: the same tokens and
+    probabilities as that forward (fp32, up to the order of sums)."""
     from draftrelay.worker.core import WorkerCore
     from draftrelay.worker.drafters import load_drafter
     from draftrelay.worker.prefetch import branches_payload
 
-    core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode="eager"), max_requests=2)
+    core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode=mode), max_requests=2)
     session, _ = core.open_session(P.Hello(max_requests=1, n_out_max=8))
     prompt = (np.arange(1, 30) * 53 % 256).astype(np.int32)
     k, F = 4, 6
@@ -465,3 +493,115 @@ def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives():
         assert set(got[0][j].tolist()) == set(tt[0, j].tolist()), j
         np.testing.assert_allclose(np.sort(got[1][j]), np.sort(tp[0, j]), rtol=1e-4, atol=1e-6)
     assert int(got[0][0][0]) == int(f[0])  # the first place's most likely token is the first draft
+
+
+def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch):
+    """A drafter in its lean loop (the CPU default) drafts its branches with fork.LeanFork: neither the
+    fast-forward structure (fork_forward) nor the reference attention's merged full-length rows run, and
+    the bonus forward runs only when a next table reads it. Its branches are what a fresh round drafts."""
+    from draftrelay.worker import fork, prefetch
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.prefetch import branches_payload
+
+    def refuse(*a, **kw):
+        raise AssertionError("the lean drafter's branch work took the fast-forward path")
+
+    monkeypatch.setattr(prefetch, "fork_forward", refuse)
+    monkeypatch.setattr(fork, "_merged_rows", refuse)
+    d = load_drafter("tiny", n_rows=4, max_ctx=256, mode="lean")
+    core = WorkerCore(d, max_requests=2)
+    session, _ = core.open_session(P.Hello(max_requests=2, n_out_max=8))
+    k, F = 4, 8
+    prompts = [(np.arange(1, 30) * 53 % 256).astype(np.int32), (np.arange(1, 12) * 29 % 256).astype(np.int32)]
+    blocks = [P.Block(7, 1, 0, prompts[0], k), P.Block(8, 1, 0, prompts[1], k)]
+    res = core.step(session, blocks)
+    t = TB.decode(branches_payload(core, session, blocks, res, F), 256)
+    assert [e.n_branches for e in t.entries] == [F, F]  # a failed branch run would give an empty table
+    pf = core.prefetcher
+    assert pf.fork._bonus is not None and pf.fork._bonus[3] is None  # not run yet
+    for e, prompt in zip(t.entries, prompts, strict=True):
+        for b in range(F):
+            ctx = np.concatenate([prompt, e.prefix(b)]).astype(np.int32)
+            other = WorkerCore(load_drafter("tiny", n_rows=2, max_ctx=256, mode="lean"), max_requests=1)
+            s2, _ = other.open_session(P.Hello(max_requests=1, n_out_max=8))
+            fresh = other.step(s2, [P.Block(1, 1, 0, ctx, k)]).drafts[0, :k]
+            assert np.array_equal(fresh, e.branch_drafts[b]), (e.request_id, b)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lean"])
+def test_a_round_without_drafts_gets_a_k0_entry(mode):
+    """A STEP block that asks no drafts beside one that asks k: its request gets a k = 0 entry, branches
+    over the drafter's likely next tokens after its context, each with k drafts equal to a fresh round of
+    context + y; the next STEP along one of them is answered from the branch with those drafts."""
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.prefetch import TOP_M, branches_payload
+
+    def fresh(ctx, k):
+        other = WorkerCore(load_drafter("tiny", n_rows=2, max_ctx=256, mode=mode), max_requests=1)
+        s2, _ = other.open_session(P.Hello(max_requests=1, n_out_max=8))
+        return other.step(s2, [P.Block(1, 1, 0, np.asarray(ctx, np.int32), k)]).drafts[0, :k]
+
+    core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode=mode), max_requests=2)
+    session, _ = core.open_session(P.Hello(max_requests=2, n_out_max=8))
+    k, F = 4, 6
+    p0, p1 = (np.arange(1, 30) * 53 % 256).astype(np.int32), (np.arange(1, 17) * 31 % 256).astype(np.int32)
+    blocks = [P.Block(7, 1, 0, p0, k), P.Block(8, 1, 0, p1, 0)]
+    res = core.step(session, blocks)
+    assert int(res.counts[1]) == 0
+    t = TB.decode(branches_payload(core, session, blocks, res, F), 256)
+    e = t.entry(8)
+    assert e is not None and len(e.drafts) == 0 and e.kb == k and e.base == len(p1)
+    assert e.n_branches == min(F, TOP_M) and not e.accepted.any() and len(set(e.token.tolist())) == e.n_branches
+    assert t.entry(7).kb == k and len(t.entry(7).drafts) == k
+    for b in range(e.n_branches):
+        assert np.array_equal(fresh(np.concatenate([p1, e.prefix(b)]), k), e.branch_drafts[b]), b
+    hits = core.prefetcher.stats["worker_side_hits"]
+    rep = core.step(session, [P.Block(8, 1, e.base, e.prefix(1), k)])
+    assert core.prefetcher.stats["worker_side_hits"] == hits + 1
+    assert np.array_equal(rep.drafts[0, :k], e.branch_drafts[1])
+    # and the round after it drafts what a fresh round does (the request's KV is the drafted state)
+    ctx = np.concatenate([p1, e.prefix(1), rep.drafts[0, :1], [3]]).astype(np.int32)
+    rep2 = core.step(session, [P.Block(8, 1, e.base + 1, ctx[e.base + 1:], k)])
+    assert np.array_equal(rep2.drafts[0, :k], fresh(ctx, k))
+
+
+def test_a_block_asking_no_drafts_beside_a_branch_hit_is_only_extended():
+    """A STEP whose one block is answered from a branch and whose other asks no drafts (the engine's
+    "early" rule after a missed lookup): the drafter runs the second block's extension only (0 draft
+    steps), not the frame's depth; its state is what a fresh round of its context gives."""
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.prefetch import branches_payload
+
+    core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode="lean"), max_requests=2)
+    session, _ = core.open_session(P.Hello(max_requests=2, n_out_max=8))
+    k, F = 4, 6
+    p0, p1 = (np.arange(1, 30) * 53 % 256).astype(np.int32), (np.arange(1, 17) * 31 % 256).astype(np.int32)
+    blocks = [P.Block(7, 1, 0, p0, k), P.Block(8, 1, 0, p1, k)]
+    res = core.step(session, blocks)
+    e = TB.decode(branches_payload(core, session, blocks, res, F), 256).entry(7)
+    inner = core.drafter._d
+    calls = []
+    real_run = inner.run
+
+    def counting(jobs, n_steps):
+        calls.append((len(jobs), n_steps))
+        return real_run(jobs, n_steps)
+
+    inner.run = counting
+    try:
+        y = (int(res.drafts[1, 0]) + 1) % 256  # request 8: its first draft rejected
+        blocks2 = [P.Block(7, 1, e.base, e.prefix(0), k), P.Block(8, 1, len(p1), np.array([y], np.int32), 0)]
+        res2 = core.step(session, blocks2)
+    finally:
+        inner.run = real_run
+    assert core.prefetcher.stats["worker_side_hits"] == 1
+    assert calls == [(1, 0)], calls  # request 8's extension, no drafting
+    assert int(res2.counts[1]) == 0 and np.array_equal(res2.drafts[0, :k], e.branch_drafts[0])
+    t2 = TB.decode(branches_payload(core, session, blocks2, res2, F), 256)
+    e8 = t2.entry(8)
+    assert e8 is not None and len(e8.drafts) == 0 and e8.kb == k
+    rep = core.step(session, [P.Block(8, 1, e8.base, e8.prefix(0), k)])
+    assert np.array_equal(rep.drafts[0, :k], e8.branch_drafts[0])

@@ -17,7 +17,10 @@ shared memory (draftrelay.handoff.branch_shm) while verify N-1 runs. Step N then
      N and use its drafts, an ordinary round. Wait rule "rows": verify now if any request has drafts
      (a hit, or its round tail: see `_tail`), the others without. A table that has not arrived is
      waited for only while round N is not done (the proxy writes a table before it starts the next
-     round, so after that it will not come).
+     round, so after that it will not come). Wait rule "early": where the table is there before round N
+     is submitted, the lookup comes first and round N asks each row what its verify takes (k drafts for
+     a hit; none for a miss, which verifies without drafts and gets a k = 0 entry in the next table);
+     else the step is an "all" step (`_decode_early`, WAIT_RULES).
 
 A worker on the engine's GPU declines the cache (SHARED_GPU_REFUSAL), and `adapt=True` (class Adapt)
 pauses the tables where measured steps are faster without them.
@@ -70,7 +73,15 @@ DEFAULT_FANOUT = 8
 # "rows" is the slower one (0.54-0.56 x sync against 0.83-0.84 x): a step that does not wait still waits
 # for the table, which comes after the worker's STEP (real drafting for every row that missed or took
 # its tail) plus the branch work of all four rows, and its miss rows verify one token or k - 1 drafts
-WAIT_RULES = ("all", "rows")
+# "early": where the table is there when the step starts (or within table_wait_ms), it is looked up before
+# round N is submitted, so each row's round asks what that row's verify will take: a row that hit asks its
+# k drafts (the worker answers it from the branch), a row that missed asks none and verifies without drafts
+# (its round carries its tokens; the next table has a k = 0 entry for it, branches over the target's one
+# token); the step waits for its round only when no row hit. Where the table is not there yet (the worker
+# is the longer chain), the step is an "all" step: round N goes out at once, so the worker takes it up right
+# after the table, with no wait for the engine's lookup in its chain (on the shared 2-core CPU, looking up
+# first and waiting for the table made every step slower: benchmarks/results/spec_cache_cpu.json)
+WAIT_RULES = ("all", "rows", "early")
 SHARED_GPU_REFUSAL = (
     "the worker shares the engine's GPU: its branch work runs during the verify and the two time-slice the "
     "GPU, so cache steps are slower than sequential ones (benchmarks/results/replay_headline_cache.json); "
@@ -127,13 +138,17 @@ class SpecCache:
     def __init__(self, fanout: int, branch_budget_ms: float | None = None, push_faults: dict | None = None,
                  capacity: int = 1 << 20, log: bool = False, wait_rule: str = "all",
                  shared_gpu: bool = False, adapt: bool = False, probe_steps: int = 16,
-                 adapt_margin: float = 0.02, reprobe_steps: int = 512) -> None:
+                 adapt_margin: float = 0.02, reprobe_steps: int = 512, table_wait_ms: float | None = None) -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
         if wait_rule not in WAIT_RULES:
             raise ValueError(f"spec-cache wait_rule must be one of {WAIT_RULES}, got {wait_rule!r}")
         self.fanout = fanout
         self.wait_rule = wait_rule
+        if table_wait_ms is not None and table_wait_ms < 0:
+            raise ValueError(f"spec-cache table_wait_ms must be >= 0, got {table_wait_ms}")
+        # "early": how long a step waits for its table before it looks up first (0: only a look)
+        self.table_wait_s = 0.0 if table_wait_ms is None else table_wait_ms / 1000
         self.shared_gpu = shared_gpu  # run even when the worker shares the engine's GPU (benchmarks)
         if probe_steps < 2 or reprobe_steps < 1:
             raise ValueError(f"spec-cache probe_steps must be >= 2 and reprobe_steps >= 1, got {probe_steps}, "
@@ -288,6 +303,10 @@ class SpecCache:
         """The branch drafts of every request of `need` (indices into the plan) that hits, by index; each
         lookup is counted (a hit, or a miss with its reason)."""
         table, why = (None, "no_table") if stamp is None else self._await_table(rounds, t, stamp)
+        return self._select(batch, plan, table, why, need)
+
+    def _select(self, batch: list, plan, table: TB.Table | None, why: str, need: list[int]) -> dict[int, list[int]]:
+        """The branch drafts of every request of `need` that hits `table` (None: a miss for `why`)."""
         hits: dict[int, list[int]] = {}
         for i in need:
             r = batch[i]
@@ -298,6 +317,8 @@ class SpecCache:
             if b >= 0:
                 hits[i] = entry.branch_drafts[b, :plan.n_out[i]].tolist()
                 self.c["hits"] += 1
+                if len(entry.drafts) == 0:  # a k = 0 entry: the row's last verify took no drafts
+                    self.c["k0_hits"] += 1
             elif why:
                 self.miss_reasons[why] += 1
             elif entry is None:
@@ -307,6 +328,7 @@ class SpecCache:
             else:
                 self.miss_reasons["no_match"] += 1  # the outcome was not among the branches
             if entry is not None:
+                self.c["k0_lookups"] += len(entry.drafts) == 0
                 self.c["entries"] += 1
                 self.c["branches"] += entry.n_branches
             if self.log is not None:
@@ -331,12 +353,79 @@ class SpecCache:
             return []
         return d[n:n + n_out]
 
+    def _table_now(self, stamp: int, wait_s: float) -> tuple[TB.Table | None, str]:
+        """Wait rule "early": the table following round `stamp` if it is there within wait_s; (None, why)
+        otherwise ("absent" or "torn": not there yet; anything else: it is there and a miss)."""
+        limit = time.perf_counter() + wait_s
+        while True:
+            body, why = self.shm.read(stamp)
+            if body is not None:
+                try:
+                    return TB.decode(body, self.vocab), ""
+                except TB.TableError:
+                    return None, "corrupt"
+            if why not in ("absent", "torn") or time.perf_counter() >= limit:
+                return None, why
+            time.sleep(self.poll_s)
+
+    def _decode_early(self, eng, batch: list, clock, t_step: float, n_before: int, plan, table, why: str) -> None:
+        """Wait rule "early" (see WAIT_RULES) once the table that followed the settled round is there (or
+        known to be a miss): look each request that asks for drafts up in it; if any hit, the rows that hit
+        verify their branch drafts and the rows that missed verify none, and round N, asking the hit rows
+        their drafts and the missed rows none, stays in flight; if none hit, round N is an ordinary one,
+        waited for."""
+        rounds = eng.rounds
+        asking = [i for i, n in enumerate(plan.n_out) if n]
+        hits: dict[int, list[int]] = {}
+        t_wait = time.perf_counter()
+        with clock.part("wait"):
+            if asking:
+                hits = self._select(batch, plan, table, why, asking)
+        fast = bool(hits)
+        drafts: list[list[int]] = [[] for _ in batch]
+        bare = [i for i in asking if i not in hits]
+        if fast:  # a row that missed asks no drafts: its verify takes none, its next table has a k = 0 entry
+            for i in bare:
+                plan.n_out[i] = 0
+        t = res = None
+        if plan.asks:
+            with clock.part("submit"):
+                t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
+        inp = VerifyInputs.of(batch)
+        with clock.part("wait"):
+            if fast:
+                self._inflight = (t, plan, [])
+                drafts = [hits.get(i, []) for i in range(len(batch))]
+                self.c["fast_steps"] += 1
+                self.c["bare_rows"] += len(bare)
+                self.wait_hit_s.append(time.perf_counter() - t_wait)
+            elif t:
+                res = self._result(rounds, t)
+                drafts = eng.planner.settle(plan, res, eng.vocab)
+                self._collected(res)
+                if asking:
+                    self.c["waited_steps"] += 1
+                    self.wait_miss_s.append(time.perf_counter() - t_wait)
+            self.c["asking_rows"] += len(asking)
+            self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
+        eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
+        self._after_step(eng, batch, fast, n_before, t_step)
+
+    def _after_step(self, eng, batch: list, fast: bool, n_before: int, t_step: float) -> None:
+        if fast and not eng.waiting and all(r.done for r in eng.running):
+            self.settle(eng)  # no next step will: settle now, so the drafter's bookkeeping is complete
+        if self.adapt is not None:
+            paused = self.adapt.step(sum(len(r.output) for r in batch) - n_before, time.perf_counter() - t_step)
+            if paused != self.shm.paused:
+                self.shm.set_paused(paused)
+
     def decode(self, eng, batch: list) -> None:
         """One step (Engine._decode with the cache active): settle the round left in flight, submit
         round N; each request that asks for drafts takes its branch (a hit) or else its round tail
         (`_tail`, decided before round N is submitted); if any has drafts (wait_rule "rows"; "all": if
         every one hit) the verify starts now, the others verify without drafts and round N stays in
-        flight; else the step waits for round N."""
+        flight; else the step waits for round N. Wait rule "early": where the table is there, `_decode_early`;
+        else this step as under "all"."""
         clock = StepClock(eng.timing)
         t_step, n_before = time.perf_counter(), sum(len(r.output) for r in batch)
         rounds = eng.rounds
@@ -345,12 +434,21 @@ class SpecCache:
             self.settle(eng)
         stamp = self._stamp
         plan = eng.planner.plan(batch, drafting=True)
+        plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
+        rule = self.wait_rule
+        if rule == "early" and not plain and any(plan.n_out):
+            table, why = None, "no_table"
+            if stamp is not None:
+                with clock.part("wait"):
+                    table, why = self._table_now(stamp, self.table_wait_s)
+            if table is not None or why not in ("absent", "torn"):
+                return self._decode_early(eng, batch, clock, t_step, n_before, plan, table, why)
+            rule = "all"  # the table is not there yet: round N goes out now, as under "all"
         # rows with a round tail verify it, and round N asks each of them exactly that many drafts: then
         # round N's drafts are the tail itself (the drafter's continuation of the same context), so its
         # table models the outcomes of this verify and the row is back in step with the tables
         tails: dict[int, list[int]] = {}
-        plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
-        if self.wait_rule == "rows" and not plain:
+        if rule == "rows" and not plain:
             for i, n in enumerate(plan.n_out):
                 if n and (d := self._tail(batch[i], n)):
                     tails[i] = d
@@ -368,7 +466,7 @@ class SpecCache:
             asking = [i for i, n in enumerate(plan.n_out) if n]
             lookup = [] if plain else [i for i in asking if i not in tails]
             hits = self._lookup(rounds, batch, plan, t, stamp, lookup) if t and lookup else {}
-            if self.wait_rule == "all":
+            if rule in ("all", "early"):
                 fast = bool(asking) and len(hits) == len(asking)
             else:
                 fast = bool(hits or tails)
@@ -393,12 +491,7 @@ class SpecCache:
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
-        if fast and not eng.waiting and all(r.done for r in eng.running):
-            self.settle(eng)  # no next step will: settle now, so the drafter's bookkeeping is complete
-        if self.adapt is not None:
-            paused = self.adapt.step(sum(len(r.output) for r in batch) - n_before, time.perf_counter() - t_step)
-            if paused != self.shm.paused:
-                self.shm.set_paused(paused)
+        self._after_step(eng, batch, fast, n_before, t_step)
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -415,6 +508,8 @@ class SpecCache:
             "wait_rule": self.wait_rule,
             "fast_steps": self.c["fast_steps"], "waited_steps": self.c["waited_steps"],
             "tail_rows": self.c["tail_rows"], "bare_rows": self.c["bare_rows"],
+            # lookups in / hits on k = 0 entries (rule "early": rows whose last verify took no drafts)
+            "k0_lookups": self.c["k0_lookups"], "k0_hits": self.c["k0_hits"],
             # rows that asked for drafts and verified some without waiting for their round, or on its drafts
             "rows_with_drafts": (self.c["rows_with_drafts"] / self.c["asking_rows"]) if self.c["asking_rows"] else 0.0,
             "wait_ms_p50_hit": 1e3 * float(np.median(wh)) if wh else 0.0,

@@ -14,10 +14,15 @@ the drafter's context to the true sequence: the branch's drafts are the drafter'
 what the target actually produced, so using them is the same as a just-in-time round (and drafts
 are verified anyway: a wrong one costs speed, never a token).
 
+A round that asked a request for no drafts (k = 0: a verify of that request without drafts, the target's
+one token y) gets an entry too: its branches are the drafter's likely next tokens y (accepted 0), each
+with its own drafts. So the number of drafts per branch (kb) is its own field: k for a round with
+drafts, the round's depth for a k = 0 entry.
+
 Wire/shared-memory format (little endian), shared by the BRANCHES frame and the table slots:
-    head    n_entries u16, k_max u16, worker_us u32, session_id u64
-    entry   request_id u64, generation u32, base u32, k u16, n_branches u16, drafts i32[k]
-            then n_branches x (accepted u16, reserved u16, token i32, drafts i32[k])
+    head    n_entries u16, k_max u16 (the largest k or kb), worker_us u32, session_id u64
+    entry   request_id u64, generation u32, base u32, k u16, n_branches u16, kb u16, reserved u16,
+            drafts i32[k], then n_branches x (accepted u16, reserved u16, token i32, drafts i32[kb])
 This module is numpy-only: the proxy imports it.
 """
 
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 TABLE_HEAD = struct.Struct("<HHIQ")
-ENTRY_HEAD = struct.Struct("<QIIHH")
+ENTRY_HEAD = struct.Struct("<QIIHHHH")
 BRANCH_HEAD = struct.Struct("<HHi")
 MAX_BRANCHES = 64
 MAX_K = 64
@@ -47,11 +52,16 @@ class Entry:
     drafts: np.ndarray  # int32 [k]: round t's drafts f1..fk
     accepted: np.ndarray  # int32 [n]: branch b assumes f[:accepted[b]] were kept ...
     token: np.ndarray  # int32 [n]: ... followed by token[b]
-    branch_drafts: np.ndarray  # int32 [n, k]: round t+1's drafts for that outcome
+    branch_drafts: np.ndarray  # int32 [n, kb]: round t+1's drafts for that outcome (kb = k unless k = 0)
 
     @property
     def n_branches(self) -> int:
         return len(self.accepted)
+
+    @property
+    def kb(self) -> int:
+        """Drafts per branch."""
+        return int(self.branch_drafts.shape[1]) if self.branch_drafts.ndim == 2 else 0
 
     def prefix(self, b: int) -> np.ndarray:
         a = int(self.accepted[b])
@@ -72,18 +82,19 @@ class Table:
 
 
 def encode(table: Table) -> bytes:
-    k_max = max((len(e.drafts) for e in table.entries), default=0)
+    k_max = max((max(len(e.drafts), e.kb) for e in table.entries), default=0)
     parts = [TABLE_HEAD.pack(len(table.entries), k_max, min(int(table.worker_us), 0xFFFFFFFF),
                              int(table.session_id))]
     for e in table.entries:
-        k, n = len(e.drafts), len(e.accepted)
-        if k > MAX_K or n > MAX_BRANCHES or e.branch_drafts.shape != (n, k):
+        k, n, kb = len(e.drafts), len(e.accepted), e.kb
+        if (k > MAX_K or kb > MAX_K or n > MAX_BRANCHES or e.branch_drafts.shape != (n, kb)
+                or (k and kb != k)):
             raise TableError(f"entry {e.request_id}: k={k}, {n} branches, drafts {e.branch_drafts.shape}")
-        parts.append(ENTRY_HEAD.pack(int(e.request_id), int(e.generation), int(e.base), k, n))
+        parts.append(ENTRY_HEAD.pack(int(e.request_id), int(e.generation), int(e.base), k, n, kb, 0))
         parts.append(np.ascontiguousarray(e.drafts, "<i4").tobytes())
-        rec = np.zeros(n, _branch_dtype(k))
+        rec = np.zeros(n, _branch_dtype(kb))
         rec["accepted"], rec["token"] = e.accepted, e.token
-        if k:
+        if kb:
             rec["drafts"] = e.branch_drafts
         parts.append(rec.tobytes())
     return b"".join(parts)
@@ -108,23 +119,26 @@ def decode(buf, vocab_size: int) -> Table:
     for i in range(n_entries):
         if off + ENTRY_HEAD.size > n_buf:
             raise TableError(f"entry {i}: header truncated")
-        rid, gen, base, k, n = ENTRY_HEAD.unpack_from(buf, off)
+        rid, gen, base, k, n, kb, _ = ENTRY_HEAD.unpack_from(buf, off)
         off += ENTRY_HEAD.size
-        if k > min(k_max, MAX_K) or n > MAX_BRANCHES:
-            raise TableError(f"entry {i}: k={k} (table k_max {k_max}), {n} branches (limit {MAX_BRANCHES})")
+        if max(k, kb) > min(k_max, MAX_K) or n > MAX_BRANCHES:
+            raise TableError(f"entry {i}: k={k}, kb={kb} (table k_max {k_max}), {n} branches "
+                             f"(limit {MAX_BRANCHES})")
+        if k and kb != k:
+            raise TableError(f"entry {i}: {kb} drafts per branch after a round of k={k}")
         if rid in seen:
             raise TableError(f"entry {i}: request {rid} appears twice")
         seen.add(rid)
-        need = 4 * k + n * (BRANCH_HEAD.size + 4 * k)
+        need = 4 * k + n * (BRANCH_HEAD.size + 4 * kb)
         if off + need > n_buf:
             raise TableError(f"entry {i}: {n} branches of k={k} do not fit in the {n_buf - off} bytes left")
         drafts = np.frombuffer(buf, "<i4", k, off).astype(np.int32)
         off += 4 * k
-        rec = np.frombuffer(buf, _branch_dtype(k), n, off)
-        off += n * (BRANCH_HEAD.size + 4 * k)
+        rec = np.frombuffer(buf, _branch_dtype(kb), n, off)
+        off += n * (BRANCH_HEAD.size + 4 * kb)
         acc = rec["accepted"].astype(np.int32)
         tok = rec["token"].astype(np.int32)
-        bd = rec["drafts"].astype(np.int32).reshape(n, k) if k else np.zeros((n, 0), np.int32)
+        bd = rec["drafts"].astype(np.int32).reshape(n, kb) if kb else np.zeros((n, 0), np.int32)
         if n and int(acc.max()) > k:
             raise TableError(f"entry {i}: a branch keeps {int(acc.max())} of {k} drafts")
         for name, arr in (("draft", drafts), ("branch token", tok), ("branch draft", bd)):
@@ -218,7 +232,7 @@ def dense(table: Table | None, keys: list[tuple[int, int, int]], k: int, fanout:
         if e is None or e.generation != gen or e.base != base:
             continue
         ok[i] = True
-        kk = min(k, len(e.drafts))
+        kk = min(k, e.kb)
         for b in range(min(fanout, e.n_branches)):
             p = e.prefix(b)
             if len(p) > k + 1:

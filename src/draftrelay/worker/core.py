@@ -357,6 +357,8 @@ class WorkerCore:
             try:
                 if failed is not None:
                     raise failed
+                if getattr(d, "windows", False) is None:  # worker/prefetch.HitDrafter: each job's draft count
+                    d.windows = [p[3] for p in planned]
                 out_d, out_c = d.run(jobs, n_steps)
             except StepFailed:
                 self.stats["drafter_errors"] += 1

@@ -14,8 +14,15 @@ forward's own module with `decode_attention` bound to that layer's parent cache 
 writes K/V only into the scratch rows at their true positions (the parent rows are only read), takes
 static shapes (a CUDA graph captures it) and needs the fast attention's shapes (n_rep * T <= 64).
 
-`fork_attention_reference` is the plain-torch definition (the CPU runs it); `fork_attention_triton` the
-CUDA kernel: draftrelay.kernels.triton_ops' flash-decoding kernel with the key loop split at the pivot.
+`fork_attention_reference` is the plain-torch definition; `fork_attention_triton` the CUDA kernel:
+draftrelay.kernels.triton_ops' flash-decoding kernel with the key loop split at the pivot.
+
+`LeanFork` is the CPU's forked forward, for a drafter in its lean loop (worker/lean.py): the lean loop's
+ops with the attention in two parts, the parent's keys below the pivot read in place (one GEMM per kv
+head over all branches of one parent) and the row's own few positions, one softmax over both. It has no
+per-call host work beyond building the step's mask, and no forked row's attention copies a context (the
+reference definition merges each row's keys into a full-length copy per layer, and `fork_forward`'s
+fast-forward structure costs several times the lean loop's dispatch on a CPU).
 """
 
 from __future__ import annotations
@@ -112,3 +119,113 @@ def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: 
     if logits_at is not None:
         x = x[torch.arange(B, device=x.device), logits_at][:, None]
     return base.linear(x.contiguous(), head)
+
+
+class ForkPlan:
+    """What the forwards of one branch run share (rows, parents and pivots are fixed over its steps): the
+    runs of consecutive rows with one parent and, per run, its parent's keys 0 .. max pivot - 1 with the
+    mask of those below each row's own pivot, and how to read its rows' own keys."""
+
+    def __init__(self, rows: list[int], parent: list[int], pivot: list[int], n_rep: int, T: int) -> None:
+        self.rows, self.parent, self.pivot = list(rows), list(parent), list(pivot)
+        self.rows_t = torch.tensor(self.rows)
+        self.segs = []  # (b0, b1, parent row, P, lo, own rows: slice or index, pivot [nb, 1, 1], parent mask)
+        b0, B = 0, len(rows)
+        for b in range(1, B + 1):
+            if b < B and parent[b] == parent[b0]:
+                continue
+            piv = self.pivot[b0:b]
+            P, lo = max(piv), min(piv)
+            r = self.rows[b0:b]
+            own = slice(r[0], r[0] + len(r)) if r == list(range(r[0], r[0] + len(r))) else self.rows_t[b0:b]
+            piv_t = torch.tensor(piv)[:, None, None]
+            par = (torch.arange(P)[None, None, :] >= piv_t).expand(-1, n_rep * T, -1)  # at and above the pivot
+            self.segs.append((b0, b, parent[b0], P, lo, own, piv_t, par))
+            b0 = b
+
+
+class LeanFork:
+    """Forked forwards on a CPU in the lean loop's ops (worker/lean.LeanSteps: its weights, RoPE tables,
+    norms and products). Row b of the step is scratch row rows[b] of `cache` from pivot[b] on and row
+    parent[b] of `parent_cache` below it. Rows that share a parent (the branches of one request) read that
+    parent's keys 0 .. max pivot - 1 as one view, in one GEMM per kv head; each row's own keys are the few
+    positions from its pivot on. Logits equal the forward over a row holding a copy up to the order of
+    sums (tests/test_fork.py); greedy drafts from them are what the drafter's own loop drafts."""
+
+    def __init__(self, lean, cache: M.KVCache, parent_cache: M.KVCache) -> None:
+        self.lean, self.cache, self.parent_cache = lean, cache, parent_cache
+
+    def plan(self, rows: list[int], parent: list[int], pivot: list[int], T: int = 1) -> ForkPlan:
+        """The plan of forwards over forked rows rows[b] (parent rows parent[b] below pivot[b]) with T
+        tokens per row."""
+        return ForkPlan(rows, parent, pivot, self.lean.n_rep, T)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, plan: ForkPlan,
+                pick: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 at positions pos [B, T] (each >= the row's pivot; T as planned) of the plan's
+        forked rows -> fp32 logits [B, V] at position pick[b] of each row (None: [B, T, V], every
+        position). Writes the new K/V into the forked rows at their positions; reads the parent rows below
+        the pivots only."""
+        ln = self.lean
+        B, T = tokens.shape
+        H, HK, D, n_rep = ln.H, ln.HK, ln.D, ln.n_rep
+        R = n_rep * T
+        cache, pc = self.cache, self.parent_cache
+        hi = (pos[:, -1] + 1).tolist()
+        qpos = pos.repeat(1, n_rep)[:, :, None]  # [B, R, 1]: grouped query row r is token t = r % T
+        segs = []
+        for b0, b1, p, P, lo, own, piv, par in plan.segs:
+            W = max(hi[b0:b1]) - lo
+            kpos = torch.arange(lo, lo + W)[None, None, :]
+            blocked = (kpos < piv) | (kpos > qpos[b0:b1])  # own keys below the pivot or after the query
+            segs.append((b0, b1, p, P, lo, W, own, torch.cat((par, blocked), -1) if P else blocked))
+        cos, sin = ln.cos[pos][:, :, None, :], ln.sin[pos][:, :, None, :]
+        n = cache.max_len
+        widx = ((plan.rows_t[:, None, None] * HK + ln.t_pos[:HK][None, None, :]) * n + pos[:, :, None]).reshape(-1)
+        half = D // 2
+        scale = ln.scale
+        x, red = F.embedding(tokens, ln.embed), None
+        for i, w in enumerate(ln.layers):
+            if red is not None:
+                x = x + red.to(x.dtype)
+            qkv = F.linear(ln._norm(x, w.ln1), w.wqkv, w.bqkv)
+            qk = qkv[..., :(H + HK) * D].view(B, T, H + HK, D)
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+            q, k = qk[:, :, :H], qk[:, :, H:]
+            v = qkv[..., (H + HK) * D:].view(B, T, HK, D)
+            ck, cv = cache.k[i], cache.v[i]
+            ck.view(-1, D).index_copy_(0, widx, k.reshape(-1, D).to(ck.dtype))
+            cv.view(-1, D).index_copy_(0, widx, v.reshape(-1, D).to(cv.dtype))
+            pk, pv = pc.k[i], pc.v[i]
+            # [HK, B, R, D]: the grouped queries (kv head g: heads g * n_rep .., each over its T tokens)
+            qg = q.reshape(B, T, HK, n_rep, D).permute(2, 0, 3, 1, 4).reshape(HK, B, R, D).to(ck.dtype)
+            outs = []
+            for b0, b1, p, P, lo, W, own, blocked in segs:
+                nb = b1 - b0
+                qs = qg[:, b0:b1]
+                ok = ck[own, :, lo:lo + W].transpose(0, 1)  # [HK, nb, W, D]: the rows' own positions
+                ov = cv[own, :, lo:lo + W].transpose(0, 1)
+                s_own = torch.matmul(qs, ok.transpose(-1, -2))  # [HK, nb, R, W]
+                if P:  # the parent's keys below the pivots, read in place: [HK, nb * R, P]
+                    s_par = torch.matmul(qs.reshape(HK, nb * R, D), pk[p, :, :P].transpose(-1, -2))
+                    sc = torch.cat((s_par.view(HK, nb, R, P), s_own), -1) * scale
+                else:
+                    sc = s_own * scale
+                sc = sc.masked_fill(blocked, float("-inf"))  # every row sees its own position: never all -inf
+                pr = torch.softmax(sc, dim=-1, dtype=torch.float32).to(cv.dtype)
+                o = torch.matmul(pr[..., P:], ov)
+                if P:
+                    o = o + torch.matmul(pr[..., :P].reshape(HK, nb * R, P), pv[p, :, :P]).view(HK, nb, R, D)
+                outs.append(o)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)  # [HK, B, R, D]
+            o = out.view(HK, B, n_rep, T, D).permute(1, 3, 0, 2, 4).reshape(B, T, H * D).to(x.dtype)
+            red = F.linear(o, w.wo)
+            x = x + red.to(x.dtype)
+            gu = F.linear(ln._norm(x, w.ln2), w.wgu)
+            m = gu.shape[-1] // 2
+            red = F.linear(F.silu(gu[..., :m]) * gu[..., m:], w.wd)
+        x = x + red.to(x.dtype)
+        if pick is None:
+            return F.linear(ln._norm(x, ln.final_norm), ln.head).float()
+        x = x[torch.arange(B), pick][:, None]
+        return F.linear(ln._norm(x, ln.final_norm), ln.head).float()[:, 0]

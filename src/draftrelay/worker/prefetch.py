@@ -32,7 +32,7 @@ from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
 from draftrelay.wire import protocol as P
 from draftrelay.worker.drafters import Job, LlamaDrafter
-from draftrelay.worker.fork import fork_forward
+from draftrelay.worker.fork import LeanFork, fork_forward
 
 log = logging.getLogger("draftrelay.worker")
 
@@ -86,6 +86,7 @@ class ForkSteps:
         self._bonus = None  # (the bonus step of the last branch run, B, m, its host copy once read)
         self._graph_failed = False
         self.last_bonus_s = 0.0  # the bonus forward's seconds when branches() waited for it
+        self._lean_fork: LeanFork | None = None
 
     @property
     def graph(self) -> bool:
@@ -102,6 +103,16 @@ class ForkSteps:
             self._bonus = None
             self.cache = self.d.model.new_cache(n + 1, self.d.cache.max_len)
             self.n_rows = n
+
+    def _lean(self) -> LeanFork | None:
+        """The CPU's forked forward for a drafter in its lean loop (worker.fork.LeanFork), else None."""
+        steps = getattr(self.d, "_lean", None)
+        if steps is None:
+            return None
+        lf = self._lean_fork
+        if lf is None or lf.cache is not self.cache or lf.parent_cache is not self.d.cache:
+            lf = self._lean_fork = LeanFork(steps, self.cache, self.d.cache)
+        return lf
 
     def _step(self, key: tuple, n_in: int, n_out: int, body):
         g = self._steps.get(key)
@@ -189,6 +200,15 @@ class ForkSteps:
         """toks [R, T] at positions starts[r].. of forked rows rows[r] (pivot starts[r], parent parents[r])
         -> the top m tokens [R, T, m] and their probabilities."""
         R, T = toks.shape
+        lf = self._lean()
+        if lf is not None:
+            torch = self.torch
+            with torch.inference_mode():
+                pos = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]
+                logits = lf.forward(torch.from_numpy(np.ascontiguousarray(toks, np.int64)), pos,
+                                    lf.plan(list(rows), list(parents), list(starts), T))
+                _, tp, tt = self._top(logits, m)
+            return tt.numpy().astype(np.int32).astype(np.int64), tp.numpy().copy()
         with self.d._on_model_gpu():
             kvs = self._buckets(max(starts) + T)
             for kv in kvs[1:]:
@@ -261,6 +281,8 @@ class ForkSteps:
         `bonus_tops()` reads it; sync_bonus waits for it here (to time it)."""
         torch = self.torch
         B = first.shape[0]
+        if self._lean() is not None:
+            return self._lean_branches(first, last, starts, parents, pivots, rows, k, m, sync_bonus)
         n_top = B * k * m
         host = np.concatenate([first.reshape(-1), starts, last, parents, pivots, rows]).astype(np.int64)
         with self.d._on_model_gpu():
@@ -287,13 +309,58 @@ class ForkSteps:
                 self.last_bonus_s = time.perf_counter() - t_bonus
         return d, c, tt, tp
 
+    def _lean_branches(self, first: np.ndarray, last: list[int], starts: list[int], parents: list[int],
+                       pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool):
+        """branches() in the lean loop's forked forward (a CPU): the same drafts, confidences and
+        candidates. The bonus forward is not run here but by bonus_tops(), only when a next table reads
+        it (after a STEP answered from a bonus branch): on a CPU nothing runs behind the table, so a
+        forward run here would only delay it."""
+        torch = self.torch
+        lf = self._lean()
+        T = first.shape[1]
+        first_plan, plan = lf.plan(rows, parents, pivots, T), lf.plan(rows, parents, pivots)
+        with torch.inference_mode():
+            start = torch.tensor(starts)
+            at = torch.tensor(last)
+            logits = lf.forward(torch.from_numpy(np.ascontiguousarray(first, np.int64)),
+                                start[:, None] + torch.arange(T)[None, :], first_plan, pick=at)
+            pos = start + at + 1  # the first draft's position
+            picked, toks = [], []
+            for s in range(k):
+                tok = logits.argmax(-1)  # ties go to the lower id, as the drafter's lean loop picks
+                picked.append(logits)
+                toks.append(tok)
+                if s < k - 1:
+                    logits = lf.forward(tok[:, None], (pos + s)[:, None], plan)[:, 0]
+            probs = torch.softmax(torch.stack(picked, 1), -1)  # [B, k, V]
+            tok = torch.stack(toks, 1)
+            conf = probs.gather(-1, tok[..., None])[..., 0]
+            tp, tt = probs.topk(m, dim=-1)
+        d_k, at_k = tok[:, k - 1:], (pos + k - 1)[:, None]
+
+        def bonus() -> tuple[np.ndarray, np.ndarray]:  # feeds d_k at its position: the bonus place's candidates
+            with torch.inference_mode():
+                _, bp, bt = self._top(lf.forward(d_k, at_k, plan)[:, 0], m)
+            return bt.numpy().astype(np.int64), bp.numpy().copy()
+
+        self._bonus = (bonus, first.shape[0], m, None)
+        if sync_bonus:
+            t_bonus = time.perf_counter()
+            self.bonus_tops()
+            self.last_bonus_s = time.perf_counter() - t_bonus
+        return (tok.numpy().astype(np.int32), conf.numpy().astype(np.float32), tt.numpy().astype(np.int32),
+                tp.numpy().astype(np.float32))
+
     def bonus_tops(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The last branch run's candidates at the bonus place (top tokens [B, m], probabilities), waiting
-        for its forward if it has not finished; None before any run."""
+        for its forward if it has not finished (in the lean loop: running it); None before any run."""
         if self._bonus is None:
             return None
         gb, B, m, got = self._bonus
-        if got is None:
+        if got is None and callable(gb):
+            got = gb()
+            self._bonus = (gb, B, m, got)
+        elif got is None:
             if gb.out.device.type == "cuda":
                 self.torch.cuda.current_stream(gb.out.device).synchronize()
             out = gb.host_out.numpy()
@@ -312,6 +379,7 @@ class Prefetcher:
         self.supported = isinstance(drafter, LlamaDrafter)
         self.fork = ForkSteps(drafter) if self.supported else None
         self._acc: dict[int, Acceptance] = {}  # session id -> running acceptance
+        self.k_run = 0  # the deepest round of the frame being branched (a k = 0 entry's drafts per branch)
         self._last: dict[tuple[int, int], tuple[int, int, np.ndarray]] = {}  # (session, req) -> gen, base, drafts
         # request row -> (base L, round drafts f, [Branch]): what a next STEP that extends that row by a
         # branch's prefix can be answered with (HitDrafter), until the next prefetch reuses the scratch rows
@@ -360,16 +428,24 @@ class Prefetcher:
         acc = self._observe(sid, blocks)
         self._lap("observe", t0)
         fanout = max(0, min(fanout, self.max_fanout))
+        # a request that asked no drafts (its verify runs without drafts: the target's one token) gets a k = 0
+        # entry, branches over that token with as many drafts as the frame's deepest round (none if no round
+        # of the frame asked any)
+        self.k_run = k_run = int(max((int(c) for c in result.counts), default=0))
         todo = []  # (block index, request state, k)
         for i, b in enumerate(blocks):
             k = int(result.counts[i])
             st = session.requests.get(b.request_id)
-            if st is None or k == 0 or int(result.status[i]) not in (P.OK, P.PARTIAL) or len(b.tokens) == 0:
+            if (st is None or (k == 0 and (b.n_out or not k_run)) or int(result.status[i]) not in (P.OK, P.PARTIAL)
+                    or len(b.tokens) == 0):
                 self._last.pop((sid, b.request_id), None)
                 continue
-            self._last[(sid, b.request_id)] = (b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32))
-            if (fanout and self.supported and st.ctx_len + k + 1 <= self.drafter.max_ctx and self._fits(k)
-                    and self._holds(st, k)):
+            if k:
+                self._last[(sid, b.request_id)] = (b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32))
+            else:
+                self._last.pop((sid, b.request_id), None)
+            if (fanout and self.supported and st.ctx_len + max(k, k_run) + 1 <= self.drafter.max_ctx
+                    and self._fits(k) and self._holds(st, k)):
                 todo.append((i, st, k))
         entries: list[Entry] = []
         self.records.clear()  # the scratch rows are about to be reused
@@ -393,10 +469,10 @@ class Prefetcher:
         return model is None or model.cfg.n_rep * (k + 1) <= DECODE_ROWS
 
     def _holds(self, st, k: int) -> bool:
-        """Whether the request's row holds C + f1..f(k-1), what every branch's forked row reads below its
-        pivot (a drafter that cut its run short holds less: no branches then)."""
+        """Whether the request's row holds C + f1..f(k-1) (k = 0: C), what every branch's forked row reads
+        below its pivot (a drafter that cut its run short holds less: no branches then)."""
         cache = getattr(self.drafter, "cache", None)
-        return cache is None or int(cache.lengths[st.row]) >= st.ctx_len + k - 1
+        return cache is None or int(cache.lengths[st.row]) >= st.ctx_len + max(k - 1, 0)
 
     def _lap(self, piece: str, t0: float) -> float:
         """Book the time since t0 to `piece`; returns now."""
@@ -489,7 +565,7 @@ class Prefetcher:
             for b, (a, y) in enumerate(choices[n]):
                 rows.append(base_rows[n] + b)
                 parents.append(st.row)
-                if a < k:
+                if a < k or k == 0:  # y at L + a (k = 0: right after the context)
                     first.append((y, 0))
                     last.append(0)
                     starts.append(L + a)
@@ -498,7 +574,7 @@ class Prefetcher:
                     last.append(1)
                     starts.append(L + k - 1)
                 pivots.append(starts[-1])
-        k_max = max(k for _, _, k in todo)
+        k_max = max(max(k for _, _, k in todo), self.k_run)
         if not rows:
             z = np.zeros((0, k_max), np.int32)
             return z, z.astype(np.float32), None, None, []
@@ -520,6 +596,7 @@ class Prefetcher:
             i, st, k = todo[n]
             b = blocks[i]
             nb = len(pairs)
+            kb = k or self.k_run  # drafts per branch (a k = 0 entry: the frame's depth)
             f = result.drafts[i, :k].astype(np.int32)
             branches = []
             for j, (a, y) in enumerate(pairs):
@@ -527,12 +604,12 @@ class Prefetcher:
                 row = base_rows[n] + j if base_rows[n] >= 0 else -1
                 tops = (None, None) if out_tt is None else (out_tt[q].copy(), out_tp[q].copy())
                 branches.append(Branch(np.concatenate([f[:a], [y]]).astype(np.int32), row,
-                                       lows[q] if lows else 0, out_d[q, :k].copy(), out_c[q, :k].copy(), *tops,
+                                       lows[q] if lows else 0, out_d[q, :kb].copy(), out_c[q, :kb].copy(), *tops,
                                        q if out_tt is not None else -1))
             self.records[st.row] = (st.ctx_len, f, branches)
             entries.append(Entry(b.request_id, b.generation, st.ctx_len, f,
                                  np.array([a for a, _ in pairs], np.int32), np.array([y for _, y in pairs], np.int32),
-                                 out_d[first:first + nb, :k].astype(np.int32).reshape(nb, k)))
+                                 out_d[first:first + nb, :kb].astype(np.int32).reshape(nb, kb)))
             first += nb
         return entries
 
@@ -543,6 +620,11 @@ class HitDrafter:
     back into the request's row) instead of drafting again, the worker-side half of a hit. Every other
     job goes to the real drafter, and a job on a row drops that row's record: the record then no
     longer describes the row. Everything else is the real drafter's."""
+
+    # each job's draft count of the frame being run, set by WorkerCore before run() (None: not given). The
+    # jobs no branch answers are drafted only as deep as the deepest of them asks: a block asking no drafts
+    # (the engine's "early" rule: a row that missed) costs its extension only, not the frame's depth
+    windows: list[int] | None = None
 
     def __init__(self, drafter, prefetcher: Prefetcher) -> None:
         self._d = drafter
@@ -557,7 +639,7 @@ class HitDrafter:
             return None
         L, f, branches = rec
         c = job.keep - L
-        if c < 0 or c >= len(f) or n_steps < 1:
+        if c < 0 or c > max(len(f) - 1, 0) or n_steps < 1:  # a k = 0 record: c = 0, the token right after L
             return None
         want = np.concatenate([f[:c], job.tokens]).astype(np.int32)
         for br in branches:
@@ -566,6 +648,9 @@ class HitDrafter:
         return None
 
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        windows, self.windows = self.windows, None
+        if windows is None or len(windows) != len(jobs):
+            windows = [n_steps] * len(jobs)
         hits = {i: h for i, j in enumerate(jobs) if (h := self._hit(j, n_steps)) is not None}
         pf = self._pf
         for j in jobs:
@@ -573,13 +658,15 @@ class HitDrafter:
             pf.answered.pop(j.row, None)
         if len(hits) < len(jobs):
             pf.device_free()
-        if not hits:
+        idx = [i for i in range(len(jobs)) if i not in hits]
+        deep = max((windows[i] for i in idx), default=0)  # what the jobs no branch answers need
+        if not hits and deep == n_steps:
             return self._d.run(jobs, n_steps)
         drafts = np.zeros((len(jobs), n_steps), np.int32)
         confs = np.zeros((len(jobs), n_steps), np.float32)
-        idx = [i for i in range(len(jobs)) if i not in hits]
         if idx:
-            drafts[idx], confs[idx] = self._d.run([jobs[i] for i in idx], n_steps)
+            d, c = self._d.run([jobs[i] for i in idx], deep)
+            drafts[idx, :deep], confs[idx, :deep] = d, c
         self._answer(jobs, hits, n_steps, drafts, confs)
         for i, br in hits.items():  # the next table reads this round's stopping places from the branch
             j = jobs[i]
@@ -632,7 +719,7 @@ class ReplayPrefetcher(Prefetcher):
             f = result.drafts[i, :k].astype(np.int32)
             tok, prob = rd.stops(st.row, st.ctx_len, f, m)
             choices.append([(a, y) for a, y, _ in choose_branches(tok, prob, f, acc.rates(k), fanout)])
-        k_max = max(k for _, _, k in todo)
+        k_max = max(max(k for _, _, k in todo), self.k_run)
         t = self._lap("choose", t)
         run = None
         if self.real:  # the real step 3 on the chosen outcomes
@@ -657,8 +744,9 @@ class ReplayPrefetcher(Prefetcher):
         row = 0
         for (i, st, k), pairs in zip(todo, choices, strict=True):
             f = result.drafts[i, :k].astype(np.int32)
+            kb = k or self.k_run
             for a, y in pairs:
-                out_d[row, :k] = rd.branch_drafts(st.row, st.ctx_len, np.concatenate([f[:a], [y]]), k)
+                out_d[row, :kb] = rd.branch_drafts(st.row, st.ctx_len, np.concatenate([f[:a], [y]]), kb)
                 row += 1
         if run is None:
             out = self._entries(blocks, result, todo, choices, base_rows, out_d, np.zeros(out_d.shape, np.float32))
