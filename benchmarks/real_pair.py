@@ -15,7 +15,9 @@ runs with torch's default thread count.
 Modes (`--modes`, comma-separated):
   off                      target only (draftrelay's engine)
   sync:D / async:D         rounds to a local drafter worker process (loopback), D = auto (the depth
-                           policy, engine/depth.py, up to --k-max) or a fixed k
+                           policy, engine/depth.py, up to --k-max), autoN (the same up to N) or a fixed k
+  sync:D/S / async:D/S     the same with the worker's confidence stop at S (e.g. sync:auto12/0.4): a round's
+                           drafts end after the first one the drafter gives a probability below S, so D is a cap
   hf                       transformers' plain greedy generate
   hf-assisted:K            transformers' assisted generation, constant K drafts (confidence threshold off)
   hf-assisted:heuristic    transformers' assisted generation with its own defaults (heuristic schedule)
@@ -66,21 +68,60 @@ DEFAULT_MODES = ("off,sync:auto,async:auto,sync:2,sync:3,sync:4,sync:6,async:2,a
                  "hf,hf-assisted:4,hf-assisted:heuristic")
 
 
-def parse_modes(s: str) -> list[str]:
+def engine_mode(m: str, k_max: int) -> tuple[str, bool, int, float]:
+    """(kind, depth policy on, k_max or the fixed k, confidence stop) of an engine mode; ValueError if bad."""
+    kind, _, arg = m.partition(":")
+    if kind == "off" and not arg:
+        return kind, False, 0, 0.0
+    if kind not in ("sync", "async"):
+        raise ValueError(m)
+    depth, _, stop = arg.partition("/")
+    s = float(stop) if stop else 0.0
+    if not 0.0 <= s <= 1.0:
+        raise ValueError(m)
+    if depth == "auto":
+        return kind, True, k_max, s
+    auto = depth.startswith("auto")
+    k = depth[4:] if auto else depth
+    if not k.isdigit() or not 1 <= int(k) <= 16:
+        raise ValueError(m)
+    return kind, auto, int(k), s
+
+
+def parse_modes(s: str, k_max: int = 6) -> list[str]:
     out = []
     for m in (x.strip() for x in s.split(",") if x.strip()):
         kind, _, arg = m.partition(":")
-        ok = (kind == "off" and not arg) or (kind == "hf" and not arg) \
-            or (kind in ("sync", "async") and (arg == "auto" or arg.isdigit() and 1 <= int(arg) <= 16)) \
-            or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16))
+        ok = (kind == "hf" and not arg) or (kind == "hf-assisted" and (
+            arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16))
         if not ok:
-            raise SystemExit(f"real_pair: --modes: {m!r} is not off, hf, sync:auto|K, async:auto|K, "
-                             f"hf-assisted:K|heuristic")
+            try:
+                engine_mode(m, k_max)
+                ok = True
+            except ValueError:
+                pass
+        if not ok:
+            raise SystemExit(f"real_pair: --modes: {m!r} is not off, hf, sync:D[/S], async:D[/S] (D: auto, autoN "
+                             f"or K <= 16; S: a confidence stop in [0, 1]), hf-assisted:K|heuristic")
         out.append(m)
     return out
 
 
 # -- draftrelay ---------------------------------------------------------------------------------------
+def round_settings_for(spec: dict, prompt: list[int], depths: list[int]):
+    """calibrate.round_settings with the worker's STEP measured at depth 1 and every mode's k_max."""
+    from draftrelay.engine import calibrate as C
+
+    ks = sorted({1, *depths})
+    timing = C.measure_rounds(spec, prompt, ks)
+    budget = timing.budget_ms(ks[-1])
+    deadline = C.deadline_for(budget)
+    steady = ", ".join(f"k={k} {1e3 * v:.1f} ms" for k, v in sorted(timing.by_k.items()))
+    note = (f"round budget {budget:.0f} ms, deadline {deadline:.0f} ms (measured STEP: {steady}; prompt of "
+            f"{timing.prompt_tokens} tokens {1e3 * timing.prefill_s:.1f} ms)")
+    return C.RoundSettings(float(budget), float(deadline), timing, note)
+
+
 def load_pair_target(dtype: torch.dtype):
     from draftrelay.checkpoint import gguf
     from draftrelay.checkpoint.tokenizer import HFTokenizer
@@ -103,14 +144,13 @@ class EngineRunner:
         from draftrelay.engine import loading as L
         from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 
-        kind, _, arg = mode.partition(":")
-        k_max = args.k_max if arg in ("", "auto") else int(arg)
+        kind, auto, k_max, stop = engine_mode(mode, args.k_max)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
         h = None
         if kind != "off":
             h = L.handoff_config(spec, torch.device("cpu"), rs.deadline_ms, True, round_budget_ms=rs.budget_ms)
         cfg = EngineConfig(mode=kind, n_draft=k_max if kind != "off" else 0, max_batch=1, max_len=max_len,
-                           handoff=h, depth="auto" if arg == "auto" else "fixed",
+                           handoff=h, depth="auto" if auto else "fixed", draft_stop=stop,
                            round_costs_s=rs.round_costs_s if h else None, threads=args.threads)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
         self.eng = Engine(model, cfg)
@@ -315,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         if not group and p not in PROMPTS:
             raise SystemExit(f"real_pair: --prompts: unknown prompt {p!r} (known: {', '.join(PROMPTS)}, code, prose)")
         names += [n for n in group or [p] if n not in names]
-    modes = parse_modes(args.modes)
+    modes = parse_modes(args.modes, args.k_max)
     if args.threads != "auto":
         if not args.threads.isdigit():
             raise SystemExit(f"real_pair: --threads: 'auto' or a count, got {args.threads!r}")
@@ -355,13 +395,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if any(m.split(":")[0] in ("sync", "async") for m in modes):
                 max_ctx = max(len(x) for x in ids.values()) + args.max_tokens + 64
-                k_all = max([args.k_max] + [int(m.split(":")[1]) for m in modes if m.split(":")[-1].isdigit()
-                                            and m.startswith(("sync", "async"))])
+                k_all = max([args.k_max] + [engine_mode(m, args.k_max)[2] for m in modes
+                                            if m.startswith(("sync", "async"))])
                 worker = L.start_local_worker(str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 4,
                                               args.worker_threads, dtype="float32" if dname == "fp32" else "bfloat16")
                 spec = L.worker_spec(worker.host, worker.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash,
                                      k_all, 8)
-                rs = L.round_settings(spec, max(ids.values(), key=len), args.k_max)
+                # the round budget follows the deepest mode; each mode's policy starts from the round costs
+                # measured at its own k_max (calibrate.py measures every depth asked)
+                depths = [engine_mode(m, args.k_max)[2] for m in modes if m.startswith(("sync", "async"))]
+                rs = round_settings_for(spec, max(ids.values(), key=len), depths)
                 timing = rs.timing.as_dict() if rs.timing else None
                 print(f"[{dname}] {rs.note}", flush=True)
             else:
