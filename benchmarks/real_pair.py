@@ -445,8 +445,11 @@ def main(argv: list[str] | None = None) -> int:
         loads = [v for m in res.values() for p in m["prompts"].values() for r in p["runs"] for v in r["load"]]
         out.setdefault("load_average", {})[dname] = {"min": min(loads), "max": max(loads),
                                                      "median": statistics.median(loads)}
-        ref, hf_ref = res.get("off"), res.get("hf")
-        table = {m: summarize(r, ref if m != "off" else None, hf_ref if m != "hf" else None) for m, r in res.items()}
+        # transformers' output: plain greedy's, else (a run without it) its assisted generation's
+        hf_name = "hf" if "hf" in res else next((m for m in res if m.startswith("hf-assisted")), None)
+        ref, hf_ref = res.get("off"), res.get(hf_name) if hf_name else None
+        table = {m: summarize(r, ref if m != "off" else None, hf_ref if m != hf_name else None)
+                 for m, r in res.items()}
         print_table(dname, table)
         out["results"][dname] = {"round_timing": timing, "summary": table, "raw": res}
         del model, runners

@@ -15,8 +15,9 @@ from draftrelay.handoff.rounds import HandoffConfig
 from draftrelay.round import RoundRequest
 from draftrelay.wire import protocol as P
 from draftrelay.wire.roundfn import to_blocks, worker_round_fn
+from draftrelay.worker import drafters
 from draftrelay.worker.core import WorkerCore
-from draftrelay.worker.drafters import Job, LlamaDrafter, TestDrafter, stop_counts
+from draftrelay.worker.drafters import Job, LlamaDrafter, stop_counts
 from draftrelay.worker.server import WorkerServer
 
 # ---- wire ---------------------------------------------------------------------------------------------
@@ -70,7 +71,7 @@ def test_stop_counts_keep_the_low_draft_and_at_least_one():
 
 
 def test_test_drafter_stops_and_keeps_the_fed_drafts_only():
-    d = TestDrafter(vocab_size=500, n_rows=2, max_ctx=256, n_out_max=16)
+    d = drafters.TestDrafter(vocab_size=500, n_rows=2, max_ctx=256, n_out_max=16)
     full_d, full_c = d.run([Job(0, 0, np.arange(6, dtype=np.int32))], 12)
     thr = float(np.sort(full_c[0, :6])[-2])  # some of the first six drafts fall below it
     m = int(stop_counts(full_c, [thr], [12])[0])
@@ -119,8 +120,8 @@ def session(core: WorkerCore, n_out: int = 16):
 
 
 def test_session_trims_each_block_and_reports_partial():
-    ref = WorkerCore(TestDrafter(500, 4, 256, 16))
-    core = WorkerCore(TestDrafter(500, 4, 256, 16))
+    ref = WorkerCore(drafters.TestDrafter(500, 4, 256, 16))
+    core = WorkerCore(drafters.TestDrafter(500, 4, 256, 16))
     s0, s1 = session(ref), session(core)
     ctx = np.arange(4, dtype=np.int32)
     full = ref.step(s0, [P.Block(1, 1, 0, ctx, 12)])
@@ -271,3 +272,17 @@ def test_engine_without_the_stop_sends_none(tiny, stop_worker):
     seen.clear()
     generate(tiny[0], "sync", spec, n_draft=4)
     assert seen and all(c == 0.0 and n == k for k, n, c in seen)
+
+
+def test_generate_flag(capsys, tmp_path):
+    from draftrelay import cli
+
+    assert cli.main(["generate", "x", "--draft-stop", "1.5"]) == 2
+    assert capsys.readouterr().err.strip().startswith("draftrelay generate: --draft-stop 1.5")
+    outs = []
+    for extra in (["--mode", "off"], ["--mode", "sync", "--k-max", "10", "--draft-stop", "0.6"]):
+        path = tmp_path / f"m{len(outs)}.json"
+        assert cli.main(["generate", "def quicksort(arr):", "--device", "cpu", "--max-tokens", "20",
+                         "--progress", "off", "--json", str(path), *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]

@@ -28,6 +28,12 @@ depth and width only: a change of batch size moves them, and the running average
 few steps. Acceptance counts decay per round (`decay`), so the estimate follows the text it is drafting; a
 position not tried yet is estimated from the one before it (shrunk toward it with `prior_weight`).
 
+With the worker's confidence stop (EngineConfig.draft_stop) k is a cap: a round drafts m <= k, ending
+after the first draft the drafter is unsure of. Rounds are then timed at the m they drafted, a position
+the stop never offered is no rejection there (Acceptance.offer: offered given all before it kept), and a
+cap's cost is averaged over the m it drafts (Acceptance.drafted_dist, from how often the drafter went on
+after each position); without the stop every asked draft comes back and the model is the plain one.
+
 Greedy output never depends on k (a kept draft equals the target's own argmax), so the policy changes
 speed only; with sampling, rejection sampling is lossless at every k too.
 """
