@@ -58,8 +58,8 @@ def stop_counts(confs: np.ndarray, min_conf: np.ndarray | list[float], window: n
 
 
 def all_stopped(conf_now, thresholds: np.ndarray) -> bool:
-    """Whether every job's confidence stop has fired by this step (the thresholds' running minimum:
-    a job that already stopped holds +inf there). Updates `thresholds` in place."""
+    """Whether every job's confidence stop has fired by this step. thresholds[b] is job b's stop, set to
+    +inf here (in place) once its draft's confidence falls below it; a job without a stop (0) never fires."""
     c = np.asarray(conf_now, np.float32)
     thresholds[c < thresholds] = np.inf
     return bool(np.isinf(thresholds).all())
