@@ -483,7 +483,7 @@ class BatchDepthPolicy:
             self.rates[self.bucket].add(self.last_k > 0, seconds, tokens_per_row)
 
     # the engine's per-part reports: this policy judges whole steps (observe_step)
-    def observe_round(self, k: int, seconds: float, sent_tokens: int) -> None:
+    def observe_round(self, k: int, seconds: float, sent_tokens: int, drafted: int = 0) -> None:
         pass
 
     def observe_verify(self, width: int, seconds: float) -> None:

@@ -260,7 +260,7 @@ def decode_step(buf, max_blocks: int) -> list[Block]:
         blocks.append(Block(rid, gen, pos, toks, n_out, fl))
     if flags & STEP_FLAG_MIN_CONF:
         if off + 4 * n_blocks > n_payload:
-            raise FrameError(MALFORMED, f"STEP: the confidence-stop flag needs {n_blocks} float32 thresholds "
+            raise FrameError(MALFORMED, f"STEP: flags 0x{flags:x} (MIN_CONF) need {n_blocks} float32 thresholds "
                                         f"after the blocks, {n_payload - off} bytes left")
         confs = np.frombuffer(buf, dtype="<f4", count=n_blocks, offset=off)
         off += 4 * n_blocks
