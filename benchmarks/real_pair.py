@@ -15,7 +15,9 @@ runs with torch's default thread count.
 Modes (`--modes`, comma-separated):
   off                      target only (draftrelay's engine)
   sync:D / async:D         rounds to a local drafter worker process (loopback), D = auto (the depth
-                           policy, engine/depth.py, up to --k-max) or a fixed k
+                           policy, engine/depth.py, up to --k-max), autoN (the same up to N) or a fixed k
+  sync:D/S / async:D/S     the same with the worker's confidence stop at S (e.g. sync:auto12/0.4): a round's
+                           drafts end after the first one the drafter gives a probability below S, so D is a cap
   cache:K/F[/RULE]         async rounds with the speculation cache (engine/spec_cache.py): fixed k = K,
                            F branches per request, wait rule RULE (all, rows or early; default all)
   hf                       transformers' plain greedy generate
@@ -68,17 +70,43 @@ DEFAULT_MODES = ("off,sync:auto,async:auto,sync:2,sync:3,sync:4,sync:6,async:2,a
                  "hf,hf-assisted:4,hf-assisted:heuristic")
 
 
-def parse_modes(s: str) -> list[str]:
+def engine_mode(m: str, k_max: int) -> tuple[str, bool, int, float]:
+    """(kind, depth policy on, k_max or the fixed k, confidence stop) of an engine mode; ValueError if bad."""
+    kind, _, arg = m.partition(":")
+    if kind == "off" and not arg:
+        return kind, False, 0, 0.0
+    if kind not in ("sync", "async"):
+        raise ValueError(m)
+    depth, _, stop = arg.partition("/")
+    s = float(stop) if stop else 0.0
+    if not 0.0 <= s <= 1.0:
+        raise ValueError(m)
+    if depth == "auto":
+        return kind, True, k_max, s
+    auto = depth.startswith("auto")
+    k = depth[4:] if auto else depth
+    if not k.isdigit() or not 1 <= int(k) <= 16:
+        raise ValueError(m)
+    return kind, auto, int(k), s
+
+
+def parse_modes(s: str, k_max: int = 6) -> list[str]:
     out = []
     for m in (x.strip() for x in s.split(",") if x.strip()):
         kind, _, arg = m.partition(":")
-        ok = (kind == "off" and not arg) or (kind == "hf" and not arg) \
-            or (kind in ("sync", "async") and (arg == "auto" or arg.isdigit() and 1 <= int(arg) <= 16)) \
-            or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
+        ok = (kind == "hf" and not arg) or (kind == "hf-assisted" and (
+            arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
             or (kind == "cache" and _cache_arg(arg) is not None)
         if not ok:
-            raise SystemExit(f"real_pair: --modes: {m!r} is not off, hf, sync:auto|K, async:auto|K, "
-                             f"cache:K/F[/all|rows|early], hf-assisted:K|heuristic")
+            try:
+                engine_mode(m, k_max)
+                ok = True
+            except ValueError:
+                pass
+        if not ok:
+            raise SystemExit(f"real_pair: --modes: {m!r} is not off, hf, sync:D[/S], async:D[/S] (D: auto, autoN "
+                             f"or K <= 16; S: a confidence stop in [0, 1]), cache:K/F[/all|rows|early], "
+                             f"hf-assisted:K|heuristic")
         out.append(m)
     return out
 
@@ -93,6 +121,20 @@ def _cache_arg(arg: str) -> tuple[int, int, str] | None:
 
 
 # -- draftrelay ---------------------------------------------------------------------------------------
+def round_settings_for(spec: dict, prompt: list[int], depths: list[int]):
+    """calibrate.round_settings with the worker's STEP measured at depth 1 and every mode's k_max."""
+    from draftrelay.engine import calibrate as C
+
+    ks = sorted({1, *depths})
+    timing = C.measure_rounds(spec, prompt, ks)
+    budget = timing.budget_ms(ks[-1])
+    deadline = C.deadline_for(budget)
+    steady = ", ".join(f"k={k} {1e3 * v:.1f} ms" for k, v in sorted(timing.by_k.items()))
+    note = (f"round budget {budget:.0f} ms, deadline {deadline:.0f} ms (measured STEP: {steady}; prompt of "
+            f"{timing.prompt_tokens} tokens {1e3 * timing.prefill_s:.1f} ms)")
+    return C.RoundSettings(float(budget), float(deadline), timing, note)
+
+
 def load_pair_target(dtype: torch.dtype):
     from draftrelay.checkpoint import gguf
     from draftrelay.checkpoint.tokenizer import HFTokenizer
@@ -118,15 +160,16 @@ class EngineRunner:
         kind, _, arg = mode.partition(":")
         fanout, options = 0, {}
         if kind == "cache":  # async rounds with the speculation cache, a fixed depth
-            k_fixed, fanout, rule = _cache_arg(arg)
-            kind, arg, options = "async", str(k_fixed), {"wait_rule": rule}
-        k_max = args.k_max if arg in ("", "auto") else int(arg)
+            k_max, fanout, rule = _cache_arg(arg)
+            kind, auto, stop, options = "async", False, 0.0, {"wait_rule": rule}
+        else:
+            kind, auto, k_max, stop = engine_mode(mode, args.k_max)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
         h = None
         if kind != "off":
             h = L.handoff_config(spec, torch.device("cpu"), rs.deadline_ms, True, round_budget_ms=rs.budget_ms)
         cfg = EngineConfig(mode=kind, n_draft=k_max if kind != "off" else 0, max_batch=1, max_len=max_len,
-                           handoff=h, depth="auto" if arg == "auto" else "fixed",
+                           handoff=h, depth="auto" if auto else "fixed", draft_stop=stop,
                            round_costs_s=rs.round_costs_s if h else None, threads=args.threads,
                            spec_fanout=fanout, spec_options=options)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
@@ -335,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         if not group and p not in PROMPTS:
             raise SystemExit(f"real_pair: --prompts: unknown prompt {p!r} (known: {', '.join(PROMPTS)}, code, prose)")
         names += [n for n in group or [p] if n not in names]
-    modes = parse_modes(args.modes)
+    modes = parse_modes(args.modes, args.k_max)
     if args.threads != "auto":
         if not args.threads.isdigit():
             raise SystemExit(f"real_pair: --threads: 'auto' or a count, got {args.threads!r}")
@@ -375,14 +418,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if any(m.split(":")[0] in ("sync", "async", "cache") for m in modes):
                 max_ctx = max(len(x) for x in ids.values()) + args.max_tokens + 64
-                k_all = max([args.k_max] + [int(m.split(":")[1]) for m in modes if m.split(":")[-1].isdigit()
-                                            and m.startswith(("sync", "async"))]
+                k_all = max([args.k_max] + [engine_mode(m, args.k_max)[2] for m in modes
+                                            if m.startswith(("sync", "async"))]
                             + [_cache_arg(m.partition(":")[2])[0] for m in modes if m.startswith("cache:")])
                 worker = L.start_local_worker(str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 4,
                                               args.worker_threads, dtype="float32" if dname == "fp32" else "bfloat16")
                 spec = L.worker_spec(worker.host, worker.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash,
                                      k_all, 8)
-                rs = L.round_settings(spec, max(ids.values(), key=len), args.k_max)
+                # the round budget follows the deepest mode; each mode's policy starts from the round costs
+                # measured at its own k_max (calibrate.py measures every depth asked)
+                depths = [engine_mode(m, args.k_max)[2] for m in modes if m.startswith(("sync", "async"))]
+                rs = round_settings_for(spec, max(ids.values(), key=len), depths)
                 timing = rs.timing.as_dict() if rs.timing else None
                 print(f"[{dname}] {rs.note}", flush=True)
             else:
@@ -423,8 +469,11 @@ def main(argv: list[str] | None = None) -> int:
         loads = [v for m in res.values() for p in m["prompts"].values() for r in p["runs"] for v in r["load"]]
         out.setdefault("load_average", {})[dname] = {"min": min(loads), "max": max(loads),
                                                      "median": statistics.median(loads)}
-        ref, hf_ref = res.get("off"), res.get("hf")
-        table = {m: summarize(r, ref if m != "off" else None, hf_ref if m != "hf" else None) for m, r in res.items()}
+        # transformers' output: plain greedy's, else (a run without it) its assisted generation's
+        hf_name = "hf" if "hf" in res else next((m for m in res if m.startswith("hf-assisted")), None)
+        ref, hf_ref = res.get("off"), res.get(hf_name) if hf_name else None
+        table = {m: summarize(r, ref if m != "off" else None, hf_ref if m != hf_name else None)
+                 for m, r in res.items()}
         print_table(dname, table)
         out["results"][dname] = {"round_timing": timing, "summary": table, "raw": res}
         del model, runners

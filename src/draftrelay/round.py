@@ -51,6 +51,9 @@ class RoundRequest:
     position: int  # position of tokens[0] in the request's sequence
     tokens: np.ndarray  # int32: tokens accepted since the last round (the prompt on the first)
     n_out: int
+    # the confidence stop: the drafter ends this request's drafts after the first one it is less sure of
+    # than this (0: off; None: the round function's own setting). Fewer than n_out drafts may come back.
+    min_conf: float | None = None
 
 
 def end_block(req_id: int, generation: int, position: int) -> RoundRequest:

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=None,
                    help="drafts per round, fixed (default: the depth policy picks 0..--k-max each step)")
     p.add_argument("--k-max", type=int, default=6, help="deepest draft the depth policy may ask")
+    p.add_argument("--draft-stop", type=float, default=0.0, metavar="P",
+                   help="the worker's confidence stop: a round's drafts end after the first one the drafter "
+                        "gives a probability below P, so k is a cap (0: off)")
     p.add_argument("--round-budget-ms", type=float, default=None,
                    help="what the proxy allows one round (default: from the worker's measured STEP)")
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
@@ -104,6 +107,9 @@ def check_flags(args: argparse.Namespace) -> list[str]:
         bad.append(f"--k {args.k}: must be 0-16")
     if not 0 <= args.k_max <= 16:
         bad.append(f"--k-max {args.k_max}: must be 0-16")
+    stop = getattr(args, "draft_stop", 0.0)
+    if not 0.0 <= stop <= 1.0:  # also refuses NaN
+        bad.append(f"--draft-stop {stop}: must be within [0, 1] (0: off)")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         bad.append(f"--temperature {args.temperature}: must be a finite number >= 0")
     if getattr(args, "top_k", 0) < 0:
@@ -253,7 +259,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
         cfg = EngineConfig(mode=mode, n_draft=k_max, max_batch=1, max_len=max_len, handoff=h,
                            graphs=args.graphs, slot_ring=args.slot_ring,
                            depth="fixed" if args.k is not None else "auto",
-                           round_costs_s=rs.round_costs_s if h else None,
+                           round_costs_s=rs.round_costs_s if h else None, draft_stop=args.draft_stop,
                            spec_fanout=args.spec_cache if mode == "async" else 0)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 seed=args.seed, stop_token_ids=target.stop_ids)

@@ -28,6 +28,12 @@ depth and width only: a change of batch size moves them, and the running average
 few steps. Acceptance counts decay per round (`decay`), so the estimate follows the text it is drafting; a
 position not tried yet is estimated from the one before it (shrunk toward it with `prior_weight`).
 
+With the worker's confidence stop (EngineConfig.draft_stop) k is a cap: a round drafts m <= k, ending
+after the first draft the drafter is unsure of. Rounds are then timed at the m they drafted, a position
+the stop never offered is no rejection there (Acceptance.offer: offered given all before it kept), and a
+cap's cost is averaged over the m it drafts (Acceptance.drafted_dist, from how often the drafter went on
+after each position); without the stop every asked draft comes back and the model is the plain one.
+
 Greedy output never depends on k (a kept draft equals the target's own argmax), so the policy changes
 speed only; with sampling, rejection sampling is lossless at every k too.
 """
@@ -136,12 +142,21 @@ class ScaledCurve:
 
 
 class Acceptance:
-    """Decayed per-position counts: tries[j] = rounds where position j was reached (all before it kept),
-    hits[j] = rounds where it was kept too."""
+    """Decayed per-position counts of the rounds of a request:
+      tries[j]  position j was offered with every draft before it kept; hits[j]  it was kept too
+      reach[j]  every draft before j was kept and the round asked for j (offered or not: the confidence
+                stop may have ended the round before it, which is no rejection at j)
+      at[j]     position j was drafted and the round asked for j + 1; go[j]  position j + 1 was drafted too
+    so p_j = hits/tries (kept, given offered), o_j = tries/reach (offered, given all before it kept) and
+    c_j = go/at (the drafter went on after j, kept or not: it sets what the round and the verify cost).
+    Without the confidence stop every asked draft comes back: o = c = 1, and the model is the plain one."""
 
     def __init__(self, k_max: int, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97) -> None:
         self.tries = np.zeros(k_max)
         self.hits = np.zeros(k_max)
+        self.reach = np.zeros(k_max)
+        self.at = np.zeros(k_max)
+        self.go = np.zeros(k_max)
         self.prior, self.w, self.decay = prior, prior_weight, decay
         self.rounds = 0.0
         self.answered = 0.0
@@ -150,23 +165,40 @@ class Acceptance:
         """One request's round: `asked` drafts wanted, `offered` came back, `kept` were accepted."""
         if asked <= 0:
             return
-        self.tries *= self.decay
-        self.hits *= self.decay
+        for a in (self.tries, self.hits, self.reach, self.at, self.go):
+            a *= self.decay
         self.rounds = self.rounds * self.decay + 1
         self.answered = self.answered * self.decay + (offered > 0)
-        n = min(offered, len(self.tries))
+        L = len(self.tries)
+        n = min(offered, L)
         reached = min(kept + 1, n)  # positions 0..kept were judged (kept + 1-th rejected, if offered)
         self.tries[:reached] += 1
         self.hits[:min(kept, n)] += 1
+        if offered > 0:  # a failed round says nothing about where the drafter stops
+            self.reach[:min(kept + 1, asked, L)] += 1
+            self.at[:min(offered, asked - 1, L)] += 1
+            self.go[:min(offered - 1, L)] += 1
+
+    def _chain(self, num: np.ndarray, den: np.ndarray, start: float) -> np.ndarray:
+        """num/den at every position, each shrunk toward the one before it (position 0: toward start)."""
+        out = np.empty(len(num))
+        q = start
+        for j in range(len(out)):
+            q = (num[j] + self.w * q) / (den[j] + self.w)
+            out[j] = q
+        return out
 
     def cond(self) -> np.ndarray:
         """p_j for every position, each shrunk toward the one before it (position 0: toward the prior)."""
-        out = np.empty(len(self.tries))
-        q = self.prior
-        for j in range(len(out)):
-            q = (self.hits[j] + self.w * q) / (self.tries[j] + self.w)
-            out[j] = q
-        return out
+        return self._chain(self.hits, self.tries, self.prior)
+
+    def offer(self) -> np.ndarray:
+        """o_j: position j is offered, given every draft before it was kept (1 without the confidence stop)."""
+        return self._chain(self.tries, self.reach, 1.0)
+
+    def cont(self) -> np.ndarray:
+        """c_j: the drafter drafts position j + 1 after position j when asked to (1 without the stop)."""
+        return self._chain(self.go, self.at, 1.0)
 
     def success(self) -> float:
         """The share of rounds that brought drafts (a failed or late round brings none)."""
@@ -175,7 +207,14 @@ class Acceptance:
     def expected_kept(self, k: int) -> float:
         if k <= 0:
             return 0.0
-        return self.success() * float(np.cumprod(self.cond()[:k]).sum())
+        return self.success() * float(np.cumprod(self.cond()[:k] * self.offer()[:k]).sum())
+
+    def drafted_dist(self, k: int) -> np.ndarray:
+        """P(the round drafts m) for m = 1..k at a cap of k (index m - 1): all mass at k without the stop."""
+        if k <= 0:
+            return np.zeros(0)
+        surv = np.concatenate(([1.0], np.cumprod(self.cont()[:k - 1])))  # P(m >= i) for i = 1..k
+        return surv - np.concatenate((surv[1:], [0.0]))
 
 
 @dataclass
@@ -237,17 +276,29 @@ class DepthPolicy:
         return k
 
     def rates(self) -> list[float]:
-        """Expected tokens per second at each depth 0..k_max (0.0 where not estimable)."""
+        """Expected tokens per second at each depth 0..k_max (0.0 where not estimable). With the confidence
+        stop, depth k is a cap: the round drafts m <= k (Acceptance.drafted_dist) and the step costs
+        round(m) + verify(m + 1), averaged over m."""
         h = self.host(0) or 0.0
-        out = []
-        for k in range(self.k_max + 1):
-            v = self.verify(k + 1)
-            r = self.round(k) if k else 0.0
-            if v is None or r is None:
-                out.append(0.0)
-                continue
-            out.append((1.0 + self.acc.expected_kept(k)) / (r + v + h))
+        v1 = self.verify(1)
+        out = [1.0 / (v1 + h) if v1 is not None else 0.0]
+        step = [None] + [self._cost(m) for m in range(1, self.k_max + 1)]  # round(m) + verify(m + 1)
+        for k in range(1, self.k_max + 1):
+            dist = self.acc.drafted_dist(k)
+            cost = 0.0
+            for m in range(1, k + 1):
+                if dist[m - 1] <= 1e-9:
+                    continue
+                if step[m] is None:
+                    cost = None
+                    break
+                cost += dist[m - 1] * step[m]
+            out.append(0.0 if cost is None else (1.0 + self.acc.expected_kept(k)) / (cost + h))
         return out
+
+    def _cost(self, m: int) -> float | None:
+        r, v = self.round(m), self.verify(m + 1)
+        return None if r is None or v is None else r + v
 
     def choose(self) -> int:
         self._steps += 1
@@ -285,11 +336,14 @@ class DepthPolicy:
         return min(near, key=lambda d: self._seen.get(d + 1, -1))
 
     # -- what the step measured -------------------------------------------------------------------------
-    def observe_round(self, k: int, seconds: float, sent_tokens: int) -> None:
-        """A round asking depth k took `seconds` of the engine's time (submit + wait)."""
+    def observe_round(self, k: int, seconds: float, sent_tokens: int, drafted: int = 0) -> None:
+        """A round asking depth k took `seconds` of the engine's time (submit + wait). drafted: the most
+        drafts it brought a request (the confidence stop may end it before k): its cost is that depth's;
+        0 (a failed round) books it at k."""
         limit = self.cfg.catch_up_tokens or self.k_max + 2
-        if 0 < k <= self.k_max and sent_tokens <= limit:  # a catch-up round also prefills: not a depth cost
-            self.round.add(k, seconds)
+        d = drafted if 0 < drafted <= k else k
+        if 0 < d <= self.k_max and sent_tokens <= limit:  # a catch-up round also prefills: not a depth cost
+            self.round.add(d, seconds)
 
     def observe_verify(self, width: int, seconds: float) -> None:
         self.verify.add(width, seconds)
@@ -306,6 +360,8 @@ class DepthPolicy:
         rates = self.rates()
         return {"chosen": dict(sorted(self.chosen.items())), "probes": self.probes, "refreshes": self.refreshes,
                 "accept_cond_by_pos": [round(float(x), 3) for x in self.acc.cond()],
+                "offered_by_pos": [round(float(x), 3) for x in self.acc.offer()],
+                "drafted_on_by_pos": [round(float(x), 3) for x in self.acc.cont()],
                 "round_success": round(self.acc.success(), 3),
                 "round_ms_by_k": {k: round(1e3 * v, 2) for k, v in sorted(self.round.mean.items())},
                 "verify_ms_by_width": {t: round(1e3 * v, 2) for t, v in sorted(self.verify.mean.items())},
@@ -427,7 +483,7 @@ class BatchDepthPolicy:
             self.rates[self.bucket].add(self.last_k > 0, seconds, tokens_per_row)
 
     # the engine's per-part reports: this policy judges whole steps (observe_step)
-    def observe_round(self, k: int, seconds: float, sent_tokens: int) -> None:
+    def observe_round(self, k: int, seconds: float, sent_tokens: int, drafted: int = 0) -> None:
         pass
 
     def observe_verify(self, width: int, seconds: float) -> None:

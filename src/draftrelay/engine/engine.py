@@ -76,6 +76,10 @@ class EngineConfig:
     # "fixed" always asks n_draft
     depth: str = "fixed"
     round_costs_s: dict | None = None  # measured round seconds by depth (calibrate.py): the policy's start
+    # the confidence stop (0: off): the worker ends a round's drafts after the first one whose drafter
+    # probability is below this, so n_draft (or the depth policy's choice) is a cap; sent with every block
+    # through the round spec ("draft_stop", wire/roundfn.py) of the rounds the engine opens
+    draft_stop: float = 0.0
     # the speculation cache (spec_cache.py): F branches pre-drafted per request, 0 = off (async rounds
     # with a worker only); spec_options: SpecCache keywords (branch_budget_ms, push_faults, log)
     spec_fanout: int = 0
@@ -96,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"depth must be 'fixed' or 'auto', got {self.depth!r}")
         if self.threads != "auto" and not (isinstance(self.threads, int) and self.threads >= 0):
             raise ValueError(f"threads must be 'auto' or a count >= 0, got {self.threads!r}")
+        if not 0.0 <= self.draft_stop <= 1.0:  # also refuses NaN
+            raise ValueError(f"draft_stop (confidence stop) must be within [0, 1] (0: off), got {self.draft_stop!r}")
         if not 0 <= self.spec_fanout <= 64:
             raise ValueError(f"spec_fanout (speculation-cache fan-out) must be within [0, 64], "
                              f"got {self.spec_fanout}")
@@ -160,6 +166,8 @@ class Engine:
         h.vocab_size = self.vocab
         h.max_drafts = max(h.max_drafts, self.cfg.n_draft)
         h.max_requests = max(h.max_requests, self.cfg.max_batch)
+        if self.cfg.draft_stop:
+            h.round_spec = {**h.round_spec, "draft_stop": self.cfg.draft_stop}
         if self.spec_cache is not None:  # the proxy gets the table memfd and the fan-out
             h.round_spec = self.spec_cache.round_spec(h.round_spec, h.round_budget_ms)
         with self._on_stream():  # the CUDA hand-off enqueues on the current stream
@@ -396,8 +404,9 @@ class Engine:
 
     def _observe_depth(self, plan, k: int, drafts: list[list[int]], clock: StepClock) -> None:
         p = clock.parts
-        if plan.asks:
-            self.depth.observe_round(k, p["submit"] + p["wait"], max(len(x) for x in plan.send))
+        if plan.asks:  # timed at the drafts the round drafted (fewer than k where the confidence stop ended it)
+            self.depth.observe_round(k, p["submit"] + p["wait"], max(len(x) for x in plan.send),
+                                     drafted=max(len(d) for d in drafts))
         if self.threads is None or not self.threads.probing:  # a thread probe's verify is not the usual cost
             self.depth.observe_verify(1 + max(len(d) for d in drafts), p["verify"])
         self.depth.observe_host(self.timing["host"][-1])

@@ -27,7 +27,10 @@ FRAME_NAMES = {1: "HELLO", 2: "HELLO_OK", 3: "STEP", 4: "STEP_REPLY", 5: "ERROR"
 # reserved word is answered STEP_REPLY, then a BRANCHES frame (same seq) carrying the branch table
 BRANCHES = 11
 STEP_FLAG_BRANCHES = 1
-KNOWN_STEP_FLAGS = STEP_FLAG_BRANCHES
+# the confidence stop: the payload ends with one float32 per block, the drafter probability of its own
+# greedy token below which the worker stops drafting that block (the low token is still returned)
+STEP_FLAG_MIN_CONF = 2
+KNOWN_STEP_FLAGS = STEP_FLAG_BRANCHES | STEP_FLAG_MIN_CONF
 MAX_FANOUT = 64
 
 # per-block status codes
@@ -195,17 +198,38 @@ class Block:
     tokens: np.ndarray
     n_out: int
     flags: int = 0
+    # the confidence stop (0: off): the worker ends this block's drafting after the first draft whose
+    # drafter probability is below it, returning fewer than n_out drafts (status PARTIAL)
+    min_conf: float = 0.0
+
+
+def check_min_conf(x: float, what: str = "min_conf") -> float:
+    """A confidence-stop threshold as a float in [0, 1] (0: off); ValueError naming `what` otherwise."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: {x!r} is not a number") from None
+    if not 0.0 <= v <= 1.0:  # also refuses NaN
+        raise ValueError(f"{what} {x!r}: must be within [0, 1] (0 turns the confidence stop off)")
+    return v
 
 
 def encode_step(blocks, fanout: int = 0) -> bytes:
-    """fanout > 0: ask for a BRANCHES table of up to `fanout` branches per request after the reply."""
+    """fanout > 0: ask for a BRANCHES table of up to `fanout` branches per request after the reply.
+    A block with min_conf > 0 makes the frame carry the thresholds (STEP_FLAG_MIN_CONF); a frame
+    without any is byte for byte what it was before the flag existed."""
     if not 0 <= fanout <= MAX_FANOUT:
         raise ValueError(f"fanout {fanout} outside [0, {MAX_FANOUT}]")
-    parts = [STEP_HEAD.pack(len(blocks), STEP_FLAG_BRANCHES if fanout else 0, fanout)]
+    confs = [check_min_conf(getattr(b, "min_conf", 0.0), f"block {i} min_conf") for i, b in enumerate(blocks)]
+    stop = any(confs)
+    flags = (STEP_FLAG_BRANCHES if fanout else 0) | (STEP_FLAG_MIN_CONF if stop else 0)
+    parts = [STEP_HEAD.pack(len(blocks), flags, fanout)]
     for b in blocks:
         toks = np.ascontiguousarray(b.tokens, dtype="<i4")
         parts.append(BLOCK_HEAD.pack(b.request_id, b.generation, b.position, toks.size, b.n_out, b.flags))
         parts.append(toks.tobytes())
+    if stop:
+        parts.append(np.asarray(confs, dtype="<f4").tobytes())
     return b"".join(parts)
 
 
@@ -234,6 +258,16 @@ def decode_step(buf, max_blocks: int) -> list[Block]:
         toks = np.frombuffer(buf, dtype="<i4", count=nt, offset=off)
         off += 4 * nt
         blocks.append(Block(rid, gen, pos, toks, n_out, fl))
+    if flags & STEP_FLAG_MIN_CONF:
+        if off + 4 * n_blocks > n_payload:
+            raise FrameError(MALFORMED, f"STEP: flags 0x{flags:x} (MIN_CONF) need {n_blocks} float32 thresholds "
+                                        f"after the blocks, {n_payload - off} bytes left")
+        confs = np.frombuffer(buf, dtype="<f4", count=n_blocks, offset=off)
+        off += 4 * n_blocks
+        for i, (b, c) in enumerate(zip(blocks, confs.tolist(), strict=True)):
+            if not 0.0 <= c <= 1.0:
+                raise FrameError(MALFORMED, f"STEP: block {i} min_conf {c!r} outside [0, 1]")
+            b.min_conf = c
     if off != n_payload:
         raise FrameError(MALFORMED, f"STEP: {n_payload - off} trailing bytes after {n_blocks} blocks")
     return blocks

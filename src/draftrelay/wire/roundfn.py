@@ -17,8 +17,10 @@ from position 0. A request with n_out == 0 and no tokens is the engine saying "f
 sent as an END block so the worker frees the request's draft KV.
 
 spec keys (JSON): host, port, and optionally model_id, vocab_size, tokenizer_hash, n_out_max,
-max_requests, connect_timeout_s, breaker_failures, breaker_cooldown_s, client_name, and the round's
-size-following budget (`RoundBudget`): budget_per_catch_up_ms, budget_per_token_us.
+max_requests, connect_timeout_s, breaker_failures, breaker_cooldown_s, client_name, the round's
+size-following budget (`RoundBudget`): budget_per_catch_up_ms, budget_per_token_us, and draft_stop (the
+confidence stop every block carries unless its request sets one: the worker ends a request's drafts
+after the first one it is less sure of than this; 0, the default, is off).
 
 The budget a round gets follows its size: the caller's budget is what a steady round (every request
 sending its k + 1 accepted tokens) may take; a round that also carries requests catching up (a new
@@ -65,12 +67,14 @@ def client_from_spec(spec: dict) -> DrafterClient:
         breaker_cooldown=float(spec.get("breaker_cooldown_s", 1.0)), **security_from_spec(spec))
 
 
-def to_blocks(requests: list[RoundRequest]) -> list[P.Block]:
+def to_blocks(requests: list[RoundRequest], min_conf: float = 0.0) -> list[P.Block]:
+    """The STEP blocks of a round; min_conf: the confidence stop of requests that do not set their own."""
     out = []
     for r in requests:
         end = r.n_out == 0 and len(r.tokens) == 0
+        stop = min_conf if r.min_conf is None or end else r.min_conf
         out.append(P.Block(int(r.req_id), int(r.generation), int(r.position), np.asarray(r.tokens, np.int32),
-                           int(r.n_out), P.FLAG_END if end else 0))
+                           int(r.n_out), P.FLAG_END if end else 0, 0.0 if end else float(stop)))
     return out
 
 
@@ -113,9 +117,11 @@ class WorkerRoundFn:
     """The round function (a callable): one STEP per round through one DrafterClient, with the
     time the round's size needs (RoundBudget)."""
 
-    def __init__(self, client: DrafterClient, budget: RoundBudget | None = None) -> None:
+    def __init__(self, client: DrafterClient, budget: RoundBudget | None = None, draft_stop: float = 0.0) -> None:
+        """draft_stop: the confidence stop of every block whose request sets none (0: off)."""
         self.client = client
         self.budget = budget or RoundBudget()
+        self.draft_stop = P.check_min_conf(draft_stop, "draft_stop")
 
     @property
     def reconnects(self) -> int:
@@ -130,7 +136,7 @@ class WorkerRoundFn:
         if not requests:
             return []
         try:
-            blocks = to_blocks(requests)
+            blocks = to_blocks(requests, self.draft_stop)
             reply = self.client.step(blocks, timeout=self.budget(budget_s, requests))
         except WireTimeout as exc:
             raise RoundFailure(Status.TIMEOUT, str(exc)) from None
@@ -155,7 +161,8 @@ class WorkerRoundFn:
 
 
 def worker_round_fn(spec: dict, client: DrafterClient | None = None) -> RoundFn:
-    return WorkerRoundFn(client or client_from_spec(spec), RoundBudget.from_spec(spec))
+    stop = P.check_min_conf(spec.get("draft_stop", 0.0), "round spec draft_stop")  # before connecting
+    return WorkerRoundFn(client or client_from_spec(spec), RoundBudget.from_spec(spec), stop)
 
 
 def make_round_fn(spec: dict, wrap_worker: Callable[[WorkerRoundFn], RoundFn] | None = None) -> RoundFn:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from draftrelay.wire import protocol as P
-from draftrelay.worker.drafters import Drafter, Job
+from draftrelay.worker.drafters import Drafter, Job, stop_counts
 
 log = logging.getLogger("draftrelay.worker")
 
@@ -373,13 +373,18 @@ class WorkerCore:
                     self._drop(s, blocks[i].request_id)
                 planned = []
                 del exc
-            for i, j, st, window, new_len, _ in planned:
+            # the confidence stop trims each block at its first low-confidence draft (drafters that ran every
+            # step included); a block with fewer drafts than asked is PARTIAL
+            keep = stop_counts(out_c, [p[5].min_conf for p in planned], [p[3] for p in planned]) if planned else []
+            for i, j, st, _, new_len, _ in planned:
                 b = blocks[i]
-                drafts[i, :window] = out_d[j, :window]
-                confs[i, :window] = out_c[j, :window]
-                counts[i] = window
-                status[i] = P.OK if window == b.n_out else P.PARTIAL
-                st.ctx_len, st.drafts, st.last_used = new_len, out_d[j, :window].copy(), s.tick
+                m = int(keep[j])
+                drafts[i, :m] = out_d[j, :m]
+                confs[i, :m] = out_c[j, :m]
+                counts[i] = m
+                status[i] = P.OK if m == b.n_out else P.PARTIAL
+                # the row's KV holds at least the first m - 1 drafts: the next round's reuse stays within those
+                st.ctx_len, st.drafts, st.last_used = new_len, out_d[j, :m].copy(), s.tick
                 if b.flags & P.FLAG_END:
                     self._drop(s, b.request_id)
         self.stats["steps"] += 1
@@ -428,4 +433,4 @@ class WorkerCore:
             keep, new = b.position + c, toks[c:]
         st.last_used = s.tick
         window = min(b.n_out, d.max_ctx - new_len)
-        return P.OK, (st, Job(st.row, keep, np.array(new, np.int32)), window)
+        return P.OK, (st, Job(st.row, keep, np.array(new, np.int32), float(np.float32(b.min_conf))), window)

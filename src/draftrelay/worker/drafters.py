@@ -6,6 +6,13 @@ deterministic test drafter. All expose the same small interface the sessions use
 where each job is (cache row, keep, new tokens): roll the row back to `keep` tokens, append the new
 tokens, then draft n_steps greedy tokens, feeding each draft back in (so the row's KV holds the
 first n_steps - 1 drafts afterwards; the next round keeps those the client accepted).
+
+The confidence stop (Job.min_conf > 0): a job's drafts end after the first one whose confidence (the
+drafter's probability of its own greedy token) is below min_conf; `stop_counts` is the rule, and the
+session applies it to whatever a drafter returns, so a drafter that always runs n_steps (static shapes,
+CUDA graphs, TP2, replay) answers the same drafts as one that stops. The eager, lean and test drafters
+also stop computing: once every job of the STEP has stopped, they return fewer columns than n_steps
+(at least one), and each row's KV then holds the context and the drafts fed back before the stop.
 """
 
 from __future__ import annotations
@@ -32,6 +39,30 @@ class Job:
     row: int
     keep: int
     tokens: np.ndarray  # int32 [n >= 1]
+    min_conf: float = 0.0  # the confidence stop (0: off), a float32 value (the wire's)
+
+
+def stop_counts(confs: np.ndarray, min_conf: np.ndarray | list[float], window: np.ndarray | list[int]) -> np.ndarray:
+    """Drafts each row keeps under the confidence stop: up to and including its first draft with
+    confidence below min_conf[b], at most window[b] (and the columns there are). Always >= 1 where the
+    window is: the first draft costs no forward of its own (the extension's logits give it)."""
+    confs = np.asarray(confs, np.float32)
+    B, n = confs.shape
+    out = np.zeros(B, np.int64)
+    for b in range(B):
+        w = min(int(window[b]), n)
+        thr = np.float32(min_conf[b])
+        low = np.flatnonzero(confs[b, :w] < thr) if thr > 0 else ()
+        out[b] = int(low[0]) + 1 if len(low) else w
+    return out
+
+
+def all_stopped(conf_now, thresholds: np.ndarray) -> bool:
+    """Whether every job's confidence stop has fired by this step. thresholds[b] is job b's stop, set to
+    +inf here (in place) once its draft's confidence falls below it; a job without a stop (0) never fires."""
+    c = np.asarray(conf_now, np.float32)
+    thresholds[c < thresholds] = np.inf
+    return bool(np.isinf(thresholds).all())
 
 
 class Drafter:
@@ -77,18 +108,25 @@ class TestDrafter(Drafter):
                 raise RuntimeError(f"test drafter: fail token {self.fail_token} seen")
             if self.slow_token >= 0 and (j.tokens == self.slow_token).any():
                 time.sleep(self.delay_ms / 1000.0)
+        ran = 0
         for b, j in enumerate(jobs):
             if not 0 <= j.keep <= self.lengths[j.row]:
                 raise ValueError(f"row {j.row}: keep {j.keep} beyond its length {self.lengths[j.row]}")
             n = j.keep + len(j.tokens)
             self.hist[j.row, j.keep:n] = j.tokens
+            thr = np.float32(j.min_conf)
             for s in range(n_steps):
                 t, c = self.next_token(self.hist[j.row, :n], self.vocab_size)
                 drafts[b, s], confs[b, s] = t, c
+                ran = max(ran, s + 1)
+                if thr > 0 and confs[b, s] < thr:  # the confidence stop: this draft is the job's last
+                    break
                 if s < n_steps - 1:
                     self.hist[j.row, n] = t
                     n += 1
             self.lengths[j.row] = n
+        if any(j.min_conf > 0 for j in jobs):  # the steps any job ran (at least one where n_steps is)
+            return drafts[:, :ran], confs[:, :ran]
         return drafts, confs
 
 
@@ -244,10 +282,14 @@ class LlamaDrafter(Drafter):
             rows = torch.tensor([j.row for j in jobs])
             pos = [j.keep + len(j.tokens) for j in jobs]
             out_t, out_c = [], []
+            pending = np.array([j.min_conf for j in jobs], np.float32)  # the confidence stop, per job
+            stopping = bool(pending.any())
             for s in range(n_steps):
                 tok = logits.argmax(-1)  # ties go to the lower id
                 out_t.append(tok)
                 out_c.append(torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+                if stopping and all_stopped(out_c[-1].float().cpu().numpy(), pending):
+                    break  # every job's stop fired: its drafts end here (the rows hold drafts up to s - 1)
                 if s < n_steps - 1:
                     logits = model(tok[:, None], torch.tensor([p + s for p in pos]), cache, rows)[:, 0]
             drafts = torch.stack(out_t, 1).to(torch.int32).cpu().numpy()

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from draftrelay import model as M
+from draftrelay.worker.drafters import all_stopped
 
 
 def supports(model: M.Transformer) -> bool:
@@ -140,19 +141,28 @@ class LeanSteps:
                 kv = max(k + n for k, n in zip(keeps, lens, strict=True))
                 steps = first[:, None] + self.t_pos[:max(1, n_steps - 1)][None, :]  # [B, n_steps - 1]
                 cos, sin, blocked = self.tables(steps, kv + n_steps - 1)
-                out_t, picked = [], []
+                out_t, picked, confs = [], [], []
+                pending = np.array([getattr(j, "min_conf", 0.0) for j in jobs], np.float32)  # confidence stop
+                stopping = bool(pending.any())
                 for s in range(n_steps):
                     tok = logits.argmax(-1)  # ties go to the lower id
                     out_t.append(tok)
                     picked.append(logits)
+                    if stopping:  # each step's confidence now: the stop decides whether to go on
+                        confs.append(torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0].float().numpy())
+                        if all_stopped(confs[-1], pending):
+                            break
                     if s < n_steps - 1:
                         L = kv + s + 1
                         logits = self.forward(tok[:, None], steps[:, s:s + 1],
                                               (cos[:, s:s + 1], sin[:, s:s + 1], blocked[:, s:s + 1, :L]), rows, L)
                 tok = torch.stack(out_t, 1)
-                # the confidences of all steps in one softmax (row by row the same values as one per step)
-                out_c = torch.softmax(torch.stack(picked, 1), -1).gather(-1, tok[..., None])[..., 0].float().numpy()
+                if stopping:
+                    out_c = np.stack(confs, 1)
+                else:  # the confidences of all steps in one softmax (row by row the same values as one per step)
+                    out_c = torch.softmax(torch.stack(picked, 1), -1).gather(-1, tok[..., None])[..., 0].float().numpy()
                 out_d = tok.to(torch.int32).numpy()
-        for b, j in enumerate(jobs):  # context + the first n_steps - 1 drafts, as the eager path leaves them
+                n_steps = len(out_t)  # fewer where every job's stop fired
+        for b, j in enumerate(jobs):  # context + the drafts fed back (n_steps - 1), as the eager path leaves them
             cache.lengths[j.row] = j.keep + lens[b] + max(0, n_steps - 1)
         return out_d, out_c
