@@ -101,6 +101,10 @@ class HandoffConfig:
     # (docs/REPLAY.md); "host" keeps the engine's context empty while the round is out
     park: str = "stream"
     park_spin_us: int = 0  # park "host": the engine thread spins this long on `released` before it sleeps
+    # the emulated stream with wait "block": the stream's part of a host-staged round (wait `released`, copy
+    # the reply, store `consumed`) runs on the engine thread that waits for it, not on the stream thread
+    # (EmulatedStream, "inline"); off only to measure what it is worth
+    stream_inline: bool = True
     # the worker's shared secret (wire/security.py): sent as the handshake's HMAC, given to the proxy
     # child through its environment (never its command line); "" = $DRAFTRELAY_SECRET or none
     secret: str = field(default="", repr=False)
@@ -642,7 +646,7 @@ class AsyncRounds:
 def make_stream(cfg: HandoffConfig, region: Region) -> StreamOps:
     if cfg.backend == "emulated":
         return EmulatedStream(region, cfg.stream_spin_us, cfg.stream_nap_us, wait=cfg.wait_mode,
-                              slice_us=cfg.wait_slice_us)
+                              slice_us=cfg.wait_slice_us, inline=None if cfg.stream_inline else False)
     if cfg.backend == "cuda":
         from .cuda_stream import CudaStream  # needs cuda-bindings and a GPU
 

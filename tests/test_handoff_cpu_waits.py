@@ -1,0 +1,191 @@
+"""The CPU hand-off's waits: what the engine side and the proxy cost while a round is out and between
+rounds, and the emulated stream's inline runs (EmulatedStream.inline: the engine thread that waits for
+a host-staged round's reply runs the stream's part of it; nothing wakes the stream thread).
+
+CPU time, never wall time: the time a thread or process spent on a CPU (/proc/.../schedstat, in ns) over
+a window in which it should only sleep. The bounds are far above what a sleeping waiter costs and far
+below what a polling one does (a 50 µs spin per wait, a 20 µs nap loop: milliseconds per window)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from draftrelay.engine.loading import handoff_config
+from draftrelay.handoff import native
+from draftrelay.handoff.region import Region, RegionConfig, W
+from draftrelay.handoff.rounds import AsyncRounds, HandoffConfig, open_rounds
+from draftrelay.handoff.stream import EmulatedStream
+from draftrelay.round import RoundRequest
+from draftrelay.testing import deterministic_draft
+
+VOCAB = 5000
+
+
+def cpu_ns(pid: int | str = "self", tid: int | None = None) -> int:
+    """CPU time a process (all its threads) or one thread of it has run, in ns."""
+    if tid is not None:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
+def request(i: int, n_out: int = 4) -> RoundRequest:
+    return RoundRequest(i % 7, 1, 3 * i, np.arange(i % 5 + 1, dtype=np.int32), n_out)
+
+
+def assert_exact(req: RoundRequest, res) -> None:
+    want, _ = deterministic_draft(req, VOCAB)
+    assert res.ok and int(res.counts[0]) == req.n_out and np.array_equal(res.drafts[0, :req.n_out], want)
+
+
+def cpu_config(spec: dict, **kw) -> HandoffConfig:
+    """The hand-off `draftrelay demo` / `generate` open on a CPU (engine.loading.handoff_config)."""
+    h = handoff_config(spec, torch.device("cpu"), 500.0, True, vocab_size=VOCAB, max_requests=4,
+                       max_tokens=256, max_drafts=8, selftest_rounds=2, loss_fires=10**6, **kw)
+    assert h.wait_mode == "block" and h.backend == "emulated" and h.spin_us == 0 and h.stream_spin_us == 0
+    return h
+
+
+def test_the_stream_thread_does_nothing_for_host_staged_rounds():
+    """Every host-staged round's reply is copied by the engine thread waiting for it: inline_runs counts
+    them and the stream thread stays asleep. Without the inline runs it wakes for each round (and spins
+    50 µs there with HandoffConfig's default stream spin): milliseconds of CPU over 200 rounds."""
+    r = open_rounds(HandoffConfig(vocab_size=VOCAB, max_requests=4, max_tokens=256, max_drafts=8,
+                                  selftest_rounds=2, loss_fires=10**6, deadline_ms=500.0))
+    assert isinstance(r, AsyncRounds), r.refusal
+    try:
+        st = r.stream
+        assert isinstance(st, EmulatedStream) and st.inline
+        runs0, tid = st.inline_runs, st._thread.native_id
+        busy0 = cpu_ns(tid=tid)
+        for i in range(200):
+            q = [request(i)]
+            assert_exact(q[0], r.result(r.submit(q), timeout_s=5.0))
+        busy = cpu_ns(tid=tid) - busy0
+        assert st.inline_runs - runs0 == 200
+        assert busy < 1_000_000, f"the stream thread ran {busy / 1e6:.2f} ms over 200 rounds"
+        assert native.load32(r.region.word_addr(W.CONSUMED)) == native.load32(r.region.word_addr(W.RELEASED))
+    finally:
+        r.close()
+
+
+def test_a_round_out_and_the_gap_between_rounds_cost_the_cpu_nothing():
+    """The CPU hand-off while a round is out for 300 ms (the proxy's round function sleeps: a slow
+    worker), and while the engine verifies for 300 ms before its next round: the engine process (every
+    thread: its waiting thread, the watchdog, the supervisor, the stream thread) and the proxy process
+    stay asleep. A spinning or napping wait on either side costs tens of ms per window."""
+    r = open_rounds(cpu_config({"kind": "builtin", "faults": dict(p_delay=1.0, delay_ms=300)},
+                               round_budget_ms=1000.0))
+    assert isinstance(r, AsyncRounds), r.refusal
+    try:
+        pid = r.proxy.pid
+        for i in range(3):
+            q = [request(i)]
+            t = r.submit(q)
+            time.sleep(0.02)  # the proxy is in its round now (a 300 ms sleep)
+            engine0, proxy0 = cpu_ns(), cpu_ns(pid)
+            res = r.result(t, timeout_s=5.0)
+            out = cpu_ns() - engine0, cpu_ns(pid) - proxy0
+            assert_exact(q[0], res)
+            # the window covers ~280 ms of round: the wake-ups at its end (the engine thread's decode of the
+            # reply included) are a fraction of a millisecond
+            assert out[0] < 10_000_000 and out[1] < 5_000_000, f"round out: engine, proxy CPU {out} ns"
+            engine0, proxy0 = cpu_ns(), cpu_ns(pid)
+            time.sleep(0.3)  # the "verify": the proxy waits for the next round's announcement
+            gap = cpu_ns() - engine0, cpu_ns(pid) - proxy0
+            assert gap[0] < 10_000_000 and gap[1] < 3_000_000, f"between rounds: engine, proxy CPU {gap} ns"
+    finally:
+        r.close()
+
+
+# -- the deferred batch's order and its ends, on a bare region (no proxy) ---------------------------
+
+@pytest.fixture
+def bare():
+    region = Region.create(RegionConfig(2, 64, 4, VOCAB))
+    st = EmulatedStream(region, spin_us=0, wait="block", slice_us=20_000)
+    L = region.layout
+    offs = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
+    region.reply_view(0)[:8] = np.arange(8, dtype=np.uint8) + 1  # what the reply copy must bring
+    try:
+        yield region, st, offs
+    finally:
+        st.close()
+        region.close()
+
+
+def release(region: Region, t: int) -> None:
+    native.store_max32_wake(region.word_addr(W.RELEASED), t)
+
+
+def test_a_batch_recorded_after_a_deferred_one_runs_after_it(bare):
+    """Nobody waits for the deferred reply batch, a later batch needs the thread: the thread gets both, in
+    order (the later one's event only after the release the deferred one waits for)."""
+    region, st, offs = bare
+    dst = np.zeros(region.layout.reply_size, np.uint8)
+    ev1 = st.enqueue_reply(0, 1, dst, offs)
+    ev2 = st.record()
+    time.sleep(0.05)
+    assert not ev2.query() and not ev1.query()  # the thread sleeps on `released` for the deferred batch
+    release(region, 1)
+    assert ev2.wait(2.0) and ev1.wait(0)
+    assert st.inline_runs == 0 and native.load32(region.word_addr(W.CONSUMED)) == 1
+    assert np.array_equal(dst[:8], np.arange(8, dtype=np.uint8) + 1)
+
+
+def test_an_inline_wait_that_times_out_resumes_later(bare):
+    """wait(timeout) on the deferred batch gives up on `released` without running what follows; a later
+    wait finishes it on the waiting thread (no copy, no `consumed` before the release)."""
+    region, st, offs = bare
+    dst = np.zeros(region.layout.reply_size, np.uint8)
+    ev = st.enqueue_reply(0, 1, dst, offs)
+    assert not ev.wait(0.03) and not ev.query()
+    assert native.load32(region.word_addr(W.CONSUMED)) == 0 and not dst.any()
+    release(region, 1)
+    assert ev.wait(1.0) and st.inline_runs == 1 and native.load32(region.word_addr(W.CONSUMED)) == 1
+    assert np.array_equal(dst[:8], np.arange(8, dtype=np.uint8) + 1)
+
+
+def test_a_batch_recorded_while_a_waiter_runs_the_deferred_one_waits_for_it(bare):
+    """A thread sleeps inline on the deferred batch's `released`; another records a batch meanwhile (the
+    supervisor's drain): it is held and runs on the stream thread only after the deferred batch."""
+    region, st, offs = bare
+    dst = np.zeros(region.layout.reply_size, np.uint8)
+    ev1 = st.enqueue_reply(0, 1, dst, offs)
+    waiter = threading.Thread(target=ev1.wait, args=(5.0,))
+    waiter.start()
+    time.sleep(0.05)  # the waiter is asleep inline on `released`
+    ev2 = st.record()
+    assert not ev2.wait(0.05)
+    release(region, 1)
+    assert ev2.wait(2.0) and ev1.query()
+    waiter.join(2.0)
+    assert not waiter.is_alive() and st.inline_runs == 1
+    assert native.load32(region.word_addr(W.CONSUMED)) == 1
+
+
+def test_closing_wakes_an_inline_waiter(bare):
+    """close() wakes a thread asleep inline on a word nobody releases, as it wakes the stream thread."""
+    region, st, offs = bare
+    ev = st.enqueue_reply(0, 1, np.zeros(region.layout.reply_size, np.uint8), offs)
+    done = []
+    waiter = threading.Thread(target=lambda: done.append(ev.wait(30.0)))
+    waiter.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    st.close()
+    waiter.join(2.0)
+    assert not waiter.is_alive() and done == [False] and time.monotonic() - t0 < 1.0
