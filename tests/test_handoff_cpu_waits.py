@@ -189,3 +189,91 @@ def test_closing_wakes_an_inline_waiter(bare):
     st.close()
     waiter.join(2.0)
     assert not waiter.is_alive() and done == [False] and time.monotonic() - t0 < 1.0
+
+
+# -- the watchdog asleep on the words ---------------------------------------------------------------
+
+def new_thread(before: set[str]) -> int:
+    (tid,) = set(os.listdir("/proc/self/task")) - before
+    return int(tid)
+
+
+def wakeups(tid: int) -> int:
+    """Times thread tid was put on a CPU (schedstat's third field)."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return int(f.read().split()[2])
+
+
+def test_a_watchdog_asleep_on_the_words_wakes_per_change_and_fires_on_time():
+    """sleep_on_words: idle, the watchdog sleeps through its 1 ms polls (a napping one wakes ~200 times in
+    200 ms); a round announced with a waking store is watched to its deadline, fired (claim 2t + 1,
+    released, a waiter on `released` woken) neither before it nor much after; a round the proxy claims
+    and stalls is only assisted; a round released in time (waking store) never fires."""
+    buf = np.zeros(128, np.uint32)
+    base = int(buf.ctypes.data)
+    g, r, c0, c1, f = 0, 64, 128, 192, 256
+    before = set(os.listdir("/proc/self/task"))
+    wd = native.Watchdog(base, g, r, (c0, c1), f, deadline_us=60_000, poll_us=1000)
+    try:
+        tid = new_thread(before)
+        wd.sleep_on_words(1_000_000)
+        time.sleep(0.02)
+        w0 = wakeups(tid)
+        time.sleep(0.2)
+        assert wakeups(tid) - w0 <= 3
+        t0 = time.monotonic()
+        native.store32_wake(base + g, 1)  # round 1, nobody releases it
+        assert native.wait_geq32_block(base + r, 1, 0, 1_000_000, 2_000_000) == native.WAIT_OK
+        took = time.monotonic() - t0
+        assert 0.055 <= took < 0.25, took
+        assert native.load32(base + c1) == 3 and wd.fires == 1 and native.load32(base + f) == 1
+        assert wakeups(tid) - w0 <= 8
+        native.store32_wake(base + g, 2)  # the proxy claims round 2 (2t) and stalls: an assist, no fire
+        assert native.claim32(base + c0, 4, 4)
+        assert native.wait_geq32_block(base + r, 2, 0, 1_000_000, 2_000_000) == native.WAIT_OK
+        assert native.load32(base + c0) == 4 and wd.fires == 1 and wd.assists == 1
+        native.store32_wake(base + g, 3)  # round 3, released in time
+        time.sleep(0.01)
+        native.store_max32_wake(base + r, 3)
+        time.sleep(0.1)
+        assert wd.fires == 1 and native.load32(base + c1) == 3
+    finally:
+        t0 = time.monotonic()
+        wd.stop()  # wakes the sleeping watchdog: no slice (1 s here) to sit out
+        assert time.monotonic() - t0 < 0.5
+
+
+def test_the_cpu_hand_off_watchdog_sleeps_between_rounds():
+    """AsyncRounds on the emulated stream with blocking waits puts its watchdog to sleep on the words:
+    over 100 rounds and 200 ms of idling with a 1 ms watchdog poll it wakes a few times per round, not
+    once a millisecond."""
+    before = set(os.listdir("/proc/self/task"))
+    wd_threads: list[int] = []
+    real = native.Watchdog.__init__
+
+    def spy(self, *a, **kw):
+        b = set(os.listdir("/proc/self/task"))
+        real(self, *a, **kw)
+        wd_threads.append(new_thread(b))
+
+    native.Watchdog.__init__ = spy
+    try:
+        r = open_rounds(HandoffConfig(vocab_size=VOCAB, max_requests=4, max_tokens=256, max_drafts=8,
+                                      selftest_rounds=2, loss_fires=10**6, deadline_ms=500.0,
+                                      watchdog_poll_us=1000, wait_slice_us=100_000))
+    finally:
+        native.Watchdog.__init__ = real
+    assert isinstance(r, AsyncRounds) and before and len(wd_threads) == 1
+    try:
+        tid = wd_threads[0]
+        w0 = wakeups(tid)
+        for i in range(100):
+            q = [request(i)]
+            assert_exact(q[0], r.result(r.submit(q), timeout_s=5.0))
+        time.sleep(0.2)
+        assert wakeups(tid) - w0 <= 3 * 100 + 10
+        w1 = wakeups(tid)
+        time.sleep(0.3)
+        assert wakeups(tid) - w1 <= 5
+    finally:
+        r.close()

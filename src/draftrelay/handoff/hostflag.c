@@ -245,6 +245,9 @@ typedef struct {
     a32 stop;
     uint32_t last_g;
     uint64_t seen_ns;
+    a32 sleep_us; /* nonzero: every writer wakes its word (hf_watchdog_sleep_on_words) */
+    uint32_t sleep_word_off_is_released, sleep_seen; /* what the last check leaves the sleep to */
+    uint64_t sleep_ns;
     a64 fires;   /* rounds this watchdog claimed */
     a64 assists; /* rounds it released after the proxy had claimed but not yet released */
 } hf_watchdog_t;
@@ -258,8 +261,21 @@ static void watchdog_check(hf_watchdog_t *wd) {
         wd->last_g = g;
         wd->seen_ns = now;
     }
+    /* by default the next check is one poll away; sleeping on the words (see watchdog_main), the
+     * idle watchdog sleeps on `gathered` until the next announcement and a pending round's watchdog
+     * on `released` until that round's deadline */
+    uint64_t slice = (uint64_t)atomic_load_explicit(&wd->sleep_us, memory_order_relaxed) * 1000ull;
+    wd->sleep_word_off_is_released = 0;
+    wd->sleep_seen = g;
+    wd->sleep_ns = slice;
     if (g == 0 || geq32(r, g)) return; /* nothing pending */
-    if (now - wd->seen_ns < wd->deadline_ns) return;
+    if (now - wd->seen_ns < wd->deadline_ns) {
+        uint64_t left = wd->deadline_ns - (now - wd->seen_ns);
+        wd->sleep_word_off_is_released = 1;
+        wd->sleep_seen = r;
+        wd->sleep_ns = left < slice ? left : slice;
+        return;
+    }
     void *claim = b + ((g & 1u) ? wd->off_claim1 : wd->off_claim0);
     if (hf_claim32(claim, 2u * g, 2u * g + 1u)) {
         atomic_fetch_add_explicit(&wd->fires, 1, memory_order_relaxed);
@@ -270,15 +286,33 @@ static void watchdog_check(hf_watchdog_t *wd) {
     hf_store_max32_wake(b + wd->off_released, g); /* wake a stream parked in a blocking wait */
 }
 
+/* Between checks the watchdog naps poll_us, or, once hf_watchdog_sleep_on_words() said that every
+ * writer of `gathered` and `released` wakes its word (the emulated stream and the proxy with blocking
+ * waits: a CPU-only machine), it sleeps on the word whose change it waits for, at most slice_us and
+ * never past the pending round's deadline: no periodic wake-ups on the target's cores while rounds
+ * come and go, two per round (the announcement, the release), the deadline kept to the microsecond.
+ * A write that does not wake is still seen within a slice. */
 static void *watchdog_main(void *arg) {
     hf_watchdog_t *wd = (hf_watchdog_t *)arg;
     while (!atomic_load_explicit(&wd->stop, memory_order_acquire)) {
         pthread_mutex_lock(&wd->lock);
         watchdog_check(wd);
+        uint64_t off = wd->sleep_word_off_is_released ? wd->off_released : wd->off_gathered;
+        uint32_t seen = wd->sleep_seen;
+        uint64_t ns = wd->sleep_ns;
         pthread_mutex_unlock(&wd->lock);
-        nap(wd->poll_us);
+        if (ns && !atomic_load_explicit(&wd->stop, memory_order_acquire))
+            word_sleep(wd->base + off, seen, ns);
+        else
+            nap(wd->poll_us);
     }
     return NULL;
+}
+
+/* Sleep on the words between checks, at most slice_us at a time (0: nap poll_us again). Only for
+ * writers that wake (hf_store32_wake, hf_store_max32_wake); a GPU's stream writes do not. */
+HF_API void hf_watchdog_sleep_on_words(void *h, uint32_t slice_us) {
+    atomic_store_explicit(&((hf_watchdog_t *)h)->sleep_us, slice_us, memory_order_relaxed);
 }
 
 HF_API void *hf_watchdog_start(void *base, uint64_t off_gathered, uint64_t off_released,
@@ -337,6 +371,8 @@ HF_API void hf_watchdog_stop(void *h) {
     hf_watchdog_t *wd = (hf_watchdog_t *)h;
     if (!wd) return;
     atomic_store_explicit(&wd->stop, 1, memory_order_release);
+    hf_wake32(wd->base + wd->off_gathered); /* a watchdog asleep on a word: see the stop now */
+    hf_wake32(wd->base + wd->off_released);
     pthread_join(wd->thread, NULL);
     pthread_mutex_destroy(&wd->lock);
     free(wd);

@@ -284,6 +284,11 @@ class AsyncRounds:
                                         (L.claim(0), L.claim(1)), L.word(W.WD_FIRES),
                                         int(cfg.deadline_ms * 1000), cfg.watchdog_poll_us)
         self.stream = make_stream(cfg, self.region)
+        if self.stream.name == "emulated" and cfg.wait_mode == "block":
+            # every writer of `gathered` and `released` wakes the word (the stream, the engine thread's
+            # announcement, the proxy, the watchdog itself, a recovery's drain): the watchdog sleeps on
+            # them instead of waking every poll on the cores the target and the worker share
+            self.watchdog.sleep_on_words(max(cfg.wait_slice_us, cfg.watchdog_poll_us))
         self.stream.preload(cfg.preload)  # before any round is armed, the self-test's included
         self._off = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
         self._dst = [self.stream.new_reply_buffer() for _ in (0, 1)]
