@@ -285,17 +285,25 @@ class AsyncRounds:
                                         int(cfg.deadline_ms * 1000), cfg.watchdog_poll_us)
         self.stream = make_stream(cfg, self.region)
         if self.stream.name == "emulated" and cfg.wait_mode == "block":
-            # every writer of `gathered` and `released` wakes the word (the stream, the engine thread's
-            # announcement, the proxy, the watchdog itself, a recovery's drain): the watchdog sleeps on
-            # them instead of waking every poll on the cores the target and the worker share
-            self.watchdog.sleep_on_words(max(cfg.wait_slice_us, cfg.watchdog_poll_us))
+            # every writer of `gathered` stamps the announcement (the emulated stream, the engine thread's
+            # host staging: _announce): the watchdog sleeps to each round's deadline instead of waking
+            # every poll on the cores the target and the worker share, and nobody wakes it per round
+            self.watchdog.use_stamps(L.announce_stamp, max(cfg.wait_slice_us, cfg.watchdog_poll_us))
         self.stream.preload(cfg.preload)  # before any round is armed, the self-test's included
         self._off = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
         self._dst = [self.stream.new_reply_buffer() for _ in (0, 1)]
         self.device_replies = self.stream.name == "cuda"
         self._park = cfg.park_mode
-        # a proxy that sleeps on `gathered` (wait "block") is woken by whoever announces a round
-        self._announce = native.store32_wake if cfg.wait_mode == "block" else native.store32
+        # a proxy that sleeps on `gathered` (wait "block") is woken by whoever announces a round; the
+        # announcement's time goes first (Layout.announce_stamp: what the watchdog measures a round's age by)
+        store, a_stamp = (native.store32_wake if cfg.wait_mode == "block" else native.store32), \
+            self.region.base + L.announce_stamp
+
+        def announce(addr: int, t: int) -> None:
+            native.store64(a_stamp, native.now_ns())
+            store(addr, t)
+
+        self._announce = announce
         self.proxy = self._spawn_proxy()
         self.state = "live"
         self._selftest()

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import native
-from .region import Region
+from .region import Region, W
 
 
 class StreamStuck(RuntimeError):
@@ -206,6 +206,8 @@ class EmulatedStream(StreamOps):
         self._waiting_on = 0  # address of the word a blocking wait sleeps on (close wakes it)
         self._staging = [region.staging_view(s) for s in (0, 1)]
         self._reply = [region.reply_view(s) for s in (0, 1)]
+        # a store of `gathered` stamps the announcement first (Layout.announce_stamp: the watchdog's clock)
+        self._gathered_off, self._stamp_off = region.layout.word(W.GATHERED), region.layout.announce_stamp
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="draftrelay-emulated-stream", daemon=True)
         self._thread.start()
@@ -331,6 +333,8 @@ class EmulatedStream(StreamOps):
                     n = min(len(b), len(self._staging[a]))
                     self._staging[a][:n] = b[:n]
                 elif op == _WRITE:
+                    if a == self._gathered_off:
+                        native.store64(base + self._stamp_off, native.now_ns())
                     store(base + a, b)
                 elif op == _WAIT:
                     self._waiting_on = base + a
