@@ -4,7 +4,7 @@ a host-staged round's reply runs the stream's part of it; nothing wakes the stre
 
 CPU time, never wall time: the time a thread or process spent on a CPU (/proc/.../schedstat, in ns) over
 a window in which it should only sleep. The bounds are far above what a sleeping waiter costs and far
-below what a polling one does (a 50 µs spin per wait, a 20 µs nap loop: milliseconds per window)."""
+below what a polling one does (a 50 µs spin per wait, a 20 µs nap loop: a third of a core)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_the_stream_thread_does_nothing_for_host_staged_rounds():
             assert_exact(q[0], r.result(r.submit(q), timeout_s=5.0))
         busy = cpu_ns(tid=tid) - busy0
         assert st.inline_runs - runs0 == 200
-        assert busy < 1_000_000, f"the stream thread ran {busy / 1e6:.2f} ms over 200 rounds"
+        assert busy < 2_000_000, f"the stream thread ran {busy / 1e6:.2f} ms over 200 rounds"
         assert native.load32(r.region.word_addr(W.CONSUMED)) == native.load32(r.region.word_addr(W.RELEASED))
     finally:
         r.close()
@@ -100,13 +100,14 @@ def test_a_round_out_and_the_gap_between_rounds_cost_the_cpu_nothing():
             res = r.result(t, timeout_s=5.0)
             out = cpu_ns() - engine0, cpu_ns(pid) - proxy0
             assert_exact(q[0], res)
-            # the window covers ~280 ms of round: the wake-ups at its end (the engine thread's decode of the
-            # reply included) are a fraction of a millisecond
-            assert out[0] < 10_000_000 and out[1] < 5_000_000, f"round out: engine, proxy CPU {out} ns"
+            # the window covers ~280 ms of round: sleeping waiters spend about a millisecond (the wake-ups at
+            # its end, the engine thread's decode of the reply); polling ones (spin 50 µs, then 20 µs naps)
+            # 110-130 ms here. The bound leaves room for a busy machine's noise
+            assert out[0] < 30_000_000 and out[1] < 30_000_000, f"round out: engine, proxy CPU {out} ns"
             engine0, proxy0 = cpu_ns(), cpu_ns(pid)
             time.sleep(0.3)  # the "verify": the proxy waits for the next round's announcement
             gap = cpu_ns() - engine0, cpu_ns(pid) - proxy0
-            assert gap[0] < 10_000_000 and gap[1] < 3_000_000, f"between rounds: engine, proxy CPU {gap} ns"
+            assert gap[0] < 30_000_000 and gap[1] < 30_000_000, f"between rounds: engine, proxy CPU {gap} ns"
     finally:
         r.close()
 

@@ -329,14 +329,13 @@ def unpack_staging(layout: Layout, buf: np.ndarray, expect_round: int) -> tuple[
     table = buf[layout.staging_req_off:layout.staging_req_off + n_req * REQ_DTYPE.itemsize].view(REQ_DTYPE)
     toks = buf[layout.staging_tok_off:layout.staging_tok_off + 4 * n_tok].view("<i4")
     out = []
-    for rec in table:
-        off, k, n_out = int(rec["tok_off"]), int(rec["n_tok"]), int(rec["n_out"])
+    # the records as Python ints in one call (the proxy parses every round on its critical path)
+    for req_id, generation, position, off, k, n_out, *_ in table.tolist():
         if off + k > n_tok:
-            raise DescriptorError(f"request {int(rec['req_id'])}: tokens [{off}, {off + k}) beyond n_tok={n_tok}")
+            raise DescriptorError(f"request {req_id}: tokens [{off}, {off + k}) beyond n_tok={n_tok}")
         if n_out > cfg.max_drafts:
-            raise DescriptorError(f"request {int(rec['req_id'])}: n_out={n_out} > max_drafts={cfg.max_drafts}")
-        out.append(RoundRequest(int(rec["req_id"]), int(rec["generation"]), int(rec["position"]),
-                                toks[off:off + k].copy(), n_out))
+            raise DescriptorError(f"request {req_id}: n_out={n_out} > max_drafts={cfg.max_drafts}")
+        out.append(RoundRequest(req_id, generation, position, toks[off:off + k].copy(), n_out))
     return flags, out
 
 
