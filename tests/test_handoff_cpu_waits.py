@@ -289,3 +289,35 @@ def test_the_cpu_hand_off_watchdog_sleeps_between_rounds():
         assert wakeups(tid) - w1 <= 5
     finally:
         r.close()
+
+
+class _Interrupt(BaseException):
+    """What draftrelay.cli's SIGTERM handler raises: no `except Exception` may swallow it."""
+
+
+def test_an_interrupt_reaches_the_waiter_running_a_deferred_batch(bare):
+    """A signal handler's exception (Ctrl-C, the CLI's SIGTERM) raised while the engine thread runs the
+    reply batch inline propagates out of the wait (the stream thread's catch-all would have swallowed it
+    and the run would go on); the batch stays deferred and completes on a later wait."""
+    import signal
+
+    region, st, offs = bare
+    dst = np.zeros(region.layout.reply_size, np.uint8)
+    ev = st.enqueue_reply(0, 1, dst, offs)
+
+    def interrupt(signum, frame):
+        raise _Interrupt()
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        t0 = time.monotonic()
+        with pytest.raises(_Interrupt):
+            ev.wait(3.0)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    release(region, 1)
+    assert ev.wait(1.0) and native.load32(region.word_addr(W.CONSUMED)) == 1
+    assert np.array_equal(dst[:8], np.arange(8, dtype=np.uint8) + 1)

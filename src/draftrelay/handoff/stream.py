@@ -360,7 +360,11 @@ class EmulatedStream(StreamOps):
                     a._flag.set()
                 elif op == _HOST:
                     a()
-            except BaseException as exc:  # a broken op must not kill the "device" silently
+            except Exception as exc:  # a broken op must not kill the "device" silently
+                self.error = exc
+            except BaseException as exc:
+                if threading.get_ident() != self._thread.ident:
+                    raise  # Ctrl-C / SIGTERM on a waiter running the batch inline: the waiter's to handle
                 self.error = exc
         return len(ops)
 
