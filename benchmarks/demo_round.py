@@ -13,13 +13,13 @@ the engine runs it) and splits the round:
 2. sync rounds per configuration (worker threads W, engine threads E, worker drafter mode): the
    client's STEP round trip, the worker's own time (`worker_us`, from the reply: validation, KV
    rollback, drafting) and the rest (codec, sockets, thread wake-ups).
-3. async rounds, the same configurations: the hand-off's hops from timestamps on one clock
-   (CLOCK_MONOTONIC in every process): engine submit -> stream thread picks the ops up -> `gathered`
-   written -> proxy's release (its clock right before the store: the proxy's wake-up, the STEP round
-   trip and the reply write) -> stream resumes -> engine's `result` returns.
-   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap); the
-   periodic wake-ups (wait slices, supervisor, heartbeat) as the demo sets them on a CPU, and once more
-   with HandoffConfig's defaults (the row "with HandoffConfig's default wake-ups").
+3. async rounds, the same configurations, as the demo opens them on a CPU (the engine thread stages and
+   announces the round and runs the stream's part of it itself: EmulatedStream.inline), once with the
+   stream thread doing that part, once with HandoffConfig's default periodic wake-ups: the round split
+   from stamps on one clock (CLOCK_MONOTONIC in both processes) into submit, the proxy's part up to its
+   release (its clock right before the store: its wake-up, parse, the STEP round trip, the reply write)
+   and release -> result (the engine side's wake-up, the reply copy, the decode).
+   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap).
 
     python benchmarks/demo_round.py [--steps 200] [--k 4] -> benchmarks/results/demo_round_cpu.json
 """
@@ -230,8 +230,13 @@ def sync_rounds(w, tgt: Target, k: int, accept: int, steps: int) -> dict:
             "verify_ms": spread(ver), "step_ms_p50": p50([a + b for a, b in zip(rtt, ver, strict=True)])}
 
 
-def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, hops: bool,
+def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, inline: bool = True,
                  cli_settings: bool = True) -> dict:
+    """Async rounds as `draftrelay demo` opens them on a CPU (host staging, the stream's part run inline by
+    the engine thread), or with the stream thread doing its part (inline False). The hops from stamps on
+    one clock (CLOCK_MONOTONIC in both processes): submit (staging, announcement); the proxy's part up to
+    its release (its wake-up, parse, the STEP round trip, the reply write: the proxy stamps its clock
+    right before the release store); release -> result (the engine side's wake-up, reply copy, decode)."""
     spec = {"kind": "worker", "host": w.host, "port": w.port, "n_out_max": 8, "max_requests": 8,
             "client_name": "demo_round"}
     spin, nap = (0, 200) if wait == "block" else (50, 20)
@@ -241,33 +246,13 @@ def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, hop
                     heartbeat_ms=L.CPU_HEARTBEAT_MS) if cli_settings else {}
     cfg = HandoffConfig(max_requests=8, max_tokens=4096, max_drafts=8, vocab_size=2048, deadline_ms=500,
                         round_budget_ms=400, spin_us=spin, nap_us=nap, stream_spin_us=spin, stream_nap_us=nap,
-                        wait=wait, round_spec=spec, strict=True, watchdog_poll_us=5000, **periodic)
+                        wait=wait, round_spec=spec, strict=True, watchdog_poll_us=5000, stream_inline=inline,
+                        **periodic)
     r = open_rounds(cfg)
     assert isinstance(r, AsyncRounds)
     a_last = r.region.word_addr(W.LAST_RELEASE_NS)
-    marks: dict[str, int] = {}
-    if hops:  # the base enqueue_round's ops, with a timestamp between them (host_fn runs on the stream)
-        st = r.stream
-
-        def mark(name: str):
-            return lambda: marks.__setitem__(name, native.now_ns())
-
-        def enqueue_round(slot, t, src, dst, offs, on_resume=None):
-            gathered, released, consumed = offs
-            st.host_fn(mark("picked"))
-            st.copy_in(slot, src)
-            st.write32(gathered, t)
-            st.host_fn(mark("gathered"))
-            st.wait_geq32(released, t)
-            st.host_fn(mark("resumed"))
-            st.copy_out(slot, dst)
-            st.write32(consumed, t)
-            return st.record()
-
-        st.enqueue_round = enqueue_round
     pat = Pattern(k, accept)
-    rows: dict[str, list[float]] = {"round": [], "submit": [], "to_stream": [], "stream_gathered": [],
-                                    "proxy_round": [], "release_to_resume": [], "resume_to_result": [],
+    rows: dict[str, list[float]] = {"round": [], "submit": [], "proxy_to_release": [], "release_to_result": [],
                                     "verify": []}
     n = 0
     try:
@@ -284,21 +269,19 @@ def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, hop
             if not res.ok:
                 raise SystemExit(f"async round failed: {res.status.name} {res.detail}")
             if not first:
+                rel = native.load64(a_last)
                 rows["round"].append((t2 - t0) * 1e-9)
                 rows["submit"].append((t1 - t0) * 1e-9)
+                rows["proxy_to_release"].append((rel - t1) * 1e-9)
+                rows["release_to_result"].append((t2 - rel) * 1e-9)
                 rows["verify"].append(v)
-                if hops:
-                    rel = native.load64(a_last)
-                    rows["to_stream"].append((marks["picked"] - t0) * 1e-9)
-                    rows["stream_gathered"].append((marks["gathered"] - marks["picked"]) * 1e-9)
-                    rows["proxy_round"].append((rel - marks["gathered"]) * 1e-9)
-                    rows["release_to_resume"].append((marks["resumed"] - rel) * 1e-9)
-                    rows["resume_to_result"].append((t2 - marks["resumed"]) * 1e-9)
             pat.advance([res.drafts[i, :res.counts[i]] for i in range(ROWS)])
+        inline_runs = getattr(r.stream, "inline_runs", 0)
     finally:
         r.close()
     out = {f"{k_}_ms": spread(v) for k_, v in rows.items() if v}
     out["step_ms_p50"] = p50([a + b for a, b in zip(rows["round"], rows["verify"], strict=True)])
+    out["inline_runs"] = inline_runs
     return out
 
 
@@ -355,27 +338,26 @@ def main(argv=None) -> int:
             try:
                 row = {"config": c, "repeat": rep, "loadavg_1m_before": os.getloadavg()[0],
                        "sync": sync_rounds(w, tgt, args.k, args.accept, args.steps),
-                       "async": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"], hops=True),
-                       "async_plain": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"], hops=False),
+                       "async": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"]),
+                       "async_stream_thread": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"],
+                                                           inline=False),
                        "async_default_periodic": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"],
-                                                              hops=False, cli_settings=False)}
+                                                              cli_settings=False)}
             finally:
                 w.stop()
                 if c["pin"]:
                     pin(os.getpid(), every)
             runs.append(row)
-            s, a, ap_, ad = row["sync"], row["async"], row["async_plain"], row["async_default_periodic"]
+            s, a, at, ad = row["sync"], row["async"], row["async_stream_thread"], row["async_default_periodic"]
             print(f"[{c['name']}] sync: round {s['round_ms']['p50']:.2f} ms = worker {s['worker_step_ms']['p50']:.2f} "
                   f"+ rest {s['transport_codec_wakeups_ms']['p50']:.2f}; verify {s['verify_ms']['p50']:.2f}; "
                   f"step {s['step_ms_p50']:.2f}")
-            print(f"[{c['name']}] async: round {ap_['round_ms']['p50']:.2f} ms (with hop stamps "
-                  f"{a['round_ms']['p50']:.2f}: to stream {a['to_stream_ms']['p50']:.3f}, gathered "
-                  f"{a['stream_gathered_ms']['p50']:.3f}, proxy+STEP {a['proxy_round_ms']['p50']:.2f}, release->resume "
-                  f"{a['release_to_resume_ms']['p50']:.3f}, resume->result {a['resume_to_result_ms']['p50']:.3f}); "
-                  f"verify {ap_['verify_ms']['p50']:.2f}; step {ap_['step_ms_p50']:.2f}; with HandoffConfig's "
-                  f"default wake-ups: round {ad['round_ms']['p50']:.2f}, verify {ad['verify_ms']['p50']:.2f}, step "
-                  f"{ad['step_ms_p50']:.2f}  (load {os.getloadavg()[0]:.1f})",
-                  flush=True)
+            for name, x in (("async", a), ("async, stream thread", at), ("async, default wake-ups", ad)):
+                print(f"[{c['name']}] {name}: round {x['round_ms']['p50']:.2f} ms = submit "
+                      f"{x['submit_ms']['p50']:.3f} + proxy to release {x['proxy_to_release_ms']['p50']:.2f} + "
+                      f"release to result {x['release_to_result_ms']['p50']:.3f}; verify {x['verify_ms']['p50']:.2f}; "
+                      f"step {x['step_ms_p50']:.2f} (inline runs {x['inline_runs']})")
+            print(f"  (load {os.getloadavg()[0]:.1f})", flush=True)
     res["runs"] = runs
     res["loadavg_1_5_15_before"], res["loadavg_1_5_15_after"] = list(load0), list(os.getloadavg())
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -185,6 +185,9 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
         fields.setdefault("wait_slice_us", CPU_WAIT_SLICE_US)
         fields.setdefault("supervise_ms", CPU_SUPERVISE_MS)
         fields.setdefault("heartbeat_ms", CPU_HEARTBEAT_MS)
+        # the stream's wait on `released` (run by the engine thread itself: EmulatedStream.inline) sleeps
+        # at once too, as the proxy's does: a spin there holds a core while the proxy and the worker run
+        fields.setdefault("stream_spin_us", spin)
     if gpu and host_rounds:  # a GPU host has cores to spare: the emulated stream polls (spin, then nap)
         fields.setdefault("wait", "poll")
     return HandoffConfig(round_spec=spec, deadline_ms=deadline_ms, spin_us=spin, nap_us=nap,

@@ -246,6 +246,10 @@ typedef struct {
     a32 stop;
     uint32_t last_g;
     uint64_t seen_ns;
+    uint64_t off_stamp; /* nonzero: writers stamp each announcement here (hf_watchdog_use_stamps) */
+    a32 slice_us;       /* with stamps: the longest sleep between checks */
+    a32 bell;           /* what a stamped watchdog sleeps on: rung by stop only */
+    uint64_t sleep_ns;  /* with stamps: what the last check leaves the sleep to */
     a64 fires;   /* rounds this watchdog claimed */
     a64 assists; /* rounds it released after the proxy had claimed but not yet released */
 } hf_watchdog_t;
@@ -256,16 +260,34 @@ static void watchdog_check(hf_watchdog_t *wd) {
     uint32_t r = hf_load32(b + wd->off_released);
     uint64_t now = hf_now_ns();
     if (g != wd->last_g) {
+        uint64_t seen = now;
+        if (wd->off_stamp) {
+            /* the writer stamped the announcement before storing `gathered`: the round's age is exact
+             * however long ago this thread last looked. A stamp no newer than the last change seen is
+             * not this round's (a writer that does not stamp): then the age starts now, as polling */
+            uint64_t stamp = hf_load64(b + wd->off_stamp);
+            if (stamp > wd->seen_ns && stamp <= now) seen = stamp;
+        }
         wd->last_g = g;
-        wd->seen_ns = now;
+        wd->seen_ns = seen;
     }
+    /* with stamps (see watchdog_main): idle, the next check is a slice (at most a deadline) away; with
+     * a round pending, at its deadline */
+    uint64_t slice = (uint64_t)atomic_load_explicit(&wd->slice_us, memory_order_relaxed) * 1000ull;
+    wd->sleep_ns = slice < wd->deadline_ns ? slice : wd->deadline_ns;
     if (g == 0 || geq32(r, g)) return; /* nothing pending */
     uint64_t limit = wd->deadline_ns;
     if (wd->off_budget) { /* the round's size asked for more time (the proxy's RoundBudget) */
         uint64_t e = hf_load64(b + wd->off_budget);
         if ((uint32_t)(e >> 32) == g) limit += (e & 0xFFFFFFFFull) * 1000ull;
     }
-    if (now - wd->seen_ns < limit) return;
+    if (now - wd->seen_ns < limit) {
+        /* sleeping to the steady deadline before the proxy wrote the round's budget is safe: the next
+         * check re-reads the word and sleeps the rest */
+        uint64_t left = limit - (now - wd->seen_ns);
+        if (left < wd->sleep_ns) wd->sleep_ns = left;
+        return;
+    }
     void *claim = b + ((g & 1u) ? wd->off_claim1 : wd->off_claim0);
     if (hf_claim32(claim, 2u * g, 2u * g + 1u)) {
         atomic_fetch_add_explicit(&wd->fires, 1, memory_order_relaxed);
@@ -276,15 +298,37 @@ static void watchdog_check(hf_watchdog_t *wd) {
     hf_store_max32_wake(b + wd->off_released, g); /* wake a stream parked in a blocking wait */
 }
 
+/* Between checks the watchdog naps poll_us: a wake-up every poll, on whatever core the target or the
+ * drafter runs on, and a round's age known to a poll. Once hf_watchdog_use_stamps() said that every
+ * writer of `gathered` stamps the announcement's time first (the emulated stream and the engine thread
+ * on a CPU-only machine), it sleeps instead: idle, a slice at most (never longer than a deadline, so a
+ * round announced meanwhile is seen before its deadline); with a round pending, until that round's
+ * deadline, its age from the stamp. Nobody wakes it (an announcement or a release waking it would put
+ * its wake-up on the round's critical path): about one wake-up per slice, the deadline kept exactly. */
 static void *watchdog_main(void *arg) {
     hf_watchdog_t *wd = (hf_watchdog_t *)arg;
     while (!atomic_load_explicit(&wd->stop, memory_order_acquire)) {
         pthread_mutex_lock(&wd->lock);
         watchdog_check(wd);
+        uint64_t ns = wd->off_stamp ? wd->sleep_ns : 0;
         pthread_mutex_unlock(&wd->lock);
-        nap(wd->poll_us);
+        if (ns)
+            word_sleep(&wd->bell, 0, ns);
+        else
+            nap(wd->poll_us);
     }
     return NULL;
+}
+
+/* Writers stamp each announcement (u64 CLOCK_MONOTONIC ns at off_stamp, stored before `gathered`):
+ * sleep between checks, at most slice_us at a time (see watchdog_main). Never with a GPU writing
+ * `gathered`, which cannot stamp. */
+HF_API void hf_watchdog_use_stamps(void *h, uint64_t off_stamp, uint32_t slice_us) {
+    hf_watchdog_t *wd = (hf_watchdog_t *)h;
+    pthread_mutex_lock(&wd->lock);
+    atomic_store_explicit(&wd->slice_us, slice_us ? slice_us : 1000u, memory_order_relaxed);
+    wd->off_stamp = off_stamp;
+    pthread_mutex_unlock(&wd->lock);
 }
 
 HF_API void *hf_watchdog_start(void *base, uint64_t off_gathered, uint64_t off_released,
@@ -344,6 +388,8 @@ HF_API void hf_watchdog_stop(void *h) {
     hf_watchdog_t *wd = (hf_watchdog_t *)h;
     if (!wd) return;
     atomic_store_explicit(&wd->stop, 1, memory_order_release);
+    atomic_store_explicit(&wd->bell, 1, memory_order_release); /* a sleeping watchdog: stop now */
+    hf_wake32((void *)&wd->bell);
     pthread_join(wd->thread, NULL);
     pthread_mutex_destroy(&wd->lock);
     free(wd);

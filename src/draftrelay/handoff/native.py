@@ -57,6 +57,10 @@ _sig("hf_watchdog_reset", None, _p, ctypes.POINTER(_u64), _u32)
 _sig("hf_watchdog_fires", _u64, _p)
 _sig("hf_watchdog_assists", _u64, _p)
 _sig("hf_watchdog_stop", None, _p)
+# newer than the rest: a helper built from an older hostflag.c lacks it (Watchdog.use_stamps says so)
+HAS_WATCHDOG_STAMPS = hasattr(lib, "hf_watchdog_use_stamps")
+if HAS_WATCHDOG_STAMPS:
+    _sig("hf_watchdog_use_stamps", None, _p, _u64, _u32)
 
 now_ns = lib.hf_now_ns
 load32 = lib.hf_load32
@@ -120,6 +124,21 @@ class Watchdog:
     @property
     def assists(self) -> int:
         return int(lib.hf_watchdog_assists(self._h)) if self._h else 0
+
+    def use_stamps(self, off_stamp: int, slice_us: int) -> None:
+        """Every writer of `gathered` stamps the announcement's CLOCK_MONOTONIC ns at off_stamp (u64)
+        first: the watchdog then sleeps between checks instead of napping every poll (hostflag.c,
+        watchdog_main), a slice at most while idle and until the deadline while a round is pending.
+        Never with a GPU writing `gathered`. A native helper built from an older hostflag.c keeps
+        napping, with a warning."""
+        if not HAS_WATCHDOG_STAMPS:
+            import logging
+
+            logging.getLogger("draftrelay").warning(
+                "draftrelay: the native helper %s predates hf_watchdog_use_stamps (rebuild it: pip install -e . "
+                "or python setup.py build_ext --inplace); the watchdog naps every poll", _find_library())
+            return
+        lib.hf_watchdog_use_stamps(self._h, off_stamp, slice_us)
 
     def reset_words(self, offsets: list[int]) -> None:
         arr = (ctypes.c_uint64 * len(offsets))(*offsets)

@@ -141,6 +141,13 @@ class Layout:
         return self.word(W.COUNTERS) + 4 * int(c)
 
     @property
+    def announce_stamp(self) -> int:
+        """u64 on `gathered`'s line: CLOCK_MONOTONIC ns of the last announcement, stored before `gathered`
+        by the host writers (the engine thread, the emulated stream; never a GPU): a sleeping watchdog
+        takes a round's age from it (native.Watchdog.use_stamps)."""
+        return self.word(W.GATHERED) + 8
+
+    @property
     def staging_size(self) -> int:
         c = self.cfg
         return _round_up(DESC_HEADER.size + c.max_requests * REQ_DTYPE.itemsize + 4 * c.max_tokens)
@@ -323,14 +330,13 @@ def unpack_staging(layout: Layout, buf: np.ndarray, expect_round: int) -> tuple[
     table = buf[layout.staging_req_off:layout.staging_req_off + n_req * REQ_DTYPE.itemsize].view(REQ_DTYPE)
     toks = buf[layout.staging_tok_off:layout.staging_tok_off + 4 * n_tok].view("<i4")
     out = []
-    for rec in table:
-        off, k, n_out = int(rec["tok_off"]), int(rec["n_tok"]), int(rec["n_out"])
+    # the records as Python ints in one call (the proxy parses every round on its critical path)
+    for req_id, generation, position, off, k, n_out, *_ in table.tolist():
         if off + k > n_tok:
-            raise DescriptorError(f"request {int(rec['req_id'])}: tokens [{off}, {off + k}) beyond n_tok={n_tok}")
+            raise DescriptorError(f"request {req_id}: tokens [{off}, {off + k}) beyond n_tok={n_tok}")
         if n_out > cfg.max_drafts:
-            raise DescriptorError(f"request {int(rec['req_id'])}: n_out={n_out} > max_drafts={cfg.max_drafts}")
-        out.append(RoundRequest(int(rec["req_id"]), int(rec["generation"]), int(rec["position"]),
-                                toks[off:off + k].copy(), n_out))
+            raise DescriptorError(f"request {req_id}: n_out={n_out} > max_drafts={cfg.max_drafts}")
+        out.append(RoundRequest(req_id, generation, position, toks[off:off + k].copy(), n_out))
     return flags, out
 
 
@@ -361,10 +367,9 @@ def decode_reply(layout: Layout, buf: np.ndarray, t: int, n_out: np.ndarray) -> 
     """
     cfg = layout.cfg
     n_req = len(n_out)
-    zeros_i = np.zeros((n_req, cfg.max_drafts), np.int32)
 
     def fail(status: Status, detail: str) -> RoundResult:
-        return RoundResult(t, status, np.zeros(n_req, np.int32), zeros_i,
+        return RoundResult(t, status, np.zeros(n_req, np.int32), np.zeros((n_req, cfg.max_drafts), np.int32),
                            np.zeros((n_req, cfg.max_drafts), np.float32), detail)
 
     claim = int(buf[:4].view("<u4")[0])
@@ -384,16 +389,20 @@ def decode_reply(layout: Layout, buf: np.ndarray, t: int, n_out: np.ndarray) -> 
         return fail(st if st != Status.NONE else Status.BAD_REPLY, "proxy reported failure")
     if got_req != n_req:
         return fail(Status.BAD_REPLY, f"reply has {got_req} requests, round had {n_req}")
+    # On the engine's critical path after every round, with caches the verify has just flushed: few numpy
+    # calls (a handful of requests, compared as Python ints), each check as strict as the one it stands for.
     counts = buf[layout.reply_counts_off:layout.reply_counts_off + 4 * n_req].view("<i4").copy()
-    if np.any(counts < 0) or np.any(counts > n_out):
-        return fail(Status.BAD_REPLY, f"draft counts {counts.tolist()} outside [0, n_out={list(n_out)}]")
-    d = buf[layout.reply_drafts_off:layout.reply_drafts_off + 4 * cfg.max_requests * cfg.max_drafts]
-    drafts = d.view("<i4").reshape(cfg.max_requests, cfg.max_drafts)[:n_req].copy()
-    f = buf[layout.reply_conf_off:layout.reply_conf_off + 4 * cfg.max_requests * cfg.max_drafts]
-    conf = f.view("<f4").reshape(cfg.max_requests, cfg.max_drafts)[:n_req].copy()
-    mask = np.arange(cfg.max_drafts)[None, :] < counts[:, None]
-    if np.any((drafts < 0) & mask) or np.any((drafts >= cfg.vocab_size) & mask):
+    got, cap = counts.tolist(), np.asarray(n_out).tolist()
+    if any(k < 0 or k > m for k, m in zip(got, cap, strict=True)):
+        return fail(Status.BAD_REPLY, f"draft counts {got} outside [0, n_out={cap}]")
+    d = buf[layout.reply_drafts_off:layout.reply_drafts_off + 4 * n_req * cfg.max_drafts]
+    drafts = d.view("<i4").reshape(n_req, cfg.max_drafts).copy()
+    f = buf[layout.reply_conf_off:layout.reply_conf_off + 4 * n_req * cfg.max_drafts]
+    conf = f.view("<f4").reshape(n_req, cfg.max_drafts).copy()
+    for i, k in enumerate(got):  # past a request's count nothing is a draft: zeroed, and then in range
+        if k < cfg.max_drafts:
+            drafts[i, k:] = 0
+            conf[i, k:] = 0.0
+    if n_req and (int(drafts.min()) < 0 or int(drafts.max()) >= cfg.vocab_size):
         return fail(Status.BAD_REPLY, "draft id outside the vocabulary")
-    drafts[~mask] = 0
-    conf[~mask] = 0.0
     return RoundResult(t, Status.OK, counts, drafts, conf)

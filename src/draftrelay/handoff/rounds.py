@@ -101,6 +101,10 @@ class HandoffConfig:
     # (docs/REPLAY.md); "host" keeps the engine's context empty while the round is out
     park: str = "stream"
     park_spin_us: int = 0  # park "host": the engine thread spins this long on `released` before it sleeps
+    # the emulated stream with wait "block": the stream's part of a host-staged round (wait `released`, copy
+    # the reply, store `consumed`) runs on the engine thread that waits for it, not on the stream thread
+    # (EmulatedStream, "inline"); off only to measure what it is worth
+    stream_inline: bool = True
     # the worker's shared secret (wire/security.py): sent as the handshake's HMAC, given to the proxy
     # child through its environment (never its command line); "" = $DRAFTRELAY_SECRET or none
     secret: str = field(default="", repr=False)
@@ -281,13 +285,26 @@ class AsyncRounds:
                                         int(cfg.deadline_ms * 1000), cfg.watchdog_poll_us,
                                         off_budget=L.word(W.ROUND_BUDGET))
         self.stream = make_stream(cfg, self.region)
+        if self.stream.name == "emulated" and cfg.wait_mode == "block":
+            # every writer of `gathered` stamps the announcement (the emulated stream, the engine thread's
+            # host staging: _announce): the watchdog sleeps to each round's deadline instead of waking
+            # every poll on the cores the target and the worker share, and nobody wakes it per round
+            self.watchdog.use_stamps(L.announce_stamp, max(cfg.wait_slice_us, cfg.watchdog_poll_us))
         self.stream.preload(cfg.preload)  # before any round is armed, the self-test's included
         self._off = (L.word(W.GATHERED), L.word(W.RELEASED), L.word(W.CONSUMED))
         self._dst = [self.stream.new_reply_buffer() for _ in (0, 1)]
         self.device_replies = self.stream.name == "cuda"
         self._park = cfg.park_mode
-        # a proxy that sleeps on `gathered` (wait "block") is woken by whoever announces a round
-        self._announce = native.store32_wake if cfg.wait_mode == "block" else native.store32
+        # a proxy that sleeps on `gathered` (wait "block") is woken by whoever announces a round; the
+        # announcement's time goes first (Layout.announce_stamp: what the watchdog measures a round's age by)
+        store, a_stamp = (native.store32_wake if cfg.wait_mode == "block" else native.store32), \
+            self.region.base + L.announce_stamp
+
+        def announce(addr: int, t: int) -> None:
+            native.store64(a_stamp, native.now_ns())
+            store(addr, t)
+
+        self._announce = announce
         self.proxy = self._spawn_proxy()
         self.state = "live"
         self._selftest()
@@ -644,7 +661,7 @@ class AsyncRounds:
 def make_stream(cfg: HandoffConfig, region: Region) -> StreamOps:
     if cfg.backend == "emulated":
         return EmulatedStream(region, cfg.stream_spin_us, cfg.stream_nap_us, wait=cfg.wait_mode,
-                              slice_us=cfg.wait_slice_us)
+                              slice_us=cfg.wait_slice_us, inline=None if cfg.stream_inline else False)
     if cfg.backend == "cuda":
         from .cuda_stream import CudaStream  # needs cuda-bindings and a GPU
 
