@@ -9,8 +9,10 @@ A batch-1 decode step reads every weight of every layer once (q|k|v with its bia
 two norms), the final norm, the LM head and the KV cache of the context; of the embedding table it reads
 one row. Bandwidth is measured on a buffer far larger than the caches, as a weight product reads it (one
 GEMV of a [N, hidden] fp32 matrix, the shape of the step's products) and as a plain reduction (sum); the
-faster of the two is the roofline. Steps are interleaved variant by variant in one process so a change of
-the machine's load (it is shared) hits every variant alike; the load average is recorded.
+faster of the two is the roofline. "ours argmax only" is the step a greedy verify runs (the argmax of the
+logits only: the head screened through its int8 copy, draftrelay/greedy_head.py). Steps are interleaved
+variant by variant in one process so a change of the machine's load (it is shared) hits every variant
+alike; the load average is recorded.
 JSON: benchmarks/results/cpu_bandwidth.json (or --out).
 """
 
@@ -93,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
 
     class Ours:
-        def __init__(self, threads: int) -> None:
-            self.threads = threads
+        def __init__(self, threads: int, screened: bool = False) -> None:
+            self.threads, self.screened = threads, screened
             self.cache = model.new_cache(1, len(ids) + 8)
             with torch.inference_mode():
                 lg = model(torch.tensor([ids]), torch.tensor([0]), self.cache, torch.tensor([0]), last_only=True)
@@ -103,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         def step(self) -> None:
             torch.set_num_threads(self.threads)
             with torch.inference_mode():  # every step at the same position: the same bytes each time
-                lg = model(torch.tensor([[self.nxt]]), torch.tensor([len(ids)]), self.cache, torch.tensor([0]))
-            self.nxt = int(lg[0, 0].argmax())
+                lg = model(torch.tensor([[self.nxt]]), torch.tensor([len(ids)]), self.cache, torch.tensor([0]),
+                           argmax_only=self.screened)
+            self.nxt = int(lg[0, 0]) if self.screened else int(lg[0, 0].argmax())
             self.out.append(self.nxt)
             self.cache.truncate(0, len(ids))
 
@@ -139,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(self.threads)
             F.linear(self.x, head)
 
-    variants: dict[str, object] = {f"ours, {n} thread{'s' * (n > 1)}": Ours(n) for n in counts}
+    variants: dict[str, object] = {}
+    for n in counts:
+        variants[f"ours, {n} thread{'s' * (n > 1)}"] = Ours(n)
+        variants[f"ours argmax only, {n} thread{'s' * (n > 1)}"] = Ours(n, screened=True)
     if not args.no_hf:
         variants[f"transformers, {n_all} thread{'s' * (n_all > 1)}"] = HF()
     variants.update({f"LM head alone, {n} thread{'s' * (n > 1)}": Head(n) for n in counts})
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         p50, best = 1e3 * statistics.median(t), 1e3 * min(t)
         rows[name] = {"threads": n, "p50_ms": p50, "min_ms": best, "ideal_ms": ideal,
                       "ideal_over_p50": ideal / p50, "ideal_over_min": ideal / best}
-        print(f"  {name:28s} p50 {p50:7.1f} ms  min {best:7.1f} ms   ideal/p50 {ideal / p50:5.2f}  "
+        print(f"  {name:34s} p50 {p50:7.1f} ms  min {best:7.1f} ms   ideal/p50 {ideal / p50:5.2f}  "
               f"ideal/min {ideal / best:5.2f}")
     ours = [v for k, v in variants.items() if k.startswith("ours")]
     same = None

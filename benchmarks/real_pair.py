@@ -14,6 +14,7 @@ runs with torch's default thread count.
 
 Modes (`--modes`, comma-separated):
   off                      target only (draftrelay's engine)
+  off:full-head            the same with the greedy head read whole in fp32 (greedy_head.py's screen off)
   sync:D / async:D         rounds to a local drafter worker process (loopback), D = auto (the depth
                            policy, engine/depth.py, up to --k-max) or a fixed k
   hf                       transformers' plain greedy generate
@@ -36,6 +37,7 @@ JSON: benchmarks/results/real_pair.json (or --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -70,11 +72,11 @@ def parse_modes(s: str) -> list[str]:
     out = []
     for m in (x.strip() for x in s.split(",") if x.strip()):
         kind, _, arg = m.partition(":")
-        ok = (kind == "off" and not arg) or (kind == "hf" and not arg) \
+        ok = (kind == "off" and arg in ("", "full-head")) or (kind == "hf" and not arg) \
             or (kind in ("sync", "async") and (arg == "auto" or arg.isdigit() and 1 <= int(arg) <= 16)) \
             or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16))
         if not ok:
-            raise SystemExit(f"real_pair: --modes: {m!r} is not off, hf, sync:auto|K, async:auto|K, "
+            raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, hf, sync:auto|K, async:auto|K, "
                              f"hf-assisted:K|heuristic")
         out.append(m)
     return out
@@ -104,7 +106,8 @@ class EngineRunner:
         from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 
         kind, _, arg = mode.partition(":")
-        k_max = args.k_max if arg in ("", "auto") else int(arg)
+        self.full_head = arg == "full-head"
+        k_max = args.k_max if arg in ("", "auto", "full-head") else int(arg)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
         h = None
         if kind != "off":
@@ -114,9 +117,27 @@ class EngineRunner:
                            round_costs_s=rs.round_costs_s if h else None, threads=args.threads)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
         self.eng = Engine(model, cfg)
-        self.eng.generate([next(iter(ids.values()))], SamplingParams(max_tokens=4))  # warm-up (and the policy's start)
+        with self.head():  # warm-up (and the policy's start)
+            self.eng.generate([next(iter(ids.values()))], SamplingParams(max_tokens=4))
+
+    @contextlib.contextmanager
+    def head(self):
+        """off:full-head: the screen of greedy_head.py off for this engine's steps."""
+        from draftrelay import greedy_head
+
+        saved = greedy_head.SCREEN_MIN_BYTES
+        if self.full_head:
+            greedy_head.SCREEN_MIN_BYTES = 1 << 62
+        try:
+            yield
+        finally:
+            greedy_head.SCREEN_MIN_BYTES = saved
 
     def run(self, x: list[int]) -> dict:
+        with self.head():
+            return self._run(x)
+
+    def _run(self, x: list[int]) -> dict:
         eng = self.eng
         d0 = dict(eng.depth.chosen) if eng.depth is not None else {}
         th0 = dict(eng.threads.chosen) if eng.threads is not None else {}

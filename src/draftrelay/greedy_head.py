@@ -55,13 +55,18 @@ class ScreenedHead:
                 self.cmax[i:i + _BUILD_ROWS] = c
         self.scale = torch.where(self.cmax > 0, self.cmax / 127, torch.ones_like(self.cmax)).to(torch.bfloat16)
 
+    def bounds(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, E), each [M, V]: the approximate logits of h [M, D] and the bound on their distance from the
+        full-precision ones (the module's derivation)."""
+        a = torch._weight_int8pack_mm(h.to(torch.bfloat16), self.q, self.scale).float()
+        l1 = h.float().abs().sum(1, keepdim=True)  # [M, 1]
+        return a, (self.cmax[None] * l1 + a.abs()) * (1 / 64)
+
     def candidates(self, h: torch.Tensor) -> torch.Tensor | None:
         """Rows of the head that may hold the argmax of some row of h [M, D] (ascending), or None when the
         screen cannot decide (non-finite values, too many rows kept)."""
-        a = torch._weight_int8pack_mm(h.to(torch.bfloat16), self.q, self.scale).float()  # [M, V]
-        l1 = h.float().abs().sum(1, keepdim=True)  # [M, 1]
-        err = (self.cmax[None] * l1 + a.abs()) * (1 / 64)
-        if not (torch.isfinite(a).all() and torch.isfinite(l1).all()):
+        a, err = self.bounds(h)
+        if not (torch.isfinite(a).all() and torch.isfinite(err).all()):
             return None
         floor = (a - err).amax(1, keepdim=True)
         keep = (a + err >= floor).any(0).nonzero()[:, 0]
