@@ -6,7 +6,8 @@ only the argmax of h @ W^T, not every logit. So the head is screened first with 
 (one scale per row, a quarter of the bytes, torch's int8 weight-only GEMM), each approximate logit a_i
 comes with a bound E_i on its distance from the full-precision one, and only the rows that could still be
 the maximum (a_i + E_i >= max_j (a_j - E_j)) are computed in full precision: the argmax is that of the
-full-precision logits. On the reference pair a decode step keeps a median of 8 rows (at most ~1,500).
+full-precision logits. On the reference target a check over six prompts' 105 positions kept a median of
+8 rows of 151,936 (at most 1,442).
 
 The bound, for row i with c_i = max_j |W_ij|, s_i = c_i / 127 and q_i = round(W_i / s_i):
   quantization   |W_ij - s_i q_ij| <= s_i / 2                        -> c_i ||h||_1 / 254
