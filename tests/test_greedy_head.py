@@ -117,6 +117,10 @@ def test_greedy_engine_output_is_the_same_screened_or_not(small_heads, monkeypat
         finally:
             eng.close()
 
+    G._cache.clear()
+    eng = Engine(m, EngineConfig(mode="off", n_draft=0, max_batch=1, max_len=16))
+    assert [v[0]() for v in G._cache.values()] == [m.lm_head.weight]  # built with the engine, not in a step
+    eng.close()
     screened = run()
     assert calls  # the engine's greedy steps asked for the argmax only
     monkeypatch.setattr(G, "SCREEN_MIN_BYTES", 1 << 62)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from draftrelay import greedy_head
 from draftrelay.model import KVCache, Transformer, to_device
 
 from .request import Request
@@ -66,6 +67,9 @@ class Verifier:
         self.model, self.cache, self.n_draft = model, cache, n_draft
         self.graphs = graphs  # verify width T -> DecodeGraphs (empty: eager only)
         self.vocab = model.cfg.vocab_size
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        if greedy_head.usable(torch.empty(1, head.shape[1], dtype=head.dtype), head):
+            greedy_head.screened_for(head)  # the int8 copy built now (~2 s at 151,936 rows), not in a request's step
 
     def enqueue(self, inp: VerifyInputs, buf: torch.Tensor, layout, T: int) -> Enqueued:
         """Verify fed from the device copy of a round's reply (CUDA async rounds)."""
