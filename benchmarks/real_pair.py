@@ -14,6 +14,7 @@ runs with torch's default thread count.
 
 Modes (`--modes`, comma-separated):
   off                      target only (draftrelay's engine)
+  off:full-head            the same with the greedy head read whole in fp32 (greedy_head.py's screen off)
   sync:D / async:D         rounds to a local drafter worker process (loopback), D = auto (the depth
                            policy, engine/depth.py, up to --k-max), autoN (the same up to N) or a fixed k
   sync:D/S / async:D/S     the same with the worker's confidence stop at S (e.g. sync:auto12/0.4): a round's
@@ -40,6 +41,7 @@ JSON: benchmarks/results/real_pair.json (or --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -94,7 +96,7 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
     out = []
     for m in (x.strip() for x in s.split(",") if x.strip()):
         kind, _, arg = m.partition(":")
-        ok = (kind == "hf" and not arg) or (kind == "hf-assisted" and (
+        ok = (kind == "hf" and not arg) or (kind == "off" and arg == "full-head") or (kind == "hf-assisted" and (
             arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
             or (kind == "cache" and _cache_arg(arg) is not None)
         if not ok:
@@ -104,9 +106,9 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
             except ValueError:
                 pass
         if not ok:
-            raise SystemExit(f"real_pair: --modes: {m!r} is not off, hf, sync:D[/S], async:D[/S] (D: auto, autoN "
-                             f"or K <= 16; S: a confidence stop in [0, 1]), cache:K/F[/all|rows|early], "
-                             f"hf-assisted:K|heuristic")
+            raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, hf, sync:D[/S], async:D[/S] "
+                             f"(D: auto, autoN or K <= 16; S: a confidence stop in [0, 1]), "
+                             f"cache:K/F[/all|rows|early], hf-assisted:K|heuristic")
         out.append(m)
     return out
 
@@ -158,12 +160,13 @@ class EngineRunner:
         from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 
         kind, _, arg = mode.partition(":")
+        self.full_head = arg == "full-head"
         fanout, options = 0, {}
         if kind == "cache":  # async rounds with the speculation cache, a fixed depth
             k_max, fanout, rule = _cache_arg(arg)
             kind, auto, stop, options = "async", False, 0.0, {"wait_rule": rule}
         else:
-            kind, auto, k_max, stop = engine_mode(mode, args.k_max)
+            kind, auto, k_max, stop = engine_mode("off" if self.full_head else mode, args.k_max)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
         h = None
         if kind != "off":
@@ -174,9 +177,27 @@ class EngineRunner:
                            spec_fanout=fanout, spec_options=options)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
         self.eng = Engine(model, cfg)
-        self.eng.generate([next(iter(ids.values()))], SamplingParams(max_tokens=4))  # warm-up (and the policy's start)
+        with self.head():  # warm-up (and the policy's start)
+            self.eng.generate([next(iter(ids.values()))], SamplingParams(max_tokens=4))
+
+    @contextlib.contextmanager
+    def head(self):
+        """off:full-head: the screen of greedy_head.py off for this engine's steps."""
+        from draftrelay import greedy_head
+
+        saved = greedy_head.SCREEN_MIN_BYTES
+        if self.full_head:
+            greedy_head.SCREEN_MIN_BYTES = 1 << 62
+        try:
+            yield
+        finally:
+            greedy_head.SCREEN_MIN_BYTES = saved
 
     def run(self, x: list[int]) -> dict:
+        with self.head():
+            return self._run(x)
+
+    def _run(self, x: list[int]) -> dict:
         eng = self.eng
         d0 = dict(eng.depth.chosen) if eng.depth is not None else {}
         th0 = dict(eng.threads.chosen) if eng.threads is not None else {}

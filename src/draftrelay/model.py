@@ -523,12 +523,23 @@ def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
 
 def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: torch.Tensor, head: torch.Tensor,
                 eps: float, last_only: bool = False, logits_at: torch.Tensor | None = None,
-                greedy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                greedy: bool = False, argmax_only: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The last product added, the positions wanted picked, the final norm and the head -> fp32 logits
     [B, T, V] ([B, 1, V] with last_only or logits_at [B]). greedy (one position per row: last_only,
     logits_at or T = 1): (argmax [B], its softmax probability [B]) instead of the logits, computed from
-    the head's output as the logits would give them (kernels.greedy_pick)."""
+    the head's output as the logits would give them (kernels.greedy_pick). argmax_only: the argmax of
+    every position's logits instead, int64 [B, T] (or [B, 1]); on the plain CPU path screened through an
+    int8 copy of the head (greedy_head: a fraction of the head's bytes read, the same argmax)."""
     K = st.kernels
+    if argmax_only and K is None:
+        x = x + red.to(x.dtype)
+        if last_only:
+            x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[torch.arange(st.B, device=x.device), logits_at][:, None]
+        h = rms_norm(x, final_norm, eps)
+        from draftrelay.greedy_head import head_argmax
+        return head_argmax(h.reshape(-1, h.shape[-1]), head, linear).view(h.shape[:-1])
     if K is not None and st.T == 1:  # one position per row: nothing to pick (logits_at can only be 0)
         if K.use_norm_linear(st.B, head):  # the add and the final norm inside the head's product
             _, out = K.norm_linear(x, red, final_norm, eps, head, None)
@@ -548,6 +559,8 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
             out = K.linear(x.contiguous(), head)
         else:
             out = linear(rms_norm(x, final_norm, eps), head)
+    if argmax_only:
+        return out.float().argmax(-1)
     if greedy:
         if out.shape[1] != 1:
             raise ValueError(f"greedy picks one position per row, got {out.shape[1]}")
@@ -559,7 +572,7 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
 def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
             v: torch.Tensor, st: StepState, eps: float, final_norm: torch.Tensor, head: torch.Tensor,
             last_only: bool = False, logits_at: torch.Tensor | None = None,
-            greedy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            greedy: bool = False, argmax_only: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The decoder stack on one card: embedding, the layers (k / v: caches [L, rows, n_kv, len, D]), the
     head. `decoder_steps` is the same stack for a tensor-parallel rank."""
     x, red = F.embedding(tokens, embed), None
@@ -567,7 +580,7 @@ def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWei
         x, o = attn_half(x, red, w, st, k[i], v[i], eps)
         red = out_product(o, w.wo, st)
         x, red = mlp_down(x, red, w, st, eps)
-    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy)
+    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy, argmax_only)
 
 
 def decoder_steps(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
@@ -637,8 +650,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, cache: KVCache, rows: torch.Tensor,
                 kv_len: int | None = None, last_only: bool = False,
-                logits_at: torch.Tensor | None = None,
-                greedy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                logits_at: torch.Tensor | None = None, greedy: bool = False,
+                argmax_only: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [B,T] at positions start_pos[b].. of cache rows rows[b] -> float32 logits [B,T,V].
 
         rows: a [B] tensor of cache rows, or a slice(r0, r0 + B) of consecutive rows (read in
@@ -649,6 +662,8 @@ class Transformer(nn.Module):
         logits_at [B]: logits of position logits_at[b] of each row only ([B,1,V]; right-padded rows).
         greedy (with last_only, logits_at or T = 1): (argmax int64 [B], its softmax probability fp32 [B])
         of that position instead of the logits (the drafting loop's pick, fused on the fast path).
+        argmax_only: the argmax of every position's logits, int64 [B,T] (or [B,1]), instead of the
+        logits (a greedy verify; on the plain CPU path the head is screened, greedy_head.py).
         """
         dev = self.device
         eager = kv_len is None
@@ -687,7 +702,7 @@ class Transformer(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits_at = None if logits_at is None else to_device(logits_at, dev)
         logits = decoder(tokens, self.embed_tokens.weight, self.layer_weights(), cache.k, cache.v, st,
-                         self.cfg.rms_norm_eps, self.norm.weight, w, last_only, logits_at, greedy)
+                         self.cfg.rms_norm_eps, self.norm.weight, w, last_only, logits_at, greedy, argmax_only)
         if eager:
             for s, r in zip(sp, rw, strict=True):
                 cache.lengths[r] = s + T

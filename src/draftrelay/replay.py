@@ -231,6 +231,8 @@ class ReplayTargetHook:
         pos = pos.clamp(0, self.max_len - 1)
         r = rows.to(dev, non_blocking=True).long()[:, None].expand_as(pos)
         nxt = self.next[r, pos]  # [B, Tout]
+        if kwargs.get("argmax_only"):  # a greedy verify asked for the argmax: the trace's token is it
+            return torch.where(nxt >= 0, nxt, out)
         forced = torch.full_like(out, -1e4)
         forced.scatter_(-1, nxt.clamp(min=0)[..., None], 0.0)
         return torch.where((nxt >= 0)[..., None], forced, out)

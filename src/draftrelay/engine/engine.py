@@ -387,13 +387,15 @@ class Engine:
             self.threads.apply(self.threads.choose(width))
         t0 = time.perf_counter()
         with clock.part("verify"):
-            v = self.verifier.verify(inp, drafts, early, argmax=any(r.params.temperature <= 0 for r in batch))
+            v = self.verifier.verify(inp, drafts, early, argmax=any(r.params.temperature <= 0 for r in batch),
+                                     logits=any(r.params.temperature > 0 for r in batch))
         if self.threads is not None:
             self.threads.observe(width, time.perf_counter() - t0)
         for i, r in enumerate(batch):
             d = v.drafts[i]
             am = v.argmax[i] if v.argmax is not None else None
-            kept, nxt = accept(r.params.temperature, r.params.top_k, v.logits[i], am, d, r.gen, r.params.top_p)
+            lg = v.logits[i] if v.logits is not None else None  # None: every request greedy (argmax only)
+            kept, nxt = accept(r.params.temperature, r.params.top_k, lg, am, d, r.gen, r.params.top_p)
             self.kv.set_len(r.row, int(inp.start[i]) + 1 + kept)  # pending + kept drafts are now in the cache
             record_round(r, res, asked[i], len(d), kept)
             if self.depth is not None and n_out is not None and n_out[i]:

@@ -82,10 +82,10 @@ def accept_sampled(p: torch.Tensor, drafts: list[int], gen: torch.Generator | No
     return k, sample_from(p[k], gen)
 
 
-def accept(temperature: float, top_k: int, logits: torch.Tensor, argmax: list[int] | None, drafts: list[int],
+def accept(temperature: float, top_k: int, logits: torch.Tensor | None, argmax: list[int] | None, drafts: list[int],
            gen: torch.Generator | None, top_p: float = 1.0) -> tuple[int, int]:
     """One request's verdict on its verified drafts: (drafts kept, the next token).
-    logits: [>= len(drafts) + 1, V] at the verified positions; argmax: their argmax (greedy)."""
+    logits: [>= len(drafts) + 1, V] at the verified positions (None for greedy); argmax: their argmax (greedy)."""
     if temperature <= 0:
         return accept_greedy(argmax[:len(drafts) + 1], drafts)
     return accept_sampled(probs_from_logits(logits[:len(drafts) + 1], temperature, top_k, top_p), drafts, gen)

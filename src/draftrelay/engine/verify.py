@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from draftrelay import greedy_head
 from draftrelay.model import KVCache, Transformer, to_device
 
 from .request import Request
@@ -56,7 +57,7 @@ class Enqueued(NamedTuple):
 
 
 class Verified(NamedTuple):
-    logits: torch.Tensor  # [B, >= 1 + len(drafts[i]), V]
+    logits: torch.Tensor | None  # [B, >= 1 + len(drafts[i]), V]; None when only the argmax was asked for
     argmax: list[list[int]] | None  # logits.argmax(-1) on the host, when a greedy request needs it
     drafts: list[list[int]]  # the drafts verified for each request (a subset of the host's)
 
@@ -66,6 +67,9 @@ class Verifier:
         self.model, self.cache, self.n_draft = model, cache, n_draft
         self.graphs = graphs  # verify width T -> DecodeGraphs (empty: eager only)
         self.vocab = model.cfg.vocab_size
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        if greedy_head.usable(torch.empty(1, head.shape[1], dtype=head.dtype), head):
+            greedy_head.screened_for(head)  # the int8 copy built now (~2 s at 151,936 rows), not in a request's step
 
     def enqueue(self, inp: VerifyInputs, buf: torch.Tensor, layout, T: int) -> Enqueued:
         """Verify fed from the device copy of a round's reply (CUDA async rounds)."""
@@ -82,20 +86,26 @@ class Verifier:
         return Enqueued(self.model(tokens, inp.start, self.cache, inp.rows), dd)
 
     def verify(self, inp: VerifyInputs, drafts: list[list[int]], enqueued: Enqueued | None = None,
-               argmax: bool = True) -> Verified:
+               argmax: bool = True, logits: bool = True) -> Verified:
         """The logits for each request's [pending, drafts]: from the forward `enqueue` already put on
-        the stream (a request's drafts are kept only if the GPU used exactly those), else run now."""
-        if enqueued is None:
-            logits = self._forward(inp, drafts)
+        the stream (a request's drafts are kept only if the GPU used exactly those), else run now.
+        logits=False (every request greedy): the argmax only, and an eager forward computes just that
+        (model.forward's argmax_only: on the CPU the head is screened instead of read whole)."""
+        if enqueued is not None:
+            out = enqueued.logits
         else:
-            logits = enqueued.logits
-        am = logits.argmax(-1).tolist() if argmax else None
+            out = self._forward(inp, drafts, argmax_only=argmax and not logits)
+            if out.dim() == 2:  # the argmax itself (a captured graph returns its logits anyway)
+                return Verified(None, out.tolist(), drafts)
+        am = out.argmax(-1).tolist() if argmax else None
         if enqueued is not None:
             used = enqueued.used.tolist()
             drafts = [d if used[i][:len(d)] == d else [] for i, d in enumerate(drafts)]
-        return Verified(logits, am, drafts)
+        return Verified(out, am, drafts)
 
-    def _forward(self, inp: VerifyInputs, drafts: list[list[int]]) -> torch.Tensor:
+    def _forward(self, inp: VerifyInputs, drafts: list[list[int]], argmax_only: bool = False) -> torch.Tensor:
+        """The verify's logits [B, T, V]; with argmax_only an eager forward returns their argmax [B, T]
+        instead (a captured graph still returns its logits)."""
         B, T = len(drafts), 1 + max(len(d) for d in drafts)
         tokens = torch.zeros(B, T, dtype=torch.long)
         for i, (p, d) in enumerate(zip(inp.pending, drafts, strict=True)):
@@ -104,4 +114,4 @@ class Verifier:
         for width in sorted(self.graphs):  # the narrowest captured graph that fits
             if self.graphs[width].fits(B, T):
                 return self.graphs[width].run(tokens, inp.start, inp.rows)
-        return self.model(tokens, inp.start, self.cache, inp.rows)
+        return self.model(tokens, inp.start, self.cache, inp.rows, argmax_only=argmax_only)
