@@ -17,7 +17,8 @@ from draftrelay.wire import protocol as P
 from draftrelay.wire.roundfn import to_blocks, worker_round_fn
 from draftrelay.worker import drafters
 from draftrelay.worker.core import WorkerCore
-from draftrelay.worker.drafters import Job, LlamaDrafter, stop_counts
+from draftrelay.worker.draft_stop import stop_counts
+from draftrelay.worker.drafters import Job, LlamaDrafter
 from draftrelay.worker.server import WorkerServer
 
 # ---- wire ---------------------------------------------------------------------------------------------

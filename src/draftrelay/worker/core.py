@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from draftrelay.wire import protocol as P
-from draftrelay.worker.drafters import Drafter, Job, stop_counts
+from draftrelay.worker.draft_stop import stop_counts
+from draftrelay.worker.drafters import Drafter, Job
 
 log = logging.getLogger("draftrelay.worker")
 

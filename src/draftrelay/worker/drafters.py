@@ -8,7 +8,7 @@ tokens, then draft n_steps greedy tokens, feeding each draft back in (so the row
 first n_steps - 1 drafts afterwards; the next round keeps those the client accepted).
 
 The confidence stop (Job.min_conf > 0): a job's drafts end after the first one whose confidence (the
-drafter's probability of its own greedy token) is below min_conf; `stop_counts` is the rule, and the
+drafter's probability of its own greedy token) is below min_conf; `draft_stop.stop_counts` is the rule, and the
 session applies it to whatever a drafter returns, so a drafter that always runs n_steps (static shapes,
 CUDA graphs, TP2, replay) answers the same drafts as one that stops. The eager, lean and test drafters
 also stop computing: once every job of the STEP has stopped, they return fewer columns than n_steps
@@ -27,6 +27,7 @@ import numpy as np
 
 from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.wire.protocol import tokenizer_hash_of_dir
+from draftrelay.worker.draft_stop import all_stopped
 
 log = logging.getLogger("draftrelay.worker")
 
@@ -40,29 +41,6 @@ class Job:
     keep: int
     tokens: np.ndarray  # int32 [n >= 1]
     min_conf: float = 0.0  # the confidence stop (0: off), a float32 value (the wire's)
-
-
-def stop_counts(confs: np.ndarray, min_conf: np.ndarray | list[float], window: np.ndarray | list[int]) -> np.ndarray:
-    """Drafts each row keeps under the confidence stop: up to and including its first draft with
-    confidence below min_conf[b], at most window[b] (and the columns there are). Always >= 1 where the
-    window is: the first draft costs no forward of its own (the extension's logits give it)."""
-    confs = np.asarray(confs, np.float32)
-    B, n = confs.shape
-    out = np.zeros(B, np.int64)
-    for b in range(B):
-        w = min(int(window[b]), n)
-        thr = np.float32(min_conf[b])
-        low = np.flatnonzero(confs[b, :w] < thr) if thr > 0 else ()
-        out[b] = int(low[0]) + 1 if len(low) else w
-    return out
-
-
-def all_stopped(conf_now, thresholds: np.ndarray) -> bool:
-    """Whether every job's confidence stop has fired by this step. thresholds[b] is job b's stop, set to
-    +inf here (in place) once its draft's confidence falls below it; a job without a stop (0) never fires."""
-    c = np.asarray(conf_now, np.float32)
-    thresholds[c < thresholds] = np.inf
-    return bool(np.isinf(thresholds).all())
 
 
 class Drafter:

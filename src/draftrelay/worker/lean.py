@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from draftrelay import model as M
-from draftrelay.worker.drafters import all_stopped
+from draftrelay.worker.draft_stop import all_stopped
 
 
 def supports(model: M.Transformer) -> bool:
