@@ -393,16 +393,11 @@ class SpecCache:
                 t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
         inp = VerifyInputs.of(batch)
         with clock.part("wait"):
-            if fast:
-                self._inflight = (t, plan, [])
+            if fast:  # the missed rows' round asks nothing of them: none is bare in flight
+                self._go_fast(t, plan, [], len(bare), t_wait)
                 drafts = [hits.get(i, []) for i in range(len(batch))]
-                self.c["fast_steps"] += 1
-                self.c["bare_rows"] += len(bare)
-                self.wait_hit_s.append(time.perf_counter() - t_wait)
             elif t:
-                res = self._result(rounds, t)
-                drafts = eng.planner.settle(plan, res, eng.vocab)
-                self._collected(res)
+                res, drafts = self._wait_round(eng, plan, t)
                 if asking:
                     self.c["waited_steps"] += 1
                     self.wait_miss_s.append(time.perf_counter() - t_wait)
@@ -410,6 +405,21 @@ class SpecCache:
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
         self._after_step(eng, batch, fast, n_before, t_step)
+
+    def _go_fast(self, t, plan, bare: list[int], n_bare: int, t_wait: float) -> None:
+        """A step that verifies without waiting: round t stays in flight (settled by the next step),
+        `bare` its rows verified without drafts."""
+        self._inflight = (t, plan, bare)
+        self.c["fast_steps"] += 1
+        self.c["bare_rows"] += n_bare
+        self.wait_hit_s.append(time.perf_counter() - t_wait)
+
+    def _wait_round(self, eng, plan, t) -> tuple:
+        """A step that waits for round t: (its result, each row's drafts)."""
+        res = self._result(eng.rounds, t)
+        drafts = eng.planner.settle(plan, res, eng.vocab)
+        self._collected(res)
+        return res, drafts
 
     def _after_step(self, eng, batch: list, fast: bool, n_before: int, t_step: float) -> None:
         if fast and not eng.waiting and all(r.done for r in eng.running):
@@ -472,15 +482,10 @@ class SpecCache:
                 fast = bool(hits or tails)
             if fast:  # verify now on what the rows have; round N stays in flight
                 bare = [i for i in lookup if i not in hits]
-                self._inflight = (t, plan, bare)
+                self._go_fast(t, plan, bare, len(bare), t_wait)
                 drafts = [hits.get(i) or tails.get(i) or [] for i in range(len(batch))]
-                self.c["fast_steps"] += 1
-                self.c["bare_rows"] += len(bare)
-                self.wait_hit_s.append(time.perf_counter() - t_wait)
             elif t:
-                res = self._result(rounds, t)
-                drafts = eng.planner.settle(plan, res, eng.vocab)
-                self._collected(res)
+                res, drafts = self._wait_round(eng, plan, t)
                 if asking and plain:
                     self.c["plain_steps"] += 1
                 elif asking:
