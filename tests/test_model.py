@@ -343,7 +343,17 @@ def test_decode_forward_never_waits_for_the_device_stream():
     assert blocking == [], f"blocking host-to-device copies of shapes {blocking}"
 
 
-def test_blocked_cpu_linear_with_threads_blocks_only_large_weights(monkeypatch):
+@pytest.fixture
+def counted_linear(monkeypatch):
+    """F.linear counting the weight rows of each call (`calls`) and the real F.linear (`real`); torch's
+    thread count is restored afterwards."""
+    calls, real, before = [], F.linear, torch.get_num_threads()
+    monkeypatch.setattr(M.F, "linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    yield calls, real
+    torch.set_num_threads(before)
+
+
+def test_blocked_cpu_linear_with_threads_blocks_only_large_weights(monkeypatch, counted_linear):
     """With several threads a block holds a share per thread, and only weights of at least
     CPU_BLOCK_MIN_THREADED are blocked; the values are the one GEMM's."""
     monkeypatch.setattr(M, "CPU_BLOCK_BYTES", 16384)
@@ -351,25 +361,19 @@ def test_blocked_cpu_linear_with_threads_blocks_only_large_weights(monkeypatch):
     monkeypatch.setattr(M, "CPU_BLOCK_MIN_THREADED", 1 << 19)
     g = torch.Generator().manual_seed(4)
     big, small = torch.randn(1000, 256, generator=g), torch.randn(400, 256, generator=g)  # 1 MB, 0.4 MB
-    calls = []
-    real = F.linear
-    monkeypatch.setattr(M.F, "linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        x = torch.randn(7, 256, generator=g)
-        out = M.linear(x, big)
-        assert len(calls) > 1 and max(calls) == 32  # 2 x 16 KB of 1 KB rows per block
-        torch.testing.assert_close(out, real(x, big), rtol=1e-6, atol=1e-5)
-        calls.clear()
-        M.linear(x, small)
-        assert calls == [400]  # below the threaded minimum: one GEMM
-    finally:
-        torch.set_num_threads(before)
+    calls, real = counted_linear
+    torch.set_num_threads(2)
+    x = torch.randn(7, 256, generator=g)
+    out = M.linear(x, big)
+    assert len(calls) > 1 and max(calls) == 32  # 2 x 16 KB of 1 KB rows per block
+    torch.testing.assert_close(out, real(x, big), rtol=1e-6, atol=1e-5)
+    calls.clear()
+    M.linear(x, small)
+    assert calls == [400]  # below the threaded minimum: one GEMM
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocked_cpu_linear_equals_one_gemm(monkeypatch, dtype):
+def test_blocked_cpu_linear_equals_one_gemm(monkeypatch, counted_linear, dtype):
     """A few-row single-threaded product in row blocks of the weight gives the one GEMM's values
     (each block computes whole output columns); other shapes and thread counts are the one GEMM."""
     monkeypatch.setattr(M, "CPU_BLOCK_BYTES", 4096)
@@ -377,26 +381,20 @@ def test_blocked_cpu_linear_equals_one_gemm(monkeypatch, dtype):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(1000, 256, generator=g).to(dtype)  # 4096-byte blocks would be 4 rows: 16 at least
     b = torch.randn(1000, generator=g).to(dtype)
-    calls = []
-    real = F.linear
-    monkeypatch.setattr(M.F, "linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        for rows in (4, 7, 16):
-            x = torch.randn(1, rows, 256, generator=g).to(dtype)
-            calls.clear()
-            out = M.linear(x, w, b)
-            assert len(calls) > 1 and max(calls) == 16  # blocks of 16 rows (the floor), the last shorter
-            torch.testing.assert_close(out, real(x, w, b), rtol=1e-6 if dtype == torch.float32 else 1e-2,
-                                       atol=1e-5 if dtype == torch.float32 else 1e-2)
-        for rows in (1, 3, 17):
-            calls.clear()
-            M.linear(torch.randn(rows, 256, generator=g).to(dtype), w, b)
-            assert calls == [1000]
-        torch.set_num_threads(2)
+    calls, real = counted_linear
+    torch.set_num_threads(1)
+    for rows in (4, 7, 16):
+        x = torch.randn(1, rows, 256, generator=g).to(dtype)
         calls.clear()
-        M.linear(torch.randn(5, 256, generator=g).to(dtype), w, b)
+        out = M.linear(x, w, b)
+        assert len(calls) > 1 and max(calls) == 16  # blocks of 16 rows (the floor), the last shorter
+        torch.testing.assert_close(out, real(x, w, b), rtol=1e-6 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-5 if dtype == torch.float32 else 1e-2)
+    for rows in (1, 3, 17):
+        calls.clear()
+        M.linear(torch.randn(rows, 256, generator=g).to(dtype), w, b)
         assert calls == [1000]
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(2)
+    calls.clear()
+    M.linear(torch.randn(5, 256, generator=g).to(dtype), w, b)
+    assert calls == [1000]
