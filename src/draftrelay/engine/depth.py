@@ -204,16 +204,20 @@ class Acceptance:
         """The share of rounds that brought drafts (a failed or late round brings none)."""
         return (self.answered + self.w) / (self.rounds + self.w)
 
-    def expected_kept(self, k: int) -> float:
+    def expected_kept(self, k: int, kept_if_offered: np.ndarray | None = None) -> float:
+        """kept_if_offered: cond() * offer(), when the caller has it for every position already."""
         if k <= 0:
             return 0.0
-        return self.success() * float(np.cumprod(self.cond()[:k] * self.offer()[:k]).sum())
+        co = self.cond() * self.offer() if kept_if_offered is None else kept_if_offered
+        return self.success() * float(np.cumprod(co[:k]).sum())
 
-    def drafted_dist(self, k: int) -> np.ndarray:
-        """P(the round drafts m) for m = 1..k at a cap of k (index m - 1): all mass at k without the stop."""
+    def drafted_dist(self, k: int, cont: np.ndarray | None = None) -> np.ndarray:
+        """P(the round drafts m) for m = 1..k at a cap of k (index m - 1): all mass at k without the stop.
+        cont: cont(), when the caller has it already."""
         if k <= 0:
             return np.zeros(0)
-        surv = np.concatenate(([1.0], np.cumprod(self.cont()[:k - 1])))  # P(m >= i) for i = 1..k
+        c = self.cont() if cont is None else cont
+        surv = np.concatenate(([1.0], np.cumprod(c[:k - 1])))  # P(m >= i) for i = 1..k
         return surv - np.concatenate((surv[1:], [0.0]))
 
 
@@ -283,8 +287,10 @@ class DepthPolicy:
         v1 = self.verify(1)
         out = [1.0 / (v1 + h) if v1 is not None else 0.0]
         step = [None] + [self._cost(m) for m in range(1, self.k_max + 1)]  # round(m) + verify(m + 1)
+        # the acceptance chains once per call, not once per depth (each is a loop over every position)
+        co, cont = self.acc.cond() * self.acc.offer(), self.acc.cont()
         for k in range(1, self.k_max + 1):
-            dist = self.acc.drafted_dist(k)
+            dist = self.acc.drafted_dist(k, cont)
             cost = 0.0
             for m in range(1, k + 1):
                 if dist[m - 1] <= 1e-9:
@@ -293,7 +299,7 @@ class DepthPolicy:
                     cost = None
                     break
                 cost += dist[m - 1] * step[m]
-            out.append(0.0 if cost is None else (1.0 + self.acc.expected_kept(k)) / (cost + h))
+            out.append(0.0 if cost is None else (1.0 + self.acc.expected_kept(k, co)) / (cost + h))
         return out
 
     def _cost(self, m: int) -> float | None:
