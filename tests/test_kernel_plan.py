@@ -196,3 +196,111 @@ def test_planning_counters_and_the_start_up_line(monkeypatch):
     assert kernels.plan_stats() is None  # the Triton kernels never loaded: nothing planned
     monkeypatch.setitem(sys.modules, "draftrelay.kernels.triton_ops", types.SimpleNamespace(PLANNER=pl))
     assert kernels.plan_stats() is pl.stats
+
+
+def write_seed(path, plans: dict, device: str = "NVIDIA H200") -> str:
+    path.write_text(json.dumps({"format": P.PlanCache.FORMAT, "meta": {**META, "device": device,
+                                                                         "kernels": "another build"},
+                                "plans": plans}))
+    return str(path)
+
+
+SEED_KEY = (0, P.PRO_NORM, 4, 1152, 896, "bfloat16", True, False)
+
+
+def seeded_planner(tmp_path, calls, checks, plans, device="NVIDIA H200", check_ok=True, cache=True):
+    seed = write_seed(tmp_path / "seed.json", plans, device)
+    cache_path = str(tmp_path / "cache.json")
+
+    def check(key, cfg):
+        checks.append((key, cfg.label()))
+        return check_ok
+    return P.Planner(counting_measure(calls), (lambda dev: P.PlanCache(cache_path, META)) if cache else None,
+                     seed_for=lambda dev: P.PlanSeed(seed, "NVIDIA H200"), check=check), cache_path
+
+
+def test_a_seeded_choice_is_checked_not_timed_and_lands_in_the_cache(tmp_path):
+    cands = P.bucket_candidates(P.PRO_NORM, 4, 1152, 896)
+    want = cands[-1]
+    calls, checks = [], []
+    pl, cache_path = seeded_planner(tmp_path, calls, checks, {
+        P.PlanCache.entry_key(SEED_KEY[1:]): {"choice": want.label(), "us": {want.label(): 4.0, "cublas": 6.0}}})
+    assert pl.choose(SEED_KEY, cands) == want
+    assert calls == [] and checks == [(SEED_KEY, want.label())]  # one check on this card, nothing timed
+    assert pl.stats.from_seed == 1 and pl.stats.measured == 0 and "1 from the seed" in pl.stats.line()
+    assert pl.report[SEED_KEY] == {want.label(): pytest.approx(4e-6), "cublas": pytest.approx(6e-6)}
+    # the cache file now holds it: a restart takes it from there without even the check
+    again = P.Planner(counting_measure(calls), lambda dev: P.PlanCache(cache_path, META),
+                      seed_for=lambda dev: None, check=lambda k, c: pytest.fail("checked again"))
+    assert again.choose(SEED_KEY, cands) == want and again.stats.from_cache == 1 and calls == []
+
+
+def test_a_seeded_cublas_choice_needs_no_check(tmp_path):
+    calls, checks = [], []
+    pl, _ = seeded_planner(tmp_path, calls, checks, {P.PlanCache.entry_key(SEED_KEY[1:]): {"choice": "cublas"}})
+    assert pl.choose(SEED_KEY, P.bucket_candidates(P.PRO_NORM, 4, 1152, 896)) is None
+    assert calls == [] and checks == [] and pl.stats.from_seed == 1
+
+
+@pytest.mark.parametrize("case", ["check fails", "not a candidate", "another card", "key absent"])
+def test_a_seed_that_does_not_hold_here_is_measured(tmp_path, case, caplog):
+    cands = P.bucket_candidates(P.PRO_NORM, 4, 1152, 896)
+    label = "sum999x1w1s1" if case == "not a candidate" else cands[-1].label()
+    key_str = P.PlanCache.entry_key(SEED_KEY[1:] if case != "key absent" else (P.PRO_NONE, *SEED_KEY[2:]))
+    calls, checks = [], []
+    with caplog.at_level(logging.WARNING, logger="draftrelay.kernels"):
+        pl, _ = seeded_planner(tmp_path, calls, checks, {key_str: {"choice": label}},
+                               device="NVIDIA A100" if case == "another card" else "NVIDIA H200",
+                               check_ok=case != "check fails")
+        got = pl.choose(SEED_KEY, cands)
+    assert calls == [SEED_KEY] and pl.stats.measured == 1 and pl.stats.from_seed == 0
+    assert got == cands[0]  # the measurement's winner (counting_measure: the first candidate)
+    assert len(checks) == (1 if case == "check fails" else 0)
+    if case == "check fails":
+        assert "differs from cuBLAS" in caplog.text
+    if case == "another card":
+        assert "made on 'NVIDIA A100'" in caplog.text
+
+
+def test_a_check_that_raises_is_a_failed_check(tmp_path, caplog):
+    cands = P.bucket_candidates(P.PRO_NORM, 4, 1152, 896)
+    seed = write_seed(tmp_path / "seed.json", {P.PlanCache.entry_key(SEED_KEY[1:]): {"choice": cands[-1].label()}})
+
+    def boom(key, cfg):
+        raise RuntimeError("no such kernel on this card")
+    calls: list = []
+    pl = P.Planner(counting_measure(calls), None, seed_for=lambda dev: P.PlanSeed(seed, "NVIDIA H200"), check=boom)
+    with caplog.at_level(logging.WARNING, logger="draftrelay.kernels"):
+        assert pl.choose(SEED_KEY, cands) == cands[0]
+    assert calls == [SEED_KEY] and "no such kernel on this card" in caplog.text
+
+
+def test_seed_path_follows_the_environment_and_the_card_name(tmp_path, monkeypatch):
+    monkeypatch.delenv("DRAFTRELAY_PLAN_SEED", raising=False)
+    assert P.seed_path("No Such Card 9000") is None
+    monkeypatch.setattr(P, "SEED_DIR", str(tmp_path))
+    (tmp_path / "NVIDIA_H200.json").write_text("{}")
+    assert P.seed_path("NVIDIA H200") == str(tmp_path / "NVIDIA_H200.json")
+    monkeypatch.setenv("DRAFTRELAY_PLAN_SEED", "off")
+    assert P.seed_path("NVIDIA H200") is None
+    monkeypatch.setenv("DRAFTRELAY_PLAN_SEED", str(tmp_path / "mine.json"))
+    assert P.seed_path("NVIDIA H200") == str(tmp_path / "mine.json")
+
+
+def test_whole_shape_plans_every_bucket_at_the_first_call_and_none_later():
+    calls: list = []
+    pl = P.Planner(counting_measure(calls), whole_shape=True)
+    key, cands = P.plan_key(0, P.PRO_SILU, 1, 896, 4864, "bfloat16", False, False)
+    pl.choose(key, cands)
+    assert sorted(k[2] for k in calls) == list(P.ROW_BUCKETS)  # every bucket of the shape, once
+    assert all(k[:2] == key[:2] and k[3:] == key[3:] for k in calls)
+    n = len(calls)
+    for M in range(1, P.MAX_ROWS + 1):  # a verify, a batch, branches: nothing left to measure
+        pl.choose(*P.plan_key(0, P.PRO_SILU, M, 896, 4864, "bfloat16", False, False))
+    assert len(calls) == n
+    other, other_cands = P.plan_key(0, P.PRO_NONE, 3, 896, 896, "bfloat16", False, False)
+    pl.choose(other, other_cands)  # another shape: its own five
+    assert len(calls) == n + len(P.ROW_BUCKETS)
+    # each sibling was measured with its own bucket's candidates
+    for k in calls:
+        assert k in pl.table

@@ -48,3 +48,20 @@ def test_warm_builds_every_key_up_front():
     assert d.warm([3], max_batch=2) == 2 * 3 * 3  # B 1-2, T buckets 1-4 (<= n_out + 1), kv 256 / 512 / 617
     assert {k[3] for k in d._static} == {256, 512, 617}
     assert load_drafter("tiny", device="cpu", n_rows=4, max_ctx=600, mode="eager").warm([3], 2) == 0
+
+
+def test_the_planning_forward_leaves_every_row_and_the_drafts_as_they_were():
+    """plan_warm's forward (run at a CUDA worker's start so the kernel planner sees every product
+    before the first round) writes only the scratch row and leaves it empty: a session's drafts
+    after it equal a fresh drafter's."""
+    da, ca, sa = make("eager")
+    db, cb, sb = make("eager")
+    blocks = [P.Block(1, 0, 0, np.arange(5, dtype=np.int32), 4)]
+    before = ca.step(sa, blocks)
+    lengths = [int(x) for x in da.cache.lengths]
+    da._plan_forward()
+    da.plan_warm()  # a CPU: nothing to plan, nothing run
+    assert [int(x) for x in da.cache.lengths] == lengths and int(da.cache.lengths[da.n_rows]) == 0
+    nxt = [P.Block(1, 0, 5, before.drafts[0, :2].astype(np.int32), 4)]
+    cb.step(sb, blocks)
+    assert ca.step(sa, nxt).drafts.tolist() == cb.step(sb, nxt).drafts.tolist()

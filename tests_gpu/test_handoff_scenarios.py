@@ -42,7 +42,7 @@ BOTH = pytest.mark.parametrize("backend", ["emulated", "cuda"], indirect=True)
 
 @BOTH
 def test_clean_rounds(on_backend):
-    handoff.test_clean_rounds_are_exact_and_counted()
+    handoff.check_clean_rounds()
 
 
 def test_faulted_soak_10000_rounds(on_backend):

@@ -24,6 +24,17 @@ kernels' source), so a restart on the same card measures nothing. An unreadable,
 mismatched file, or an entry naming a configuration the present candidates do not have, is ignored
 with a warning and measured afresh.
 
+`PlanSeed`: choices shipped with the package (`kernels/plans/<device name>.json`, a plan cache file
+measured on that card), so a card's first start need not time every candidate: a seeded choice that
+is one of the present candidates is checked for correctness on this card (one build, one call against
+cuBLAS: no timing) and taken; a failed check measures as if there were no seed. Environment
+DRAFTRELAY_PLAN_SEED: "off" (measure), a path (that file), unset (the shipped file of the card, if any).
+
+Whole shapes: the first time a product shape (kind, weight, dtype, bias, residual) runs, every row
+bucket of it is planned at once. A decode forward then plans everything a verify, a batch or a branch
+step of the same model can meet, so no round or step later pays for a measurement on its path (a
+worker's round that measured a new bucket inside it overran its budget and tripped the breaker).
+
 Pure Python (no torch, no Triton): the CPU tests check the candidate lists, the choice and bucket
 rules and the cache file.
 
@@ -39,6 +50,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -318,38 +330,109 @@ def cache_path(meta: dict, setting: str | None = None) -> str | None:
     return os.path.join(base, "draftrelay", f"kernel-plan-{digest}.json")
 
 
+SEED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plans")
+
+
+def seed_path(device_name: str, setting: str | None = None) -> str | None:
+    """The shipped seed of a card: environment DRAFTRELAY_PLAN_SEED (or `setting`) "off": none; a path:
+    that file; unset: kernels/plans/<device name, non-alphanumerics as _>.json where it exists."""
+    setting = os.environ.get("DRAFTRELAY_PLAN_SEED", "") if setting is None else setting
+    if setting == "off":
+        return None
+    if setting:
+        return setting
+    path = os.path.join(SEED_DIR, re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+    return path if os.path.exists(path) else None
+
+
+class PlanSeed:
+    """Shipped choices for one card: a PlanCache file of that card (its "meta" device must be this
+    card's name; its other meta may differ: each choice is checked on this card before use, never
+    trusted for its speed). Unreadable or another card's: empty, with a warning."""
+
+    def __init__(self, path: str, device_name: str) -> None:
+        self.path = path
+        self.entries: dict[str, dict] = {}
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            plans, meta = data.get("plans"), data.get("meta")
+            if data.get("format") != PlanCache.FORMAT or not isinstance(plans, dict) or not isinstance(meta, dict):
+                raise ValueError(f"not a format-{PlanCache.FORMAT} plan file")
+            if meta.get("device") != device_name:
+                raise ValueError(f"made on {meta.get('device')!r}, this card is {device_name!r}")
+            self.entries = {k: v for k, v in plans.items() if isinstance(v, dict)}
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("kernel plan seed %s: %s; not used", path, exc)
+
+    def get(self, key: tuple, cands: list[SkinnyConfig]) -> SkinnyConfig | None | object:
+        """The seeded choice for key among cands (None: cuBLAS), or MISSING (none, or not a candidate)."""
+        e = self.entries.get(PlanCache.entry_key(key))
+        choice = None if e is None else e.get("choice")
+        if choice == "cublas":
+            return None
+        match = [c for c in cands if c.label() == choice]
+        return match[0] if match else MISSING
+
+    def report(self, key: tuple) -> dict[str, float]:
+        us = self.entries.get(PlanCache.entry_key(key), {}).get("us")
+        if not isinstance(us, dict):
+            return {}
+        return {k: (v / 1e6 if isinstance(v, (int, float)) else math.inf) for k, v in us.items()}
+
+
 @dataclass
 class PlanStats:
     """What planning cost this process: keys measured, candidate configurations timed (cuBLAS not
-    counted), seconds inside the measurements, keys taken from the cache."""
+    counted), seconds inside the measurements and seed checks, keys taken from the cache, keys taken
+    from the shipped seed (checked, not timed)."""
     measured: int = 0
     candidates: int = 0
     seconds: float = 0.0
     from_cache: int = 0
     caches: set = field(default_factory=set)
+    from_seed: int = 0
 
     def summary(self) -> dict:
         return {"measured": self.measured, "candidates": self.candidates, "seconds": round(self.seconds, 2),
-                "from_cache": self.from_cache, "cache": sorted(self.caches)}
+                "from_cache": self.from_cache, "from_seed": self.from_seed, "cache": sorted(self.caches)}
 
     def line(self) -> str:
         return (f"kernel plan: {self.measured} shapes measured ({self.candidates} configurations) in "
-                f"{self.seconds:.1f} s, {self.from_cache} from the cache")
+                f"{self.seconds:.1f} s, {self.from_cache} from the cache, {self.from_seed} from the seed")
 
 
 class Planner:
     """The choice table: key -> the chosen config (None: cuBLAS), made once per key by `measure`
     (candidates -> seconds per call for None and each config; inf for one that failed its check), or
-    taken from the device's PlanCache (`cache_for(device index)`, None: no cache) when it has the key."""
+    taken from the device's PlanCache (`cache_for(device index)`, None: no cache) when it has the key,
+    else from the device's PlanSeed (`seed_for`) when `check(key, config)` passes on this card.
+    whole_shape: a key's first choice plans every row bucket of its shape (the module docstring)."""
 
     def __init__(self, measure: Callable[[Key, list[SkinnyConfig]], dict],
-                 cache_for: Callable[[int], PlanCache | None] | None = None) -> None:
+                 cache_for: Callable[[int], PlanCache | None] | None = None,
+                 seed_for: Callable[[int], PlanSeed | None] | None = None,
+                 check: Callable[[Key, SkinnyConfig], bool] | None = None, whole_shape: bool = False) -> None:
         self.measure = measure
         self.cache_for = cache_for
+        self.seed_for, self.check = seed_for, check
+        self.whole_shape = whole_shape
         self.table: dict[Key, SkinnyConfig | None] = {}
         self.report: dict[Key, dict[str, float]] = {}
         self.stats = PlanStats()
         self._caches: dict[int, PlanCache | None] = {}
+        self._seeds: dict[int, PlanSeed | None] = {}
+
+    def _seed(self, dev: int) -> PlanSeed | None:
+        if self.seed_for is None or self.check is None:
+            return None
+        if dev not in self._seeds:
+            try:
+                self._seeds[dev] = self.seed_for(dev)
+            except Exception as exc:  # no seed is a slower first start, never a failed one
+                log.warning("kernel plan seed for device %s unavailable (%s): plans are measured", dev, exc)
+                self._seeds[dev] = None
+        return self._seeds[dev]
 
     def _cache(self, dev: int) -> PlanCache | None:
         if self.cache_for is None:
@@ -367,6 +450,16 @@ class Planner:
     def choose(self, key: Key, cands: list[SkinnyConfig]) -> SkinnyConfig | None:
         if key in self.table:
             return self.table[key]
+        got = self._resolve(key, cands)
+        if self.whole_shape:
+            dev, pro, _, N, K = key[:5]
+            for b in ROW_BUCKETS:  # the shape's other buckets now, off every later step's path
+                sib = (dev, pro, b, *key[3:])
+                if sib not in self.table:
+                    self._resolve(sib, bucket_candidates(pro, b, N, K))
+        return got
+
+    def _resolve(self, key: Key, cands: list[SkinnyConfig]) -> SkinnyConfig | None:
         if not cands:
             self.table[key] = None
             return None
@@ -378,6 +471,20 @@ class Planner:
                 self.table[key] = hit
                 self.report[key] = cache.report(key[1:])  # the times of the measurement that made the entry
                 return hit
+        seed = self._seed(key[0])
+        if seed is not None:
+            hit = seed.get(key[1:], cands)
+            if hit is not MISSING:
+                t0 = time.perf_counter()
+                ok = hit is None or self._checked(key, hit)
+                self.stats.seconds += time.perf_counter() - t0
+                if ok:
+                    self.stats.from_seed += 1
+                    self.table[key] = hit
+                    self.report[key] = seed.report(key[1:])
+                    if cache is not None:
+                        cache.put(key[1:], hit, self.report[key])
+                    return hit
         t0 = time.perf_counter()
         times = self.measure(key, cands)
         self.stats.measured += 1
@@ -388,6 +495,17 @@ class Planner:
         if cache is not None and any(math.isfinite(t) for c, t in times.items() if c is not None):
             cache.put(key[1:], self.table[key], self.report[key])  # (every candidate failed: not stored)
         return self.table[key]
+
+
+    def _checked(self, key: Key, cfg: SkinnyConfig) -> bool:
+        try:
+            ok = bool(self.check(key, cfg))
+        except Exception as exc:  # a seeded choice that cannot run here: measured instead
+            log.warning("kernel plan seed: %s for %s failed its check (%s); measured", cfg.label(), key, exc)
+            return False
+        if not ok:
+            log.warning("kernel plan seed: %s for %s differs from cuBLAS here; measured", cfg.label(), key)
+        return ok
 
 
 def pick(times: dict) -> SkinnyConfig | None:

@@ -671,6 +671,39 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     return times
 
 
+def _check(key: P.Key, cfg: P.SkinnyConfig) -> bool:
+    """Whether cfg computes key's product as cuBLAS does on this card (a seeded choice's check: one
+    build and one call on fresh random inputs, the tolerance of _measure; no timing)."""
+    dev_index, pro, M, N, K, dtype_name, has_bias, has_delta = key
+    dev = torch.device("cuda", dev_index)
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device=dev).manual_seed(4321)
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, device=dev, generator=gen) * std).to(dtype)
+
+    w = rnd(N, K, std=K ** -0.5)
+    x = rnd(M, 2 * K if pro == P.PRO_SILU else K)
+    delta = rnd(M, K) if has_delta else None
+    nw = rnd(K) if pro == P.PRO_NORM else None
+    b = rnd(N) if has_bias else None
+    try:
+        ref_x, ref = _fallback(pro, x, w, b, delta, nw, 1e-6)
+        got_x, got = skinny_linear(pro, cfg, x, w, b, delta, nw, 1e-6)
+        torch.cuda.synchronize(dev)
+        err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+        return math.isfinite(err) and err < (1e-4 if dtype == torch.float32 else 2e-2) and torch.equal(got_x, ref_x)
+    finally:
+        drop_split_buffers(w)
+
+
+def _plan_seed(dev_index: int) -> P.PlanSeed | None:
+    """The shipped plan seed of CUDA device dev_index (plan.seed_path; None: none for this card)."""
+    name = torch.cuda.get_device_name(dev_index)
+    path = P.seed_path(name)
+    return None if path is None else P.PlanSeed(path, name)
+
+
 def _plan_cache(dev_index: int) -> P.PlanCache | None:
     """The plan cache of CUDA device dev_index (plan.cache_path; None where DRAFTRELAY_PLAN_CACHE=off)."""
     meta = {"device": torch.cuda.get_device_name(dev_index), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -690,7 +723,7 @@ def _source_digest() -> str:
 
 
 _SOURCE_DIGEST = _source_digest()
-PLANNER = P.Planner(_measure, _plan_cache)
+PLANNER = P.Planner(_measure, _plan_cache, seed_for=_plan_seed, check=_check, whole_shape=True)
 
 
 def _plan(pro: int, x: torch.Tensor, w: torch.Tensor, b, delta) -> P.SkinnyConfig | None:

@@ -205,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"draftrelay worker: cannot load drafter: {exc}", file=sys.stderr)
         return 2
+    if hasattr(drafter, "plan_warm"):  # kernel plans for every batch size now, not inside the first rounds
+        drafter.plan_warm()
     if args.warm_graphs:
         try:
             steps = [int(x) for x in args.warm_graphs.split(",")]

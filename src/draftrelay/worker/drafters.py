@@ -196,6 +196,25 @@ class LlamaDrafter(Drafter):
         with self._on_model_gpu():
             return self._run(jobs, n_steps)
 
+    def plan_warm(self) -> None:
+        """One eager one-token forward with the head on the scratch row (CUDA): the kernel planner then
+        plans every product of the model at every row bucket (kernels.plan, whole shapes) at start,
+        where a round's first use of a new batch size would otherwise measure inside the round and
+        overrun its budget. Nothing to plan on a CPU."""
+        if self.model.device.type == "cuda":
+            self._plan_forward()
+
+    def _plan_forward(self) -> None:
+        torch = self.torch
+        with self._on_model_gpu(), torch.inference_mode():
+            dev = self.model.device
+            self.cache.truncate(self.n_rows, 0)
+            self.model(torch.zeros((1, 1), dtype=torch.int64, device=dev), torch.tensor([0]), self.cache,
+                       torch.tensor([self.n_rows]), logits_at=torch.zeros(1, dtype=torch.int64, device=dev))
+            self.cache.truncate(self.n_rows, 0)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
     def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0) -> int:
         """Build (capture) the static steps of every (requests <= max_batch, T bucket, n_steps, kv bucket)
         a steady state with n_out = n_steps can use (a round sends at most n_steps + 1 tokens), so the

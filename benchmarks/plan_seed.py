@@ -1,0 +1,83 @@
+"""Plan every skinny product of the given model shapes on this GPU and write the choices as a plan
+seed (`kernels/plans/<device name>.json`, read by `kernels.plan.PlanSeed`): a later first start on
+the same kind of card checks each seeded choice once instead of timing every candidate.
+
+The products come from one decode and one verify forward of each shape on the meta device (shapes
+only; `plan_count.Recorder`); each is planned at every row bucket by the process's own planner, so
+the file holds exactly what a start-up would measure. Prints the cold planning cost (what a start
+without seed or cache pays) and writes the file.
+
+    python benchmarks/plan_seed.py --shapes qwen2.5-7b,qwen2.5-0.5b --out src/draftrelay/kernels/plans/NVIDIA_H200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from draftrelay import kernels  # noqa: E402
+from draftrelay.kernels import plan as P  # noqa: E402
+from plan_count import Recorder, meta_model, z  # noqa: E402
+
+
+def shapes_of(shape: str, dtype: torch.dtype, k: int) -> set[tuple]:
+    """The distinct planned products (pro, N, K, dtype, bias, residual) of a decode and a k+1 verify."""
+    rec = Recorder()
+    saved = kernels.backend
+    kernels.backend = lambda device: rec.module
+    try:
+        m = meta_model(shape, 2).to(dtype)
+        cache = m.new_cache(2, 512)
+        for T in (1, k + 1):
+            m(z(1, T), z(1), cache, z(1), kv_len=256)
+    finally:
+        kernels.backend = saved
+    return {(pro, N, K, dt, bias, delta) for pro, _, N, K, dt, bias, delta in rec.calls}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-0.5b",
+                    help="model shapes (draftrelay.worker.drafters.SHAPES), comma separated; NAME:float32 for fp32")
+    ap.add_argument("--k", type=int, default=4, help="drafts per round (the verify's width is k + 1)")
+    ap.add_argument("--out", required=True, help="the seed file to write")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU: the seed is what this card measures")
+    from draftrelay.kernels import triton_ops
+
+    todo: set[tuple] = set()
+    for spec in filter(None, args.shapes.split(",")):
+        name, _, dt = spec.partition(":")
+        todo |= shapes_of(name, getattr(torch, dt or "bfloat16"), args.k)
+    t0 = time.perf_counter()
+    pl = triton_ops.PLANNER
+    for i, (pro, N, K, dt, bias, delta) in enumerate(sorted(todo)):
+        key, cands = P.plan_key(0, pro, 1, N, K, dt, bias, delta)
+        pl.choose(key, cands)  # whole shape: every bucket
+        print(f"[{i + 1}/{len(todo)}] {P.PRO_NAMES[pro]} {N}x{K} {dt}: {time.perf_counter() - t0:.1f} s", flush=True)
+    meta = triton_ops._plan_cache(0).meta if triton_ops._plan_cache(0) is not None else {
+        "device": torch.cuda.get_device_name(0)}
+    plans = {}
+    for key, choice in pl.table.items():
+        rep = pl.report.get(key, {})
+        plans[P.PlanCache.entry_key(key[1:])] = {
+            "choice": "cublas" if choice is None else choice.label(),
+            "us": {k: (round(v * 1e6, 3) if v != float("inf") else None) for k, v in rep.items()}}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"format": P.PlanCache.FORMAT, "meta": meta, "plans": plans}, f, indent=0, sort_keys=True)
+    st = pl.stats
+    print(f"{len(todo)} shapes, {len(plans)} keys in {time.perf_counter() - t0:.1f} s ({st.line()}); wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
