@@ -169,10 +169,17 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     pow2 = all(v & (v - 1) == 0 for v in (c.block_n, c.block_k))
                     assert pow2 and c.warps in (4, 8) and (c.dot or rows <= P.SUM_MAX_ROWS), (pro, rows, N, K, c)
                     assert not c.dot or c.block_n >= 16  # tensor-core dots: tiles of at least 16
-                    assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
-                    assert c.split == 1 or (K > 1024 and pro != P.PRO_NORM)  # split-K: long K, no norm
                     ks, n_split = P.split_range(K, c)
                     assert ks % c.block_k == 0 and (n_split - 1) * ks < K <= n_split * ks
+                    if P.rows_dot_tile(c):  # compact-rows dot tiles: a few rows, one K slice a program
+                        assert rows > 1 and ks == c.block_k and c.block_k in (128, 256) and c.stages == 1
+                        assert c.pre == (pro == P.PRO_NORM and K > 1024)  # long rows: the norm its own launch
+                        if pro == P.PRO_NORM and not c.pre:  # the RMS pass: the row in tiles of the slice
+                            assert P.norm_trips(pro, K, c) * c.block_k >= K > (P.norm_trips(pro, K, c) - 1) * c.block_k
+                        continue
+                    assert not c.pre and P.norm_trips(pro, K, c) == 0
+                    assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
+                    assert c.split == 1 or (K > 1024 and pro != P.PRO_NORM)  # split-K: long K, no norm
                     if pro == P.PRO_NORM:  # the norm in the tile needs the whole row; a looped dot runs it first
                         assert c.block_k >= K or (c.dot and rows > 1 and c.block_k == 128)
                 if pro != P.PRO_NORM or K <= 1024 or rows > 1 or K <= P.NORM_MAX_K:
