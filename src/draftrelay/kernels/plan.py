@@ -143,7 +143,7 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     if M <= SUM_MAX_ROWS and small:
         bk = next_pow2(K)
         if pro == PRO_NORM and bk <= NORM_MAX_K:
-            out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1), SkinnyConfig(max(1, 8192 // bk), bk, False, 4, 1)]
+            out += [SkinnyConfig(max(1, e // bk), bk, False, 4, 1) for e in (4096, 8192)]
         elif pro != PRO_NORM and K <= 1024:
             out.append(SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2))
     if M <= 4 and pro != PRO_NORM and K > 1024:
