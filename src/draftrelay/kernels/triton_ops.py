@@ -65,6 +65,10 @@ MIN_CHUNK = 256  # the smallest key chunk of a split (below it the combine costs
 # kernel's start and first loads overlap the previous one's tail instead of following it. Hopper and
 # later only; environment DRAFTRELAY_PDL=off (or PDL = False before a capture) launches them plainly.
 PDL = os.environ.get("DRAFTRELAY_PDL", "on") != "off"
+# The attention's first key tile is prefetched into L2 (prefetch.global.L2, a hint) right after the PDL
+# wait, so that its HBM read overlaps loading and rotating q instead of following it (the tile's own loads
+# come after the rotation and the new key's store). DRAFTRELAY_ATTN_PREFETCH=off leaves it out.
+ATTN_PREFETCH = os.environ.get("DRAFTRELAY_ATTN_PREFETCH", "on") != "off"
 
 
 @functools.lru_cache(maxsize=8)
@@ -232,11 +236,18 @@ def _rotate(x_ptr, src, d, c, sn, HALF: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """An L2 prefetch of the 128-byte line at each pointer where mask holds (a hint: nothing waits on it)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr,
                  T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
                  REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                  SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     """ROPE (one token per row, one chunk): q_ptr is the q|k|v product [B, 1, (H + 2 n_kv) * D]; the
     program rotates its kv head's q rows and the new key, stores the new key and value into the cache
     rows, attends over the cache's earlier keys and takes the new key from its registers (rope_kv_write
@@ -262,6 +273,12 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
     qpos = start + t
     kb = ck_ptr + row * s_crow + g * s_chead
     vb = cv_ptr + row * s_vrow + g * s_vhead
+    if PREFETCH:  # the first tile's keys and values towards L2 now, while q (and the new key) load and rotate
+        pn = lo + tl.arange(0, BLOCK)
+        pm = pn < (tl.minimum(hi, start) if ROPE else hi)
+        pl = tl.arange(0, (D + 63) // 64) * 64  # one pointer per 64 elements (a 128-byte line in bf16)
+        _prefetch_l2(kb + pn.to(tl.int64)[:, None] * s_cpos + pl[None, :], pm[:, None])
+        _prefetch_l2(vb + pn.to(tl.int64)[:, None] * s_vpos + pl[None, :], pm[:, None])
     if ROPE:
         ang = start.to(tl.float32) * tl.load(inv_ptr + d % (D // 2))  # the row's one position, per dim
         c = tl.cos(ang)
@@ -958,7 +975,7 @@ def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
         IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if _INTERPRETED else 0,
-        ROPE=rope is not None, PDL=pdl,
+        ROPE=rope is not None, PDL=pdl, PREFETCH=ATTN_PREFETCH and not _INTERPRETED,
         num_warps=warps, num_stages=2, **_launch_kw(pdl))
     if not single:
         _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=pdl,
