@@ -242,7 +242,7 @@ from draftrelay.kernels import plan as P, reference as R, triton_ops as T
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 n = splits = 0
 for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 4500), (3, 40, 2300),
-                (5, 24, 300), (4, 16, 1500)):
+                (5, 24, 300), (4, 16, 1500), (2, 72, 600)):
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
         for cfg in P.candidates(pro, M, N, K):
             x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
