@@ -171,8 +171,9 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     assert not c.dot or c.block_n >= 16  # tensor-core dots: tiles of at least 16
                     ks, n_split = P.split_range(K, c)
                     assert ks % c.block_k == 0 and (n_split - 1) * ks < K <= n_split * ks
-                    if P.rows_dot_tile(c):  # compact-rows dot tiles: a few rows, one K slice a program
-                        assert rows > 1 and ks == c.block_k and c.block_k in (128, 256) and c.stages == 1
+                    if P.rows_dot_tile(c):  # compact-rows dot tiles: a few rows (one: mid-sized weights), one slice
+                        assert rows > 1 or P.SMALL_WEIGHT < N * K <= P.MID_WEIGHT
+                        assert ks == c.block_k and c.block_k in (128, 256) and c.stages == 1
                         assert c.pre == (pro == P.PRO_NORM and K > 1024)  # long rows: the norm its own launch
                         if pro == P.PRO_NORM and not c.pre:  # the RMS pass: the row in tiles of the slice
                             assert P.norm_trips(pro, K, c) * c.block_k >= K > (P.norm_trips(pro, K, c) - 1) * c.block_k
@@ -258,6 +259,21 @@ for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 
                 torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
             n += 1
             splits += cfg.split > 1
+for M, N, K in ((1, 40, 96), (1, 24, 1100)):  # the compact-rows dot tile at one row (mid-sized weights only)
+    for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
+        cfg = P.rows_dot(N, K, 32, pro == P.PRO_NORM and K > 1024)
+        x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
+        w, b = torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
+        d, nw = torch.randn(M, K, generator=g), torch.randn(K, generator=g)
+        if pro == P.PRO_NORM:
+            rx, ref = R.norm_linear(x, d, nw, 1e-6, w, b)
+        else:
+            rx, ref = x, (R.act_linear if pro == P.PRO_SILU else R.linear)(x, w, b)
+        for _ in range(2):
+            gx, got = T.skinny_linear(pro, cfg, x, w, b, d if pro == P.PRO_NORM else None, nw, 1e-6)
+            assert torch.equal(gx, rx), (pro, cfg)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
+        n += 1
 lg = torch.randn(3, 9000, generator=g)
 lg[0, 8999] = lg[0, 4100] = lg[0].max() + 1  # tied across two chunks of the first pass
 tok, conf = T.greedy_pick(lg)

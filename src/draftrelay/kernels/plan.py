@@ -89,6 +89,7 @@ def next_pow2(n: int) -> int:
 
 ROWS_DOT_PROGRAMS = 264  # the compact-rows dot tile's grid: at least this many programs (two per SM of an H200)
 SMALL_WEIGHT = 4096 * 1024  # weights of at most this many elements: the multiply-and-sum tiles still win at a few rows
+MID_WEIGHT = 32 << 20  # one row: the compact-rows dot tile is a candidate for weights between these sizes
 
 
 def rows_dot(N: int, K: int, block_n: int, pre: bool = False) -> SkinnyConfig:
@@ -104,7 +105,8 @@ def rows_dot(N: int, K: int, block_n: int, pre: bool = False) -> SkinnyConfig:
 def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     """The configurations measured against cuBLAS for one product of M rows by an [N, K] weight.
 
-    One row: the multiply-and-sum tiles (each weight tile read once, fp32 multiply-and-sum): K up to
+    One row: the multiply-and-sum tiles (each weight tile read once, fp32 multiply-and-sum; for weights
+    between SMALL_WEIGHT and MID_WEIGHT elements also the compact-rows dot tile of 32 columns): K up to
     1,024 two of them, 4,096 elements with 4 warps (many programs for the small weights) and 16,384
     with 8 warps (fewer, larger reads for the big ones); with the norm prologue (whole rows up to
     NORM_MAX_K) those and 8,192 elements with 4 warps. Longer K (down_proj, the 7B's o_proj and head):
@@ -139,6 +141,8 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
         else:  # the run-time loop's tiles wait on each other; split and unrolled, they are all in flight
             out += [SkinnyConfig(bn, bk, False, w, 1, True, math.ceil(K / ks))
                     for bn, bk, w, ks in ((4, 1024, 4, 1024), (8, 1024, 4, 2048), (4, 4096, 8, 4096), (2, 1024, 4, K))]
+        if SMALL_WEIGHT < N * K <= MID_WEIGHT:  # mid-sized weights: the multiply-and-sum tile recomputes the
+            out.append(rows_dot(N, K, 32, pro == PRO_NORM and K > 1024))  # prologue in every warp
         return out
     if M <= SUM_MAX_ROWS and small:
         bk = next_pow2(K)
