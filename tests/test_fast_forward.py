@@ -172,7 +172,7 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     ks, n_split = P.split_range(K, c)
                     assert ks % c.block_k == 0 and (n_split - 1) * ks < K <= n_split * ks
                     if P.rows_dot_tile(c):  # compact-rows dot tiles: a few rows (one: mid-sized weights), one slice
-                        assert rows > 1 or P.SMALL_WEIGHT < N * K <= P.MID_WEIGHT
+                        assert rows > 1 and N * K <= P.ROWS_DOT_MAX
                         assert ks == c.block_k and c.block_k in (128, 256) and c.stages == 1
                         assert c.pre == (pro == P.PRO_NORM and K > 1024)  # long rows: the norm its own launch
                         if pro == P.PRO_NORM and not c.pre:  # the RMS pass: the row in tiles of the slice
@@ -259,7 +259,7 @@ for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 
                 torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
             n += 1
             splits += cfg.split > 1
-for M, N, K in ((1, 40, 96), (1, 24, 1100)):  # the compact-rows dot tile at one row (mid-sized weights only)
+for M, N, K in ((1, 40, 96), (1, 24, 1100)):  # the compact-rows dot tile at one row (not a candidate there)
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
         cfg = P.rows_dot(N, K, 32, pro == P.PRO_NORM and K > 1024)
         x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)

@@ -89,7 +89,7 @@ def next_pow2(n: int) -> int:
 
 ROWS_DOT_PROGRAMS = 264  # the compact-rows dot tile's grid: at least this many programs (two per SM of an H200)
 SMALL_WEIGHT = 4096 * 1024  # weights of at most this many elements: the multiply-and-sum tiles still win at a few rows
-MID_WEIGHT = 32 << 20  # one row: the compact-rows dot tile is a candidate for weights between these sizes
+ROWS_DOT_MAX = 8 << 20  # weights of at most this many elements: the compact-rows dot tiles (they lost on larger ones)
 
 
 def rows_dot(N: int, K: int, block_n: int, pre: bool = False) -> SkinnyConfig:
@@ -105,8 +105,7 @@ def rows_dot(N: int, K: int, block_n: int, pre: bool = False) -> SkinnyConfig:
 def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     """The configurations measured against cuBLAS for one product of M rows by an [N, K] weight.
 
-    One row: the multiply-and-sum tiles (each weight tile read once, fp32 multiply-and-sum; for weights
-    between SMALL_WEIGHT and MID_WEIGHT elements also the compact-rows dot tile of 32 columns): K up to
+    One row: the multiply-and-sum tiles (each weight tile read once, fp32 multiply-and-sum): K up to
     1,024 two of them, 4,096 elements with 4 warps (many programs for the small weights) and 16,384
     with 8 warps (fewer, larger reads for the big ones); with the norm prologue (whole rows up to
     NORM_MAX_K) those and 8,192 elements with 4 warps. Longer K (down_proj, the 7B's o_proj and head):
@@ -114,15 +113,16 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     tile) and the whole K in tiles of 1,024 over two weight rows, unrolled: every load of a program in
     flight at once, and programs enough to fill the card.
 
-    Two to sixteen rows: the compact-rows dot tiles (`rows_dot`, 32 and 64 columns a program, one K
-    slice each; the SiLU or, for rows up to 1,024, the norm prologue on the real rows inside the
-    kernel, tensor-core dots over the rows padded to 16), the pipelined dot tile of 64 columns (a norm or
-    SiLU prologue then its own launch first) and for K beyond 1,024 two split-K dot tiles (ranges of
-    ~1,024 / ~2,048). Up to SUM_MAX_ROWS rows the multiply-and-sum tiles stay for the small weights
-    (at most SMALL_WEIGHT elements, latency-bound: each row one more pass over the loaded tile), and
-    at up to four rows the split-K one of 1,024-element ranges for the long-K products (measured on
-    the H200: at four or more rows the fp32 multiply-and-sum is bound by its instruction issue on the
-    large weights, and lost everywhere else)."""
+    Two to sixteen rows: for weights of at most ROWS_DOT_MAX elements the compact-rows dot tiles
+    (`rows_dot`, 32 and 64 columns a program, one K slice each; the SiLU or, for rows up to 1,024, the
+    norm prologue on the real rows inside the kernel, tensor-core dots over the rows padded to 16),
+    the pipelined dot tile of 64 columns (a norm or SiLU prologue then its own launch first) and for K
+    beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048). Up to SUM_MAX_ROWS rows the
+    multiply-and-sum tile of 4,096 elements stays for the small weights (at most SMALL_WEIGHT
+    elements, latency-bound: each row one more pass over the loaded tile). Measured on the H200: at
+    four or more rows the fp32 multiply-and-sum is bound by its instruction issue on the large weights
+    and lost to cuBLAS by up to 3 x; the compact-rows dot tiles won on the 0.5B's q|k|v and down at
+    four rows and lost on the larger weights (gate|up, the head, every 7B product) and at one row."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
     out: list[SkinnyConfig] = []
@@ -141,19 +141,17 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
         else:  # the run-time loop's tiles wait on each other; split and unrolled, they are all in flight
             out += [SkinnyConfig(bn, bk, False, w, 1, True, math.ceil(K / ks))
                     for bn, bk, w, ks in ((4, 1024, 4, 1024), (8, 1024, 4, 2048), (4, 4096, 8, 4096), (2, 1024, 4, K))]
-        if SMALL_WEIGHT < N * K <= MID_WEIGHT:  # mid-sized weights: the multiply-and-sum tile recomputes the
-            out.append(rows_dot(N, K, 32, pro == PRO_NORM and K > 1024))  # prologue in every warp
         return out
     if M <= SUM_MAX_ROWS and small:
         bk = next_pow2(K)
         if pro == PRO_NORM and bk <= NORM_MAX_K:
-            out += [SkinnyConfig(max(1, e // bk), bk, False, 4, 1) for e in (4096, 8192)]
+            out.append(SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1))
         elif pro != PRO_NORM and K <= 1024:
             out.append(SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2))
-    if M <= 4 and pro != PRO_NORM and K > 1024:
-        out.append(SkinnyConfig(4, 1024, False, 4, 1, True, math.ceil(K / 1024)))
-    pre = pro == PRO_NORM and K > 1024  # every program reads its rows whole for the RMS: long rows normed first
-    out += [rows_dot(N, K, 32, pre), rows_dot(N, K, 64, pre), SkinnyConfig(64, 128, True, 4, 4)]
+    if N * K <= ROWS_DOT_MAX:
+        pre = pro == PRO_NORM and K > 1024  # every program reads its rows whole for the RMS: long rows normed first
+        out += [rows_dot(N, K, 32, pre), rows_dot(N, K, 64, pre)]
+    out.append(SkinnyConfig(64, 128, True, 4, 4))
     if pro != PRO_NORM and K > 1024:
         out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
     return out
