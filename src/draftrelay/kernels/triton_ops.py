@@ -7,7 +7,8 @@ each instead of the plain forward's several per op.
                     into the cache rows at their positions, q written head-major      the step's tables)
   skinny_linear     the products of decode and verify rows (M <= 16): each program reads a few
                     weight rows once, fp32 multiply-and-sum (up to 8 rows, each row in turn against
-                    the loaded tile) or tensor-core dots; whole-K tiles, a K loop, or K split over
+                    the loaded tile) or tensor-core dots (the compact-rows tile: the prologue on the
+                    real rows only, padded to 16); whole-K tiles, a K loop, or K split over
                     programs whose partials the last one of a column block sums (split-K in one
                     launch); optionally with add_rms_norm computed in the prologue (norm_linear) or
                     SiLU*up (act_linear, the down product); chosen against cuBLAS per shape (kernels.plan)
@@ -528,7 +529,9 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
                    PDL: tl.constexpr, K_TRIPS: tl.constexpr = 0):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
-    x = [M, 2K] (gate | up). DOT: tensor-core dots over the rows padded to M_PAD >= 16; else the
+    x = [M, 2K] (gate | up). DOT with K_UNROLL: the compact-rows dot tile (the prologue on the M_ROWS
+    real rows, the norm's RMS over all of K in K_TRIPS tiles, then padded to M_PAD for the dot; any
+    split). DOT: tensor-core dots over the rows padded to M_PAD >= 16; else the
     multiply-and-sum tile over M_ROWS = M rows (a few). Each program reads its BLOCK_N weight rows
     once, over the K range program_id(1) * KS .. + KS (SPLIT ranges; SPLIT 1: all of K). With
     SPLIT > 1 each program stores its fp32 partial in ws, counts itself in cnt[column block]
