@@ -2,7 +2,8 @@
 verify (7B shape), this project's eager, graphs (plain forward), graphs with the fused kernels and
 cuBLAS for every product ("graphs_fast_cublas"), graphs with the fused kernels and the products chosen
 per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"; "graphs_fast_nopdl" the same launched
-without programmatic dependent launch; for the drafter also its graph replayed alone,
+without programmatic dependent launch, "graphs_fast_noprefetch" without the attention's L2 prefetch,
+"graphs_fast_norows" planned without the compact-rows dot tiles; for the drafter also its graph replayed alone,
 "graphs_fast_replay_only", and the worker's host work of the step with the replay left out,
 "graphs_fast_host_only"), plain torch.compile of the same model
 (7B decode), and Hugging Face transformers (target decode). The "gemm" section and "plans" list each
@@ -99,23 +100,43 @@ def gbps(nbytes: int, t: dict) -> dict:
     return {k: round(nbytes / (v["p50_ms"] / 1e3) / 1e9, 1) for k, v in t.items()}
 
 
+MAIN_PLANNER = triton_ops.PLANNER
+PLAN_KEY = P.plan_key
+# the plan without the compact-rows dot tiles (its own choice table, no cache file): the "norows" variant
+NOROWS_PLANNER = P.Planner(triton_ops._measure)
+
+
+def _plan_key_norows(*args, **kw):
+    planned = PLAN_KEY(*args, **kw)
+    if planned is None:
+        return None
+    key, cands = planned
+    return key, [c for c in cands if not P.rows_dot_tile(c)]
+
+
 def fast_path(model: M.Transformer, fast) -> None:
     """True: the fused kernels with the products chosen per shape (kernels.plan, skinny GEMM or cuBLAS)
     and the fused greedy pick, launched with programmatic dependent launch where the card has it;
-    "nopdl": the same launched plainly (triton_ops.PDL off); "cublas": the same fused kernels with
-    cuBLAS for every product and the separate norm / SiLU / pick kernels (plan MODE "off"); False: the
-    plain forward. Graphs keep what was set when they were captured."""
+    "nopdl": the same launched plainly (triton_ops.PDL off); "noprefetch": the same without the
+    attention's L2 prefetch of its first key tile (triton_ops.ATTN_PREFETCH off); "norows": the same
+    planned without the compact-rows dot tiles (a plan of its own over the other candidates);
+    "cublas": the same fused kernels with cuBLAS for every product and the separate norm / SiLU / pick
+    kernels (plan MODE "off"); False: the plain forward. Graphs keep what was set when they were captured."""
     model.fast = bool(fast)
     P.MODE = "off" if fast == "cublas" else "auto"
     triton_ops.PDL = fast != "nopdl"
+    triton_ops.ATTN_PREFETCH = fast != "noprefetch"
+    norows = fast == "norows"
+    triton_ops.PLANNER = NOROWS_PLANNER if norows else MAIN_PLANNER
+    P.plan_key = _plan_key_norows if norows else PLAN_KEY
 
 
-def plan_rows() -> list[dict]:
+def plan_rows(planner: P.Planner = MAIN_PLANNER) -> list[dict]:
     """Every product shape the planner measured so far: cuBLAS's and each candidate's time, the choice."""
     rows = []
-    for key, times in triton_ops.PLANNER.report.items():
+    for key, times in planner.report.items():
         _, pro, m, n, k, dtype, bias, delta = key
-        choice = triton_ops.PLANNER.table[key]
+        choice = planner.table[key]
         nbytes = n * k * 2
         rows.append({"product": P.PRO_NAMES[pro], "M": m, "N": n, "K": k, "bias": bias, "residual": delta,
                      "us": {c: round(t * 1e6, 2) for c, t in times.items() if np.isfinite(t)},
@@ -210,7 +231,9 @@ def drafter_section(dev, ctxs, iters, out) -> None:
     max_ctx = max(ctxs) + 64
     n_out = 4
     variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast_cublas": ("graph", "cublas"),
-                "graphs_fast_nopdl": ("graph", "nopdl"), "graphs_fast": ("graph", True), "eager_fast": ("eager", True)}
+                "graphs_fast_nopdl": ("graph", "nopdl"), "graphs_fast_noprefetch": ("graph", "noprefetch"),
+                "graphs_fast_norows": ("graph", "norows"), "graphs_fast": ("graph", True),
+                "eager_fast": ("eager", True)}
     drafters = {k: LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m) for k, (m, _) in variants.items()}
     wb = weight_bytes(model)
     res = out.setdefault("drafter_0p5b", {"weight_bytes": wb, "n_out": n_out, "rows": []})
@@ -282,7 +305,7 @@ def target_section(dev, ctxs, iters, out) -> None:
     res = out.setdefault("target_7b", {"weight_bytes": wb, "rows": []})
     graphs = {}
     for T in (1, 5):
-        for fast in (False, "cublas", "nopdl", True):
+        for fast in (False, "cublas", "nopdl", "noprefetch", "norows", True):
             fast_path(model, fast)
             t0 = time.perf_counter()
             graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
@@ -309,7 +332,8 @@ def target_section(dev, ctxs, iters, out) -> None:
                 return go
 
             fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast_cublas": graph("cublas"),
-                   "graphs_fast_nopdl": graph("nopdl"), "graphs_fast": graph(True), "eager_fast": eager(True)}
+                   "graphs_fast_nopdl": graph("nopdl"), "graphs_fast_noprefetch": graph("noprefetch"),
+                   "graphs_fast_norows": graph("norows"), "graphs_fast": graph(True), "eager_fast": eager(True)}
             t = interleaved(fns, iters)
             row = {"context": ctx, "tokens": T, "step": t,
                    "bytes_per_step": wb + (ctx + T) * kv_bytes_per_token(cfg)}
@@ -450,6 +474,7 @@ def main(argv=None) -> int:
             out[f"{sec}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
             traceback.print_exc()
         out["plans"] = plan_rows()  # every product shape measured so far, the forwards' own included
+        out["plans_norows"] = plan_rows(NOROWS_PLANNER)  # the "norows" variant's plan
         save()
         torch.cuda.empty_cache()  # the section's models are gone: their blocks back for the next one
     out["wall_s"] = round(time.perf_counter() - t_start, 1)

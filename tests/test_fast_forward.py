@@ -169,10 +169,18 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     pow2 = all(v & (v - 1) == 0 for v in (c.block_n, c.block_k))
                     assert pow2 and c.warps in (4, 8) and (c.dot or rows <= P.SUM_MAX_ROWS), (pro, rows, N, K, c)
                     assert not c.dot or c.block_n >= 16  # tensor-core dots: tiles of at least 16
-                    assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
-                    assert c.split == 1 or (K > 1024 and pro != P.PRO_NORM)  # split-K: long K, no norm
                     ks, n_split = P.split_range(K, c)
                     assert ks % c.block_k == 0 and (n_split - 1) * ks < K <= n_split * ks
+                    if P.rows_dot_tile(c):  # compact-rows dot tiles: a few rows (one: mid-sized weights), one slice
+                        assert rows > 1 and N * K <= P.ROWS_DOT_MAX
+                        assert ks == c.block_k and c.block_k in (128, 256) and c.stages == 1
+                        assert c.pre == (pro == P.PRO_NORM and K > 1024)  # long rows: the norm its own launch
+                        if pro == P.PRO_NORM and not c.pre:  # the RMS pass: the row in tiles of the slice
+                            assert P.norm_trips(pro, K, c) * c.block_k >= K > (P.norm_trips(pro, K, c) - 1) * c.block_k
+                        continue
+                    assert not c.pre and P.norm_trips(pro, K, c) == 0
+                    assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
+                    assert c.split == 1 or (K > 1024 and pro != P.PRO_NORM)  # split-K: long K, no norm
                     if pro == P.PRO_NORM:  # the norm in the tile needs the whole row; a looped dot runs it first
                         assert c.block_k >= K or (c.dot and rows > 1 and c.block_k == 128)
                 if pro != P.PRO_NORM or K <= 1024 or rows > 1 or K <= P.NORM_MAX_K:
@@ -235,7 +243,7 @@ from draftrelay.kernels import plan as P, reference as R, triton_ops as T
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 n = splits = 0
 for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 4500), (3, 40, 2300),
-                (5, 24, 300), (4, 16, 1500)):
+                (5, 24, 300), (4, 16, 1500), (2, 72, 600)):
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
         for cfg in P.candidates(pro, M, N, K):
             x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
@@ -251,6 +259,21 @@ for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 
                 torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
             n += 1
             splits += cfg.split > 1
+for M, N, K in ((1, 40, 96), (1, 24, 1100)):  # the compact-rows dot tile at one row (not a candidate there)
+    for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
+        cfg = P.rows_dot(N, K, 32, pro == P.PRO_NORM and K > 1024)
+        x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
+        w, b = torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
+        d, nw = torch.randn(M, K, generator=g), torch.randn(K, generator=g)
+        if pro == P.PRO_NORM:
+            rx, ref = R.norm_linear(x, d, nw, 1e-6, w, b)
+        else:
+            rx, ref = x, (R.act_linear if pro == P.PRO_SILU else R.linear)(x, w, b)
+        for _ in range(2):
+            gx, got = T.skinny_linear(pro, cfg, x, w, b, d if pro == P.PRO_NORM else None, nw, 1e-6)
+            assert torch.equal(gx, rx), (pro, cfg)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
+        n += 1
 lg = torch.randn(3, 9000, generator=g)
 lg[0, 8999] = lg[0, 4100] = lg[0].max() + 1  # tied across two chunks of the first pass
 tok, conf = T.greedy_pick(lg)

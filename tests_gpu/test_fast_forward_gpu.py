@@ -201,7 +201,7 @@ def test_drafts_graph_equals_eager_and_fast_vs_plain_are_near_ties():
     cfg = M.ModelConfig(**SHAPES["qwen2.5-0.5b"], name="qwen2.5-0.5b")
     model = M.Transformer.random(cfg, seed=int.from_bytes(os.urandom(2), "little"), device=DEV,
                                  dtype=torch.bfloat16, draw_on="device")
-    n_req, rounds, n_out = 3, 40, 4
+    n_req, rounds, n_out = 3, 30, 4  # 90 request-rounds: the 95 % rule leaves at most 4 graph != eager
     ds = {"graph_fast": (LlamaDrafter(model, 4, 2048, 8, "d", "", mode="graph"), True),
           "eager_fast": (LlamaDrafter(model, 4, 2048, 8, "d", "", mode="eager"), True),
           "eager_plain": (LlamaDrafter(model, 4, 2048, 8, "d", "", mode="eager"), False)}

@@ -87,59 +87,99 @@ class SkinnyConfig:
     stages: int
     unroll: bool = False  # K's tiles unrolled (compiled per K): loads issued ahead instead of a loop
     split: int = 1
+    pre: bool = False  # a compact-rows dot tile's norm as its own launch first (add_rms_norm)
 
     def label(self) -> str:
         return (f"{'dot' if self.dot else 'sum'}{self.block_n}x{self.block_k}w{self.warps}s{self.stages}"
-                + ("u" if self.unroll else "") + (f"k{self.split}" if self.split > 1 else ""))
+                + ("u" if self.unroll else "") + (f"k{self.split}" if self.split > 1 else "")
+                + ("p" if self.pre else ""))
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
+ROWS_DOT_PROGRAMS = 264  # the compact-rows dot tile's grid: at least this many programs (two per SM of an H200)
+SMALL_WEIGHT = 4096 * 1024  # weights of at most this many elements: the multiply-and-sum tiles still win at a few rows
+ROWS_DOT_MAX = 8 << 20  # weights of at most this many elements: the compact-rows dot tiles (they lost on larger ones)
+
+
+def rows_dot(N: int, K: int, block_n: int, pre: bool = False) -> SkinnyConfig:
+    """The compact-rows dot tile of block_n columns for an [N, K] weight: one K slice a program (256
+    elements, or 128 where that leaves fewer than ROWS_DOT_PROGRAMS programs), K split into as many
+    ranges, so that every program issues its whole weight tile before it waits for the previous
+    kernel and nothing in it waits on a loop. pre: the norm as its own launch first (for long rows,
+    whose RMS every program would otherwise read whole)."""
+    bk = 256 if math.ceil(N / block_n) * math.ceil(K / 256) >= ROWS_DOT_PROGRAMS else 128
+    return SkinnyConfig(block_n, bk, True, 4, 1, True, math.ceil(K / bk), pre)
+
+
 def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     """The configurations measured against cuBLAS for one product of M rows by an [N, K] weight.
 
-    Up to SUM_MAX_ROWS rows, the multiply-and-sum tiles (each weight tile read once, multiplied by
-    each row in turn): K up to 1,024 two of them, 4,096 elements with 4 warps (many programs for the
-    small weights) and 16,384 with 8 warps (fewer, larger reads for the big ones); with the norm
-    prologue (whole rows up to NORM_MAX_K) those and 8,192 elements with 4 warps. Longer K (down_proj,
-    the 7B's o_proj and head): the looped tile, three split-K tiles (K ranges of 1,024 / 2,048
-    elements in tiles of 1,024, and of 4,096 in one tile) and the whole K in tiles of 1,024 over two
-    weight rows, unrolled: every load of a program in flight at once, and programs enough to fill the
-    card. Tensor-core dot tiles at any row count: one
-    whole-row tile with the norm (K up to 1,024); for more than one row two looped tiles (16 and 64
-    columns a program; a norm or SiLU prologue then runs as its own launch first), and for K beyond
-    1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048)."""
+    One row: the multiply-and-sum tiles (each weight tile read once, fp32 multiply-and-sum): K up to
+    1,024 two of them, 4,096 elements with 4 warps (many programs for the small weights) and 16,384
+    with 8 warps (fewer, larger reads for the big ones); with the norm prologue (whole rows up to
+    NORM_MAX_K) those and 8,192 elements with 4 warps. Longer K (down_proj, the 7B's o_proj and head):
+    three split-K tiles (K ranges of 1,024 / 2,048 elements in tiles of 1,024, and of 4,096 in one
+    tile) and the whole K in tiles of 1,024 over two weight rows, unrolled: every load of a program in
+    flight at once, and programs enough to fill the card.
+
+    Two to sixteen rows: for weights of at most ROWS_DOT_MAX elements the compact-rows dot tiles
+    (`rows_dot`, 32 and 64 columns a program, one K slice each; the SiLU or, for rows up to 1,024, the
+    norm prologue on the real rows inside the kernel, tensor-core dots over the rows padded to 16),
+    the pipelined dot tile of 64 columns (a norm or SiLU prologue then its own launch first) and for K
+    beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048). Up to SUM_MAX_ROWS rows the
+    multiply-and-sum tile of 4,096 elements stays for the small weights (at most SMALL_WEIGHT
+    elements, latency-bound: each row one more pass over the loaded tile). Measured on the H200: at
+    four or more rows the fp32 multiply-and-sum is bound by its instruction issue on the large weights
+    and lost to cuBLAS by up to 3 x; the compact-rows dot tiles won on the 0.5B's q|k|v and down at
+    four rows and lost on the larger weights (gate|up, the head, every 7B product) and at one row."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
     out: list[SkinnyConfig] = []
-    summed = M <= SUM_MAX_ROWS
-    if pro == PRO_NORM:
-        bk = next_pow2(K)
-        if summed and bk <= NORM_MAX_K:
-            out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1),
-                    SkinnyConfig(max(1, 8192 // bk), bk, False, 4, 1),
-                    SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 1)]
-        if bk <= 1024:
-            out.append(SkinnyConfig(16, bk, True, 4, 1))
-        if M > 1:  # looped dot tiles after a separate add_rms_norm (pipelined K loop, no prologue in it)
-            out += [SkinnyConfig(16, 128, True, 4, 4), SkinnyConfig(64, 128, True, 4, 4)]
+    small = N * K <= SMALL_WEIGHT
+    if M == 1:
+        if pro == PRO_NORM:
+            bk = next_pow2(K)
+            if bk <= NORM_MAX_K:
+                out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1),
+                        SkinnyConfig(max(1, 8192 // bk), bk, False, 4, 1),
+                        SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 1)]
+        elif K <= 1024:
+            bk = next_pow2(K)
+            out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2),
+                    SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 2)]
+        else:  # the run-time loop's tiles wait on each other; split and unrolled, they are all in flight
+            out += [SkinnyConfig(bn, bk, False, w, 1, True, math.ceil(K / ks))
+                    for bn, bk, w, ks in ((4, 1024, 4, 1024), (8, 1024, 4, 2048), (4, 4096, 8, 4096), (2, 1024, 4, K))]
         return out
-    if summed and K <= 1024:
+    if M <= SUM_MAX_ROWS and small:
         bk = next_pow2(K)
-        out += [SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2), SkinnyConfig(max(2, 16384 // bk), bk, False, 8, 2)]
-    elif summed:  # the run-time loop's tiles wait on each other; split and unrolled, they are all in flight
-        out += [SkinnyConfig(8, 512, False, 4, 2)]
-        out += [SkinnyConfig(bn, bk, False, w, 1, True, math.ceil(K / ks))
-                for bn, bk, w, ks in ((4, 1024, 4, 1024), (8, 1024, 4, 2048), (4, 4096, 8, 4096), (2, 1024, 4, K))]
-    if M == 1 and K <= 1024:
-        out.append(SkinnyConfig(16, 128, True, 4, 4))
-    elif M > 1:
-        out += [SkinnyConfig(16, 128, True, 4, 4), SkinnyConfig(64, 128, True, 4, 4)]
-        if K > 1024:
-            out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
+        if pro == PRO_NORM and bk <= NORM_MAX_K:
+            out.append(SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1))
+        elif pro != PRO_NORM and K <= 1024:
+            out.append(SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2))
+    if N * K <= ROWS_DOT_MAX:
+        pre = pro == PRO_NORM and K > 1024  # every program reads its rows whole for the RMS: long rows normed first
+        out += [rows_dot(N, K, 32, pre), rows_dot(N, K, 64, pre)]
+    out.append(SkinnyConfig(64, 128, True, 4, 4))
+    if pro != PRO_NORM and K > 1024:
+        out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
     return out
+
+
+def rows_dot_tile(cfg: SkinnyConfig) -> bool:
+    """Whether cfg is a compact-rows dot tile (the prologue inside, K slices unrolled)."""
+    return cfg.dot and cfg.unroll
+
+
+def k_ranges(pro: int, K: int, cfg: SkinnyConfig) -> tuple[int, int]:
+    """(elements of K per range, ranges) of cfg's launch: split_range, except the norm's multiply-and-sum
+    and whole-row dot tiles, which hold the whole row (one range of K)."""
+    if pro == PRO_NORM and not rows_dot_tile(cfg) and not cfg.pre:
+        return K, 1
+    return split_range(K, cfg)
 
 
 def split_range(K: int, cfg: SkinnyConfig) -> tuple[int, int]:
@@ -182,9 +222,10 @@ def row_tiles(cfg: SkinnyConfig, M: int) -> tuple[int, int]:
     """(M_PAD, M_ROWS), the row constexprs of skinny_linear's launch for M rows. The multiply-and-sum
     tile runs its static row loop over the bucket's top row count, rows from M on masked (no loads,
     zeros summed): every row count of a bucket runs the one kernel measured at the top. The dot tiles
-    pad the rows to 16 and never read M_ROWS (1: one kernel for every row count)."""
+    pad the rows to 16; the looped ones never read M_ROWS (1: one kernel for every row count), the
+    compact-rows ones run their prologue over the bucket's top (rows from M on masked)."""
     if cfg.dot:
-        return 16, 1
+        return (16, row_bucket(M)) if rows_dot_tile(cfg) else (16, 1)
     top = row_bucket(M)
     return top, top
 
@@ -196,16 +237,25 @@ def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, 
     on a CPU (benchmarks/plan_count.py); mirrors skinny_linear's launch, a looped dot tile with a
     prologue included (the prologue's own launch first, then the plain product). tiles: (M_PAD, M_ROWS)
     in place of row_tiles' (to count another row rule)."""
-    if pro == PRO_SILU and cfg.dot or pro == PRO_NORM and cfg.dot and K > cfg.block_k:
+    if not rows_dot_tile(cfg) and (pro == PRO_SILU and cfg.dot or pro == PRO_NORM and cfg.dot and K > cfg.block_k) \
+            or cfg.pre:
         pro, has_delta = PRO_NONE, False
     m_pad, m_rows = tiles or row_tiles(cfg, M)
-    ks, n_split = split_range(K, cfg) if pro != PRO_NORM else (K, 1)
+    ks, n_split = k_ranges(pro, K, cfg)
 
     def spec(v: int) -> tuple[bool, bool]:
         return v == 1, v % 16 == 0
 
     return (pro, cfg.block_n, cfg.block_k, cfg.dot, cfg.warps, cfg.stages, m_pad, m_rows, has_delta, has_bias,
-            ks // cfg.block_k if cfg.unroll else 0, n_split, dtype, spec(M), spec(N), spec(K), spec(ks))
+            ks // cfg.block_k if cfg.unroll else 0, n_split, dtype, spec(M), spec(N), spec(K), spec(ks),
+            norm_trips(pro, K, cfg))
+
+
+def norm_trips(pro: int, K: int, cfg: SkinnyConfig) -> int:
+    """The tiles of the compact-rows dot tile's RMS pass over the whole row, block_k elements each (the
+    slice's own tile shape, so that the slice and the pass share one register layout): a constexpr of
+    its launch; 0 where there is none."""
+    return math.ceil(K / cfg.block_k) if pro == PRO_NORM and rows_dot_tile(cfg) and not cfg.pre else 0
 
 
 Key = tuple  # (device index, pro, row bucket, N, K, dtype name, has bias, has residual)

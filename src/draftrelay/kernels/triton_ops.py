@@ -7,7 +7,8 @@ each instead of the plain forward's several per op.
                     into the cache rows at their positions, q written head-major      the step's tables)
   skinny_linear     the products of decode and verify rows (M <= 16): each program reads a few
                     weight rows once, fp32 multiply-and-sum (up to 8 rows, each row in turn against
-                    the loaded tile) or tensor-core dots; whole-K tiles, a K loop, or K split over
+                    the loaded tile) or tensor-core dots (the compact-rows tile: the prologue on the
+                    real rows only, padded to 16); whole-K tiles, a K loop, or K split over
                     programs whose partials the last one of a column block sums (split-K in one
                     launch); optionally with add_rms_norm computed in the prologue (norm_linear) or
                     SiLU*up (act_linear, the down product); chosen against cuBLAS per shape (kernels.plan)
@@ -65,6 +66,10 @@ MIN_CHUNK = 256  # the smallest key chunk of a split (below it the combine costs
 # kernel's start and first loads overlap the previous one's tail instead of following it. Hopper and
 # later only; environment DRAFTRELAY_PDL=off (or PDL = False before a capture) launches them plainly.
 PDL = os.environ.get("DRAFTRELAY_PDL", "on") != "off"
+# The attention's first key tile is prefetched into L2 (prefetch.global.L2, a hint) right after the PDL
+# wait, so that its HBM read overlaps loading and rotating q instead of following it (the tile's own loads
+# come after the rotation and the new key's store). DRAFTRELAY_ATTN_PREFETCH=off leaves it out.
+ATTN_PREFETCH = os.environ.get("DRAFTRELAY_ATTN_PREFETCH", "on") != "off"
 
 
 @functools.lru_cache(maxsize=8)
@@ -232,11 +237,18 @@ def _rotate(x_ptr, src, d, c, sn, HALF: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """An L2 prefetch of the 128-byte line at each pointer where mask holds (a hint: nothing waits on it)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr,
                  T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
                  REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                  SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     """ROPE (one token per row, one chunk): q_ptr is the q|k|v product [B, 1, (H + 2 n_kv) * D]; the
     program rotates its kv head's q rows and the new key, stores the new key and value into the cache
     rows, attends over the cache's earlier keys and takes the new key from its registers (rope_kv_write
@@ -262,6 +274,12 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
     qpos = start + t
     kb = ck_ptr + row * s_crow + g * s_chead
     vb = cv_ptr + row * s_vrow + g * s_vhead
+    if PREFETCH:  # the first tile's keys and values towards L2 now, while q (and the new key) load and rotate
+        pn = lo + tl.arange(0, BLOCK)
+        pm = pn < (tl.minimum(hi, start) if ROPE else hi)
+        pl = tl.arange(0, (D + 63) // 64) * 64  # one pointer per 64 elements (a 128-byte line in bf16)
+        _prefetch_l2(kb + pn.to(tl.int64)[:, None] * s_cpos + pl[None, :], pm[:, None])
+        _prefetch_l2(vb + pn.to(tl.int64)[:, None] * s_vpos + pl[None, :], pm[:, None])
     if ROPE:
         ang = start.to(tl.float32) * tl.load(inv_ptr + d % (D // 2))  # the row's one position, per dim
         c = tl.cos(ang)
@@ -429,14 +447,91 @@ def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k0, k_hi, K, M_ROWS: tl.
 
 
 @triton.jit
+def _rows_rstd(x_ptr, d_ptr, r, rm, K, eps, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, K_TRIPS: tl.constexpr,
+               HAS_DELTA: tl.constexpr):
+    """1 / RMS of the compact rows r (those < M: rm) of x + delta over all of K, in K_TRIPS tiles of
+    BLOCK_K (x + delta rounded as add_rms_norm rounds). Loads only: every tile's loads in flight at once."""
+    ss = tl.zeros([M_ROWS], tl.float32)
+    for it in tl.static_range(K_TRIPS):
+        kk = it * BLOCK_K + tl.arange(0, BLOCK_K)
+        msk = rm[:, None] & (kk < K)[None, :]
+        xa = r.to(tl.int64)[:, None] * K + kk[None, :]
+        xv = tl.load(x_ptr + xa, mask=msk, other=0.0)
+        if HAS_DELTA:
+            dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
+            xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
+        xf = xv.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _rows_store_sum(x_ptr, d_ptr, xo_ptr, r, rm, K, BLOCK_K: tl.constexpr, K_TRIPS: tl.constexpr):
+    """x + delta of the compact rows into xo (rounded as add_rms_norm rounds), in K_TRIPS tiles."""
+    for it in tl.static_range(K_TRIPS):
+        kk = it * BLOCK_K + tl.arange(0, BLOCK_K)
+        msk = rm[:, None] & (kk < K)[None, :]
+        xa = r.to(tl.int64)[:, None] * K + kk[None, :]
+        xv = tl.load(x_ptr + xa, mask=msk, other=0.0)
+        dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
+        tl.store(xo_ptr + xa, (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype), mask=msk)
+
+
+@triton.jit
+def _rows_load(x_ptr, d_ptr, nw_ptr, r, rm, k0, k_hi, K, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+               HAS_DELTA: tl.constexpr):
+    """The compact rows' slice k0 .. k0 + BLOCK_K (up to k_hi) as loaded: (x or gate, delta or up, nw)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    km = kk < k_hi
+    msk = rm[:, None] & km[None, :]
+    if PRO == 2:  # gate | up as one load [M_ROWS, BLOCK_K, 2] (both in flight before any layout change)
+        xa = (r.to(tl.int64)[:, None] * (2 * K) + kk[None, :])[:, :, None] + (tl.arange(0, 2) * K)[None, None, :]
+        g, u = tl.split(tl.load(x_ptr + xa, mask=msk[:, :, None], other=0.0))
+        return g, u, x_ptr
+    xa = r.to(tl.int64)[:, None] * K + kk[None, :]
+    xv = tl.load(x_ptr + xa, mask=msk, other=0.0)
+    dv = xv
+    nw = x_ptr
+    if PRO == 1:
+        if HAS_DELTA:
+            dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
+        nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
+    return xv, dv, nw
+
+
+@triton.jit
+def _rows_dot_step(acc, w, xv, dv, nw, rstd, M_PAD: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRO: tl.constexpr, HAS_DELTA: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_K slice of the compact-rows dot tile from its loaded rows (_rows_load): the prologue
+    (PRO 1: x + delta normed with the rows' rstd, times nw; PRO 2: SiLU(gate) * up) on the M_ROWS
+    real rows only, rounded as add_rms_norm / silu_mul round, then the rows padded with zeros to M_PAD
+    for the tensor-core dot with the weight tile w [BLOCK_N, BLOCK_K]."""
+    if PRO == 2:
+        gf = xv.to(tl.float32)
+        sg = (gf / (1.0 + tl.exp(-gf))).to(xv.dtype)
+        xv = (sg.to(tl.float32) * dv.to(tl.float32)).to(xv.dtype)
+    if PRO == 1:
+        if HAS_DELTA:
+            xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
+        xv = ((xv.to(tl.float32) * rstd[:, None]).to(xv.dtype).to(tl.float32)
+              * nw.to(tl.float32)[None, :]).to(xv.dtype)
+    if M_ROWS < M_PAD:  # the rows repeated to M_PAD, the copies zeroed: the dot's padded operand
+        xv = tl.reshape(tl.broadcast_to(xv[None, :, :], [M_PAD // M_ROWS, M_ROWS, BLOCK_K]), [M_PAD, BLOCK_K])
+        xv = tl.where((tl.arange(0, M_PAD) < M_ROWS)[:, None], xv, tl.zeros_like(xv))
+    return _dot_acc(acc, xv, w, IEEE)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, KS, eps,
                    M_PAD: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRO: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                    IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, K_TRIPS: tl.constexpr = 0):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
-    x = [M, 2K] (gate | up). DOT: tensor-core dots over the rows padded to M_PAD >= 16; else the
+    x = [M, 2K] (gate | up). DOT with K_UNROLL: the compact-rows dot tile (the prologue on the M_ROWS
+    real rows, the norm's RMS over all of K in K_TRIPS tiles, then padded to M_PAD for the dot; any
+    split). DOT: tensor-core dots over the rows padded to M_PAD >= 16; else the
     multiply-and-sum tile over M_ROWS = M rows (a few). Each program reads its BLOCK_N weight rows
     once, over the K range program_id(1) * KS .. + KS (SPLIT ranges; SPLIT 1: all of K). With
     SPLIT > 1 each program stores its fp32 partial in ws, counts itself in cnt[column block]
@@ -454,7 +549,28 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     m = tl.arange(0, M_PAD)
     mm = m < M
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    if PRO == 1:
+    if DOT and K_UNROLL:  # the compact-rows dot tile: the prologue on the M_ROWS rows, the range unrolled
+        k_lo = tl.program_id(1) * KS
+        k_hi = tl.minimum(k_lo + KS, K)
+        r = tl.arange(0, M_ROWS)
+        rm = r < M
+        w0 = _skinny_w(w_ptr, wrow, nm, k_lo, k_hi, BLOCK_K)  # the first tile before the wait
+        if PDL:
+            gdc_wait()
+        xv, dv, nw = _rows_load(x_ptr, d_ptr, nw_ptr, r, rm, k_lo, k_hi, K, BLOCK_K, PRO, HAS_DELTA)  # before
+        rstd = tl.zeros([M_ROWS], tl.float32)  # the RMS pass's barriers, so that both loads are in flight
+        if PRO == 1:  # every program takes the RMS over all of K (the rows are tiny)
+            rstd = _rows_rstd(x_ptr, d_ptr, r, rm, K, eps, M_ROWS, BLOCK_K, K_TRIPS, HAS_DELTA)
+        acc = _rows_dot_step(acc, w0, xv, dv, nw, rstd, M_PAD, M_ROWS, BLOCK_K, PRO, HAS_DELTA, IEEE)
+        for it in tl.static_range(1, K_UNROLL):
+            w = _skinny_w(w_ptr, wrow, nm, k_lo + it * BLOCK_K, k_hi, BLOCK_K)
+            xv, dv, nw = _rows_load(x_ptr, d_ptr, nw_ptr, r, rm, k_lo + it * BLOCK_K, k_hi, K, BLOCK_K, PRO,
+                                    HAS_DELTA)
+            acc = _rows_dot_step(acc, w, xv, dv, nw, rstd, M_PAD, M_ROWS, BLOCK_K, PRO, HAS_DELTA, IEEE)
+        if PRO == 1 and HAS_DELTA:
+            if (pid == 0) & (tl.program_id(1) == 0):  # x + delta stored once, off the other programs' path
+                _rows_store_sum(x_ptr, d_ptr, xo_ptr, r, rm, K, BLOCK_K, K_TRIPS)
+    elif PRO == 1:
         kk = tl.arange(0, BLOCK_K)
         km = kk < K
         w = tl.load(w_ptr + wrow + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
@@ -555,10 +671,16 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     the plain product on its output: the prologue inside the pipelined K loop costs more than the launch
     (measured on the H200). The forward calls it through `linear` / `norm_linear` / `act_linear`."""
     x = x.contiguous()
-    if pro == P.PRO_SILU and cfg.dot:
+    rows_dot = P.rows_dot_tile(cfg)  # the prologue inside, on the real rows
+    if cfg.pre and pro != P.PRO_NONE:  # the prologue as its own launch, then the plain tile
+        if pro == P.PRO_NORM:
+            xo, h = add_rms_norm(x, delta, norm_w, eps)
+            return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b)[1]
+        return x, skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)[1]
+    if pro == P.PRO_SILU and cfg.dot and not rows_dot:
         _, y = skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)
         return x, y
-    if pro == P.PRO_NORM and cfg.dot and w.shape[1] > cfg.block_k:  # a looped dot tile: the norm first
+    if pro == P.PRO_NORM and cfg.dot and not rows_dot and w.shape[1] > cfg.block_k:  # looped: the norm first
         xo, h = add_rms_norm(x, delta, norm_w, eps)
         return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b)[1]
     N, K = w.shape
@@ -567,9 +689,11 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         raise ValueError("skinny_linear: the weight must be contiguous")
     if not cfg.dot and not 1 <= M <= P.SUM_MAX_ROWS:
         raise ValueError(f"skinny_linear: the multiply-and-sum tile takes 1 to {P.SUM_MAX_ROWS} rows, got {M}")
-    if pro == P.PRO_NORM and (K > cfg.block_k or cfg.split > 1):
+    if rows_dot and not 1 <= M <= P.MAX_ROWS:
+        raise ValueError(f"skinny_linear: the compact-rows dot tile takes 1 to {P.MAX_ROWS} rows, got {M}")
+    if pro == P.PRO_NORM and not rows_dot and (K > cfg.block_k or cfg.split > 1):
         raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k}), no split")
-    ks, n_split = P.split_range(K, cfg) if pro != P.PRO_NORM else (K, 1)
+    ks, n_split = P.k_ranges(pro, K, cfg)
     n_blocks = triton.cdiv(N, cfg.block_n)
     ws = cnt = w
     if n_split > 1:
@@ -589,7 +713,7 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
         FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0,
         K_UNROLL=ks // cfg.block_k if cfg.unroll else 0, SPLIT=n_split, PDL=pdl,
-        num_warps=cfg.warps, num_stages=cfg.stages, **_launch_kw(pdl))
+        K_TRIPS=P.norm_trips(pro, K, cfg), num_warps=cfg.warps, num_stages=cfg.stages, **_launch_kw(pdl))
     return xo, y
 
 
@@ -628,8 +752,8 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     eps = 1e-6
     ref_x, ref = _fallback(pro, x, ws[0], b, delta, nw, eps)
     for c in cands:  # the split configurations' buffers for every copy, made before any capture
-        if c.split > 1 and pro != P.PRO_NORM:
-            _, n_split = P.split_range(K, c)
+        _, n_split = P.k_ranges(pro, K, c)
+        if n_split > 1:
             for w in ws:
                 split_buffers(w, M, n_split, triton.cdiv(N, c.block_n))
     reps = max(1, math.ceil(MEASURE_CALLS / copies))
@@ -887,7 +1011,7 @@ def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
         IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if _INTERPRETED else 0,
-        ROPE=rope is not None, PDL=pdl,
+        ROPE=rope is not None, PDL=pdl, PREFETCH=ATTN_PREFETCH and not _INTERPRETED,
         num_warps=warps, num_stages=2, **_launch_kw(pdl))
     if not single:
         _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=pdl,
