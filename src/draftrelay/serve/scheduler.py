@@ -489,8 +489,9 @@ def _warm_cache(engine: Engine, cache, prompt: Callable, params: Callable, settl
     step that finished the batch): a request cancelled while its round is in flight beside one that
     goes on (the next step settles that round, carries the END, and the table follows the other
     row), and one cancelled alone, which leaves the engine idle with a round in flight
-    (settle_cache, what the scheduler does then). Until a verify started without a wait, at most
-    settle_s. Returns the requests cancelled with a round in flight."""
+    (settle_cache, what the scheduler does then). Where no verify started without a wait, up to three
+    lone requests more (at most settle_s; a drafter that does not follow the warm-up's prompts never
+    hits, e.g. a replayed trace's). Returns the requests cancelled with a round in flight."""
     k = engine.cfg.n_draft
     t_end = time.perf_counter() + settle_s
     cancelled = 0
@@ -508,7 +509,9 @@ def _warm_cache(engine: Engine, cache, prompt: Callable, params: Callable, settl
             settle_cache(engine)
         while engine.has_work():
             engine.step()
-    while not cache.stats()["fast_steps"] and time.perf_counter() < t_end:  # e.g. tables late on a busy CPU
-        p = prompt(10, 60)
+    for i in range(3):  # no verify without a wait yet (tables late on a busy CPU): a few lone requests more
+        if cache.stats()["fast_steps"] or time.perf_counter() > t_end:
+            break
+        p = prompt(10, 60 + i)
         engine.generate([p], params(p, 4 * k + 4))
     return cancelled
