@@ -9,7 +9,8 @@ Every mode's server process starts on loopback (all up at once, in one run); the
     before the next level (interleaved: a shared machine's drift hits the modes alike).
 Modes: off, sync, async, and cache (async with the speculation cache, `serve --spec-cache F`: the
 worker pre-drafts `--fanout` branches per request during each verify; its rows also give the cache's
-hit rate from each response's usage). Per level: output tokens/s (all completion tokens over the level's wall time), TTFT p50/p99 (to
+hit rate from each response's usage). Per level: output tokens/s (all completion tokens over the
+level's wall time), TTFT p50/p99 (to
 the first chunk with text: a partial UTF-8 character is held back until complete),
 inter-token latency p50/p99 (gaps between a stream's chunks: one chunk per engine step, which
 carries 1 + accepted drafts tokens), TPOT (e2e - TTFT over tokens - 1), acceptance (accepted /

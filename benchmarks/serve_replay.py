@@ -159,8 +159,8 @@ def emulated_worker(args, dev, inner: str, model_id: str, max_len: int, max_toke
     result["cost_measure_s"] = time.perf_counter() - t0
     result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}
     result["prefetch_cost_ms"] = {f"{j}x{f}xk{k}@{kv}": 1e3 * s for (j, f, k, kv), s in sorted(cost.prefetch.items())}
-    print(f"emulated second device: costs measured in {result['cost_measure_s']:.1f} s: STEP {result['cost_table_ms']}, "
-          f"branch work {result['prefetch_cost_ms']}", flush=True)
+    print(f"emulated second device: costs measured in {result['cost_measure_s']:.1f} s: "
+          f"STEP {result['cost_table_ms']}, branch work {result['prefetch_cost_ms']}", flush=True)
     return start_worker_process(["--model", f"replay:{os.path.abspath(args.trace)}:emulated={cpath}",
                                  "--model-id", model_id, "--device", "cpu", "--max-ctx", str(max_len + 64),
                                  "--rows", str(2 * args.max_batch + 2), "--max-requests", str(args.max_batch),
