@@ -59,11 +59,14 @@ class Server:
     def __init__(self, args, mode: str, warmup: bool) -> None:
         fd, self.log_path = tempfile.mkstemp(prefix="serve-load-", suffix=".log")
         # a mode named MODE-fixed is MODE at --depth fixed (always k drafts), beside MODE at --depth auto;
-        # cache is async with the speculation cache (`--spec-cache --fanout`: every step asks k drafts)
+        # cache is async with the speculation cache (`--spec-cache --fanout`: every step asks k drafts);
+        # MODE:tN is MODE with `--threads N` (N or auto: the target's torch threads)
+        mode, _, threads = mode.partition(":t")
         mode, depth = mode.split("-", 1) if "-" in mode else (mode, "auto")
         cache = ["--spec-cache", str(args.fanout)] if mode == "cache" else []
         mode = "async" if cache else mode
         cmd = [sys.executable, "-m", "draftrelay", "serve", "--port", "0", "--mode", mode, "--depth", depth, *cache,
+               *(["--threads", threads] if threads else []),
                "--model", args.model,
                "--drafter", args.drafter, "--device", args.device, "--max-batch", str(args.max_batch),
                "--max-queue", "256", "--k", str(args.k), *(["--max-model-len", str(args.max_model_len)]

@@ -12,6 +12,7 @@ each request's cache figures.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -225,3 +226,26 @@ def test_spec_cache_flag_refused_by_name(argv, words):
     cp = subprocess.run([sys.executable, "-m", "draftrelay", "serve", "--port", "0", *argv], env=ENV,
                         capture_output=True, text=True, timeout=60)
     assert cp.returncode == 2 and words in cp.stderr, cp.stderr
+
+
+def test_serve_replay_cache_mode_cpu_dry_run(tmp_path):
+    # the H200 load test's cache mode, on the CPU at tiny shapes over a synthetic trace, with the drafter
+    # on an emulated second device (its costs measured first): it runs end to end, every output equals
+    # the trace, and the cache ran (its figures are for a GPU)
+    out = tmp_path / "replay.json"
+    cmd = [sys.executable, "benchmarks/serve_replay.py", "--device", "cpu", "--target", "tiny", "--drafter", "tiny",
+           "--trace", "synthetic", "--modes", "sync,cache", "--placement", "emulated", "--concurrency", "2",
+           "--requests", "4", "--max-tokens", "24", "--ttft-repeats", "1", "--long-len", "64", "--cost-iters", "2",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**ENV, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["cost_table_ms"] and res["prefetch_cost_ms"]
+    for mode in ("sync", "cache"):
+        row = res["modes"][mode]
+        assert "error" not in row and "client_error" not in row, row
+        assert row["trace_check"]["outputs_equal_trace"] == row["trace_check"]["requests"] == 8
+        assert row["placement"] == "emulated" and row["levels"][0]["output_tokens"] == 4 * 24
+    cache = res["modes"]["cache"]
+    assert cache["round_mode"] == "async" and cache["spec_cache"]["active"] and not cache["spec_cache_refusal"]
+    assert cache["spec_cache"]["hits"] > 0 and "cache_hit_rate" in cache["levels"][0]

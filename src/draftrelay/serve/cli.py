@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: per batch size, speculate (--k drafts) where it measures faster than plain "
                         "decoding, else not; fixed: always --k")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--threads", default="0", metavar="N|auto",
+                   help="CPU: torch threads of the target's forward (0: torch's own count; auto: one or all, "
+                        "whichever the engine measures faster, per step)")
     p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (--mode async): the worker pre-drafts F branches per request during "
@@ -84,6 +87,8 @@ def _check(args: argparse.Namespace) -> str:
         return f"--spec-cache must be 0-64 branches per request (0: off), got {args.spec_cache}"
     if args.spec_cache and args.mode != "async":
         return f"--spec-cache needs --mode async (got --mode {args.mode})"
+    if not (args.threads == "auto" or (args.threads.isdigit() and int(args.threads) <= 1024)):
+        return f"--threads must be 'auto' or a thread count (0: torch's own), got {args.threads!r}"
     if args.spec_cache and args.k < 1:
         return f"--spec-cache needs --k >= 1 (drafts to branch), got --k {args.k}"
     return ""
@@ -281,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
                                  max_tokens=round_tokens(args.max_batch, args.max_round_tokens, args.k))
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
                            graphs=args.graphs, max_round_tokens=args.max_round_tokens,
-                           spec_fanout=args.spec_cache)
+                           spec_fanout=args.spec_cache,
+                           threads=args.threads if args.threads == "auto" else int(args.threads))
         try:
             sock = listen(args.host, args.port)
         except OSError as exc:
