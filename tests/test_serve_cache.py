@@ -249,3 +249,25 @@ def test_serve_replay_cache_mode_cpu_dry_run(tmp_path):
     cache = res["modes"]["cache"]
     assert cache["round_mode"] == "async" and cache["spec_cache"]["active"] and not cache["spec_cache_refusal"]
     assert cache["spec_cache"]["hits"] > 0 and "cache_hit_rate" in cache["levels"][0]
+
+
+def test_the_cache_wait_times_a_server_keeps_are_bounded():
+    # one wait time per step, medians taken at every /metrics snapshot: a server running for days keeps
+    # only the recent ones (serve.scheduler.WAIT_WINDOW per kind), the newest
+    import types
+
+    from draftrelay import model as M
+    from draftrelay.engine.engine import Engine, EngineConfig
+    from draftrelay.serve.metrics import ServeMetrics
+    from draftrelay.serve.scheduler import WAIT_WINDOW, Scheduler
+
+    target, _ = M.tiny_pair(M.TINY_SEED)
+    with Engine(target, EngineConfig(mode="off", max_batch=1, max_len=64)) as eng:
+        sched = Scheduler(eng, ServeMetrics("m", lambda: {"mode": "off"}), max_queue=1)
+        hit, miss = [float(i) for i in range(3 * WAIT_WINDOW)], [-1.0] * 10
+        eng.spec_cache = types.SimpleNamespace(wait_hit_s=hit, wait_miss_s=miss)
+        try:
+            sched._harvest()
+        finally:
+            eng.spec_cache = None
+    assert hit == [float(i) for i in range(2 * WAIT_WINDOW, 3 * WAIT_WINDOW)] and miss == [-1.0] * 10

@@ -36,6 +36,8 @@ from .textstream import TextStream
 log = logging.getLogger("draftrelay.serve")
 
 SEED_MASK = (1 << 63) - 1
+# the speculation cache's wait times kept per kind (hit, miss): its wait figures describe the recent steps
+WAIT_WINDOW = 4096
 
 
 @dataclass
@@ -292,6 +294,11 @@ class Scheduler:
         eng.finished.clear()  # the jobs hold their requests; the engine need not keep them
         if len(eng.timing["step"]) > 10_000:  # a server runs for ever: bound the step timers
             eng.reset_metrics()
+        sc = eng.spec_cache
+        if sc is not None and len(sc.wait_hit_s) + len(sc.wait_miss_s) > 2 * WAIT_WINDOW:
+            # and the cache's wait times (one per step; stats() takes their medians at every snapshot)
+            sc.wait_hit_s[:-WAIT_WINDOW] = []
+            sc.wait_miss_s[:-WAIT_WINDOW] = []
 
     def _count_spec(self, job: Job) -> None:
         """Add what the request's last step verified and accepted to the spec-decode counters."""
