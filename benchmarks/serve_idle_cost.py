@@ -1,6 +1,7 @@
 """What an idle pause costs the work of a request on this machine, without the server: after a pause of
 0, 0.05, 0.3 and 1 s, (1) the engine's prefill of a 25-token prompt (one output token) on the tiny target,
-torch on one and on two threads; (2) the wake-up of another Python thread (threading.Event.set -> the
+torch on one and on two threads, and on one thread right after reading every weight once (870 KB for
+the tiny target: warm data) or right after a one-token forward (warm code paths); (2) the wake-up of another Python thread (threading.Event.set -> the
 waiter running: the hand-off the server makes between its event loop and its engine thread); (3) a fixed
 piece of pure-Python work (no torch, no threads). Each kind interleaved with the others, `--repeats`
 times; medians and ranges, ms. A first request always comes after a pause (the server sits idle between
@@ -71,10 +72,24 @@ def main() -> int:
             eng.generate([prompt], SamplingParams(max_tokens=1))
             return time.perf_counter() - t0
 
+        params = list(target.model.parameters())
+
+        def after_touch() -> float:  # the weights read once (sum), then the prefill (timed alone)
+            with torch.inference_mode():
+                for q in params:
+                    q.sum()
+            return prefill()
+
+        def after_forward() -> float:  # a one-token forward first, then the prefill (timed alone)
+            eng.generate([prompt[:1]], SamplingParams(max_tokens=1))
+            return prefill()
+
         for _ in range(20):
             prefill()
         load0 = list(os.getloadavg())
         kinds = (("prefill, 1 thread", prefill, 1), ("prefill, 2 threads", prefill, 2),
+                 ("prefill after reading the weights", after_touch, 1),
+                 ("prefill after a 1-token forward", after_forward, 1),
                  ("thread wake-up", wake, 1), ("python work", work, 1))
         for _ in range(args.repeats):
             for name, fn, n in kinds:
@@ -93,7 +108,7 @@ def main() -> int:
            "range_ms": {n: {str(g): [min(v), max(v)] for g, v in d.items()} for n, d in out.items()}}
     for n, d in res["median_ms"].items():
         base = d["0.0"]
-        print(f"{n:18s} " + "  ".join(f"after {g} s: {v:7.3f} ms (x{v / base:.2f})" for g, v in d.items()))
+        print(f"{n:34s} " + "  ".join(f"after {g} s: {v:7.3f} ms (x{v / base:.2f})" for g, v in d.items()))
     print(f"load average {res['load_average_start']} -> {res['load_average_end']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
