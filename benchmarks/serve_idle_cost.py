@@ -1,11 +1,13 @@
-"""What an idle pause costs the work of a request on this machine, without the server: after a pause of
-0, 0.05, 0.3 and 1 s, (1) the engine's prefill of a 25-token prompt (one output token) on the tiny target,
-torch on one and on two threads, and on one thread right after reading every weight once (870 KB for
-the tiny target: warm data) or right after a one-token forward (warm code paths); (2) the wake-up of another Python thread (threading.Event.set -> the
-waiter running: the hand-off the server makes between its event loop and its engine thread); (3) a fixed
-piece of pure-Python work (no torch, no threads). Each kind interleaved with the others, `--repeats`
-times; medians and ranges, ms. A first request always comes after a pause (the server sits idle between
-its announcement and a client's first request), so this is the part of its TTFT that no warm-up removes.
+"""What an idle pause costs the work of a request on this machine, without the server.
+
+After a pause of 0, 0.05, 0.3 and 1 s: (1) the engine's prefill of a 25-token prompt (one output
+token) on the tiny target, torch on one and on two threads, and on one thread right after reading
+every weight once (870 KB for the tiny target: warm data) or right after a one-token forward (warm
+code paths); (2) the wake-up of another Python thread (threading.Event.set -> the waiter running: the
+hand-off the server makes between its event loop and its engine thread); (3) a fixed piece of
+pure-Python work (no torch, no threads). Each kind interleaved with the others, `--repeats` times;
+medians and ranges, ms. A first request always comes after a pause (the server sits idle between its
+announcement and a client's first request), so this is the part of its TTFT that no warm-up removes.
 
     python benchmarks/serve_idle_cost.py --repeats 8
 """
