@@ -103,7 +103,8 @@ def main() -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--drafter", default="tiny")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="off,async")
+    ap.add_argument("--modes", default="off,async",
+                    help="serve modes (off, sync, async, cache); MODE:tN runs it with `--threads N` (N or auto)")
     ap.add_argument("--cold-modes", default="", help="modes also measured without the warm-up")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--warm", type=int, default=5, help="warm requests after the first")
@@ -119,6 +120,7 @@ def main() -> int:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "argv": sys.argv[1:], "machine": machine_info(), "runs": {}, "summary": {}}
     t0 = time.perf_counter()
+    result["load_average_start"] = list(os.getloadavg())
     for rep in range(args.repeats):
         for mode, warm in variants:
             name = mode if warm else f"{mode}, no warm-up"
@@ -130,7 +132,8 @@ def main() -> int:
                     run = asyncio.run(first_then_warm(srv.url, prompt, args.warm, args.idle, gap))
                 finally:
                     srv.stop()
-                run.update({"start_s": srv.start_s, "prompt_tokens": len(prompt) if kind == "long" else len(SHORT)})
+                run.update({"load_average": list(os.getloadavg()), "start_s": srv.start_s,
+                             "prompt_tokens": len(prompt) if kind == "long" else len(SHORT)})
                 result["runs"].setdefault(name, {}).setdefault(kind, []).append(run)
                 print(f"[{rep}] {name:18s} {kind:5s} ({run['prompt_tokens']} tokens): first {run['first_ms']:8.1f} ms, "
                       f"warm median {statistics.median(run['warm_ms']):8.1f} ms (x{run['first_over_warm']:.2f}; "
@@ -151,6 +154,7 @@ def main() -> int:
                   f"x{s['first_over_after_idle_max']:.2f}); "
                   f"{s['within_10_percent']}/{s['repeats']} within 10 %")
     result["wall_s"] = time.perf_counter() - t0
+    result["load_average_end"] = list(os.getloadavg())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

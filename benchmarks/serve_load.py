@@ -7,7 +7,10 @@ Every mode's server process starts on loopback (all up at once, in one run); the
   * load: at each concurrency C, `--requests` (default 2 C, at least 8) streaming requests of
     fixed prompts, at most C in flight, greedy, `--max-tokens` each, in every mode back to back
     before the next level (interleaved: a shared machine's drift hits the modes alike).
-Per level: output tokens/s (all completion tokens over the level's wall time), TTFT p50/p99 (to
+Modes: off, sync, async, and cache (async with the speculation cache, `serve --spec-cache F`: the
+worker pre-drafts `--fanout` branches per request during each verify; its rows also give the cache's
+hit rate from each response's usage). Per level: output tokens/s (all completion tokens over the
+level's wall time), TTFT p50/p99 (to
 the first chunk with text: a partial UTF-8 character is held back until complete),
 inter-token latency p50/p99 (gaps between a stream's chunks: one chunk per engine step, which
 carries 1 + accepted drafts tokens), TPOT (e2e - TTFT over tokens - 1), acceptance (accepted /
@@ -55,9 +58,15 @@ def prompts(n: int, fixed: list | None = None) -> list:
 class Server:
     def __init__(self, args, mode: str, warmup: bool) -> None:
         fd, self.log_path = tempfile.mkstemp(prefix="serve-load-", suffix=".log")
-        # a mode named MODE-fixed is MODE at --depth fixed (always k drafts), beside MODE at --depth auto
+        # a mode named MODE-fixed is MODE at --depth fixed (always k drafts), beside MODE at --depth auto;
+        # cache is async with the speculation cache (`--spec-cache --fanout`: every step asks k drafts);
+        # MODE:tN is MODE with `--threads N` (N or auto: the target's torch threads)
+        mode, _, threads = mode.partition(":t")
         mode, depth = mode.split("-", 1) if "-" in mode else (mode, "auto")
-        cmd = [sys.executable, "-m", "draftrelay", "serve", "--port", "0", "--mode", mode, "--depth", depth,
+        cache = ["--spec-cache", str(args.fanout)] if mode == "cache" else []
+        mode = "async" if cache else mode
+        cmd = [sys.executable, "-m", "draftrelay", "serve", "--port", "0", "--mode", mode, "--depth", depth, *cache,
+               *(["--threads", threads] if threads else []),
                "--model", args.model,
                "--drafter", args.drafter, "--device", args.device, "--max-batch", str(args.max_batch),
                "--max-queue", "256", "--k", str(args.k), *(["--max-model-len", str(args.max_model_len)]
@@ -150,6 +159,9 @@ async def load_level(url: str, conc: int, n_req: int, max_tokens: int, fixed: li
     accepted = sum(r["spec"]["num_accepted_tokens"] for r in res)
     steps = sum(r["spec"]["num_drafts"] for r in res)
     tokens = sum(r["tokens"] for r in res)
+    # the speculation cache's lookups and hits of these requests (their usage; cache servers only)
+    cache = [r["spec"]["spec_cache"] for r in res if "spec_cache" in r["spec"]]
+    lookups = sum(c["lookups"] for c in cache)
     return {"concurrency": conc, "requests": n_req, "wall_s": wall, "output_tokens": tokens,
             "output_tokens_per_s": tokens / wall, "ttft_ms_p50": p(ttft, 50), "ttft_ms_p99": p(ttft, 99),
             "itl_ms_p50": p(gaps, 50), "itl_ms_p99": p(gaps, 99),
@@ -157,7 +169,9 @@ async def load_level(url: str, conc: int, n_req: int, max_tokens: int, fixed: li
             "e2e_ms_p50": p([r["e2e_s"] for r in res], 50),
             "acceptance": accepted / drafted if drafted else 0.0,
             "accepted_per_draft_step": accepted / steps if steps else 0.0,
-            "tokens_per_chunk": tokens / max(1, len(gaps) + len(res)), "rounds": rounds}
+            "tokens_per_chunk": tokens / max(1, len(gaps) + len(res)), "rounds": rounds,
+            **({"cache_lookups": lookups, "cache_hits": sum(c["hits"] for c in cache),
+                "cache_hit_rate": sum(c["hits"] for c in cache) / lookups if lookups else 0.0} if cache else {})}
 
 
 PHASES = ("time_to_first_token", "request_queue_time", "request_prefill_time")
@@ -232,7 +246,8 @@ def measure_level(url: str, c: int, args, fixed: list | None, label: str, row: d
           f"{lv['ttft_ms_p50']:7.1f}/{lv['ttft_ms_p99']:7.1f} ms  ITL p50/p99 {lv['itl_ms_p50']:6.1f}/"
           f"{lv['itl_ms_p99']:6.1f} ms  TPOT {lv['tpot_ms_mean']:5.1f} ms  acceptance "
           f"{lv['acceptance']:.2f} ({lv['accepted_per_draft_step']:.2f}/step, {lv['tokens_per_chunk']:.2f} tokens "
-          f"per chunk)  rounds {json.dumps(lv['rounds'])}", flush=True)
+          f"per chunk)  rounds {json.dumps(lv['rounds'])}"
+          + (f"  cache hits {lv['cache_hits']}/{lv['cache_lookups']}" if "cache_lookups" in lv else ""), flush=True)
 
 
 def measure(url: str, ctx: int, args, fixed: list | None, label: str, row: dict) -> dict:
@@ -249,7 +264,9 @@ def main() -> int:
     ap.add_argument("--drafter", default="tiny")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--modes", default="off,sync,async",
-                    help="round modes; MODE-fixed: that mode at --depth fixed (the others run --depth auto)")
+                    help="round modes (off, sync, async, cache: async with the speculation cache); MODE-fixed: "
+                         "that mode at --depth fixed (the others run --depth auto)")
+    ap.add_argument("--fanout", type=int, default=8, help="branches per request of the cache mode (--spec-cache F)")
     ap.add_argument("--cold-modes", default="async", help="modes also started without warm-up (TTFT only)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=1,

@@ -11,7 +11,17 @@ use; `--warm-max-kv`: at start only for contexts up to that many tokens), and th
 frozen as serve freezes it (`--gc-freeze 0`: not). Replay models exist only here:
 `draftrelay serve` cannot load one. Every figure is labelled "replayed acceptance of <pair>".
 
-For each mode (off, sync, async; one engine each, side by side in one run, the worker shared) the
+Modes: off, sync, async, and cache (async rounds with the speculation cache, `draftrelay serve
+--mode async --spec-cache F`, F = `--fanout`; its rounds run on the host stream, as serve runs them,
+and its branches are selected on the host). Where the drafter runs (`--placement`): `same`, the
+worker process on this GPU (as serve's local worker; the cache declines such a worker, so here it is
+forced on, `spec_options shared_gpu`, and its rows say so), or `emulated`, a drafter on an emulated
+second device for every drafting mode: a CPU worker process `replay:TRACE:emulated=COST.json` that
+spends as wall time the seconds the real drafter's STEP and branch work measured on this device
+(`replay_headline.measure_costs`, run here first). The cache's figures belong to `emulated`: the
+design puts the drafter on hardware of its own.
+
+For each mode (one engine each, side by side in one run, the worker shared) the
 server is warmed up and measured by `benchmarks/serve_load.py --url` in a separate process (the
 client does not share this process's interpreter lock): the first request's TTFT against warm ones at
 a short prompt and at `--long-len` tokens, then concurrency 1, 4, 16 of streaming requests whose
@@ -20,8 +30,13 @@ prompts are checked against the trace's tokens (the acceptance then is the recor
 JSON is written after every mode.
 
     python benchmarks/serve_replay.py --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json     # H200
-    python benchmarks/serve_replay.py --device cpu --target tiny --drafter tiny --long-len 2048 \\
-        --trace T.json --out /tmp/r.json                                                    # CPU dry run
+    python benchmarks/serve_replay.py --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json \\
+        --modes off,sync,cache --placement emulated                               # H200, the cache's setting
+    python benchmarks/serve_replay.py --device cpu --target tiny --drafter tiny --long-len 256 \\
+        --trace synthetic --modes off,sync,async,cache --concurrency 1,4 --out /tmp/r.json   # CPU dry run
+
+`--trace synthetic`: a trace of random sequences over the tiny models' vocabulary whose drafter guesses
+the target's token 70 % of the time (the CPU dry run; its figures measure nothing real).
 """
 
 from __future__ import annotations
@@ -129,13 +144,65 @@ async def check_outputs(url: str, prompts: list[list[int]], want: list[list[int]
     return {"requests": len(prompts), "outputs_equal_trace": sum(equal)}
 
 
+def emulated_worker(args, dev, inner: str, model_id: str, max_len: int, max_tokens: int, tmp: str, result: dict):
+    """A drafter on an emulated second device: the real drafter's STEP and branch-work seconds measured on
+    `dev` (replay_headline.measure_costs) for the batch sizes and contexts the runs reach, then a CPU
+    worker process that spends them as wall time (the nearest measured entry for anything else)."""
+    from replay_headline import measure_costs
+
+    t0 = time.perf_counter()
+    # few shapes (each one costs the drafter's planning and captures on a GPU): the nearest entry serves the rest
+    jobs = sorted({1, min(4, args.max_batch), args.max_batch})
+    contexts = [max(32, max_tokens + 64)]
+    cost = measure_costs(inner, str(dev), contexts, jobs, args.k, max_len + 64, args.cost_iters, [args.fanout])
+    cpath = os.path.join(tmp, "cost.json")
+    cost.save(cpath)
+    result["cost_measure_s"] = time.perf_counter() - t0
+    result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}
+    result["prefetch_cost_ms"] = {f"{j}x{f}xk{k}@{kv}": 1e3 * s for (j, f, k, kv), s in sorted(cost.prefetch.items())}
+    print(f"emulated second device: costs measured in {result['cost_measure_s']:.1f} s: "
+          f"STEP {result['cost_table_ms']}, branch work {result['prefetch_cost_ms']}", flush=True)
+    return start_worker_process(["--model", f"replay:{os.path.abspath(args.trace)}:emulated={cpath}",
+                                 "--model-id", model_id, "--device", "cpu", "--max-ctx", str(max_len + 64),
+                                 "--rows", str(2 * args.max_batch + 2), "--max-requests", str(args.max_batch),
+                                 "--n-out-max", str(max(8, args.k))], timeout=120, env={"OMP_NUM_THREADS": "1"})
+
+
+def synthetic_trace(path: str, n: int = 8, length: int = 160, vocab: int = 256, hit: float = 0.7) -> str:
+    """`--trace synthetic`: random target sequences; the drafter's top guess is the target's token with
+    probability `hit`, else its second guess is (written to `path`)."""
+    import numpy as np
+
+    from draftrelay.replay import TraceEntry
+
+    rng = np.random.default_rng(0)
+    entries = []
+    for i in range(n):
+        target = [int(x) for x in rng.integers(0, vocab, length)]
+        top = []
+        for t in target:
+            first = t if rng.random() < hit else int((t + 1 + rng.integers(0, vocab - 1)) % vocab)
+            rest = [int(x) for x in rng.choice([v for v in range(vocab) if v not in (first, t)], 3, replace=False)]
+            if first != t:
+                rest[0] = t
+            top.append([first, *rest])
+        entries.append(TraceEntry([int(x) for x in rng.integers(0, vocab, 14 + 2 * i)], target, top, name=f"s{i}"))
+    Trace(pair="synthetic pair (random tokens, 70 % top-1)", top_f=4, entries=entries, vocab_size=vocab).save(path)
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", required=True)
+    ap.add_argument("--trace", required=True, help="a trace file, or 'synthetic' (tiny models' vocabulary)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--target", default="qwen2.5-7b", help="qwen2.5-7b or tiny (shape of the replay target)")
     ap.add_argument("--drafter", default="qwen2.5-0.5b", help="qwen2.5-0.5b or tiny (shape of the replay drafter)")
-    ap.add_argument("--modes", default="off,sync,async")
+    ap.add_argument("--modes", default="off,sync,async", help="off, sync, async, cache (async + speculation cache)")
+    ap.add_argument("--fanout", type=int, default=8, help="branches per request of the cache mode")
+    ap.add_argument("--placement", default="same", choices=["same", "emulated"],
+                    help="same: the worker on this device; emulated: a drafter on an emulated second device "
+                         "(measured costs spent as wall time by a CPU worker)")
+    ap.add_argument("--cost-iters", type=int, default=5, help="repeats per measured cost of --placement emulated")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=0, help="requests per level (0: serve_load's default)")
     ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (0: the trace's length)")
@@ -157,11 +224,19 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_replay_h200_all_modes.json"))
     args = ap.parse_args()
     t_start = time.perf_counter()
+    tmp = tempfile.mkdtemp(prefix="draftrelay-serve-replay-")
+    if args.trace == "synthetic":
+        args.trace = synthetic_trace(os.path.join(tmp, "synthetic_trace.json"))
     trace = Trace.load(args.trace)
     dev = L.pick_device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     graphs = dev.type == "cuda" and not args.no_graphs
     modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in ("off", "sync", "async", "cache")]
+    if bad:
+        ap.error(f"--modes: unknown mode(s) {bad} (off, sync, async, cache)")
+    if not 1 <= args.fanout <= 64:
+        ap.error(f"--fanout must be within [1, 64], got {args.fanout}")
     max_tokens = args.max_tokens or min(len(e.target) for e in trace.entries)
     label = f"replayed acceptance of {trace.pair}"
     result = {"label": label, "machine": {**machine_info(), "device": str(dev)}, "args": vars(args),
@@ -173,7 +248,6 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    tmp = tempfile.mkdtemp(prefix="draftrelay-serve-replay-")
     longest = max(len(e.prompt) for e in trace.entries) + max_tokens
     max_model_len = max(args.long_len + 32, longest + 8)
     max_len = max_model_len + args.k + 1  # as `draftrelay serve`: the row also holds the last verify's drafts
@@ -185,7 +259,9 @@ def main() -> int:
         model_id = os.path.basename(inner)
     worker = None
     t_worker = time.perf_counter()
-    if any(m != "off" for m in modes):  # started first: it loads while the target is built
+    if any(m != "off" for m in modes) and args.placement == "emulated":
+        worker = emulated_worker(args, dev, inner, model_id, max_len, max_tokens, tmp, result)
+    elif any(m != "off" for m in modes):  # started first: it loads while the target is built
         worker = start_worker_process(["--model", f"replay:{os.path.abspath(args.trace)}:{inner}", "--device", str(dev),
                                        "--max-ctx", str(max_len + 64), "--rows", str(2 * args.max_batch + 2),
                                        "--max-requests", str(args.max_batch), "--n-out-max", str(max(8, args.k)),
@@ -217,18 +293,26 @@ def main() -> int:
             row: dict = {}
             result["modes"][mode] = row
             h = None
+            cache = mode == "cache"
             if mode != "off":
                 spec = L.worker_spec(worker.host, worker.port, model_id, "", args.k, args.max_batch)
-                h = L.handoff_config(spec, dev, args.deadline_ms, True,
+                # as `draftrelay serve --spec-cache`: the cache's rounds on the host stream
+                h = L.handoff_config(spec, dev, args.deadline_ms, args.placement == "same", host_rounds=cache,
                                      max_tokens=round_tokens(args.max_batch, EngineConfig.max_round_tokens, args.k))
-            cfg = EngineConfig(mode=mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
-                               graphs=graphs)
+            cfg = EngineConfig(mode="async" if cache else mode, n_draft=args.k, max_batch=args.max_batch,
+                               max_len=max_len, handoff=h, graphs=graphs, spec_fanout=args.fanout if cache else 0,
+                               # a worker on this GPU: the cache would decline it; forced on, and said so
+                               spec_options={"shared_gpu": True} if cache and args.placement == "same" else {})
             t0 = time.perf_counter()
             try:
                 with Engine(target, cfg) as eng:
                     use_batch_depth(eng, args.depth == "auto")  # as `draftrelay serve`
                     row["engine_start_s"] = time.perf_counter() - t0
                     row["round_mode"] = eng.round_mode
+                    row["placement"] = args.placement if mode != "off" else ""
+                    if eng.spec_cache is not None:
+                        row["spec_cache_refusal"] = eng.spec_cache.refusal
+                        row["spec_cache_forced_on_shared_gpu"] = args.placement == "same"
                     srv = Served(eng, f"{args.target}-replay", max_model_len)
                     row["warm_up"] = srv.warm
                     try:
@@ -256,6 +340,8 @@ def main() -> int:
                         row["trace_check"] = asyncio.run(check_outputs(
                             srv.url, prompts, [e.target for e in trace.entries], max_tokens))
                         row["handoff"] = srv.sched.handoff
+                        if eng.spec_cache is not None:
+                            row["spec_cache"] = eng.spec_cache.stats()
                         if eng.depth is not None:
                             row["depth"] = eng.depth.summary()
                         row["gc"] = {"collections": list(srv.metrics.gc.count),
@@ -278,12 +364,13 @@ def main() -> int:
             worker.stop()
     result["wall_s"] = time.perf_counter() - t_start
     table = [label, "mode | concurrency | output tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | accepted/drafted | "
-                    "tokens per chunk | rounds"]
+                    "tokens per chunk | rounds (| cache hit rate)"]
     for mode, row in result["modes"].items():
         for lv in row.get("levels", []):
             table.append(f"{mode} | {lv['concurrency']} | {lv['output_tokens_per_s']:.0f} | {lv['ttft_ms_p50']:.1f} / "
                          f"{lv['ttft_ms_p99']:.1f} | {lv['itl_ms_p50']:.1f} / {lv['itl_ms_p99']:.1f} | "
-                         f"{lv['acceptance']:.2f} | {lv['tokens_per_chunk']:.2f} | {json.dumps(lv.get('rounds', {}))}")
+                         f"{lv['acceptance']:.2f} | {lv['tokens_per_chunk']:.2f} | {json.dumps(lv.get('rounds', {}))}"
+                         + (f" | cache hits {100 * lv['cache_hit_rate']:.0f} %" if "cache_hit_rate" in lv else ""))
     result["table"] = table
     save()
     print("\n".join(table))

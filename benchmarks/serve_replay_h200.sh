@@ -7,7 +7,8 @@
 #   OUT=DIR     where the JSON and the logs go, written as the run goes (default /tmp/serve-replay;
 #               the JSON belongs in benchmarks/results/serve_replay_h200_all_modes.json)
 #   BUDGET=S    seconds after which no further mode is started (default 270: set-up ~50 s, each mode 60-80 s)
-#   MODES=LIST  the modes to run, in order (default off,sync,async)
+#   MODES=M     the modes (default off,sync,async; cache: async + the speculation cache, FANOUT=F branches)
+#   PLACEMENT=P same (default: the worker on this GPU) or emulated (a drafter on an emulated second device)
 set -o pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -22,5 +23,6 @@ python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { echo "build
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import fastapi, uvicorn, draftrelay.serve.app, torch; print('imports ok', torch.cuda.get_device_name())" || exit 5
 timeout -k 5 $(( ${BUDGET:-270} + 20 )) python3 benchmarks/serve_replay.py \
-    --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json --budget-s "${BUDGET:-270}" --modes "${MODES:-off,sync,async}" \
+    --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json --budget-s "${BUDGET:-270}" \
+    --modes "${MODES:-off,sync,async}" --placement "${PLACEMENT:-same}" --fanout "${FANOUT:-8}" \
     --out "$OUT/serve_replay_h200.json" 2>&1 | tee "$OUT/serve_replay.log"

@@ -60,6 +60,7 @@ class Request:
     pos_tries: list[int] = field(default_factory=list)
     pos_hits: list[int] = field(default_factory=list)
     rounds: Counter = field(default_factory=Counter)  # ok / failed / watchdog / target_only
+    cache: Counter = field(default_factory=Counter)  # speculation-cache lookups / hits of this request
     gen: torch.Generator | None = None
 
     @property

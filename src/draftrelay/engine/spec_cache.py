@@ -314,6 +314,8 @@ class SpecCache:
             entry = table.entry(r.id) if table is not None else None
             new = r.tokens(r.synced, r.seq_len)
             b = TB.select(entry, r.id, r.generation, r.synced, new) if entry is not None else -1
+            r.cache["lookups"] += 1  # per request too: the server's usage carries them
+            r.cache["hits"] += b >= 0
             if b >= 0:
                 hits[i] = entry.branch_drafts[b, :plan.n_out[i]].tolist()
                 self.c["hits"] += 1

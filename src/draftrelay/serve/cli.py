@@ -43,7 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: per batch size, speculate (--k drafts) where it measures faster than plain "
                         "decoding, else not; fixed: always --k")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--threads", default="0", metavar="N|auto",
+                   help="CPU: torch threads of the target's forward (0: torch's own count; auto: one or all, "
+                        "whichever the engine measures faster, per step)")
     p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
+    p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
+                   help="speculation cache (--mode async): the worker pre-drafts F branches per request during "
+                        "each verify (no value: 8); every step then asks --k drafts (--depth is not used)")
     p.add_argument("--max-round-tokens", type=int, default=4096,
                    help="prompt tokens one round sends the drafter (a longer prompt catches up over several)")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
@@ -77,6 +83,14 @@ def _check(args: argparse.Namespace) -> str:
         return f"--worker-warm-max-kv must be >= 0, got {args.worker_warm_max_kv}"
     if not args.deadline_ms > 0:
         return f"--deadline-ms must be > 0, got {args.deadline_ms}"
+    if not 0 <= args.spec_cache <= 64:
+        return f"--spec-cache must be 0-64 branches per request (0: off), got {args.spec_cache}"
+    if args.spec_cache and args.mode != "async":
+        return f"--spec-cache needs --mode async (got --mode {args.mode})"
+    if not (args.threads == "auto" or (args.threads.isdigit() and int(args.threads) <= 1024)):
+        return f"--threads must be 'auto' or a thread count (0: torch's own), got {args.threads!r}"
+    if args.spec_cache and args.k < 1:
+        return f"--spec-cache needs --k >= 1 (drafts to branch), got --k {args.k}"
     return ""
 
 
@@ -143,10 +157,12 @@ def use_batch_depth(eng, on: bool = True) -> None:
     """`--depth auto`: the engine's steps speculate at k or not at all, by batch size, as the
     measured rates say (engine.depth.BatchDepthPolicy; the scheduler tells it the batch before each
     step and the step's time and tokens after it). The engine runs with depth "fixed" (verify graphs
-    for widths 1 and k + 1 only: the two it can then run) and this policy in its `depth` slot."""
+    for widths 1 and k + 1 only: the two it can then run) and this policy in its `depth` slot. An
+    active speculation cache drafts k at every step (its steps take no depth), so it gets none."""
     from draftrelay.engine.depth import BatchDepthPolicy
 
-    if on and eng.rounds is not None and eng.cfg.n_draft > 0:
+    cache = eng.spec_cache is not None and eng.spec_cache.active
+    if on and eng.rounds is not None and eng.cfg.n_draft > 0 and not cache:
         eng.depth = BatchDepthPolicy(eng.cfg.n_draft)
 
 
@@ -155,6 +171,12 @@ def round_tokens(max_batch: int, max_round_tokens: int, k: int) -> int:
     prompt at once (max_round_tokens each) or sending its accepted tokens (k + 1 at most). The
     hand-off region's staging is sized by it; a smaller one would refuse such a round."""
     return max_batch * (max_round_tokens + k + 1)
+
+
+def cache_line(w: dict) -> str:
+    """The warm-up's speculation-cache paths, for the start-up line."""
+    return (f"{w['hits']}/{w['lookups']} hits, {w['fast_steps']} verifies without a wait, {w['waited_steps']} "
+            f"waited, {w['cancelled_in_flight']} cancelled with a round in flight")
 
 
 def _exit_on_term(signum, frame):
@@ -258,10 +280,14 @@ def run(args: argparse.Namespace) -> int:
             if why:
                 say(f"the worker refused us: {why}")
                 return 1
-            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker,
+            # the speculation cache selects its branches on the host: on a GPU its rounds run on the host
+            # stream (loading.handoff_config host_rounds)
+            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker, host_rounds=bool(args.spec_cache),
                                  max_tokens=round_tokens(args.max_batch, args.max_round_tokens, args.k))
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
-                           graphs=args.graphs, max_round_tokens=args.max_round_tokens)
+                           graphs=args.graphs, max_round_tokens=args.max_round_tokens,
+                           spec_fanout=args.spec_cache,
+                           threads=args.threads if args.threads == "auto" else int(args.threads))
         try:
             sock = listen(args.host, args.port)
         except OSError as exc:
@@ -272,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
             use_batch_depth(eng, args.depth == "auto")
             if eng.rounds is not None and eng.rounds.refusal:
                 say(f"async refused, serving sync rounds: {eng.rounds.refusal}")
+            if eng.spec_cache is not None and not eng.spec_cache.active:
+                say(f"speculation cache off, serving ordinary async rounds: {eng.spec_cache.refusal}")
             sched = None
             metrics = ServeMetrics(name, lambda: sched.handoff if sched else {"mode": "off"})
             sched = Scheduler(eng, metrics, args.max_queue)
@@ -284,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
                     cap = args.warmup_prompt_len or (0 if dev.type == "cuda" else CPU_WARMUP_PROMPT)
                     w = sched.start(lambda: warm_up(eng, max_model_len, long_prompt=cap))
                     say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
-                        f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''})"
+                        f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''}"
+                        + (f", speculation cache: {cache_line(w['spec_cache'])}" if "spec_cache" in w else "") + ")"
                         + ("" if w["rounds_healthy"] else "; rounds to the drafter still fail (decoding target-only "
                            "until they succeed)")
                         + (f"; {kernels.plan_stats().line()}" if "kernel_plan" in w else ""))
@@ -300,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
                     # start-up heap during some request (and hold the engine thread meanwhile)
                     freeze_startup_objects()
                     metrics.gc.start()  # the pauses clients may see, from here on
-                    say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}, max "
+                    cache = eng.spec_cache is not None and eng.spec_cache.active
+                    say(f"listening on http://{args.host}:{bound} (model {name!r}, mode {eng.round_mode}"
+                        f"{f' + speculation cache F={eng.spec_cache.fanout}' if cache else ''}, max "
                         f"batch {args.max_batch}, context {max_model_len}, chat template: {template_from})"
                         + (f"; warning: the start-up request failed: {why}" if why else ""))
 

@@ -36,6 +36,8 @@ from .textstream import TextStream
 log = logging.getLogger("draftrelay.serve")
 
 SEED_MASK = (1 << 63) - 1
+# the speculation cache's wait times kept per kind (hit, miss): its wait figures describe the recent steps
+WAIT_WINDOW = 4096
 
 
 @dataclass
@@ -72,8 +74,9 @@ class Job:
             pass
 
 
-def usage_of(job: Job) -> dict:
-    """OpenAI usage plus this request's speculative figures (vLLM's spec-decode quantities)."""
+def usage_of(job: Job, cache: bool = False) -> dict:
+    """OpenAI usage plus this request's speculative figures (vLLM's spec-decode quantities); cache: with
+    the speculation cache's lookups and hits of this request (`spec_cache`)."""
     r = job.req
     prompt = len(job.gen.prompt_ids)
     out = len(r.output) if r is not None else 0
@@ -83,6 +86,8 @@ def usage_of(job: Job) -> dict:
             "num_accepted_tokens_per_pos": list(r.pos_hits) if r else [],
             "rounds": {k: r.rounds.get(k, 0) for k in ("ok", "failed", "watchdog", "target_only")} if r
             else {"ok": 0, "failed": 0, "watchdog": 0, "target_only": 0}}
+    if cache:
+        spec["spec_cache"] = {k: r.cache.get(k, 0) if r else 0 for k in ("lookups", "hits")}
     return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out, "spec_decode": spec}
 
 
@@ -181,6 +186,8 @@ class Scheduler:
                 self._admit(job)
             for job in gone:
                 self._cancel(job, "abort")
+            if gone and not eng.has_work():
+                settle_cache(eng)
             try:
                 if eng.waiting and eng.free_rows:
                     eng.prefill_waiting()  # the first token goes out now, not after the next decode step
@@ -250,7 +257,7 @@ class Scheduler:
         m = self.metrics
         m.labels(m.request_success, reason).inc()
         m.labels(m.e2e).observe(time.perf_counter() - job.t_arrive)
-        job.push(Event("done", finish_reason=reason, usage=usage_of(job)))
+        job.push(Event("done", finish_reason=reason, usage=usage_of(job, self.engine.spec_cache is not None)))
 
     def _harvest(self) -> None:
         """Hand each job what the last prefill or step produced; end the finished ones."""
@@ -287,6 +294,11 @@ class Scheduler:
         eng.finished.clear()  # the jobs hold their requests; the engine need not keep them
         if len(eng.timing["step"]) > 10_000:  # a server runs for ever: bound the step timers
             eng.reset_metrics()
+        sc = eng.spec_cache
+        if sc is not None and len(sc.wait_hit_s) + len(sc.wait_miss_s) > 2 * WAIT_WINDOW:
+            # and the cache's wait times (one per step; stats() takes their medians at every snapshot)
+            sc.wait_hit_s[:-WAIT_WINDOW] = []
+            sc.wait_miss_s[:-WAIT_WINDOW] = []
 
     def _count_spec(self, job: Job) -> None:
         """Add what the request's last step verified and accepted to the spec-decode counters."""
@@ -329,6 +341,15 @@ class Scheduler:
 
     def _snapshot(self) -> None:
         eng = self.engine
+        now = time.perf_counter()
+        # the hand-off counters for /metrics, read here (the engine's thread) at most 4 times a second;
+        # before the gauges: once /health says the engine is idle, /metrics has its counters of then
+        if eng.rounds is not None and (now - self._t_handoff > 0.25 or not eng.has_work()):
+            st = eng.rounds.stats()
+            if eng.spec_cache is not None:  # rendered as draftrelay_spec_cache_* (handoff.metrics)
+                st["spec_cache"] = eng.spec_cache.stats()
+            self.handoff = st
+            self._t_handoff = now
         running = len(eng.running)
         with self.cv:
             self.n_running, self.rows_free = running, len(eng.free_rows)
@@ -337,11 +358,14 @@ class Scheduler:
         m.labels(m.running).set(running)
         m.labels(m.waiting).set(waiting)
         m.labels(m.rows_free).set(len(eng.free_rows))
-        now = time.perf_counter()
-        # the hand-off counters for /metrics, read here (the engine's thread) at most 4 times a second
-        if eng.rounds is not None and (now - self._t_handoff > 0.25 or not eng.has_work()):
-            self.handoff = eng.rounds.stats()
-            self._t_handoff = now
+
+
+def settle_cache(eng: Engine) -> None:
+    """The engine went idle by a cancellation: collect the round a speculation-cache step left in flight
+    (a step that finishes the last request does so itself), so its result lands now, not whenever the
+    next request comes, and nothing of the cancelled requests is left pending on the engine's side."""
+    if eng.spec_cache is not None and eng.spec_cache.active and eng.rounds is not None:
+        eng.spec_cache.settle(eng)
 
 
 SWEEP_ALL = 64  # prefill lengths 1..64 one by one, then every SWEEP_STEP up to the prefill chunk
@@ -413,6 +437,8 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
     if long_prompt > 0:
         long_len = min(long_len, long_prompt)
     rounds_to_sync = -(-long_len // cfg.max_round_tokens)
+    cache = engine.spec_cache if engine.spec_cache is not None and engine.spec_cache.active else None
+    cache0 = _cache_counts(cache)
     t0 = time.perf_counter()
     lone = prompt(8, 1)
     engine.generate([lone], params(lone, 2 * k + 4))  # batch of one: what a first lone request does
@@ -435,6 +461,7 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
     n = cfg.max_batch
     stagger = [prompt(5 + 3 * i, 10 + i) for i in range(n)]
     engine.generate(stagger, [params(p, 2 * k + 4 + i * (k + 2)) for i, p in enumerate(stagger)])
+    cancelled = _warm_cache(engine, cache, prompt, params, settle_s) if cache is not None else 0
     # A slow drafter (a loaded CPU) may have missed deadlines on the long prompt and opened the
     # worker client's breaker; the server is ready once a round succeeds again.
     healthy = engine.rounds is None
@@ -448,8 +475,50 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
             "batch_sizes": n, "prefill_sweep": sweep,
             "catch_up_rounds": long_len > cfg.max_round_tokens and engine.rounds is not None,
             "rounds_healthy": healthy}
+    if cache is not None:  # the cache's paths the warm-up went through (counts over the warm-up)
+        done["spec_cache"] = {**{k: v - cache0[k] for k, v in _cache_counts(cache).items()},
+                              "cancelled_in_flight": cancelled}
     planned = kernels.plan_stats()
     if planned is not None:  # this process's kernel planning (engine start's captures and this warm-up)
         done["kernel_plan"] = planned.summary()
     engine.reset_metrics()
     return done
+
+
+def _cache_counts(cache) -> dict:
+    st = cache.stats() if cache is not None else {}
+    return {k: st.get(k, 0) for k in ("lookups", "hits", "fast_steps", "waited_steps")}
+
+
+def _warm_cache(engine: Engine, cache, prompt: Callable, params: Callable, settle_s: float) -> int:
+    """The speculation cache's paths a client's request can take beyond what the batches above ran
+    (hits and misses, verifies with and without a wait, a round settled by the next step or by the
+    step that finished the batch): a request cancelled while its round is in flight beside one that
+    goes on (the next step settles that round, carries the END, and the table follows the other
+    row), and one cancelled alone, which leaves the engine idle with a round in flight
+    (settle_cache, what the scheduler does then). Where no verify started without a wait, up to three
+    lone requests more (at most settle_s; a drafter that does not follow the warm-up's prompts never
+    hits, e.g. a replayed trace's). Returns the requests cancelled with a round in flight."""
+    k = engine.cfg.n_draft
+    t_end = time.perf_counter() + settle_s
+    cancelled = 0
+    for i, n in enumerate((2, 1)):
+        reqs = [engine.add_request(p, params(p, 6 * k + 8))
+                for p in (prompt(12 + 5 * j, 40 + 2 * i + j) for j in range(n))]
+        while engine.has_work():
+            fast = cache.stats()["fast_steps"]
+            engine.step()
+            if cache.stats()["fast_steps"] > fast and not reqs[0].done:  # its round is in flight now
+                engine.cancel(reqs[0])
+                cancelled += 1
+                break
+        if not engine.has_work():
+            settle_cache(engine)
+        while engine.has_work():
+            engine.step()
+    for i in range(3):  # no verify without a wait yet (tables late on a busy CPU): a few lone requests more
+        if cache.stats()["fast_steps"] or time.perf_counter() > t_end:
+            break
+        p = prompt(10, 60 + i)
+        engine.generate([p], params(p, 4 * k + 4))
+    return cancelled
