@@ -54,6 +54,7 @@ from draftrelay.handoff.branch_shm import TableShm
 from draftrelay.round import StampedRounds, Status
 from draftrelay.speculation import table as TB
 
+from .cache_guard import CacheGuard
 from .metrics import StepClock
 from .verify import VerifyInputs
 
@@ -138,7 +139,8 @@ class SpecCache:
     def __init__(self, fanout: int, branch_budget_ms: float | None = None, push_faults: dict | None = None,
                  capacity: int = 1 << 20, log: bool = False, wait_rule: str = "all",
                  shared_gpu: bool = False, adapt: bool = False, probe_steps: int = 16,
-                 adapt_margin: float = 0.02, reprobe_steps: int = 512, table_wait_ms: float | None = None) -> None:
+                 adapt_margin: float = 0.02, reprobe_steps: int = 512, table_wait_ms: float | None = None,
+                 guard: bool = True, guard_options: dict | None = None) -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
         if wait_rule not in WAIT_RULES:
@@ -154,6 +156,13 @@ class SpecCache:
             raise ValueError(f"spec-cache probe_steps must be >= 2 and reprobe_steps >= 1, got {probe_steps}, "
                              f"{reprobe_steps}")
         self.adapt = Adapt(probe_steps, adapt_margin, reprobe_steps) if adapt else None
+        # the guard (engine/cache_guard.py): per batch class, the fan-out or plain rounds, whichever measures
+        # faster; adapt=True (one probe of tables against none, for every batch alike) replaces it
+        self._guard_options = dict(guard_options or {})
+        self.guard: CacheGuard | None = None
+        if guard and not adapt:
+            self.guard = CacheGuard(fanout, **self._guard_options)  # options checked now, not at the first step
+        self._fanout_word: int | None = None  # what the table memory's fan-out word says (None: the spec's)
         self.branch_budget_ms = branch_budget_ms
         self.push_faults = push_faults
         self.shm = TableShm.create(capacity)
@@ -209,6 +218,10 @@ class SpecCache:
         else:
             self.active = True
             self._proxy_gen = rounds.generation
+            if self.guard is not None and not self.guard.classes:
+                # a worker on the engine's GPU (shared_gpu=True runs the cache there): the guard starts each
+                # batch class with plain rounds (measured faster there, SHARED_GPU_REFUSAL) and probes tables
+                self.guard.start_plain = bool(getattr(cfg, "worker_shares_gpu", False))
 
     @staticmethod
     def select_on_device(ok: torch.Tensor, prefix: torch.Tensor, prefix_len: torch.Tensor, drafts: torch.Tensor,
@@ -368,7 +381,8 @@ class SpecCache:
                 return None, why
             time.sleep(self.poll_s)
 
-    def _decode_early(self, eng, batch: list, clock, t_step: float, n_before: int, plan, table, why: str) -> None:
+    def _decode_early(self, eng, batch: list, clock, t_step: float, n_before: int, plan, table, why: str,
+                      steady: bool = True) -> None:
         """Wait rule "early" (see WAIT_RULES) once the table that followed the settled round is there (or
         known to be a miss): look each request that asks for drafts up in it; if any hit, the rows that hit
         verify their branch drafts and the rows that missed verify none, and round N, asking the hit rows
@@ -404,7 +418,7 @@ class SpecCache:
             self.c["asking_rows"] += len(asking)
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
-        self._after_step(eng, batch, fast, n_before, t_step)
+        self._after_step(eng, batch, fast, n_before, t_step, steady)
 
     def _go_fast(self, t, plan, bare: list[int], n_bare: int, t_wait: float) -> None:
         """A step that verifies without waiting: round t stays in flight (settled by the next step),
@@ -421,13 +435,54 @@ class SpecCache:
         self._collected(res)
         return res, drafts
 
-    def _after_step(self, eng, batch: list, fast: bool, n_before: int, t_step: float) -> None:
+    def _after_step(self, eng, batch: list, fast: bool, n_before: int, t_step: float, steady: bool = True) -> None:
         if fast and not eng.waiting and all(r.done for r in eng.running):
             self.settle(eng)  # no next step will: settle now, so the drafter's bookkeeping is complete
+        tokens, seconds = sum(len(r.output) for r in batch) - n_before, time.perf_counter() - t_step
         if self.adapt is not None:
-            paused = self.adapt.step(sum(len(r.output) for r in batch) - n_before, time.perf_counter() - t_step)
+            paused = self.adapt.step(tokens, seconds)
             if paused != self.shm.paused:
                 self.shm.set_paused(paused)
+        if self.guard is not None:
+            self.guard.observe(tokens, seconds, steady)
+
+    def _set_fanout(self, f: int | None) -> None:
+        """The fan-out the proxy's next STEP asks (None: the round spec's; 0: none)."""
+        if f == self.fanout:
+            f = None
+        if f != self._fanout_word:
+            self.shm.set_fanout(f)
+            self._fanout_word = f
+
+    def _steady(self, eng, plan) -> bool:
+        """Whether this step costs what the guard should learn from: some row asks drafts and no row's
+        round carries a catch-up (more than k + 2 tokens: a new request's prompt, tokens a plain step at
+        depth 0 left behind)."""
+        return any(plan.n_out) and max(len(x) for x in plan.send) <= eng.cfg.n_draft + 2
+
+    def _plain_step(self, eng, batch: list, clock, t_step: float, n_before: int) -> None:
+        """The guard chose plain rounds: the engine's ordinary step (the depth policy's k where it has one),
+        on this cache's rounds; the proxy sends its STEP without a fan-out."""
+        rounds = eng.rounds
+        self._tails.clear()
+        k = eng.depth.choose() if eng.depth is not None else None
+        plan = eng.planner.plan(batch, drafting=k != 0, k=k)
+        steady = self._steady(eng, plan)
+        t = res = None
+        if plan.asks:
+            with clock.part("submit"):
+                t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
+        inp = VerifyInputs.of(batch)
+        drafts: list[list[int]] = [[] for _ in batch]
+        if t:
+            with clock.part("wait"):
+                res, drafts = self._wait_round(eng, plan, t)
+        if any(plan.n_out):
+            self.c["plain_steps"] += 1
+        used = eng._verify_and_accept(batch, inp, drafts, res, plan.wanted, clock, n_out=plan.n_out)
+        if eng.depth is not None:
+            eng._observe_depth(plan, k, used, clock)
+        self._after_step(eng, batch, False, n_before, t_step, steady)
 
     def decode(self, eng, batch: list) -> None:
         """One step (Engine._decode with the cache active): settle the round left in flight, submit
@@ -442,8 +497,16 @@ class SpecCache:
         self._check_generation(rounds)
         with clock.part("wait"):
             self.settle(eng)
+        if self.guard is not None:
+            if "pooled" not in self._guard_options:  # own tokens where choices differ in what a step yields
+                self.guard.pooled = eng.depth is None and self.wait_rule != "early"
+            f = self.guard.choose(len(batch))
+            self._set_fanout(f)
+            if f == 0:
+                return self._plain_step(eng, batch, clock, t_step, n_before)
         stamp = self._stamp
         plan = eng.planner.plan(batch, drafting=True)
+        steady = self._steady(eng, plan)
         plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
         rule = self.wait_rule
         if rule == "early" and not plain and any(plan.n_out):
@@ -452,7 +515,7 @@ class SpecCache:
                 with clock.part("wait"):
                     table, why = self._table_now(stamp, self.table_wait_s)
             if table is not None or why not in ("absent", "torn"):
-                return self._decode_early(eng, batch, clock, t_step, n_before, plan, table, why)
+                return self._decode_early(eng, batch, clock, t_step, n_before, plan, table, why, steady)
             rule = "all"  # the table is not there yet: round N goes out now, as under "all"
         # rows with a round tail verify it, and round N asks each of them exactly that many drafts: then
         # round N's drafts are the tail itself (the drafter's continuation of the same context), so its
@@ -496,7 +559,7 @@ class SpecCache:
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
-        self._after_step(eng, batch, fast, n_before, t_step)
+        self._after_step(eng, batch, fast, n_before, t_step, steady)
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -523,6 +586,7 @@ class SpecCache:
             "epochs": self.c["epochs"],
             "plain_steps": self.c["plain_steps"],
             "adapt": self.adapt.stats() if self.adapt is not None else None,
+            "guard": self.guard.stats() if self.guard is not None else None,
         }
 
     def close(self, eng) -> None:
