@@ -84,6 +84,22 @@ def test_greedy_identical_with_the_cache(pair, reference, worker, max_batch, k):
     assert sc["request_rounds"] == sum(r["rounds"]["ok"] for r in m["requests"])
 
 
+@pytest.mark.parametrize("max_batch, rule", [(1, "all"), (4, "all"), (4, "early")])
+def test_confidence_stop_with_the_cache_is_greedy_identical(pair, reference, worker, max_batch, rule):
+    """The worker's confidence stop (round spec draft_stop: a round's drafts end after the first unsure
+    one) with the cache: rounds come back shorter than k, their tables still hold branches k deep that
+    offer what a stopped round would return, the hits verify exactly those (every settled hit round
+    returned the branch's drafts), and the output is target-only's."""
+    out, m, log = run(pair[0], spec_of(worker, draft_stop=0.9), F=8, max_batch=max_batch, log=True,
+                      wait_rule=rule, **({"table_wait_ms": 2000} if rule == "early" else {}))
+    assert out == reference
+    sc = m["total"]["spec_cache"]
+    assert sc["hits"] > 0 and sc["fast_steps"] > 0 and sc["hit_drafts_differ"] == 0, sc
+    assert m["total"]["rounds"]["failed"] == 0
+    assert any(e["drafts"] is not None and 0 < len(e["drafts"]) < 4 for e in log)  # the stop cut rounds short
+    assert sc["request_rounds"] == sum(r["rounds"]["ok"] for r in m["requests"]) + sc["bare_rows"]
+
+
 def test_a_miss_does_not_hold_back_the_rows_that_hit(pair, reference, worker):
     """Batch 4, F = 2 (many misses): under the per-row rule a step verifies the rows that hit on their
     branches and the others without drafts or on their round tail, not waiting for the round; output

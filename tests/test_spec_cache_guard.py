@@ -301,3 +301,16 @@ def test_proxy_sends_the_fanout_the_engine_writes():
         br.shm.close()
     finally:
         shm.close()
+
+
+def test_a_clearly_slower_challenger_loses_without_a_full_window():
+    """Plain rounds at 1.6x a cache step: the probe of them ends after min_probe booked steps (plus the
+    settling step), not after a window, and the cache is back; a challenger only a little slower (1.1x)
+    gets its full window."""
+    g = CacheGuard(8, arms=[8], window=6, min_probe=2, abort_ratio=1.3, settle=1)
+    seen = drive(g, lambda f, b: 0.016 if f == 0 else 0.010, 12)
+    assert seen[:6] == [8] * 6 and seen[6:9] == [0] * 3 and seen[9:] == [8] * 3, seen
+    h = CacheGuard(8, arms=[8], window=6, min_probe=2, abort_ratio=1.3, settle=1)
+    seen = drive(h, lambda f, b: 0.011 if f == 0 else 0.010, 14)
+    assert seen[6:13] == [0] * 7 and seen[13] == 8, seen
+    assert g.classes[1].best == 8 and h.classes[1].best == 8

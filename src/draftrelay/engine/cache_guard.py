@@ -20,7 +20,9 @@ the verify, the round and the branch step all grow with the batch:
     in `arms`; while the best is plain, the best-measured F), whichever was measured longest ago. A probe
     that confirms the best doubles the interval (up to `max_interval`); a probe that changes it resets
     the interval to `probe_every`. So exploration is bounded: one window per interval, and the
-    interval grows while nothing changes.
+    interval grows while nothing changes. A probe ends early, after `min_probe` booked steps, when the
+    challenger measures slower than the best by more than `abort_ratio` (a sequential step at 1.6 x a
+    cache step needs no full window to lose), so a clearly worse choice costs a few steps, not a window.
 
 A fan-out must beat plain rounds by `margin` to be chosen (ties go to the sequential step, which costs the
 worker nothing); one F replaces another only when it beats it by `margin` too.
@@ -81,7 +83,8 @@ class _Class:
 class CacheGuard:
     def __init__(self, fanout: int, arms: list[int] | tuple[int, ...] | None = None, window: int = 6,
                  probe_every: int = 32, max_interval: int = 512, margin: float = 0.03, settle: int = 1,
-                 max_rows: int = 32, start_plain: bool = False, pooled: bool = True) -> None:
+                 max_rows: int = 32, start_plain: bool = False, pooled: bool = True, min_probe: int = 2,
+                 abort_ratio: float = 1.3) -> None:
         cache_arms = sorted({int(a) for a in (arms if arms is not None else (fanout, fanout // 2)) if int(a) > 0})
         if not cache_arms:
             raise ValueError(f"cache guard: needs at least one fan-out > 0 among its choices, got {arms!r}")
@@ -91,6 +94,9 @@ class CacheGuard:
                              "max_interval >= probe_every and settle >= 0")
         if not margin >= 0:  # also refuses NaN
             raise ValueError(f"cache guard: margin must be >= 0, got {margin!r}")
+        if min_probe < 1 or not abort_ratio >= 1:
+            raise ValueError(f"cache guard: min_probe {min_probe} must be >= 1 and abort_ratio {abort_ratio!r} >= 1")
+        self.min_probe, self.abort_ratio = min_probe, abort_ratio
         self.cache_arms = cache_arms  # ascending
         self.window, self.probe_every, self.max_interval = window, probe_every, max_interval
         self.margin, self.settle, self.max_rows = margin, settle, max_rows
@@ -191,13 +197,21 @@ class CacheGuard:
         c.add(arm, tokens, seconds)
         if c.probe is not None and arm == c.probe:
             c.probe_left -= 1
-            if c.probe_left <= 0:
+            if c.probe_left <= 0 or self._clearly_slower(c):
                 self._decide(c)
         elif arm == c.best:
             c.since += 1
             if c.full(c.best) and (c.todo or c.since >= c.interval):
                 c.probe = self._challenger(c)
                 c.probe_left = self.window
+                c.win.pop(c.probe, None)  # the probe decides on its own steps, not on ones measured long ago
+
+    def _clearly_slower(self, c: _Class) -> bool:
+        """Whether the probe has measured min_probe steps, all told slower than the best by abort_ratio."""
+        if len(c.win.get(c.probe, ())) < self.min_probe:
+            return False
+        rp, rb = self.rate(c, c.probe), self.rate(c, c.best)
+        return rp is not None and rb is not None and rp * self.abort_ratio < rb
 
     # -- metrics ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -211,7 +225,7 @@ class CacheGuard:
                       "tok_s": {a: round(r, 2) for a in self.arms if (r := self.rate(c, a)) is not None},
                       "probes": c.probes, "decisions": list(c.decisions[-16:]), "interval": c.interval}
         return {"arms": self.arms, "by_batch": out, "switches": self.switches, "pooled": self.pooled,
-                "window": self.window, "margin": self.margin}
+                "window": self.window, "margin": self.margin, "abort_ratio": self.abort_ratio}
 
     def reset(self) -> None:
         """Forget every measurement (a new workload); the proxy's current fan-out stays as it is."""

@@ -170,7 +170,9 @@ class SpecCache:
         self.refusal = ""
         self.vocab = 0
         self.poll_s = POLL_S
-        self._inflight = None  # (rid, RoundPlan, rows verified without drafts) of a round not waited for
+        # (rid, RoundPlan, rows verified without drafts, {row: the branch drafts it verified}) of a round not
+        # waited for
+        self._inflight = None
         # request id -> (generation, base, drafts): the drafts of the settled round for a row that verified
         # without drafts while that round was in flight; usable at the next step only (see _tail)
         self._tails: dict[int, tuple[int, int, list[int]]] = {}
@@ -266,11 +268,13 @@ class SpecCache:
         (planner.settle) exactly as a waited-for round's does."""
         if self._inflight is None:
             return
-        rid, plan, bare = self._inflight
+        rid, plan, bare, used = self._inflight
         self._inflight = None
         res = self._result(eng.rounds, rid)
         out = eng.planner.settle(plan, res, eng.vocab)
         self._collected(res)
+        if res.ok:  # a branch's drafts are what the round returns for its outcome: count where they are not
+            self.c["hit_drafts_differ"] += sum(1 for i, d in used.items() if out[i] != d)
         for i in bare:  # rows that verified without drafts: keep the round's drafts for the next step
             r = plan.batch[i]
             if out[i]:
@@ -328,7 +332,7 @@ class SpecCache:
             new = r.tokens(r.synced, r.seq_len)
             b = TB.select(entry, r.id, r.generation, r.synced, new) if entry is not None else -1
             if b >= 0:
-                hits[i] = entry.branch_drafts[b, :plan.n_out[i]].tolist()
+                hits[i] = entry.drafts_of(b, plan.n_out[i])  # (fewer where the confidence stop ends them)
                 self.c["hits"] += 1
                 if len(entry.drafts) == 0:  # a k = 0 entry: the row's last verify took no drafts
                     self.c["k0_hits"] += 1
@@ -408,7 +412,7 @@ class SpecCache:
         inp = VerifyInputs.of(batch)
         with clock.part("wait"):
             if fast:  # the missed rows' round asks nothing of them: none is bare in flight
-                self._go_fast(t, plan, [], len(bare), t_wait)
+                self._go_fast(t, plan, [], len(bare), t_wait, hits)
                 drafts = [hits.get(i, []) for i in range(len(batch))]
             elif t:
                 res, drafts = self._wait_round(eng, plan, t)
@@ -420,10 +424,10 @@ class SpecCache:
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
         self._after_step(eng, batch, fast, n_before, t_step, steady)
 
-    def _go_fast(self, t, plan, bare: list[int], n_bare: int, t_wait: float) -> None:
+    def _go_fast(self, t, plan, bare: list[int], n_bare: int, t_wait: float, hits: dict) -> None:
         """A step that verifies without waiting: round t stays in flight (settled by the next step),
-        `bare` its rows verified without drafts."""
-        self._inflight = (t, plan, bare)
+        `bare` its rows verified without drafts, `hits` the branch drafts of the rows that hit."""
+        self._inflight = (t, plan, bare, dict(hits))
         self.c["fast_steps"] += 1
         self.c["bare_rows"] += n_bare
         self.wait_hit_s.append(time.perf_counter() - t_wait)
@@ -545,7 +549,7 @@ class SpecCache:
                 fast = bool(hits or tails)
             if fast:  # verify now on what the rows have; round N stays in flight
                 bare = [i for i in lookup if i not in hits]
-                self._go_fast(t, plan, bare, len(bare), t_wait)
+                self._go_fast(t, plan, bare, len(bare), t_wait, hits)
                 drafts = [hits.get(i) or tails.get(i) or [] for i in range(len(batch))]
             elif t:
                 res, drafts = self._wait_round(eng, plan, t)
@@ -584,10 +588,20 @@ class SpecCache:
             "wait_ms_p50_miss": 1e3 * float(np.median(wm)) if wm else 0.0,
             "wait_ms_mean": 1e3 * float(np.mean(wh + wm)) if wh or wm else 0.0,
             "epochs": self.c["epochs"],
+            # hit rows whose settled round returned other drafts than the branch they verified (0 unless a
+            # table was forged: a branch's drafts are the round's own for that outcome)
+            "hit_drafts_differ": self.c["hit_drafts_differ"],
             "plain_steps": self.c["plain_steps"],
             "adapt": self.adapt.stats() if self.adapt is not None else None,
             "guard": self.guard.stats() if self.guard is not None else None,
         }
+
+    def reset_stats(self) -> None:
+        """Forget the counters (e.g. after a warm-up); what the guard learnt stays."""
+        self.c.clear()
+        self.miss_reasons.clear()
+        self.wait_hit_s.clear()
+        self.wait_miss_s.clear()
 
     def close(self, eng) -> None:
         if self._inflight is not None and eng.rounds is not None:
