@@ -463,8 +463,10 @@ def main() -> int:
                                                     args.worker_device, *common], timeout=300, env=env)
         if "emulated" in placements:
             t0 = time.perf_counter()
+            # the branch work of every F a cache mode may run: the guard's F / 2 too (CacheGuard's default arms)
+            cost_fanouts = sorted(set(fanouts) | ({f // 2 for f in fanouts if f >= 2} if "on" in guards else set()))
             cost = measure_costs(inner, wdev, sorted({max(c, 16) for _, c, _ in plan}), sorted({n for *_, n in plan}),
-                                 args.k, max_row + 64, args.cost_iters, fanouts)
+                                 args.k, max_row + 64, args.cost_iters, cost_fanouts)
             cpath = os.path.join(tmp, "cost.json")
             cost.save(cpath)
             result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}

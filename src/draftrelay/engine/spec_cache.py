@@ -481,6 +481,7 @@ class SpecCache:
         if t:
             with clock.part("wait"):
                 res, drafts = self._wait_round(eng, plan, t)
+            self._stamp = None  # its STEP asked no fan-out: no table follows it (the next lookup is a miss at once)
         if any(plan.n_out):
             self.c["plain_steps"] += 1
         used = eng._verify_and_accept(batch, inp, drafts, res, plan.wanted, clock, n_out=plan.n_out)
