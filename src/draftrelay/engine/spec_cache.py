@@ -22,8 +22,10 @@ shared memory (draftrelay.handoff.branch_shm) while verify N-1 runs. Step N then
      a hit; none for a miss, which verifies without drafts and gets a k = 0 entry in the next table);
      else the step is an "all" step (`_decode_early`, WAIT_RULES).
 
-A worker on the engine's GPU declines the cache (SHARED_GPU_REFUSAL), and `adapt=True` (class Adapt)
-pauses the tables where measured steps are faster without them.
+A worker on the engine's GPU declines the cache (SHARED_GPU_REFUSAL). The guard (engine/cache_guard.py, on
+by default) chooses per step and batch class between the fan-out, half of it and plain sequential rounds
+(`_plain_step`: the engine's ordinary step on these rounds, the proxy's STEP without a fan-out), whichever
+measures faster; `adapt=True` (class Adapt) is the older single probe of tables against none instead.
 
 Host selection: rounds on the emulated stream, on a CPU or on a GPU (loading.handoff_config with
 host_rounds=True: the drafts reach the engine on the host and are copied to the device with the verify's
