@@ -20,7 +20,9 @@ Modes (`--modes`, comma-separated):
   sync:D/S / async:D/S     the same with the worker's confidence stop at S (e.g. sync:auto12/0.4): a round's
                            drafts end after the first one the drafter gives a probability below S, so D is a cap
   cache:K/F[/RULE]         async rounds with the speculation cache (engine/spec_cache.py): fixed k = K,
-                           F branches per request, wait rule RULE (all, rows or early; default all)
+                           F branches per request, wait rule RULE (all, rows or early; default all), with
+                           its guard (engine/cache_guard.py: F, F/2 or plain rounds, whichever measures faster)
+  cache-raw:K/F[/RULE]     the same without the guard: every step a cache step
   hf                       transformers' plain greedy generate
   hf-assisted:K            transformers' assisted generation, constant K drafts (confidence threshold off)
   hf-assisted:heuristic    transformers' assisted generation with its own defaults (heuristic schedule)
@@ -98,7 +100,7 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
         kind, _, arg = m.partition(":")
         ok = (kind == "hf" and not arg) or (kind == "off" and arg == "full-head") or (kind == "hf-assisted" and (
             arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
-            or (kind == "cache" and _cache_arg(arg) is not None)
+            or (kind in ("cache", "cache-raw") and _cache_arg(arg) is not None)
         if not ok:
             try:
                 engine_mode(m, k_max)
@@ -108,7 +110,7 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
         if not ok:
             raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, hf, sync:D[/S], async:D[/S] "
                              f"(D: auto, autoN or K <= 16; S: a confidence stop in [0, 1]), "
-                             f"cache:K/F[/all|rows|early], hf-assisted:K|heuristic")
+                             f"cache[-raw]:K/F[/all|rows|early], hf-assisted:K|heuristic")
         out.append(m)
     return out
 
@@ -162,9 +164,9 @@ class EngineRunner:
         kind, _, arg = mode.partition(":")
         self.full_head = arg == "full-head"
         fanout, options = 0, {}
-        if kind == "cache":  # async rounds with the speculation cache, a fixed depth
+        if kind in ("cache", "cache-raw"):  # async rounds with the speculation cache, a fixed depth
             k_max, fanout, rule = _cache_arg(arg)
-            kind, auto, stop, options = "async", False, 0.0, {"wait_rule": rule}
+            kind, auto, stop, options = "async", False, 0.0, {"wait_rule": rule, "guard": kind == "cache"}
         else:
             kind, auto, k_max, stop = engine_mode("off" if self.full_head else mode, args.k_max)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
@@ -213,7 +215,8 @@ class EngineRunner:
                 "threads": delta(eng.threads.chosen, th0) if eng.threads is not None else None,
                 "warning": t.get("speculation_warning", ""),
                 "spec_cache": {k: t["spec_cache"][k] for k in ("active", "refusal", "hits", "lookups", "hit_rate",
-                                                               "fast_steps", "waited_steps", "bare_rows", "misses")}
+                                                               "fast_steps", "waited_steps", "bare_rows", "misses",
+                                                               "plain_steps", "guard")}
                 if "spec_cache" in t else None}
 
     def close(self) -> dict:
@@ -437,11 +440,12 @@ def main(argv: list[str] | None = None) -> int:
         runners: dict[str, object] = {}
         hf_threads = torch.get_num_threads()
         try:
-            if any(m.split(":")[0] in ("sync", "async", "cache") for m in modes):
+            if any(m.split(":")[0] in ("sync", "async", "cache", "cache-raw") for m in modes):
                 max_ctx = max(len(x) for x in ids.values()) + args.max_tokens + 64
                 k_all = max([args.k_max] + [engine_mode(m, args.k_max)[2] for m in modes
                                             if m.startswith(("sync", "async"))]
-                            + [_cache_arg(m.partition(":")[2])[0] for m in modes if m.startswith("cache:")])
+                            + [_cache_arg(m.partition(":")[2])[0] for m in modes
+                               if m.startswith(("cache:", "cache-raw:"))])
                 worker = L.start_local_worker(str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 4,
                                               args.worker_threads, dtype="float32" if dname == "fp32" else "bfloat16")
                 spec = L.worker_spec(worker.host, worker.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash,

@@ -10,9 +10,15 @@ Modes: off (target only), sync, async (CUDA rounds), async-stream (async with th
 announcing and parking every round and the proxy's short spin: HandoffConfig.host_staging and .park off,
 the comparison for them), async-host (the host park: HandoffConfig.park = "host"), cache (the
 speculation cache: async rounds on the host stream, "host selection", with F pre-drafted branches per
-request; `--fanout 4,8` gives one cache mode per F, named cacheF). `--hit-curve F1,F2,..` first counts,
-on the CPU and without models, the hit rate of every F on the trace itself (a worker core with the
-replay drafter, driven like the engine at batch 1): the curve of hit rate against F.
+request; `--fanout 4,8` gives one cache mode per F, named cacheF). The cache runs with its guard
+(engine/cache_guard.py: per batch class, F, F/2 or plain sequential rounds, whichever measures faster;
+`--guard off` runs every step as a cache step, `--guard on,off` both, the unguarded modes named ...-raw).
+The guard starts each workload afresh (what it learns carries over between the repeats of a workload) and
+starts with plain rounds where the worker shares the engine's GPU (`same`); the choices it made in each
+timed window (steps per F, 0 = plain rounds) and its switches are reported beside the figures.
+`--hit-curve F1,F2,..` first counts, on the CPU and without models, the hit rate of every F on the trace
+itself (a worker core with the replay drafter, driven like the engine at batch 1): the curve of hit rate
+against F.
 
 Placements: `same` = the worker on the engine's GPU (the two processes time-slice it); `emulated` = a
 worker that spends, as wall time and without touching the GPU, the drafter STEP times measured in this
@@ -25,6 +31,12 @@ has caught up on the context (and a few warm-up steps) to the end of the trace.
     python benchmarks/replay_headline.py --trace benchmarks/data/trace_qwen2.5-coder.json      # H200 defaults
     python benchmarks/replay_headline.py --device cpu --target tiny --drafter tiny --trace T.json \\
         --workloads short:1 --repeats 1                                                      # CPU dry run
+    python benchmarks/replay_headline.py --device cpu --target tiny --drafter tiny --trace synthetic \\
+        --workloads short:1,short:4 --repeats 1 --placements emulated,same --modes off,sync,cache \\
+        --out /tmp/replay_smoke.json                          # CPU smoke: a synthetic trace in the tiny vocabulary
+
+`--trace synthetic` makes a trace in the target's vocabulary (random sequences; the drafter's top-1 is the
+target's token 75 % of the time, its second choice otherwise): a smoke test of the whole path, not a figure.
 """
 
 from __future__ import annotations
@@ -61,9 +73,33 @@ from draftrelay.worker.core import WorkerCore  # noqa: E402
 from draftrelay.worker.drafters import Job, load_drafter  # noqa: E402
 from draftrelay.worker.prefetch import DEVICE_PIECES, Prefetcher, branches_payload  # noqa: E402
 from draftrelay.worker.process import start_worker_process  # noqa: E402
-from engine_workloads import prefill_held, target_model, write_drafter_dir  # noqa: E402
+from engine_workloads import TARGET_SHAPES, prefill_held, target_model, write_drafter_dir  # noqa: E402
 
 CONTEXTS = {"short": 0, "32k": 32768}
+
+
+def synthetic_trace(vocab: int, n: int = 4, length: int = 96, seed: int = 0) -> Trace:
+    """The smoke path's trace (--trace synthetic): code and prose entries of random tokens within `vocab`;
+    the drafter's top-1 is the target's token 75 % of the time (else its second choice)."""
+    from draftrelay.replay import TraceEntry
+
+    rng = np.random.default_rng(seed)
+    entries = []
+    for i in range(n):
+        target = [int(x) for x in rng.integers(0, vocab, length)]
+        top, prob = [], []
+        for t in target:
+            first = t if rng.random() < 0.75 else int((t + 1 + rng.integers(0, vocab - 1)) % vocab)
+            rest = [int(x) for x in rng.choice([v for v in range(vocab) if v not in (first, t)], 3, replace=False)]
+            if first != t:
+                rest[0] = t
+            top.append([first, *rest])
+            prob.append([0.6, 0.3, 0.07, 0.03])
+        e = TraceEntry([int(x) for x in rng.integers(0, vocab, 8 + 4 * i)], target, top,
+                       name=f"{'code' if i % 2 == 0 else 'prose'}:synthetic{i}")
+        e.draft_prob = prob
+        entries.append(e)
+    return Trace(pair="synthetic (smoke)", top_f=4, entries=entries, vocab_size=vocab)
 
 
 def p50(xs) -> float:
@@ -178,16 +214,20 @@ def hit_curve(trace: Trace, k: int, fanouts: list[int], max_tokens: int) -> dict
 
 def reset_cache_stats(sc: SpecCache) -> None:
     """Count only the timed steps (the cache's counters otherwise run across every run)."""
-    sc.c.clear()
-    sc.miss_reasons.clear()
-    sc.wait_hit_s.clear()
-    sc.wait_miss_s.clear()
+    sc.reset_stats()
+
+
+def guard_choices(sc: SpecCache) -> dict:
+    """The guard's steps per choice so far, by batch class, and its switches."""
+    g = sc.guard
+    return {"chosen": {b: dict(c.chosen) for b, c in g.classes.items()}, "switches": g.switches}
 
 
 def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens: int, warmup: int,
                  repeats: int, caches: dict | None = None) -> dict:
     """Prefill once, then decode the prompts in every mode from that KV, interleaved, `repeats` times.
-    caches: mode -> the SpecCache its rounds were opened with (the engine uses it for that mode only)."""
+    caches: mode -> the SpecCache its rounds were opened with (the engine uses it for that mode only);
+    each cache's guard starts this workload afresh."""
     # rows must outlive every mode's run: no request may finish (that frees its row); the loop below
     # stops while every request is still inside the trace
     caches = caches or {}
@@ -195,6 +235,9 @@ def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens:
     stop_at = max_tokens - eng.cfg.n_draft - 1
     reqs, ttft = prefill_held(eng, prompts, params)
     out = {"ttft_s": ttft, "modes": {m: [] for m in modes}}
+    for sc in caches.values():
+        if sc.guard is not None:
+            sc.guard.reset()
     for _ in range(repeats):
         for name, rounds in modes.items():
             sc = caches.get(name)
@@ -221,6 +264,7 @@ def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens:
                         v.clear()
                     if sc is not None:
                         reset_cache_stats(sc)
+                        g0 = guard_choices(sc) if sc.guard is not None else None
                     timed = True
                 fast0 = sc.c["fast_steps"] if sc is not None else 0
                 ts = time.perf_counter()
@@ -244,6 +288,12 @@ def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens:
             if sc is not None:
                 rep["spec_cache"] = {**sc.stats(), "step_ms_p50_fast": p50(fast_ms),
                                      "step_ms_p50_waited": p50(waited_ms)}
+                if sc.guard is not None and timed:  # what the guard chose in the timed window
+                    g1 = guard_choices(sc)
+                    rep["spec_cache"]["guard_timed"] = {
+                        "chosen": {b: {f: n - g0["chosen"].get(b, {}).get(f, 0) for f, n in c.items()
+                                       if n - g0["chosen"].get(b, {}).get(f, 0)} for b, c in g1["chosen"].items()},
+                        "switches": g1["switches"] - g0["switches"]}
             out["modes"][name].append(rep)
             for r in live:
                 eng.cancel(r, keep_row=True)
@@ -274,6 +324,7 @@ def main() -> int:
                     help="the cache's wait rule(s) (all, the engine's default: a step waits when any row missed; "
                          "rows: only when no row has drafts); with both, one cache mode per rule: cacheF for rows, "
                          "cacheF-all for all")
+    ap.add_argument("--guard", default="on", help="the cache's guard: on (default), off, or on,off (both)")
     ap.add_argument("--hit-curve", default="",
                     help="F values: first count the hit rate of each on the trace itself (CPU, no models)")
     ap.add_argument("--placements", default="same,emulated",
@@ -293,10 +344,16 @@ def main() -> int:
     ap.add_argument("--plot", default="", help="PNG of tokens/s bars (default: beside --out)")
     args = ap.parse_args()
     t_start = time.perf_counter()
-    trace = Trace.load(args.trace)
+    guards = [g for g in args.guard.split(",") if g]
+    if not guards or any(g not in ("on", "off") for g in guards):
+        ap.error("--guard: on, off or on,off")
+    trace = None if args.trace == "synthetic" else Trace.load(args.trace)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     graphs = dev.type == "cuda" and not args.no_graphs
+    if trace is None:  # the smoke path: a trace in the target's own vocabulary
+        trace = synthetic_trace(M.tiny_config().vocab_size if args.target == "tiny"
+                                else int(TARGET_SHAPES[args.target]["vocab_size"]))
     plan = []
     kinds = [e.name.split(":")[0] for e in trace.entries]
     code = [i for i, k in enumerate(kinds) if k != "prose"]
@@ -389,7 +446,8 @@ def main() -> int:
     hook = install_replay_target(target, big, n_rows=n_max + 1, max_len=max_row)
     try:
         # every speculative mode holds its own worker session of n_max rows
-        sessions = sum(len(fanouts) * len(wait_rules) if m == "cache" else 1 for m in modes if m != "off")
+        sessions = sum(len(fanouts) * len(wait_rules) * len(guards) if m == "cache" else 1 for m in modes
+                       if m != "off")
         # --prefill-slice-ms -1: the modes run one at a time, so no session ever waits for another's prefill;
         # slicing (on whenever a worker has several sessions) would cut a 4096-token catch-up round at 32K
         # into ~16-token forwards, which on a GPU shared with the target outlast the round budget
@@ -405,8 +463,10 @@ def main() -> int:
                                                     args.worker_device, *common], timeout=300, env=env)
         if "emulated" in placements:
             t0 = time.perf_counter()
+            # the branch work of every F a cache mode may run: the guard's F / 2 too (CacheGuard's default arms)
+            cost_fanouts = sorted(set(fanouts) | ({f // 2 for f in fanouts if f >= 2} if "on" in guards else set()))
             cost = measure_costs(inner, wdev, sorted({max(c, 16) for _, c, _ in plan}), sorted({n for *_, n in plan}),
-                                 args.k, max_row + 64, args.cost_iters, fanouts)
+                                 args.k, max_row + 64, args.cost_iters, cost_fanouts)
             cpath = os.path.join(tmp, "cost.json")
             cost.save(cpath)
             result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}
@@ -442,10 +502,13 @@ def main() -> int:
                     elif m == "async-host":  # the host park: nothing on the stream while the round is out
                         rounds[f"{m}@{p}"] = open_rounds(dataclasses.replace(h, park="host"))
                     elif m == "cache":  # async rounds on the host stream, the cache's table memfd to the proxy
-                        for F, rule in ((F, rule) for F in fanouts for rule in wait_rules):
+                        for F, rule, gd in ((F, rule, gd) for F in fanouts for rule in wait_rules for gd in guards):
                             name = (f"cache{F}" if len(fanouts) > 1 else "cache") + \
-                                   ("-all" if rule == "all" and len(wait_rules) > 1 else "") + f"@{p}"
-                            sc = caches[name] = SpecCache(F, wait_rule=rule, shared_gpu=True)  # measure the split
+                                   ("-all" if rule == "all" and len(wait_rules) > 1 else "") + \
+                                   ("-raw" if gd == "off" and len(guards) > 1 else "") + f"@{p}"
+                            # shared_gpu: run on the shared GPU too (to measure the split; the guard starts
+                            # there with plain rounds)
+                            sc = caches[name] = SpecCache(F, wait_rule=rule, shared_gpu=True, guard=gd == "on")
                             hh = handoff_config(spec, dev, args.deadline_ms, p == "same", host_rounds=True,
                                                 vocab_size=V, max_drafts=max(8, args.k), max_requests=n_max,
                                                 max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),
@@ -553,6 +616,11 @@ def format_row(item: str, w: dict, modes: list[str]) -> str:
         rel = f" {med / base:.2f}x" if base else ""
         sc = [rep["spec_cache"] for rep in w["modes"][m] if "spec_cache" in rep]
         hit = f" hit {p50([x['hit_rate'] for x in sc]):.0%}" if sc else ""
+        gt = [x["guard_timed"] for x in sc if "guard_timed" in x]
+        if gt:  # the guard's share of plain-round steps in the timed windows, and its switches
+            n = sum(v for g in gt for c in g["chosen"].values() for v in c.values())
+            plain = sum(c.get(0, 0) for g in gt for c in g["chosen"].values())
+            hit += f" plain {plain / max(1, n):.0%} sw {sum(g['switches'] for g in gt)}"
         cells.append(f"{m} {med:.1f} ({lo:.1f}-{hi:.1f}){rel} acc {acc:.2f}{hit}{'' if ok else ' OUTPUT DIFFERS'}")
     return f"{item:<9} " + " | ".join(cells)
 

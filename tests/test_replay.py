@@ -254,7 +254,9 @@ def test_cache_on_replay_keeps_the_trace_count_and_hits_as_counted(tmp_path, inn
     target, _ = tiny_pair()
     spec = {"kind": "worker", "host": w.host, "port": w.port,
             "model_id": tiny_model_id() if inner == "tiny" else "replay-emulated"}
-    cfg = EngineConfig(mode="async", n_draft=k, max_batch=1, max_len=256, spec_fanout=F, spec_options={"log": True},
+    # the guard off: every step a cache step, so the recount below replays every round
+    cfg = EngineConfig(mode="async", n_draft=k, max_batch=1, max_len=256, spec_fanout=F,
+                       spec_options={"log": True, "guard": False},
                        handoff=HandoffConfig(round_spec=spec, deadline_ms=5000, round_budget_ms=4000))
     hook = install_replay_target(target, tr, n_rows=2, max_len=cfg.max_len)
     try:

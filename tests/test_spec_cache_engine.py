@@ -46,8 +46,11 @@ def spec_of(w, **kw):
 
 
 def run(target, spec=None, F=0, mode="async", max_batch=4, k=4, prompts=PROMPTS, max_tokens=MAX_TOKENS,
-        on_step=None, deadline_ms=3000, round_budget_ms=2500, params=None, **opts):
-    # generous deadlines unless a test says otherwise: a loaded CI machine must not make this a fault test
+        on_step=None, deadline_ms=3000, round_budget_ms=2500, params=None, guard=False, **opts):
+    # generous deadlines unless a test says otherwise: a loaded CI machine must not make this a fault test.
+    # The guard (engine/cache_guard.py, on by default) is off unless a test asks for it: these tests are
+    # about the cache's steps, which the guard would replace by plain ones wherever they measure slower
+    opts["guard"] = guard
     h = HandoffConfig(round_spec=spec or {"kind": "builtin"}, deadline_ms=deadline_ms, round_budget_ms=round_budget_ms)
     cfg = EngineConfig(mode=mode, n_draft=k, max_batch=max_batch, max_len=256, handoff=h, spec_fanout=F,
                        spec_options=opts)
@@ -79,6 +82,22 @@ def test_greedy_identical_with_the_cache(pair, reference, worker, max_batch, k):
     assert t["mean_accepted"] > 1.0
     # every round is accounted for once, waited for or settled after a fast step
     assert sc["request_rounds"] == sum(r["rounds"]["ok"] for r in m["requests"])
+
+
+@pytest.mark.parametrize("max_batch, rule", [(1, "all"), (4, "all"), (4, "early")])
+def test_confidence_stop_with_the_cache_is_greedy_identical(pair, reference, worker, max_batch, rule):
+    """The worker's confidence stop (round spec draft_stop: a round's drafts end after the first unsure
+    one) with the cache: rounds come back shorter than k, their tables still hold branches k deep that
+    offer what a stopped round would return, the hits verify exactly those (every settled hit round
+    returned the branch's drafts), and the output is target-only's."""
+    out, m, log = run(pair[0], spec_of(worker, draft_stop=0.9), F=8, max_batch=max_batch, log=True,
+                      wait_rule=rule, **({"table_wait_ms": 2000} if rule == "early" else {}))
+    assert out == reference
+    sc = m["total"]["spec_cache"]
+    assert sc["hits"] > 0 and sc["fast_steps"] > 0 and sc["hit_drafts_differ"] == 0, sc
+    assert m["total"]["rounds"]["failed"] == 0
+    assert any(e["drafts"] is not None and 0 < len(e["drafts"]) < 4 for e in log)  # the stop cut rounds short
+    assert sc["request_rounds"] == sum(r["rounds"]["ok"] for r in m["requests"]) + sc["bare_rows"]
 
 
 def test_a_miss_does_not_hold_back_the_rows_that_hit(pair, reference, worker):
@@ -326,8 +345,8 @@ def small_target() -> Transformer:
     return Transformer.random(cfg, seed=5, std=0.25)
 
 
-@pytest.mark.parametrize("rule", ["all", "rows", "early"])
-def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path, rule):
+@pytest.mark.parametrize("rule, guard", [("all", False), ("rows", False), ("early", False), ("all", True)])
+def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path, rule, guard):
     """Temperature 1, k = 2, the worker's drafter is the target itself (greedy drafts), F = 12 branches:
     later steps verify branch drafts without waiting. The joint law of the third and fourth output tokens
     (produced by hit steps in most samples) equals the target's exact law (chi-square, 64 cells, 1,024
@@ -345,8 +364,13 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path,
     try:
         spec = {"kind": "worker", "host": w.host, "port": w.port, "max_requests": B}
         h = HandoffConfig(round_spec=spec, deadline_ms=3000, round_budget_ms=2500)
+        # guard: the cache guard on, probing plain rounds every 8 steps (its choices then mix plain and cache
+        # steps within the samples, and the law must hold across its switches too)
+        every = {"arms": [12], "max_rows": 1 << 10, "window": 3, "probe_every": 8, "max_interval": 8}
+        opts = {"guard": guard, **({"guard_options": every} if guard else {})}
         cfg = EngineConfig(mode="async", n_draft=2, max_batch=B, max_len=32, handoff=h, spec_fanout=12,
-                           spec_options={"wait_rule": rule, **({"table_wait_ms": 2000} if rule == "early" else {})})
+                           spec_options={"wait_rule": rule, **opts,
+                                         **({"table_wait_ms": 2000} if rule == "early" else {})})
         with Engine(target, cfg) as eng:
             for b in range(n_batches):
                 ps = [SamplingParams(max_tokens=6, temperature=1.0, seed=b * B + i) for i in range(B)]
@@ -357,6 +381,10 @@ def test_sampled_outputs_follow_the_target_distribution_with_the_cache(tmp_path,
             hits, rounds = sc["hits"], sc["request_rounds"]
     finally:
         w.stop()
+    if guard:  # both kinds of step ran, and the guard switched between them
+        g = sc["guard"]
+        assert g["switches"] >= 2 and sc["plain_steps"] > 0, g
+        assert all(sum(c["chosen"].values()) for c in g["by_batch"].values())
     assert t["rounds"]["failed"] == 0 and t["rounds"]["watchdog"] == 0
     assert sc["active"] and hits > 0.3 * rounds and sc["fast_steps"] > 0
     assert sc["wait_rule"] == rule and (sc["tail_rows"] + sc["bare_rows"] > 0) == (rule in ("rows", "early")), sc

@@ -244,6 +244,45 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         assert c.stats["skipped_late_replies"] >= 1
 
 
+def test_branches_under_the_confidence_stop_are_the_stopped_rounds(served):
+    """The confidence stop (Block.min_conf): round N - 1 ends early (m < k drafts), its branches are still
+    drafted k deep, and each offers what a stopped round of its context returns (drafts up to and including
+    the first unsure one: Entry.drafts_of). A STEP along a branch is answered from it with exactly those,
+    and the table after it takes its stopping places from the branch although the reply was cut short."""
+    from draftrelay.wire.client import DrafterClient
+
+    core, host, port = served
+    prompt = (np.arange(1, 24) * 37 % 256).astype(np.int32)
+    k, F, stop = 6, 6, 0.9
+
+    def stopped(ctx):
+        with DrafterClient(host, port, max_requests=1, n_out_max=8, timeout=10) as c1:
+            r = c1.step([P.Block(1, 1, 0, np.asarray(ctx, np.int32), k, min_conf=stop)], timeout=10)
+            return r.drafts[0, :int(r.counts[0])].tolist()
+
+    with DrafterClient(host, port, max_requests=2, n_out_max=8, timeout=10) as c:
+        rep = c.step([P.Block(5, 1, 0, prompt, k, min_conf=stop)], timeout=10, fanout=F)
+        m = int(rep.counts[0])
+        e = TB.decode(c.recv_branches(10), 256).entry(5)
+        assert 0 < m < k and len(e.drafts) == m and e.kb == k and e.n_branches == F, (m, e)
+        counts = e.counts()
+        assert counts.min() < k  # some branch is cut short by the stop: the test has power
+        for b in range(F):
+            assert e.drafts_of(b, k) == stopped(np.concatenate([prompt, e.prefix(b)])), b
+            assert e.drafts_of(b, 2) == e.drafts_of(b, k)[:2]
+        b = int(np.argmin(counts))
+        st = core.prefetcher.stats
+        hits, from_branches = st["worker_side_hits"], st["stops_from_branches"]
+        rep2 = c.step([P.Block(5, 1, e.base, e.prefix(b), k, min_conf=stop)], timeout=10, fanout=F)
+        assert st["worker_side_hits"] == hits + 1
+        assert rep2.drafts[0, :int(rep2.counts[0])].tolist() == e.drafts_of(b, k)
+        e2 = TB.decode(c.recv_branches(10), 256).entry(5)
+        assert st["stops_from_branches"] == from_branches + 1 and e2.base == e.base + len(e.prefix(b))
+        for b2 in range(e2.n_branches):
+            ctx = np.concatenate([prompt, e.prefix(b), e2.prefix(b2)])
+            assert e2.drafts_of(b2, k) == stopped(ctx), b2
+
+
 def test_test_drafter_answers_an_empty_table():
     from draftrelay.wire.client import DrafterClient
     from draftrelay.worker.core import WorkerCore

@@ -22,8 +22,10 @@ shared memory (draftrelay.handoff.branch_shm) while verify N-1 runs. Step N then
      a hit; none for a miss, which verifies without drafts and gets a k = 0 entry in the next table);
      else the step is an "all" step (`_decode_early`, WAIT_RULES).
 
-A worker on the engine's GPU declines the cache (SHARED_GPU_REFUSAL), and `adapt=True` (class Adapt)
-pauses the tables where measured steps are faster without them.
+A worker on the engine's GPU declines the cache (SHARED_GPU_REFUSAL). The guard (engine/cache_guard.py, on
+by default) chooses per step and batch class between the fan-out, half of it and plain sequential rounds
+(`_plain_step`: the engine's ordinary step on these rounds, the proxy's STEP without a fan-out), whichever
+measures faster; `adapt=True` (class Adapt) is the older single probe of tables against none instead.
 
 Host selection: rounds on the emulated stream, on a CPU or on a GPU (loading.handoff_config with
 host_rounds=True: the drafts reach the engine on the host and are copied to the device with the verify's
@@ -54,6 +56,7 @@ from draftrelay.handoff.branch_shm import TableShm
 from draftrelay.round import StampedRounds, Status
 from draftrelay.speculation import table as TB
 
+from .cache_guard import CacheGuard
 from .metrics import StepClock
 from .verify import VerifyInputs
 
@@ -138,7 +141,8 @@ class SpecCache:
     def __init__(self, fanout: int, branch_budget_ms: float | None = None, push_faults: dict | None = None,
                  capacity: int = 1 << 20, log: bool = False, wait_rule: str = "all",
                  shared_gpu: bool = False, adapt: bool = False, probe_steps: int = 16,
-                 adapt_margin: float = 0.02, reprobe_steps: int = 512, table_wait_ms: float | None = None) -> None:
+                 adapt_margin: float = 0.02, reprobe_steps: int = 512, table_wait_ms: float | None = None,
+                 guard: bool = True, guard_options: dict | None = None) -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
         if wait_rule not in WAIT_RULES:
@@ -154,6 +158,13 @@ class SpecCache:
             raise ValueError(f"spec-cache probe_steps must be >= 2 and reprobe_steps >= 1, got {probe_steps}, "
                              f"{reprobe_steps}")
         self.adapt = Adapt(probe_steps, adapt_margin, reprobe_steps) if adapt else None
+        # the guard (engine/cache_guard.py): per batch class, the fan-out or plain rounds, whichever measures
+        # faster; adapt=True (one probe of tables against none, for every batch alike) replaces it
+        self._guard_options = dict(guard_options or {})
+        self.guard: CacheGuard | None = None
+        if guard and not adapt:
+            self.guard = CacheGuard(fanout, **self._guard_options)  # options checked now, not at the first step
+        self._fanout_word: int | None = None  # what the table memory's fan-out word says (None: the spec's)
         self.branch_budget_ms = branch_budget_ms
         self.push_faults = push_faults
         self.shm = TableShm.create(capacity)
@@ -161,7 +172,9 @@ class SpecCache:
         self.refusal = ""
         self.vocab = 0
         self.poll_s = POLL_S
-        self._inflight = None  # (rid, RoundPlan, rows verified without drafts) of a round not waited for
+        # (rid, RoundPlan, rows verified without drafts, {row: the branch drafts it verified}) of a round not
+        # waited for
+        self._inflight = None
         # request id -> (generation, base, drafts): the drafts of the settled round for a row that verified
         # without drafts while that round was in flight; usable at the next step only (see _tail)
         self._tails: dict[int, tuple[int, int, list[int]]] = {}
@@ -209,6 +222,10 @@ class SpecCache:
         else:
             self.active = True
             self._proxy_gen = rounds.generation
+            if self.guard is not None and not self.guard.classes:
+                # a worker on the engine's GPU (shared_gpu=True runs the cache there): the guard starts each
+                # batch class with plain rounds (measured faster there, SHARED_GPU_REFUSAL) and probes tables
+                self.guard.start_plain = bool(getattr(cfg, "worker_shares_gpu", False))
 
     @staticmethod
     def select_on_device(ok: torch.Tensor, prefix: torch.Tensor, prefix_len: torch.Tensor, drafts: torch.Tensor,
@@ -253,11 +270,13 @@ class SpecCache:
         (planner.settle) exactly as a waited-for round's does."""
         if self._inflight is None:
             return
-        rid, plan, bare = self._inflight
+        rid, plan, bare, used = self._inflight
         self._inflight = None
         res = self._result(eng.rounds, rid)
         out = eng.planner.settle(plan, res, eng.vocab)
         self._collected(res)
+        if res.ok:  # a branch's drafts are what the round returns for its outcome: count where they are not
+            self.c["hit_drafts_differ"] += sum(1 for i, d in used.items() if out[i] != d)
         for i in bare:  # rows that verified without drafts: keep the round's drafts for the next step
             r = plan.batch[i]
             if out[i]:
@@ -317,7 +336,7 @@ class SpecCache:
             r.cache["lookups"] += 1  # per request too: the server's usage carries them
             r.cache["hits"] += b >= 0
             if b >= 0:
-                hits[i] = entry.branch_drafts[b, :plan.n_out[i]].tolist()
+                hits[i] = entry.drafts_of(b, plan.n_out[i])  # (fewer where the confidence stop ends them)
                 self.c["hits"] += 1
                 if len(entry.drafts) == 0:  # a k = 0 entry: the row's last verify took no drafts
                     self.c["k0_hits"] += 1
@@ -370,7 +389,8 @@ class SpecCache:
                 return None, why
             time.sleep(self.poll_s)
 
-    def _decode_early(self, eng, batch: list, clock, t_step: float, n_before: int, plan, table, why: str) -> None:
+    def _decode_early(self, eng, batch: list, clock, t_step: float, n_before: int, plan, table, why: str,
+                      steady: bool = True) -> None:
         """Wait rule "early" (see WAIT_RULES) once the table that followed the settled round is there (or
         known to be a miss): look each request that asks for drafts up in it; if any hit, the rows that hit
         verify their branch drafts and the rows that missed verify none, and round N, asking the hit rows
@@ -396,7 +416,7 @@ class SpecCache:
         inp = VerifyInputs.of(batch)
         with clock.part("wait"):
             if fast:  # the missed rows' round asks nothing of them: none is bare in flight
-                self._go_fast(t, plan, [], len(bare), t_wait)
+                self._go_fast(t, plan, [], len(bare), t_wait, hits)
                 drafts = [hits.get(i, []) for i in range(len(batch))]
             elif t:
                 res, drafts = self._wait_round(eng, plan, t)
@@ -406,12 +426,12 @@ class SpecCache:
             self.c["asking_rows"] += len(asking)
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
-        self._after_step(eng, batch, fast, n_before, t_step)
+        self._after_step(eng, batch, fast, n_before, t_step, steady)
 
-    def _go_fast(self, t, plan, bare: list[int], n_bare: int, t_wait: float) -> None:
+    def _go_fast(self, t, plan, bare: list[int], n_bare: int, t_wait: float, hits: dict) -> None:
         """A step that verifies without waiting: round t stays in flight (settled by the next step),
-        `bare` its rows verified without drafts."""
-        self._inflight = (t, plan, bare)
+        `bare` its rows verified without drafts, `hits` the branch drafts of the rows that hit."""
+        self._inflight = (t, plan, bare, dict(hits))
         self.c["fast_steps"] += 1
         self.c["bare_rows"] += n_bare
         self.wait_hit_s.append(time.perf_counter() - t_wait)
@@ -423,13 +443,55 @@ class SpecCache:
         self._collected(res)
         return res, drafts
 
-    def _after_step(self, eng, batch: list, fast: bool, n_before: int, t_step: float) -> None:
+    def _after_step(self, eng, batch: list, fast: bool, n_before: int, t_step: float, steady: bool = True) -> None:
         if fast and not eng.waiting and all(r.done for r in eng.running):
             self.settle(eng)  # no next step will: settle now, so the drafter's bookkeeping is complete
+        tokens, seconds = sum(len(r.output) for r in batch) - n_before, time.perf_counter() - t_step
         if self.adapt is not None:
-            paused = self.adapt.step(sum(len(r.output) for r in batch) - n_before, time.perf_counter() - t_step)
+            paused = self.adapt.step(tokens, seconds)
             if paused != self.shm.paused:
                 self.shm.set_paused(paused)
+        if self.guard is not None:
+            self.guard.observe(tokens, seconds, steady)
+
+    def _set_fanout(self, f: int | None) -> None:
+        """The fan-out the proxy's next STEP asks (None: the round spec's; 0: none)."""
+        if f == self.fanout:
+            f = None
+        if f != self._fanout_word:
+            self.shm.set_fanout(f)
+            self._fanout_word = f
+
+    def _steady(self, eng, plan) -> bool:
+        """Whether this step costs what the guard should learn from: some row asks drafts and no row's
+        round carries a catch-up (more than k + 2 tokens: a new request's prompt, tokens a plain step at
+        depth 0 left behind)."""
+        return any(plan.n_out) and max(len(x) for x in plan.send) <= eng.cfg.n_draft + 2
+
+    def _plain_step(self, eng, batch: list, clock, t_step: float, n_before: int) -> None:
+        """The guard chose plain rounds: the engine's ordinary step (the depth policy's k where it has one),
+        on this cache's rounds; the proxy sends its STEP without a fan-out."""
+        rounds = eng.rounds
+        self._tails.clear()
+        k = eng.depth.choose() if eng.depth is not None else None
+        plan = eng.planner.plan(batch, drafting=k != 0, k=k)
+        steady = self._steady(eng, plan)
+        t = res = None
+        if plan.asks:
+            with clock.part("submit"):
+                t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
+        inp = VerifyInputs.of(batch)
+        drafts: list[list[int]] = [[] for _ in batch]
+        if t:
+            with clock.part("wait"):
+                res, drafts = self._wait_round(eng, plan, t)
+            self._stamp = None  # its STEP asked no fan-out: no table follows it (the next lookup is a miss at once)
+        if any(plan.n_out):
+            self.c["plain_steps"] += 1
+        used = eng._verify_and_accept(batch, inp, drafts, res, plan.wanted, clock, n_out=plan.n_out)
+        if eng.depth is not None:
+            eng._observe_depth(plan, k, used, clock)
+        self._after_step(eng, batch, False, n_before, t_step, steady)
 
     def decode(self, eng, batch: list) -> None:
         """One step (Engine._decode with the cache active): settle the round left in flight, submit
@@ -444,8 +506,16 @@ class SpecCache:
         self._check_generation(rounds)
         with clock.part("wait"):
             self.settle(eng)
+        if self.guard is not None:
+            if "pooled" not in self._guard_options:  # own tokens where choices differ in what a step yields
+                self.guard.pooled = eng.depth is None and self.wait_rule != "early"
+            f = self.guard.choose(len(batch))
+            self._set_fanout(f)
+            if f == 0:
+                return self._plain_step(eng, batch, clock, t_step, n_before)
         stamp = self._stamp
         plan = eng.planner.plan(batch, drafting=True)
+        steady = self._steady(eng, plan)
         plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
         rule = self.wait_rule
         if rule == "early" and not plain and any(plan.n_out):
@@ -454,7 +524,7 @@ class SpecCache:
                 with clock.part("wait"):
                     table, why = self._table_now(stamp, self.table_wait_s)
             if table is not None or why not in ("absent", "torn"):
-                return self._decode_early(eng, batch, clock, t_step, n_before, plan, table, why)
+                return self._decode_early(eng, batch, clock, t_step, n_before, plan, table, why, steady)
             rule = "all"  # the table is not there yet: round N goes out now, as under "all"
         # rows with a round tail verify it, and round N asks each of them exactly that many drafts: then
         # round N's drafts are the tail itself (the drafter's continuation of the same context), so its
@@ -484,7 +554,7 @@ class SpecCache:
                 fast = bool(hits or tails)
             if fast:  # verify now on what the rows have; round N stays in flight
                 bare = [i for i in lookup if i not in hits]
-                self._go_fast(t, plan, bare, len(bare), t_wait)
+                self._go_fast(t, plan, bare, len(bare), t_wait, hits)
                 drafts = [hits.get(i) or tails.get(i) or [] for i in range(len(batch))]
             elif t:
                 res, drafts = self._wait_round(eng, plan, t)
@@ -498,7 +568,7 @@ class SpecCache:
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
-        self._after_step(eng, batch, fast, n_before, t_step)
+        self._after_step(eng, batch, fast, n_before, t_step, steady)
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -523,9 +593,20 @@ class SpecCache:
             "wait_ms_p50_miss": 1e3 * float(np.median(wm)) if wm else 0.0,
             "wait_ms_mean": 1e3 * float(np.mean(wh + wm)) if wh or wm else 0.0,
             "epochs": self.c["epochs"],
+            # hit rows whose settled round returned other drafts than the branch they verified (0 unless a
+            # table was forged: a branch's drafts are the round's own for that outcome)
+            "hit_drafts_differ": self.c["hit_drafts_differ"],
             "plain_steps": self.c["plain_steps"],
             "adapt": self.adapt.stats() if self.adapt is not None else None,
+            "guard": self.guard.stats() if self.guard is not None else None,
         }
+
+    def reset_stats(self) -> None:
+        """Forget the counters (e.g. after a warm-up); what the guard learnt stays."""
+        self.c.clear()
+        self.miss_reasons.clear()
+        self.wait_hit_s.clear()
+        self.wait_miss_s.clear()
 
     def close(self, eng) -> None:
         if self._inflight is not None and eng.rounds is not None:

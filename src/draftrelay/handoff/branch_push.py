@@ -23,6 +23,7 @@ import numpy as np
 
 from draftrelay.handoff.branch_shm import TableShm
 from draftrelay.speculation import table as TB
+from draftrelay.wire import protocol as P
 
 
 @dataclass
@@ -62,10 +63,11 @@ class BranchRounds:
         fanout = self.fanout
 
         def step_with_branches(blocks, timeout=None, **kw):
-            if self.shm.paused:  # the engine measured its steps faster without tables: no branch work
+            f = self.shm.fanout(fanout)  # the engine's choice (engine/cache_guard.py), else the spec's
+            if f == 0:  # the engine measured its steps faster without tables: no branch work
                 self.stats["paused_steps"] += 1
                 return step(blocks, timeout)
-            reply = step(blocks, timeout, fanout=fanout)
+            reply = step(blocks, timeout, fanout=min(f, P.MAX_FANOUT))
             self._want = True  # the STEP went through: its BRANCHES frame follows
             return reply
 

@@ -2,8 +2,9 @@
 and read by the engine (host selection on the emulated path; the CUDA path's device selection would
 read the same bytes from a mapped copy, see engine/spec_cache.py).
 
-    header line   magic u32, version u32, slot capacity u32, epoch u32 (engine-owned), paused u32
-                  (engine-owned: nonzero asks the proxy to send its STEPs without a fan-out)
+    header line   magic u32, version u32, slot capacity u32, epoch u32 (engine-owned), fan-out word u32
+                  (engine-owned: 0 = the round spec's fan-out; F + 1 = send the STEPs with fan-out F, so
+                  1 asks the proxy to send them without one: tables paused)
     slot[2]       seq u32, stamp u32, epoch u32, n_bytes u32, crc32 u32 (one line), body[capacity]
 
 The table that follows stream round t goes into slot t & 1, written as a seqlock: seq becomes odd,
@@ -87,15 +88,26 @@ class TableShm:
         """Invalidate every table written so far (a new proxy generation)."""
         return native.add32(self.base + 12, 1) + 1
 
-    # -- pause (engine writes, proxy reads before each STEP) ---------------------------------------------
+    # -- fan-out word (engine writes, proxy reads before each STEP) --------------------------------------
     @property
     def paused(self) -> bool:
-        return native.load32(self.base + 16) != 0
+        return native.load32(self.base + 16) == 1
 
     def set_paused(self, paused: bool) -> None:
         """Ask the proxy for no more tables (its STEPs carry no fan-out, so the worker does no branch work)
         until unpaused; a STEP already sent still brings its table."""
-        native.store32(self.base + 16, 1 if paused else 0)
+        self.set_fanout(0 if paused else None)
+
+    def set_fanout(self, fanout: int | None) -> None:
+        """The fan-out of the proxy's next STEPs: F (0: none, tables paused) or None (the round spec's)."""
+        if fanout is not None and not 0 <= fanout < 0xFFFF:
+            raise ShmError(f"fan-out {fanout} outside [0, 65535)")
+        native.store32(self.base + 16, 0 if fanout is None else fanout + 1)
+
+    def fanout(self, default: int) -> int:
+        """The fan-out the engine asks for now (`default`: the round spec's, when it asks none of its own)."""
+        w = native.load32(self.base + 16)
+        return default if w == 0 else w - 1
 
     # -- proxy side --------------------------------------------------------------------------------
     def write(self, stamp: int, body: bytes, crc: int | None = None) -> bool:

@@ -16,13 +16,15 @@ are verified anyway: a wrong one costs speed, never a token).
 
 A round that asked a request for no drafts (k = 0: a verify of that request without drafts, the target's
 one token y) gets an entry too: its branches are the drafter's likely next tokens y (accepted 0), each
-with its own drafts. So the number of drafts per branch (kb) is its own field: k for a round with
-drafts, the round's depth for a k = 0 entry.
+with its own drafts. So the number of drafts per branch (kb) is its own field: the depth the round asked
+(k, or more where the worker's confidence stop ended round t's drafts early), the frame's depth for a
+k = 0 entry. Under the confidence stop a branch also says how many of its kb drafts a round would return
+(`n`: up to and including its first unsure draft, draft_stop.stop_counts); without it n = kb.
 
 Wire/shared-memory format (little endian), shared by the BRANCHES frame and the table slots:
     head    n_entries u16, k_max u16 (the largest k or kb), worker_us u32, session_id u64
     entry   request_id u64, generation u32, base u32, k u16, n_branches u16, kb u16, reserved u16,
-            drafts i32[k], then n_branches x (accepted u16, reserved u16, token i32, drafts i32[kb])
+            drafts i32[k], then n_branches x (accepted u16, n u16, token i32, drafts i32[kb])
 This module is numpy-only: the proxy imports it.
 """
 
@@ -52,7 +54,9 @@ class Entry:
     drafts: np.ndarray  # int32 [k]: round t's drafts f1..fk
     accepted: np.ndarray  # int32 [n]: branch b assumes f[:accepted[b]] were kept ...
     token: np.ndarray  # int32 [n]: ... followed by token[b]
-    branch_drafts: np.ndarray  # int32 [n, kb]: round t+1's drafts for that outcome (kb = k unless k = 0)
+    branch_drafts: np.ndarray  # int32 [n, kb]: round t+1's drafts for that outcome (kb >= k)
+    # int32 [n]: how many of a branch's kb drafts round t+1 would return (the confidence stop); None: all kb
+    branch_counts: np.ndarray | None = None
 
     @property
     def n_branches(self) -> int:
@@ -62,6 +66,16 @@ class Entry:
     def kb(self) -> int:
         """Drafts per branch."""
         return int(self.branch_drafts.shape[1]) if self.branch_drafts.ndim == 2 else 0
+
+    def counts(self) -> np.ndarray:
+        """Drafts each branch offers (kb each without the confidence stop)."""
+        if self.branch_counts is None:
+            return np.full(self.n_branches, self.kb, np.int32)
+        return np.asarray(self.branch_counts, np.int32)
+
+    def drafts_of(self, b: int, n_max: int) -> list[int]:
+        """Branch b's drafts, at most n_max of them: what round t+1 returns for that outcome."""
+        return self.branch_drafts[b, :min(int(self.counts()[b]), n_max)].tolist()
 
     def prefix(self, b: int) -> np.ndarray:
         a = int(self.accepted[b])
@@ -87,13 +101,15 @@ def encode(table: Table) -> bytes:
                              int(table.session_id))]
     for e in table.entries:
         k, n, kb = len(e.drafts), len(e.accepted), e.kb
+        cnt = e.counts()
         if (k > MAX_K or kb > MAX_K or n > MAX_BRANCHES or e.branch_drafts.shape != (n, kb)
-                or (k and kb != k)):
-            raise TableError(f"entry {e.request_id}: k={k}, {n} branches, drafts {e.branch_drafts.shape}")
+                or (k and kb < k) or cnt.shape != (n,) or (n and (int(cnt.min()) < 0 or int(cnt.max()) > kb))):
+            raise TableError(f"entry {e.request_id}: k={k}, {n} branches, drafts {e.branch_drafts.shape}, "
+                             f"counts {cnt.tolist()}")
         parts.append(ENTRY_HEAD.pack(int(e.request_id), int(e.generation), int(e.base), k, n, kb, 0))
         parts.append(np.ascontiguousarray(e.drafts, "<i4").tobytes())
         rec = np.zeros(n, _branch_dtype(kb))
-        rec["accepted"], rec["token"] = e.accepted, e.token
+        rec["accepted"], rec["n"], rec["token"] = e.accepted, cnt, e.token
         if kb:
             rec["drafts"] = e.branch_drafts
         parts.append(rec.tobytes())
@@ -101,8 +117,8 @@ def encode(table: Table) -> bytes:
 
 
 def _branch_dtype(k: int) -> np.dtype:
-    """One branch record as numpy reads it: BRANCH_HEAD (accepted, pad, token) then k int32 drafts."""
-    fields = [("accepted", "<u2"), ("pad", "<u2"), ("token", "<i4")]
+    """One branch record as numpy reads it: BRANCH_HEAD (accepted, n, token) then k int32 drafts."""
+    fields = [("accepted", "<u2"), ("n", "<u2"), ("token", "<i4")]
     return np.dtype(fields + ([("drafts", "<i4", (k,))] if k else []))
 
 
@@ -124,7 +140,7 @@ def decode(buf, vocab_size: int) -> Table:
         if max(k, kb) > min(k_max, MAX_K) or n > MAX_BRANCHES:
             raise TableError(f"entry {i}: k={k}, kb={kb} (table k_max {k_max}), {n} branches "
                              f"(limit {MAX_BRANCHES})")
-        if k and kb != k:
+        if k and kb < k:
             raise TableError(f"entry {i}: {kb} drafts per branch after a round of k={k}")
         if rid in seen:
             raise TableError(f"entry {i}: request {rid} appears twice")
@@ -141,10 +157,13 @@ def decode(buf, vocab_size: int) -> Table:
         bd = rec["drafts"].astype(np.int32).reshape(n, kb) if kb else np.zeros((n, 0), np.int32)
         if n and int(acc.max()) > k:
             raise TableError(f"entry {i}: a branch keeps {int(acc.max())} of {k} drafts")
+        cnt = rec["n"].astype(np.int32)
+        if n and int(cnt.max()) > kb:
+            raise TableError(f"entry {i}: a branch offers {int(cnt.max())} of its {kb} drafts")
         for name, arr in (("draft", drafts), ("branch token", tok), ("branch draft", bd)):
             if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
                 raise TableError(f"entry {i}: {name} id outside [0, {vocab_size})")
-        entries.append(Entry(rid, gen, base, drafts, acc, tok, bd))
+        entries.append(Entry(rid, gen, base, drafts, acc, tok, bd, cnt))
     if off != n_buf:
         raise TableError(f"{n_buf - off} trailing bytes after {n_entries} entries")
     return Table(entries, worker_us, session_id)

@@ -31,6 +31,7 @@ from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
 from draftrelay.wire import protocol as P
+from draftrelay.worker.draft_stop import stop_counts
 from draftrelay.worker.drafters import Job, LlamaDrafter
 from draftrelay.worker.fork import LeanFork, fork_forward
 
@@ -430,8 +431,11 @@ class Prefetcher:
         fanout = max(0, min(fanout, self.max_fanout))
         # a request that asked no drafts (its verify runs without drafts: the target's one token) gets a k = 0
         # entry, branches over that token with as many drafts as the frame's deepest round (none if no round
-        # of the frame asked any)
-        self.k_run = k_run = int(max((int(c) for c in result.counts), default=0))
+        # of the frame asked any). A round's depth is what it asked: under the confidence stop it may have
+        # drafted fewer, and its branches are drafted as deep as the next round asks (each then offering what
+        # the stop would return: Branch counts)
+        self.k_run = k_run = int(max((max(int(c), _asked(b)) for c, b in zip(result.counts, blocks, strict=True)),
+                                     default=0))
         todo = []  # (block index, request state, k)
         for i, b in enumerate(blocks):
             k = int(result.counts[i])
@@ -445,7 +449,7 @@ class Prefetcher:
             else:
                 self._last.pop((sid, b.request_id), None)
             if (fanout and self.supported and st.ctx_len + max(k, k_run) + 1 <= self.drafter.max_ctx
-                    and self._fits(k) and self._holds(st, k)):
+                    and self._fits(max(k, _asked(b))) and self._holds(st, k)):
                 todo.append((i, st, k))
         entries: list[Entry] = []
         self.records.clear()  # the scratch rows are about to be reused
@@ -481,9 +485,10 @@ class Prefetcher:
         return now
 
     def _from_branch(self, st, f: np.ndarray) -> bool:
-        """Whether the STEP just answered for this request (context length, drafts f) came from a branch."""
+        """Whether the STEP just answered for this request (context length, drafts f) came from a branch
+        (f: the branch's drafts, or their first ones where the confidence stop ended the reply there)."""
         h = self.answered.get(st.row)
-        return h is not None and h[0] == st.ctx_len and len(h[1]) == len(f) and np.array_equal(h[1], f)
+        return h is not None and h[0] == st.ctx_len and len(f) <= len(h[1]) and np.array_equal(h[1][:len(f)], f)
 
     def _answered_top(self, st, f: np.ndarray):
         """The candidates at the stopping places of the STEP just answered from a branch for this request,
@@ -574,6 +579,7 @@ class Prefetcher:
                     last.append(1)
                     starts.append(L + k - 1)
                 pivots.append(starts[-1])
+        # every branch is drafted as deep as the frame's deepest round asked (k_run, set by table())
         k_max = max(max(k for _, _, k in todo), self.k_run)
         if not rows:
             z = np.zeros((0, k_max), np.int32)
@@ -596,8 +602,13 @@ class Prefetcher:
             i, st, k = todo[n]
             b = blocks[i]
             nb = len(pairs)
-            kb = k or self.k_run  # drafts per branch (a k = 0 entry: the frame's depth)
+            kb = max(k, _asked(b)) or self.k_run  # drafts per branch: what the round asked (k = 0 entry: the frame's)
             f = result.drafts[i, :k].astype(np.int32)
+            # under the confidence stop a round after this outcome returns the branch's drafts up to and
+            # including its first unsure one: what the engine may use, and what the worker answers from it
+            stop = float(getattr(b, "min_conf", 0.0))
+            counts = (stop_counts(out_c[first:first + nb, :kb], [stop] * nb, [kb] * nb).astype(np.int32)
+                      if stop > 0 and nb else None)
             branches = []
             for j, (a, y) in enumerate(pairs):
                 q = first + j
@@ -609,7 +620,7 @@ class Prefetcher:
             self.records[st.row] = (st.ctx_len, f, branches)
             entries.append(Entry(b.request_id, b.generation, st.ctx_len, f,
                                  np.array([a for a, _ in pairs], np.int32), np.array([y for _, y in pairs], np.int32),
-                                 out_d[first:first + nb, :kb].astype(np.int32).reshape(nb, kb)))
+                                 out_d[first:first + nb, :kb].astype(np.int32).reshape(nb, kb), counts))
             first += nb
         return entries
 
@@ -744,7 +755,7 @@ class ReplayPrefetcher(Prefetcher):
         row = 0
         for (i, st, k), pairs in zip(todo, choices, strict=True):
             f = result.drafts[i, :k].astype(np.int32)
-            kb = k or self.k_run
+            kb = max(k, _asked(blocks[i])) or self.k_run
             for a, y in pairs:
                 out_d[row, :kb] = rd.branch_drafts(st.row, st.ctx_len, np.concatenate([f[:a], [y]]), kb)
                 row += 1
@@ -791,6 +802,11 @@ def make_prefetcher(drafter) -> tuple[Prefetcher, object]:
         return pf, (ReplayHitDrafter(drafter, pf) if pf.supported else drafter)
     pf = Prefetcher(drafter)
     return pf, (HitDrafter(drafter, pf) if pf.supported else drafter)
+
+
+def _asked(block) -> int:
+    """Drafts a block's round asked for (the confidence stop may have returned fewer)."""
+    return int(getattr(block, "n_out", 0))
 
 
 def _copy_row(src, src_row: int, dst, dst_row: int, n: int, lo: int = 0) -> None:

@@ -1,0 +1,316 @@
+"""The speculation cache's guard (engine/cache_guard.py): per batch class, the fan-out or plain rounds,
+whichever its own measurements say is faster, with bounded probes. Unit tests drive CacheGuard with
+step costs of their own; the engine tests put it behind a worker whose branch work is slow (the guard
+must go sequential) or cheap beside a slow verify (it must keep the cache), greedy output identical
+either way."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from draftrelay.engine.cache_guard import CacheGuard
+
+
+def drive(g: CacheGuard, cost, steps: int, batch: int = 1, tokens: float = 3.0) -> list[int]:
+    """`steps` steps of `batch` requests, each choice costing cost(choice, batch) seconds; the choices made."""
+    out = []
+    for _ in range(steps):
+        f = g.choose(batch)
+        out.append(f)
+        g.observe(tokens, cost(f, batch))
+    return out
+
+
+def test_guard_goes_sequential_where_tables_are_slower_and_probes_rarely():
+    """Tables at 2x a plain step's cost: after its first window and one of plain rounds the class runs
+    plain; afterwards it probes one choice per interval, and the interval doubles while the probes
+    confirm plain, so over 600 steps at most a few percent of them are not plain."""
+    g = CacheGuard(8, window=4, probe_every=16, max_interval=256, settle=1)
+    seen = drive(g, lambda f, b: 0.010 if f == 0 else 0.020, 600)
+    assert seen[:4] == [8] * 4  # the start choice: F = 8 (1 x 8 rows within the budget), one window
+    assert seen[4:9] == [0] * 5  # plain rounds: the settling step after the switch, then one window
+    st = g.stats()["by_batch"][1]
+    assert st["best"] == 0 and st["decisions"][0] == 0
+    assert sum(f != 0 for f in seen[10:]) <= 0.05 * 590, st
+    assert st["interval"] == 256 and st["probes"] >= 3
+    assert set(st["chosen"]) <= {0, 4, 8}
+
+
+def test_guard_keeps_tables_where_they_pay_and_comes_back_when_they_pay_again():
+    """Tables at 0.6x a plain step: the class keeps them (plain is probed, loses). Then the costs turn (the
+    worker became slow at branching): the next probe of plain rounds switches to them; when tables pay
+    again, a probe of the fan-out brings them back."""
+    g = CacheGuard(8, arms=[8], window=4, probe_every=8, max_interval=32, settle=1)
+    fast = {0: 0.010, 8: 0.006}
+    seen = drive(g, lambda f, b: fast[f], 120)
+    assert g.classes[1].best == 8 and sum(f == 8 for f in seen[-60:]) >= 50
+    slow = {0: 0.010, 8: 0.030}
+    drive(g, lambda f, b: slow[f], 120)
+    assert g.classes[1].best == 0
+    drive(g, lambda f, b: fast[f], 200)
+    assert g.classes[1].best == 8
+    assert g.switches >= 4 and 0 in g.classes[1].decisions and 8 in g.classes[1].decisions
+
+
+def test_guard_decides_per_batch_class():
+    """Batch 1: tables pay; batch 4 (its branch step 4 x F rows): they do not. Each class keeps its own
+    choice, and batches of 3 and 4 share a class."""
+    g = CacheGuard(8, arms=[8], window=3, probe_every=8, settle=0)
+
+    def cost(f, b):
+        return {1: {0: 0.010, 8: 0.006}, 4: {0: 0.012, 8: 0.030}}[4 if b > 2 else 1][f]
+
+    for _ in range(60):
+        for b in (1, 4, 3):
+            f = g.choose(b)
+            g.observe(3.0, cost(f, b))
+    by = g.stats()["by_batch"]
+    assert set(by) == {1, 4}
+    assert by[1]["best"] == 8 and by[4]["best"] == 0, by
+
+
+def test_guard_takes_a_lower_fanout_where_it_is_faster():
+    """F = 16 and F = 8 both beat plain rounds, F = 8 more so (a cheaper branch step at the same hit rate):
+    the neighbour probe finds F = 8 and keeps it."""
+    g = CacheGuard(16, arms=[8, 16], window=4, probe_every=8, max_interval=64, settle=1, max_rows=64)
+    cost = {0: 0.010, 8: 0.005, 16: 0.007}
+    drive(g, lambda f, b: cost[f], 200)
+    c = g.classes[1]
+    assert c.best == 8 and 16 in c.chosen and 0 in c.chosen, g.stats()
+
+
+def test_guard_starts_within_the_row_budget_and_plain_on_a_shared_device():
+    g = CacheGuard(16, max_rows=32)  # arms 8 and 16
+    assert g.arms == [0, 8, 16]
+    assert g.choose(1) == 16 and g.choose(2) == 16 and g.choose(4) == 8 and g.choose(8) == 8
+    s = CacheGuard(8, start_plain=True)
+    assert s.choose(1) == 0 and s.classes[1].todo == [8]
+    for bad in ({"arms": [0]}, {"window": 0}, {"max_interval": 4, "probe_every": 8}, {"margin": float("nan")}):
+        with pytest.raises(ValueError, match="cache guard"):
+            CacheGuard(8, **bad)
+
+
+def test_guard_books_neither_settling_nor_unsteady_steps():
+    """The step after a change of fan-out (the STEP already out was asked with the old one) and steps the
+    caller calls unsteady (catch-up rounds) are not measured."""
+    g = CacheGuard(8, arms=[8], window=2, settle=1)
+    g.choose(1)
+    g.observe(3, 0.01)
+    g.choose(1)
+    g.observe(3, 9.0, steady=False)  # a catch-up: not booked
+    g.choose(1)
+    g.observe(3, 0.01)  # the window of F = 8 is full: plain rounds next
+    assert g.choose(1) == 0
+    g.observe(3, 9.0)  # the settling step after the switch: not booked
+    assert g.classes[1].measured == {8: 2}
+    g.choose(1)
+    g.observe(3, 0.02)
+    g.choose(1)
+    g.observe(3, 0.02)
+    assert g.classes[1].best == 8 and g.classes[1].measured == {8: 2, 0: 2}
+
+
+def test_pooled_rates_use_the_class_tokens_own_rates_their_own():
+    """Pooled: a choice measured on easy text (more tokens per step) is not credited with the text; each
+    choice's rate is the class's tokens per step over its own seconds per step."""
+    g = CacheGuard(8, arms=[8], window=2, settle=0)
+    for tok, f_want in ((5, 8), (5, 8), (1, 0), (1, 0)):
+        assert g.choose(1) == f_want
+        g.observe(tok, 0.01)
+    c = g.classes[1]
+    assert g.rate(c, 0) == pytest.approx(g.rate(c, 8)) == pytest.approx(300.0)
+    own = CacheGuard(8, arms=[8], window=2, settle=0, pooled=False)
+    for tok in (5, 5, 1, 1):
+        own.choose(1)
+        own.observe(tok, 0.01)
+    assert own.rate(own.classes[1], 8) == pytest.approx(500.0) and own.rate(own.classes[1], 0) == pytest.approx(100.0)
+
+
+# ---- the engine: an emulated drafter whose costs the test sets ------------------------------------------
+
+VOCAB = 256
+
+
+def trace(seed: int = 4, n: int = 3, length: int = 60, hit: float = 0.8):
+    """Random target sequences; the drafter's top-1 is the target's token with probability `hit`, its
+    second choice the target's token otherwise (so branches over the corrections hit)."""
+    from draftrelay.replay import Trace, TraceEntry
+
+    rng = np.random.default_rng(seed)
+    entries = []
+    for i in range(n):
+        prompt = [int(x) for x in rng.integers(0, VOCAB, 5 + 3 * i)]
+        target = [int(x) for x in rng.integers(0, VOCAB, length)]
+        top = []
+        for t in target:
+            first = t if rng.random() < hit else int((t + 1 + rng.integers(0, VOCAB - 1)) % VOCAB)
+            rest = [int(x) for x in rng.choice([v for v in range(VOCAB) if v not in (first, t)], 3, replace=False)]
+            if first != t:
+                rest[0] = t
+            top.append([first, *rest])
+        entries.append(TraceEntry(prompt, target, top, name=f"e{i}"))
+    tr = Trace(pair="synthetic guard pair", top_f=4, entries=entries, vocab_size=VOCAB)
+    for ent in tr.entries:  # probabilities, so the branch choice has something to rank
+        ent.draft_prob = [[0.6, 0.3, 0.07, 0.03] for _ in ent.target]
+    return tr
+
+
+def run_emulated(tmp_path, step_s: float, branch_s: float, verify_s: float, F: int = 8, k: int = 4,
+                 guard_options: dict | None = None):
+    """Decode the trace at batch 1 through a worker process on an emulated device whose STEP costs step_s
+    and whose branch work costs branch_s (each F of the guard's), with every verify made verify_s slower.
+    Returns (outputs, the trace's targets, metrics)."""
+    import json
+
+    from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+    from draftrelay.handoff.rounds import HandoffConfig
+    from draftrelay.model import tiny_pair
+    from draftrelay.replay import install_replay_target
+    from draftrelay.worker.process import start_worker_process
+
+    tr = trace()
+    path = str(tmp_path / "trace.json")
+    tr.save(path)
+    entries = [{"jobs": 1, "n_steps": n, "kv": 256, "s": step_s} for n in range(1, k + 1)]
+    entries += [{"kind": "prefetch", "jobs": 1, "fanout": f, "k": k, "kv": 256, "s": branch_s} for f in (F, F // 2)]
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps({"entries": entries}))
+    w = start_worker_process(["--model", f"replay:{path}:emulated={cost}", "--device", "cpu", "--dtype", "float32"],
+                             env={"OMP_NUM_THREADS": "1"})
+    target, _ = tiny_pair()
+    spec = {"kind": "worker", "host": w.host, "port": w.port, "model_id": "replay-emulated"}
+    opts = {"window": 4, "probe_every": 16, "settle": 1, **(guard_options or {})}
+    cfg = EngineConfig(mode="async", n_draft=k, max_batch=1, max_len=256, spec_fanout=F,
+                       spec_options={"guard": True, "guard_options": opts},
+                       handoff=HandoffConfig(round_spec=spec, deadline_ms=5000, round_budget_ms=4000))
+    hook = install_replay_target(target, tr, n_rows=2, max_len=cfg.max_len)
+    try:
+        with Engine(target, cfg) as eng:
+            verify = eng.verifier.verify
+
+            def slow_verify(*a, **kw):  # a target whose verify takes verify_s more (the drafter can work beside it)
+                out = verify(*a, **kw)
+                time.sleep(verify_s)
+                return out
+
+            eng.verifier.verify = slow_verify
+            reqs = eng.generate([e.prompt for e in tr.entries], SamplingParams(max_tokens=len(tr.entries[0].target)))
+            m = eng.metrics()
+    finally:
+        hook.remove()
+        w.stop()
+    return [r.output for r in reqs], [e.target for e in tr.entries], m
+
+
+def test_slow_branch_work_makes_the_guard_go_sequential(tmp_path):
+    """Branch work of 100 ms after every STEP (a drafter that shares what it runs on), a 2 ms STEP, a 5 ms
+    verify: a cache step waits for its table, a sequential one does not (costs ten times apart, so a
+    loaded machine cannot turn them around). The guard measures both, runs plain rounds for most steps,
+    and the output is the trace's."""
+    out, want, m = run_emulated(tmp_path, step_s=0.002, branch_s=0.100, verify_s=0.005)
+    assert out == want
+    sc = m["total"]["spec_cache"]
+    g = sc["guard"]["by_batch"][1]
+    assert g["best"] == 0 and g["decisions"] and all(d == 0 for d in g["decisions"]), sc["guard"]
+    assert g["chosen"].get(0, 0) > 2 * sum(v for f, v in g["chosen"].items() if f), g
+    assert sc["plain_steps"] > 0 and sc["guard"]["switches"] >= 1
+    assert m["total"]["rounds"]["failed"] == 0
+
+
+def test_cheap_branch_work_beside_a_slow_verify_keeps_the_cache(tmp_path):
+    """An 80 ms STEP, 1 ms of branch work and a verify made 20 ms slower: sequential steps cost the round
+    plus the verify, cache steps on a hit the verify alone (the worker answers a hit's STEP from its
+    branch). The guard probes plain rounds, finds them slower and keeps the cache; the output is the
+    trace's."""
+    out, want, m = run_emulated(tmp_path, step_s=0.080, branch_s=0.001, verify_s=0.020)
+    assert out == want
+    sc = m["total"]["spec_cache"]
+    g = sc["guard"]["by_batch"][1]
+    assert g["best"] != 0 and g["decisions"] and g["decisions"][0] != 0, sc["guard"]
+    assert g["chosen"].get(0, 0) > 0  # plain rounds were measured
+    assert sum(v for f, v in g["chosen"].items() if f) > 2 * g["chosen"][0], g
+    assert sc["hits"] > 0 and sc["fast_steps"] > 0
+
+
+def test_a_cache_run_on_a_shared_gpu_starts_with_plain_rounds():
+    """shared_gpu=True runs the cache with a worker on the engine's GPU (declined by default): there the
+    guard starts every batch class with plain rounds and only probes tables. No GPU needed."""
+    import torch
+
+    from draftrelay.engine.loading import handoff_config
+    from draftrelay.engine.spec_cache import SpecCache
+    from draftrelay.handoff.rounds import AsyncRounds
+
+    spec = {"kind": "worker", "host": "127.0.0.1", "port": 1}
+    for shares, first in ((True, 0), (False, 8)):
+        h = handoff_config(spec, torch.device("cuda"), 200, shares, host_rounds=True)
+        sc = SpecCache(8, shared_gpu=True)
+        try:
+            h.round_spec = sc.round_spec(h.round_spec, h.round_budget_ms)
+            sc.bind(AsyncRounds(h), 256, device_drafts=False)
+            assert sc.active and sc.guard.start_plain is shares
+            assert sc.guard.choose(1) == first
+        finally:
+            sc.shm.close()
+    with pytest.raises(ValueError, match="cache guard"):
+        SpecCache(8, guard_options={"window": 0})
+    off = SpecCache(8, guard=False)
+    adapt = SpecCache(8, adapt=True)  # the older single probe replaces the guard
+    try:
+        assert off.guard is None and adapt.guard is None and off.stats()["guard"] is None
+    finally:
+        off.shm.close()
+        adapt.shm.close()
+
+
+def test_proxy_sends_the_fanout_the_engine_writes():
+    """The table memory's fan-out word: the round spec's F by default, the engine's F while it writes one,
+    none while it writes 0 (the paused case), the spec's again once cleared."""
+    from draftrelay.handoff.branch_push import BranchRounds
+    from draftrelay.handoff.branch_shm import ShmError, TableShm
+
+    calls = []
+
+    class Client:
+        def step(self, blocks, timeout=None, **kw):
+            calls.append(kw.get("fanout", 0))
+            return "reply"
+
+    class Inner:
+        def __init__(self):
+            self.client = Client()
+
+        def __call__(self, t, requests, budget_s):
+            return self.client.step(requests, budget_s)
+
+    shm = TableShm.create(4096)
+    try:
+        br = BranchRounds(Inner(), {"fd": shm.fd, "fanout": 8}, 256)
+        for t, f in enumerate((None, 4, 0, 16, None)):
+            shm.set_fanout(f)
+            br(t, [], 0.1)
+        assert calls == [8, 4, 0, 16, 8]
+        assert br.stats["paused_steps"] == 1 and not shm.paused
+        shm.set_fanout(0)
+        assert shm.paused and shm.fanout(8) == 0
+        with pytest.raises(ShmError, match="fan-out"):
+            shm.set_fanout(-1)
+        br.shm.close()
+    finally:
+        shm.close()
+
+
+def test_a_clearly_slower_challenger_loses_without_a_full_window():
+    """Plain rounds at 1.6x a cache step: the probe of them ends after min_probe booked steps (plus the
+    settling step), not after a window, and the cache is back; a challenger only a little slower (1.1x)
+    gets its full window."""
+    g = CacheGuard(8, arms=[8], window=6, min_probe=2, abort_ratio=1.3, settle=1)
+    seen = drive(g, lambda f, b: 0.016 if f == 0 else 0.010, 12)
+    assert seen[:6] == [8] * 6 and seen[6:9] == [0] * 3 and seen[9:] == [8] * 3, seen
+    h = CacheGuard(8, arms=[8], window=6, min_probe=2, abort_ratio=1.3, settle=1)
+    seen = drive(h, lambda f, b: 0.011 if f == 0 else 0.010, 14)
+    assert seen[6:13] == [0] * 7 and seen[13] == 8, seen
+    assert g.classes[1].best == 8 and h.classes[1].best == 8
