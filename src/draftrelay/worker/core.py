@@ -256,6 +256,8 @@ class WorkerCore:
         st = s.requests.pop(rid, None)
         if st is not None:
             s.free_rows.append(st.row)
+            if self.prefetcher is not None:  # its branch state too: the rounds that end it may carry no table
+                self.prefetcher.forget_request(s.id, rid, st.row)
 
     def _take_row(self, s: Session, in_frame: set[int]) -> int | None:
         if not s.free_rows:

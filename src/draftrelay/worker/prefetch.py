@@ -402,6 +402,12 @@ class Prefetcher:
         """Wait for the drafter's device to finish work queued behind a table (the real device orders it
         itself; the emulated one does not: ReplayPrefetcher)."""
 
+    def forget_request(self, session_id: int, request_id: int, row: int) -> None:
+        """A request that ended or was evicted: its last drafts and its row's branch records go (a plain
+        round, which builds no table, may be the one that ends it)."""
+        self._last.pop((session_id, request_id), None)
+        self.records.pop(row, None)
+
     def forget_session(self, session_id: int) -> None:
         self._acc.pop(session_id, None)
         for key in [k for k in self._last if k[0] == session_id]:
