@@ -199,6 +199,9 @@ def main() -> int:
     ap.add_argument("--drafter", default="qwen2.5-0.5b", help="qwen2.5-0.5b or tiny (shape of the replay drafter)")
     ap.add_argument("--modes", default="off,sync,async", help="off, sync, async, cache (async + speculation cache)")
     ap.add_argument("--fanout", type=int, default=8, help="branches per request of the cache mode")
+    ap.add_argument("--cache-guard", default="on", choices=["on", "off"],
+                    help="the cache mode's guard (engine/cache_guard.py: plain rounds wherever they measure "
+                         "faster); off: every step a cache step")
     ap.add_argument("--placement", default="same", choices=["same", "emulated"],
                     help="same: the worker on this device; emulated: a drafter on an emulated second device "
                          "(measured costs spent as wall time by a CPU worker)")
@@ -302,7 +305,8 @@ def main() -> int:
             cfg = EngineConfig(mode="async" if cache else mode, n_draft=args.k, max_batch=args.max_batch,
                                max_len=max_len, handoff=h, graphs=graphs, spec_fanout=args.fanout if cache else 0,
                                # a worker on this GPU: the cache would decline it; forced on, and said so
-                               spec_options={"shared_gpu": True} if cache and args.placement == "same" else {})
+                               spec_options={**({"shared_gpu": True} if cache and args.placement == "same" else {}),
+                                             **({"guard": False} if args.cache_guard == "off" else {})})
             t0 = time.perf_counter()
             try:
                 with Engine(target, cfg) as eng:

@@ -41,7 +41,8 @@ def cached():
     gen = subprocess.Popen([sys.executable, "-m", "draftrelay", "generate", PROMPTS[0], "--mode", "async",
                             "--spec-cache", "--k", "4", "--max-tokens", "32", "--device", "cpu"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True)
-    srv = Server("--mode", "async", "--spec-cache", "--k", "4", "--worker", f"{whost}:{wport}",
+    # the guard off: every step a cache step (on 2 cores it would run plain rounds, hiding the paths tested here)
+    srv = Server("--mode", "async", "--spec-cache", "--cache-guard", "off", "--k", "4", "--worker", f"{whost}:{wport}",
                  "--max-batch", "16", "--max-model-len", "512", "--device", "cpu")
     try:
         srv.wait_ready()
@@ -236,7 +237,7 @@ def test_serve_replay_cache_mode_cpu_dry_run(tmp_path):
     cmd = [sys.executable, "benchmarks/serve_replay.py", "--device", "cpu", "--target", "tiny", "--drafter", "tiny",
            "--trace", "synthetic", "--modes", "sync,cache", "--placement", "emulated", "--concurrency", "2",
            "--requests", "4", "--max-tokens", "24", "--ttft-repeats", "1", "--long-len", "64", "--cost-iters", "2",
-           "--out", str(out)]
+           "--cache-guard", "off", "--out", str(out)]  # every step a cache step (the guard would run plain ones here)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**ENV, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())

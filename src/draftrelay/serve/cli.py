@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (--mode async): the worker pre-drafts F branches per request during "
                         "each verify (no value: 8); every step then asks --k drafts (--depth is not used)")
+    p.add_argument("--cache-guard", default="on", choices=["on", "off"],
+                   help="with --spec-cache: the guard measures cache steps against plain rounds per batch size "
+                        "and runs whichever is faster (on); off: every step a cache step")
     p.add_argument("--max-round-tokens", type=int, default=4096,
                    help="prompt tokens one round sends the drafter (a longer prompt catches up over several)")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
@@ -287,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
                            graphs=args.graphs, max_round_tokens=args.max_round_tokens,
                            spec_fanout=args.spec_cache,
+                           spec_options={"guard": False} if args.cache_guard == "off" else {},
                            threads=args.threads if args.threads == "auto" else int(args.threads))
         try:
             sock = listen(args.host, args.port)
