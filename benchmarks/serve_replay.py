@@ -358,6 +358,11 @@ def main() -> int:
             row["wall_s"] = time.perf_counter() - t0
             print(f"{mode}: {json.dumps(row.get('trace_check'))} in {row['wall_s']:.1f} s", flush=True)
             save()
+            # the mode's engine and server go now, not when the next mode's names rebind: their KV cache and
+            # graphs (15-30 GB at 7B shape) would otherwise sit beside the next engine's (a fourth mode ran out
+            # of memory), and the cycles among them need a collection once unfrozen
+            eng = srv = None
+            gc.collect()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()

@@ -304,3 +304,22 @@ def test_whole_shape_plans_every_bucket_at_the_first_call_and_none_later():
     # each sibling was measured with its own bucket's candidates
     for k in calls:
         assert k in pl.table
+
+
+def test_every_shipped_seed_names_present_candidates():
+    """A shipped seed (kernels/plans/*.json) whose choices the present candidate rules no longer make
+    would silently fall back to measuring at start: regenerate it (benchmarks/plan_seed.py on the card)."""
+    import glob
+    import os
+
+    files = glob.glob(os.path.join(P.SEED_DIR, "*.json"))
+    assert files, "no shipped plan seed"
+    for path in files:
+        data = json.loads(open(path).read())
+        seed = P.PlanSeed(path, data["meta"]["device"])
+        assert seed.entries, path
+        for key_str, e in seed.entries.items():
+            pro, bucket, N, K, dt, bias, delta = key_str.split("|")
+            key = (int(pro), int(bucket), int(N), int(K), dt, bias == "True", delta == "True")
+            cands = P.bucket_candidates(key[0], key[1], key[2], key[3])
+            assert seed.get(key, cands) is not P.MISSING, (path, key_str, e["choice"])
