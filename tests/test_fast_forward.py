@@ -283,7 +283,7 @@ torch.testing.assert_close(conf, rc)
 assert T.linear(torch.ones(1, 96), torch.ones(5, 96)).sum() == 5 * 96  # not CUDA: cuBLAS's place, F.linear
 for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLOCK), one row and a verify
     T.SINGLE_BLOCK[16, 16] = T.SINGLE_BLOCK[16, 32] = blk
-    for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400])):
+    for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400]), (1, 1, 1300, [1290])):
         q = torch.randn(B, Tq, 4, 16, generator=g)
         ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)
         rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
@@ -296,7 +296,8 @@ for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLO
         ref = R.rope_attention(qkv, st, inv, 4, 2, ck2, cv2, rows, kv)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ck, ck2, atol=1e-6, rtol=1e-6)
-        assert torch.equal(cv, cv2) and T.attention_fuses_rope(kv, Tq) == (Tq == 1)
+        # (1300 keys split into several chunks: the RoPE then runs as its own kernel, the combine loops)
+        assert torch.equal(cv, cv2) and T.attention_fuses_rope(kv, Tq) == (Tq == 1 and kv < 1300)
 assert splits >= 6, splits
 print("checked", n)
 '''
@@ -309,3 +310,11 @@ def test_triton_kernels_under_the_interpreter_equal_their_definitions(tmp_path):
     out = run_interpreted(tmp_path, INTERPRETED_CHECK)
     assert "checked" in out, out[-3000:]
     assert int(out.split("checked")[1]) >= 25  # configurations checked
+
+
+def test_the_attention_split_count_is_not_compiled_in():
+    """The split count follows the context (a chunk per MIN_CHUNK keys): as a constexpr of the combine
+    kernel every MIN_CHUNK tokens of an eager decode compiled a new kernel inside that step."""
+    T = pytest.importorskip("draftrelay.kernels.triton_ops")
+    for fn in (T._attn_kernel, T._attn_combine_kernel):
+        assert "n_split" not in [p.name for p in fn.params if p.is_constexpr], fn

@@ -325,8 +325,25 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
 
 
 @triton.jit
-def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split: tl.constexpr,
-                         REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+def _combine_part(acc_ptr, ml_ptr, part, r, d, M, L, A, R_PAD: tl.constexpr, D: tl.constexpr):
+    m_s = tl.load(ml_ptr + part * 2 * R_PAD + r)
+    l_s = tl.load(ml_ptr + part * 2 * R_PAD + R_PAD + r)
+    a_s = tl.load(acc_ptr + (part * R_PAD + r)[:, None] * D + d[None, :])
+    M_new = tl.maximum(M, m_s)
+    safe = tl.where(M_new == NEG_INF, 0.0, M_new)
+    wa = tl.exp(M - safe)
+    ws = tl.exp(m_s - safe)
+    return M_new, L * wa + l_s * ws, A * wa[:, None] + a_s * ws[:, None]
+
+
+@triton.jit
+def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split,
+                         REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
+                         FIXED_SPLIT: tl.constexpr = 0):
+    # n_split is a run-time loop bound, not a constexpr: the split count follows the context length (a
+    # chunk per MIN_CHUNK keys up to the card's programs), so as a constexpr an eager decode compiled a new
+    # combine kernel every MIN_CHUNK tokens of context, inside whatever step or round crossed the boundary.
+    # FIXED_SPLIT: the same count as a constexpr, for Triton's interpreter (no run-time loop bounds there)
     bg = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -339,18 +356,12 @@ def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split: tl.constexpr,
     M = tl.full([R_PAD], NEG_INF, tl.float32)
     L = tl.zeros([R_PAD], tl.float32)
     A = tl.zeros([R_PAD, D], tl.float32)
-    for sp in range(0, n_split):
-        part = (bg * n_split + sp).to(tl.int64)
-        m_s = tl.load(ml_ptr + part * 2 * R_PAD + r)
-        l_s = tl.load(ml_ptr + part * 2 * R_PAD + R_PAD + r)
-        a_s = tl.load(acc_ptr + (part * R_PAD + r)[:, None] * D + d[None, :])
-        M_new = tl.maximum(M, m_s)
-        safe = tl.where(M_new == NEG_INF, 0.0, M_new)
-        wa = tl.exp(M - safe)
-        ws = tl.exp(m_s - safe)
-        L = L * wa + l_s * ws
-        A = A * wa[:, None] + a_s * ws[:, None]
-        M = M_new
+    if FIXED_SPLIT:
+        for sp in range(0, FIXED_SPLIT):
+            M, L, A = _combine_part(acc_ptr, ml_ptr, (bg * FIXED_SPLIT + sp).to(tl.int64), r, d, M, L, A, R_PAD, D)
+    else:
+        for sp in range(0, n_split):
+            M, L, A = _combine_part(acc_ptr, ml_ptr, (bg * n_split + sp).to(tl.int64), r, d, M, L, A, R_PAD, D)
     rvalid = r < REP * T
     t = r % T
     h = g * REP + r // T
@@ -1015,6 +1026,7 @@ def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.
         num_warps=warps, num_stages=2, **_launch_kw(pdl))
     if not single:
         _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=pdl,
+                                          FIXED_SPLIT=n_split if _INTERPRETED else 0,
                                           num_warps=warps, **_launch_kw(pdl))
     return out
 
