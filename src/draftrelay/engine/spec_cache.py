@@ -396,7 +396,6 @@ class SpecCache:
         verify their branch drafts and the rows that missed verify none, and round N, asking the hit rows
         their drafts and the missed rows none, stays in flight; if none hit, round N is an ordinary one,
         waited for."""
-        rounds = eng.rounds
         asking = [i for i, n in enumerate(plan.n_out) if n]
         hits: dict[int, list[int]] = {}
         t_wait = time.perf_counter()
@@ -409,10 +408,8 @@ class SpecCache:
         if fast:  # a row that missed asks no drafts: its verify takes none, its next table has a k = 0 entry
             for i in bare:
                 plan.n_out[i] = 0
-        t = res = None
-        if plan.asks:
-            with clock.part("submit"):
-                t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
+        res = None
+        t = self._submit(eng, plan, clock)
         inp = VerifyInputs.of(batch)
         with clock.part("wait"):
             if fast:  # the missed rows' round asks nothing of them: none is bare in flight
@@ -468,18 +465,23 @@ class SpecCache:
         depth 0 left behind)."""
         return any(plan.n_out) and max(len(x) for x in plan.send) <= eng.cfg.n_draft + 2
 
+    @staticmethod
+    def _submit(eng, plan, clock):
+        """The plan's round, sent (its round number), or None where no request of it asks one."""
+        if not plan.asks:
+            return None
+        with clock.part("submit"):
+            return eng.rounds.submit(eng.planner.blocks(plan, eng.rounds.capacity or eng.cfg.max_batch))
+
     def _plain_step(self, eng, batch: list, clock, t_step: float, n_before: int) -> None:
         """The guard chose plain rounds: the engine's ordinary step (the depth policy's k where it has one),
         on this cache's rounds; the proxy sends its STEP without a fan-out."""
-        rounds = eng.rounds
         self._tails.clear()
         k = eng.depth.choose() if eng.depth is not None else None
         plan = eng.planner.plan(batch, drafting=k != 0, k=k)
         steady = self._steady(eng, plan)
-        t = res = None
-        if plan.asks:
-            with clock.part("submit"):
-                t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
+        res = None
+        t = self._submit(eng, plan, clock)
         inp = VerifyInputs.of(batch)
         drafts: list[list[int]] = [[] for _ in batch]
         if t:
@@ -536,10 +538,8 @@ class SpecCache:
                     tails[i] = d
                     plan.n_out[i] = len(d)
         self._tails.clear()
-        t = res = None
-        if plan.asks:
-            with clock.part("submit"):
-                t = rounds.submit(eng.planner.blocks(plan, rounds.capacity or eng.cfg.max_batch))
+        res = None
+        t = self._submit(eng, plan, clock)
         inp = VerifyInputs.of(batch)
         drafts: list[list[int]] = [[] for _ in batch]
         fast = False

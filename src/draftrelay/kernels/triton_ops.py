@@ -742,24 +742,39 @@ L2_BEAT_BYTES = 192 << 20  # the measurement cycles through this many bytes of w
 MEASURE_CALLS = 64  # launches per timed graph
 
 
+def _product_inputs(key: P.Key, copies: int, seed: int) -> tuple:
+    """Random inputs of key's product on its card: (copies weights [N, K], x, delta, norm weight, bias),
+    None where the product has none."""
+    dev_index, pro, M, N, K, dtype_name, has_bias, has_delta = key
+    dev = torch.device("cuda", dev_index)
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, device=dev, generator=gen) * std).to(dtype)
+
+    ws = [rnd(N, K, std=K ** -0.5) for _ in range(copies)]
+    x = rnd(M, 2 * K if pro == P.PRO_SILU else K)
+    return (ws, x, rnd(M, K) if has_delta else None, rnd(K) if pro == P.PRO_NORM else None,
+            rnd(N) if has_bias else None)
+
+
+def _output_error(got_x, got, ref_x, ref) -> float | None:
+    """The relative error of a candidate's product against cuBLAS's, or None where it is out of bounds
+    (not finite, beyond fp32's 1e-4 / bf16's 2e-2, or a residual sum that is not the same bits)."""
+    err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+    ok = math.isfinite(err) and err < (1e-4 if ref.dtype == torch.float32 else 2e-2) and torch.equal(got_x, ref_x)
+    return err if ok else None
+
+
 def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     """Seconds per call of cuBLAS (None) and each candidate for `key`, timed in a CUDA graph over
     distinct weight copies; a candidate that fails to build or to match cuBLAS's output gets inf."""
     dev_index, pro, M, N, K, dtype_name, has_bias, has_delta = key
     dev = torch.device("cuda", dev_index)
-    dtype = getattr(torch, dtype_name)
-    gen = torch.Generator(device=dev).manual_seed(1234)
-
-    def rnd(*shape, std=1.0):
-        return (torch.randn(*shape, device=dev, generator=gen) * std).to(dtype)
-
-    wbytes = N * K * torch.empty((), dtype=dtype).element_size()
+    wbytes = N * K * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
     copies = max(2, min(64, math.ceil(L2_BEAT_BYTES / wbytes)))
-    ws = [rnd(N, K, std=K ** -0.5) for _ in range(copies)]
-    x = rnd(M, 2 * K if pro == P.PRO_SILU else K)
-    delta = rnd(M, K) if has_delta else None
-    nw = rnd(K) if pro == P.PRO_NORM else None
-    b = rnd(N) if has_bias else None
+    ws, x, delta, nw, b = _product_inputs(key, copies, 1234)
     eps = 1e-6
     ref_x, ref = _fallback(pro, x, ws[0], b, delta, nw, eps)
     for c in cands:  # the split configurations' buffers for every copy, made before any capture
@@ -776,9 +791,8 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
         try:
             got_x, got = call(ws[0])
             torch.cuda.synchronize(dev)
-            err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
-            if not (math.isfinite(err) and err < (1e-4 if dtype == torch.float32 else 2e-2)
-                    and torch.equal(got_x, ref_x)):
+            if _output_error(got_x, got, ref_x, ref) is None:
+                err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
                 raise ValueError(f"output differs from cuBLAS's (relative error {err:.2e})")
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, capture_error_mode="thread_local"):
@@ -809,25 +823,13 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
 def _check(key: P.Key, cfg: P.SkinnyConfig) -> bool:
     """Whether cfg computes key's product as cuBLAS does on this card (a seeded choice's check: one
     build and one call on fresh random inputs, the tolerance of _measure; no timing)."""
-    dev_index, pro, M, N, K, dtype_name, has_bias, has_delta = key
-    dev = torch.device("cuda", dev_index)
-    dtype = getattr(torch, dtype_name)
-    gen = torch.Generator(device=dev).manual_seed(4321)
-
-    def rnd(*shape, std=1.0):
-        return (torch.randn(*shape, device=dev, generator=gen) * std).to(dtype)
-
-    w = rnd(N, K, std=K ** -0.5)
-    x = rnd(M, 2 * K if pro == P.PRO_SILU else K)
-    delta = rnd(M, K) if has_delta else None
-    nw = rnd(K) if pro == P.PRO_NORM else None
-    b = rnd(N) if has_bias else None
+    pro, dev = key[1], torch.device("cuda", key[0])
+    (w,), x, delta, nw, b = _product_inputs(key, 1, 4321)
     try:
         ref_x, ref = _fallback(pro, x, w, b, delta, nw, 1e-6)
         got_x, got = skinny_linear(pro, cfg, x, w, b, delta, nw, 1e-6)
         torch.cuda.synchronize(dev)
-        err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
-        return math.isfinite(err) and err < (1e-4 if dtype == torch.float32 else 2e-2) and torch.equal(got_x, ref_x)
+        return _output_error(got_x, got, ref_x, ref) is not None
     finally:
         drop_split_buffers(w)
 

@@ -109,5 +109,5 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
     if not single:
         # PDL off: the fork kernel above is launched without programmatic dependent launch
         TO._attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=False,
-                                             num_warps=warps)
+                                             FIXED_SPLIT=n_split if TO._INTERPRETED else 0, num_warps=warps)
     return out
