@@ -32,6 +32,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from draftrelay import hugepages
+
 SCREEN_MIN_BYTES = 64 << 20  # heads smaller than this run as one product (the screen would not pay)
 SCREEN_MAX_ROWS = 16  # product rows (positions) up to which the screen runs: decode and verify widths
 KEEP_MAX_FRACTION = 1 / 16  # a screen keeping more rows than this falls back to the full product
@@ -45,7 +47,7 @@ class ScreenedHead:
 
     def __init__(self, w: torch.Tensor) -> None:
         V, D = w.shape
-        self.q = torch.empty(V, D, dtype=torch.int8)
+        self.q = hugepages.empty((V, D), torch.int8)  # read on every step, as the weights are
         self.cmax = torch.empty(V, dtype=torch.float32)
         with torch.no_grad():
             for i in range(0, V, _BUILD_ROWS):
