@@ -65,28 +65,6 @@ def bandwidth(threads: int, buffer_mb: int, hidden: int, repeats: int, huge: boo
     return out
 
 
-def plain_copy(model):
-    """The model again in torch's own allocations (4 KiB pages where THP is 'madvise'), as a load with
-    DRAFTRELAY_HUGEPAGES=0 gives it."""
-    from draftrelay import hugepages
-    from draftrelay.checkpoint.hf import empty_model
-
-    saved = os.environ.get(hugepages.ENV)
-    os.environ[hugepages.ENV] = "0"
-    try:
-        copy = empty_model(model.cfg, "cpu", model.dtype)
-    finally:
-        if saved is None:
-            os.environ.pop(hugepages.ENV)
-        else:
-            os.environ[hugepages.ENV] = saved
-    with torch.no_grad():
-        for (na, a), (nb, b) in zip(copy.named_parameters(), model.named_parameters(), strict=True):
-            assert na == nb
-            a.copy_(b)
-    return copy.eval()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="pair", help="pair (the reference target, fp32) or tiny")
@@ -130,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{pages['model_anon_huge_bytes'] / 1e6:.0f} MB", flush=True)
     small = None
     if args.pages == "both":
-        small = plain_copy(model)
+        import real_pair as RP
+
+        small = RP.plain_copy(model)
     bw = {n: bandwidth(n, args.buffer_mb, hidden, args.repeats) for n in counts}
     bw_huge = {n: bandwidth(n, args.buffer_mb, hidden, args.repeats, huge=True) for n in counts} \
         if args.pages == "both" and hp_on else None

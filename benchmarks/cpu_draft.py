@@ -9,7 +9,8 @@ A draft of a greedy drafter is one decode forward (24 layers, then the head: 151
 read in full for the logits) plus its argmax and confidence (the softmax probability of the drafted token).
 The STEP variants run `LlamaDrafter.run` with n_steps 1 and N (one job at the same position each time, its
 row rolled back after): the cost of one draft is the slope (t_N - t_1) / (N - 1); the extension forward that
-gives the first draft is in t_1. "transformers draft" is one decode forward of Qwen2ForCausalLM
+gives the first draft is in t_1. "full head" variants turn the lean loop's screened head off.
+"transformers draft" is one decode forward of Qwen2ForCausalLM
 (logits_to_keep=1, the cache cropped back each time) plus the argmax and the softmax its assisted
 generation takes for its confidence threshold. "layers only" runs the 24 layers without the head; "head
 full" / "head screened" the head alone on one row: the fp32 product, and the int8 screen of greedy_head.py
@@ -84,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         return drafter.run([Job(0, base, prompt[-1:])], n_steps)
 
     class Step:
-        def __init__(self, n_steps: int) -> None:
-            self.n_steps, self.out = n_steps, None
+        def __init__(self, n_steps: int, screen: bool = True) -> None:
+            self.n_steps, self.screen, self.out = n_steps, screen, None
 
         def step(self) -> None:
-            self.out = step(self.n_steps)
+            drafter._lean.screen = self.screen
+            try:
+                self.out = step(self.n_steps)
+            finally:
+                drafter._lean.screen = True
 
     h = torch.randn(1, net.cfg.hidden_size) * 0.05  # any hidden state: the head's reads do not depend on it
 
@@ -104,19 +109,17 @@ def main(argv: list[str] | None = None) -> int:
                     F.linear(h, head).argmax(-1)
 
     class Layers:
-        """The decoder's layers for one token, no head (the lean forward with a zero-row head)."""
+        """The decoder's layers and final norm for one token (the lean forward returns the head's input)."""
 
         def __init__(self) -> None:
             self.lean = drafter._lean
+            self.pos = torch.tensor([[base]])
+            self.tables = self.lean.tables(self.pos, base + 1)
 
         def step(self) -> None:
-            lean = self.lean
-            saved = lean.head
-            lean.head = head[:0]
-            try:
-                step(1)
-            finally:
-                lean.head = saved
+            with torch.inference_mode():
+                self.lean.forward(torch.tensor([ids[-1:]]), self.pos, self.tables, [0], base + 1)
+            drafter.cache.lengths[0] = base
 
     class HF:
         def __init__(self) -> None:
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.softmax(lg.float(), -1)[t].item()
 
     variants: dict[str, object] = {"STEP 1 draft (extension forward)": Step(1), f"STEP {n} drafts": Step(n),
+                                   "STEP 1 draft, full head": Step(1, False),
+                                   f"STEP {n} drafts, full head": Step(n, False),
                                    "layers only": Layers(), "head full": Head(False), "head screened": Head(True)}
     if not args.no_hf and args.drafter == "pair":
         variants["transformers draft"] = HF()
@@ -156,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = {k: {"p50_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)} for k, t in times.items()}
     one, many = rows["STEP 1 draft (extension forward)"], rows[f"STEP {n} drafts"]
     per_draft = {q: (many[q] - one[q]) / (n - 1) for q in ("p50_ms", "min_ms")}
+    one_f, many_f = rows["STEP 1 draft, full head"], rows[f"STEP {n} drafts, full head"]
+    per_draft_full = {q: (many_f[q] - one_f[q]) / (n - 1) for q in ("p50_ms", "min_ms")}
+    same = all(np.array_equal(a, b) for a, b in zip(variants[f"STEP {n} drafts"].out[:1],
+                                                    variants[f"STEP {n} drafts, full head"].out[:1], strict=True))
+    screened = {"screened_steps": drafter._lean.screened, "full_steps": drafter._lean.full}
     worker = None
     if not args.no_worker:
         from draftrelay.engine import calibrate as C
@@ -180,14 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         print(f"  {name:34s} p50 {r['p50_ms']:7.1f} ms  min {r['min_ms']:7.1f} ms")
     print(f"  per draft in the worker's loop (slope 1 -> {n}): p50 {per_draft['p50_ms']:.1f} ms, "
-          f"min {per_draft['min_ms']:.1f} ms")
+          f"min {per_draft['min_ms']:.1f} ms; with the full head p50 {per_draft_full['p50_ms']:.1f} ms, "
+          f"min {per_draft_full['min_ms']:.1f} ms; drafts equal: {same}; {screened}")
     if worker:
         print("  worker STEP over loopback: " + ", ".join(f"k={k} {v:.1f} ms" for k, v in worker["by_k_ms"].items())
               + f"; per draft {worker['per_draft_ms']:.1f} ms")
     out = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "threads": threads, "drafter": net.cfg.name or args.drafter, "steps": args.steps,
            "huge_pages": hugepages.enabled()[0], "load_average": {"min": min(loads), "max": max(loads)},
-           "variants": rows, "per_draft_ms": per_draft, "worker": worker}
+           "variants": rows, "per_draft_ms": per_draft, "per_draft_full_head_ms": per_draft_full,
+           "drafts_equal_full_head": same, "steps_picked": screened, "worker": worker}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
