@@ -135,10 +135,14 @@ def full_pick(h: torch.Tensor, w: torch.Tensor) -> tuple[list[int], torch.Tensor
     return tok.tolist(), torch.softmax(lg, -1).gather(-1, tok[:, None])[:, 0]
 
 
+@pytest.mark.parametrize("cap", [None, 1 / 512])
 @pytest.mark.parametrize("sharp", [2.0, 6.0, 12.0])
-def test_pick_interval_holds_the_full_heads_confidence(small_heads, sharp):
+def test_pick_interval_holds_the_full_heads_confidence(small_heads, monkeypatch, sharp, cap):
     """Over peaked and flat rows: the argmax is the full head's, the full head's confidence lies in the
-    interval, and the value returned is close to it (the tail estimated from the int8 logits)."""
+    interval, and the value returned is close to it (the tail estimated from the int8 logits); with a
+    small cap on the rows computed in fp32 (8 of 4096: the flat distribution's path) the interval holds."""
+    if cap is not None:
+        monkeypatch.setattr(G, "CONF_MAX_FRACTION", cap)
     for seed in range(4):
         g = torch.Generator().manual_seed(seed)
         w = torch.randn(4096, 64, generator=g) * 0.05
@@ -151,12 +155,13 @@ def test_pick_interval_holds_the_full_heads_confidence(small_heads, sharp):
         assert tok.tolist() == want_tok
         assert (lo <= want_p * (1 + 1e-6)).all() and (want_p <= hi * (1 + 1e-6)).all()
         assert (lo <= p).all() and (p <= hi).all()
-        assert torch.allclose(p, want_p, rtol=2e-3, atol=1e-5)
+        if cap is None:
+            assert torch.allclose(p, want_p, rtol=2e-3, atol=1e-5)
 
 
 def test_head_pick_decides_a_stop_as_the_full_head_or_declines(small_heads):
     w, h, _ = peaked(M=4)
-    h[1] *= 0.08  # a flatter row: a confidence well inside (0, 1)
+    h[1] *= 0.45  # a flatter row: a confidence well inside (0, 1)
     _, want = full_pick(h, w)
     _, _, lo, hi = G.pick_interval(h, w)
     assert 0.01 < float(want[1]) < 0.99
