@@ -61,6 +61,8 @@ class LeanSteps:
         # reference 0.5B's is a quarter of its bytes); heads it declines, and steps it cannot decide, are full
         self.screen = screen
         self.screened = self.full = 0  # steps picked each way (benchmarks read them)
+        if screen and greedy_head.usable(torch.empty(1, self.head.shape[1], dtype=self.head.dtype), self.head):
+            greedy_head.screened_for(self.head)  # the int8 copy built with the drafter, not in a round
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return M.rms_norm(x, w, self.eps)
