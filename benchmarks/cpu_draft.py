@@ -14,8 +14,8 @@ gives the first draft is in t_1. "full head" variants turn the lean loop's scree
 (logits_to_keep=1, the cache cropped back each time) plus the argmax and the softmax its assisted
 generation takes for its confidence threshold. "layers only" runs the 24 layers without the head; "head
 full" / "head screened" the head alone on one row: the fp32 product, and the int8 screen of greedy_head.py
-with its fp32 rows. "worker STEP" times STEP rounds (calibrate.measure_rounds) against a worker process
-started as the engine starts a local one; its slope is the per-draft cost a round pays. Variants are
+with its fp32 rows. "worker STEP" sends the same STEP over loopback to a worker process started as the
+engine starts a local one (its own copy of the drafter); its slope is the per-draft cost a round pays. Variants are
 interleaved step by step in one process so a change of the (shared) machine's load hits each alike.
 JSON: benchmarks/results/cpu_draft.json (or --out).
 """
@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+PROBE_ID = (1 << 62) + 11  # the benchmark's request id at the worker
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"cpu_draft: --drafter must be 'pair' or 'tiny', got {args.drafter!r}")
     head = net.embed_tokens.weight if net.lm_head is None else net.lm_head.weight
     n = args.n
+    worker = None
+    if not args.no_worker:  # a worker process holding its own copy of the drafter, as the engine starts one
+        worker = L.start_local_worker(spec_model, torch.device("cpu"), n, len(ids) + 64, 4, 0,
+                                      dtype="float32" if args.drafter == "pair" else "")
     drafter = LlamaDrafter(net, 1, len(ids) + n + 32, max(8, n), "bench", "", mode="lean")
     prompt = np.asarray(ids, np.int32)
     drafter.run([Job(0, 0, prompt[:-1])], 0)  # the prompt but its last token in the cache: every STEP below
@@ -141,12 +147,38 @@ def main(argv: list[str] | None = None) -> int:
                 t = lg.argmax()
                 torch.softmax(lg.float(), -1)[t].item()
 
+    class WorkerStep:
+        """One STEP over loopback: the same block (the prompt's last token at the same position) each time."""
+
+        def __init__(self, client, n_steps: int) -> None:
+            self.client, self.n_steps = client, n_steps
+
+        def step(self) -> None:
+            from draftrelay.wire import protocol as P
+
+            self.client.step([P.Block(PROBE_ID, 1, base, prompt[-1:], self.n_steps, 0)], timeout=120)
+
+    client = None
+    if worker is not None:
+        from draftrelay.model import TINY_TOKENIZER_ID
+        from draftrelay.wire import protocol as P
+        from draftrelay.wire.roundfn import client_from_spec
+
+        spec = L.worker_spec(worker.host, worker.port, L.drafter_model_id(spec_model),
+                             vocab_hash or TINY_TOKENIZER_ID, n, 1)
+        client = client_from_spec({**spec, "client_name": "cpu-draft"})
+        client.connect(timeout=120)
+        client.step([P.Block(PROBE_ID, 1, 0, prompt[:-1], 0, 0)], timeout=120)  # the prompt but its last token
+
     variants: dict[str, object] = {"STEP 1 draft (extension forward)": Step(1), f"STEP {n} drafts": Step(n),
                                    "STEP 1 draft, full head": Step(1, False),
                                    f"STEP {n} drafts, full head": Step(n, False),
                                    "layers only": Layers(), "head full": Head(False), "head screened": Head(True)}
     if not args.no_hf and args.drafter == "pair":
         variants["transformers draft"] = HF()
+    if client is not None:
+        variants["worker STEP 1 draft"] = WorkerStep(client, 1)
+        variants[f"worker STEP {n} drafts"] = WorkerStep(client, n)
     for v in variants.values():  # warm-up (and the screen's int8 copy)
         v.step()
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -166,23 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     same = all(np.array_equal(a, b) for a, b in zip(variants[f"STEP {n} drafts"].out[:1],
                                                     variants[f"STEP {n} drafts, full head"].out[:1], strict=True))
     screened = {"screened_steps": drafter._lean.screened, "full_steps": drafter._lean.full}
-    worker = None
-    if not args.no_worker:
-        from draftrelay.engine import calibrate as C
-
-        del drafter, variants  # the worker holds its own copy of the drafter: free this one's cache first
-        w = L.start_local_worker(spec_model, torch.device("cpu"), n, len(ids) + 64, 4, 0,
-                                 dtype="float32" if args.drafter == "pair" else "")
-        try:
-            from draftrelay.model import TINY_TOKENIZER_ID
-            spec = L.worker_spec(w.host, w.port, L.drafter_model_id(spec_model),
-                                 vocab_hash or TINY_TOKENIZER_ID, n, 4)
-            timing = C.measure_rounds(spec, ids, [1, n], repeats=max(3, args.steps // 2))
-        finally:
-            w.stop()
-        worker = {"by_k_ms": {str(k): 1e3 * v for k, v in timing.by_k.items()},
-                  "per_draft_ms": 1e3 * (timing.by_k[n] - timing.by_k[1]) / (n - 1)}
-        loads.append(os.getloadavg()[0])
+    if worker is not None:
+        client.close()
+        worker.stop()
+        w1, wn = rows["worker STEP 1 draft"], rows[f"worker STEP {n} drafts"]
+        worker = {q: (wn[q] - w1[q]) / (n - 1) for q in ("p50_ms", "min_ms")}
 
     print(f"load average {min(loads):.2f}-{max(loads):.2f}; {net.cfg.name or args.drafter}, {threads} threads, "
           f"huge pages {'on' if hugepages.enabled()[0] else 'off'} ({hugepages.enabled()[1]}), "
@@ -193,13 +213,13 @@ def main(argv: list[str] | None = None) -> int:
           f"min {per_draft['min_ms']:.1f} ms; with the full head p50 {per_draft_full['p50_ms']:.1f} ms, "
           f"min {per_draft_full['min_ms']:.1f} ms; drafts equal: {same}; {screened}")
     if worker:
-        print("  worker STEP over loopback: " + ", ".join(f"k={k} {v:.1f} ms" for k, v in worker["by_k_ms"].items())
-              + f"; per draft {worker['per_draft_ms']:.1f} ms")
+        print(f"  per draft through the worker process (slope 1 -> {n}): p50 {worker['p50_ms']:.1f} ms, "
+              f"min {worker['min_ms']:.1f} ms")
     out = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "threads": threads, "drafter": net.cfg.name or args.drafter, "steps": args.steps,
            "huge_pages": hugepages.enabled()[0], "load_average": {"min": min(loads), "max": max(loads)},
            "variants": rows, "per_draft_ms": per_draft, "per_draft_full_head_ms": per_draft_full,
-           "drafts_equal_full_head": same, "steps_picked": screened, "worker": worker}
+           "drafts_equal_full_head": same, "steps_picked": screened, "per_draft_worker_ms": worker}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
