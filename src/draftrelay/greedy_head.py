@@ -133,7 +133,7 @@ def pick_interval(h: torch.Tensor, w: torch.Tensor
         return None
     sh = screened_for(w)
     a, err = sh.bounds(h)
-    if not (torch.isfinite(a).all() and torch.isfinite(err).all()):
+    if not torch.isfinite(err).all():  # err is non-finite wherever a or h is
         return None
     V = a.shape[1]
     hi = a + err
@@ -150,12 +150,11 @@ def pick_interval(h: torch.Tensor, w: torch.Tensor
     exact = F.linear(h, w[keep]).float()  # [M, K]
     m, j = exact.max(-1, keepdim=True)
     s = torch.exp(exact - m).sum(-1)
-    rest = torch.ones(V, dtype=torch.bool)
-    rest[keep] = False
-    a_r, e_r = a[:, rest] - m, err[:, rest]
-    p = 1 / (s + torch.exp(a_r).sum(-1))
-    p_lo = 1 / (s + torch.exp(a_r + e_r).sum(-1))
-    p_hi = 1 / (s + torch.exp(a_r - e_r).sum(-1))
+    t = a - m
+    t[:, keep] = float("-inf")  # the rows computed exactly are in s: the rest, each within t -/+ err
+    p = 1 / (s + torch.exp(t).sum(-1))
+    p_lo = 1 / (s + torch.exp(t + err).sum(-1))
+    p_hi = 1 / (s + torch.exp(t - err).sum(-1))
     return keep[j[:, 0]], p, p_lo, p_hi
 
 
