@@ -9,7 +9,9 @@ A draft of a greedy drafter is one decode forward (24 layers, then the head: 151
 read in full for the logits) plus its argmax and confidence (the softmax probability of the drafted token).
 The STEP variants run `LlamaDrafter.run` with n_steps 1 and N (one job at the same position each time, its
 row rolled back after): the cost of one draft is the slope (t_N - t_1) / (N - 1); the extension forward that
-gives the first draft is in t_1. "full head" variants turn the lean loop's screened head off.
+gives the first draft is in t_1. "full head" variants turn the lean loop's screened head off;
+"another thread" runs the same STEP from a second thread of this process (as a worker's connection
+thread would without worker/mainthread.py).
 "transformers draft" is one decode forward of Qwen2ForCausalLM
 (logits_to_keep=1, the cache cropped back each time) plus the argmax and the softmax its assisted
 generation takes for its confidence threshold. "layers only" runs the 24 layers without the head; "head
@@ -147,6 +149,25 @@ def main(argv: list[str] | None = None) -> int:
                 t = lg.argmax()
                 torch.softmax(lg.float(), -1)[t].item()
 
+    class ThreadStep:
+        """The STEP of `Step` run by another thread of this process (one kept for the whole run), as a
+        worker's connection thread would run it without worker/mainthread.py."""
+
+        def __init__(self, n_steps: int) -> None:
+            import queue
+            import threading
+
+            self.n_steps, self.q, self.done = n_steps, queue.SimpleQueue(), queue.SimpleQueue()
+            threading.Thread(target=self.loop, daemon=True).start()
+
+        def loop(self) -> None:
+            while self.q.get():
+                self.done.put(step(self.n_steps))
+
+        def step(self) -> None:
+            self.q.put(True)
+            self.done.get()
+
     class WorkerStep:
         """One STEP over loopback: the same block (the prompt's last token at the same position) each time."""
 
@@ -173,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, object] = {"STEP 1 draft (extension forward)": Step(1), f"STEP {n} drafts": Step(n),
                                    "STEP 1 draft, full head": Step(1, False),
                                    f"STEP {n} drafts, full head": Step(n, False),
+                                   "STEP 1 draft, another thread": ThreadStep(1),
+                                   f"STEP {n} drafts, another thread": ThreadStep(n),
                                    "layers only": Layers(), "head full": Head(False), "head screened": Head(True)}
     if not args.no_hf and args.drafter == "pair":
         variants["transformers draft"] = HF()
@@ -198,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     same = all(np.array_equal(a, b) for a, b in zip(variants[f"STEP {n} drafts"].out[:1],
                                                     variants[f"STEP {n} drafts, full head"].out[:1], strict=True))
     screened = {"screened_steps": drafter._lean.screened, "full_steps": drafter._lean.full}
+    t1, tn = rows["STEP 1 draft, another thread"], rows[f"STEP {n} drafts, another thread"]
+    per_draft_thread = {q: (tn[q] - t1[q]) / (n - 1) for q in ("p50_ms", "min_ms")}
     if worker is not None:
         client.close()
         worker.stop()
@@ -212,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  per draft in the worker's loop (slope 1 -> {n}): p50 {per_draft['p50_ms']:.1f} ms, "
           f"min {per_draft['min_ms']:.1f} ms; with the full head p50 {per_draft_full['p50_ms']:.1f} ms, "
           f"min {per_draft_full['min_ms']:.1f} ms; drafts equal: {same}; {screened}")
+    print(f"  per draft from another thread of this process: p50 {per_draft_thread['p50_ms']:.1f} ms, "
+          f"min {per_draft_thread['min_ms']:.1f} ms")
     if worker:
         print(f"  per draft through the worker process (slope 1 -> {n}): p50 {worker['p50_ms']:.1f} ms, "
               f"min {worker['min_ms']:.1f} ms")
@@ -219,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
            "threads": threads, "drafter": net.cfg.name or args.drafter, "steps": args.steps,
            "huge_pages": hugepages.enabled()[0], "load_average": {"min": min(loads), "max": max(loads)},
            "variants": rows, "per_draft_ms": per_draft, "per_draft_full_head_ms": per_draft_full,
+           "per_draft_other_thread_ms": per_draft_thread,
            "drafts_equal_full_head": same, "steps_picked": screened, "per_draft_worker_ms": worker}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
