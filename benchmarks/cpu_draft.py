@@ -10,8 +10,9 @@ read in full for the logits) plus its argmax and confidence (the softmax probabi
 The STEP variants run `LlamaDrafter.run` with n_steps 1 and N (one job at the same position each time, its
 row rolled back after): the cost of one draft is the slope (t_N - t_1) / (N - 1); the extension forward that
 gives the first draft is in t_1. "full head" variants turn the lean loop's screened head off;
-"another thread" runs the same STEP from a second thread of this process (as a worker's connection
-thread would without worker/mainthread.py).
+--other-thread adds the same STEP from a second thread of this process (as a worker's connection thread
+ran it without worker/mainthread.py): with two threads running torch CPU ops the process has two
+OpenMP teams on its cores, and every in-process variant is slower from then on.
 "transformers draft" is one decode forward of Qwen2ForCausalLM
 (logits_to_keep=1, the cache cropped back each time) plus the argmax and the softmax its assisted
 generation takes for its confidence threshold. "layers only" runs the 24 layers without the head; "head
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: every core, as the local worker)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--no-worker", action="store_true", help="leave the worker process out")
+    ap.add_argument("--other-thread", action="store_true",
+                    help="also the STEP from a second thread of this process (its second OpenMP team slows every "
+                         "in-process variant, which is what it shows)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_draft.json"))
     args = ap.parse_args(argv)
 
@@ -194,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, object] = {"STEP 1 draft (extension forward)": Step(1), f"STEP {n} drafts": Step(n),
                                    "STEP 1 draft, full head": Step(1, False),
                                    f"STEP {n} drafts, full head": Step(n, False),
-                                   "STEP 1 draft, another thread": ThreadStep(1),
-                                   f"STEP {n} drafts, another thread": ThreadStep(n),
                                    "layers only": Layers(), "head full": Head(False), "head screened": Head(True)}
+    if args.other_thread:
+        variants["STEP 1 draft, another thread"] = ThreadStep(1)
+        variants[f"STEP {n} drafts, another thread"] = ThreadStep(n)
     if not args.no_hf and args.drafter == "pair":
         variants["transformers draft"] = HF()
     if client is not None:
@@ -221,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     same = all(np.array_equal(a, b) for a, b in zip(variants[f"STEP {n} drafts"].out[:1],
                                                     variants[f"STEP {n} drafts, full head"].out[:1], strict=True))
     screened = {"screened_steps": drafter._lean.screened, "full_steps": drafter._lean.full}
-    t1, tn = rows["STEP 1 draft, another thread"], rows[f"STEP {n} drafts, another thread"]
-    per_draft_thread = {q: (tn[q] - t1[q]) / (n - 1) for q in ("p50_ms", "min_ms")}
+    per_draft_thread = None
+    if args.other_thread:
+        t1, tn = rows["STEP 1 draft, another thread"], rows[f"STEP {n} drafts, another thread"]
+        per_draft_thread = {q: (tn[q] - t1[q]) / (n - 1) for q in ("p50_ms", "min_ms")}
     if worker is not None:
         client.close()
         worker.stop()
@@ -237,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  per draft in the worker's loop (slope 1 -> {n}): p50 {per_draft['p50_ms']:.1f} ms, "
           f"min {per_draft['min_ms']:.1f} ms; with the full head p50 {per_draft_full['p50_ms']:.1f} ms, "
           f"min {per_draft_full['min_ms']:.1f} ms; drafts equal: {same}; {screened}")
-    print(f"  per draft from another thread of this process: p50 {per_draft_thread['p50_ms']:.1f} ms, "
-          f"min {per_draft_thread['min_ms']:.1f} ms")
+    if per_draft_thread:
+        print(f"  per draft from another thread of this process: p50 {per_draft_thread['p50_ms']:.1f} ms, "
+              f"min {per_draft_thread['min_ms']:.1f} ms")
     if worker:
         print(f"  per draft through the worker process (slope 1 -> {n}): p50 {worker['p50_ms']:.1f} ms, "
               f"min {worker['min_ms']:.1f} ms")
