@@ -4,7 +4,7 @@ A batch-1 decode step on a CPU streams every weight from memory once, and the ha
 stop at page boundaries: with 4 KiB pages a product's read restarts its prefetch stream 256 times per
 MiB. Where the kernel's transparent huge pages are in `madvise` mode (a common default), torch's CPU
 tensors get 4 KiB pages; memory advised MADV_HUGEPAGE *before its first write* is faulted in 2 MiB
-pages instead (on this project's 2-core VM a GEMV over fp32 weights reads 32.2 against 29.4 GB/s).
+pages instead (docs/ENGINE.md, "Huge pages": what it buys the decode step).
 Advising memory that is already written only lets khugepaged collapse it later, slowly, so the place
 to do it is the allocation, before the loader fills it.
 

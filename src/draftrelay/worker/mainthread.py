@@ -2,9 +2,11 @@
 
 The worker serves each connection on its own thread, and a STEP used to run its forwards there. On a
 CPU that costs: torch's intra-op work runs on an OpenMP team per calling thread, and a process whose
-main thread already made one (the model load, the warm-up) runs a second thread's forwards measurably
-slower (the reference 0.5B drafter, 2 threads: 88 ms per draft from a connection thread against 68 ms
-from the main thread, the same STEP in one process; benchmarks/cpu_draft.py). So the main thread,
+main thread already made one (the model load, the warm-up) runs every forward slower once a second
+thread makes another (two teams on the same cores; libgomp throttles its spin-wait when there are more
+OpenMP threads than CPUs). The reference 0.5B drafter's rounds cost about 121 ms a draft with the STEP
+on the connection's thread and about 69 ms with it on the main thread (docs/ENGINE.md, "A draft on the
+CPU"). So the main thread,
 which otherwise only waits for the stop, runs the drafter's steps: a connection thread hands the call
 over and waits for its result (a queue and an event: microseconds against a draft's tens of ms).
 
