@@ -226,6 +226,37 @@ class EngineRunner:
 
 
 # -- transformers -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def plain_pages():
+    """Loads inside allocate in torch's own way (DRAFTRELAY_HUGEPAGES=0: 4 KiB pages where THP is 'madvise')."""
+    from draftrelay import hugepages
+
+    saved = os.environ.get(hugepages.ENV)
+    os.environ[hugepages.ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(hugepages.ENV)
+        else:
+            os.environ[hugepages.ENV] = saved
+
+
+def plain_copy(model):
+    """The model again in torch's own allocations, as a load with DRAFTRELAY_HUGEPAGES=0 gives it and as
+    transformers' own loader allocates its weights."""
+    from draftrelay.checkpoint.hf import empty_model
+
+    with plain_pages():
+        copy = empty_model(model.cfg, "cpu", model.dtype)
+    with torch.no_grad():
+        for (na, a), (nb, b) in zip(copy.named_parameters(), model.named_parameters(), strict=True):
+            if na != nb:
+                raise RuntimeError(f"plain_copy: parameter {na} against {nb}")
+            a.copy_(b)
+    return copy.eval()
+
+
 def hf_model(ours):
     """A transformers Qwen2ForCausalLM holding our tensors (assign=True: no copy)."""
     import inspect
@@ -394,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=6, help="deepest draft of the depth policy (sync:auto, async:auto)")
     ap.add_argument("--worker-threads", type=int, default=0, help="the drafter worker's CPU threads (0: all cores)")
     ap.add_argument("--threads", default="auto", help="the engine's CPU threads: auto (engine/threads.py) or N")
+    ap.add_argument("--hf-weights", default="shared", choices=["shared", "own"],
+                    help="transformers' weights: our tensors (shared: in our huge pages, hugepages.py), or its own "
+                         "copy in torch's plain allocations, as its own loader gives it (own: the target's size "
+                         "again in memory; the assisted drafter is loaded without huge pages)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_pair.json"))
     args = ap.parse_args(argv)
     names = []
@@ -428,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "target": TARGET.name, "drafter": DRAFTER.name, "max_tokens": args.max_tokens, "repeats": args.repeats,
            "prompts": {n: PROMPTS[n] for n in names}, "results": {}}
+    from draftrelay import hugepages
+
+    out["huge_pages"] = {"enabled": hugepages.enabled()[0], "why": hugepages.enabled()[1],
+                         "hf_weights": args.hf_weights}
     for dname in dtypes:
         dtype = DTYPES[dname]
         t0 = time.perf_counter()
@@ -462,9 +501,12 @@ def main(argv: list[str] | None = None) -> int:
             if hf_modes:
                 from draftrelay.checkpoint import gguf
 
-                hf = hf_model(model)
-                drafter = gguf.load_gguf(DRAFTER, device="cpu", dtype=dtype) \
-                    if any("assisted" in m for m in hf_modes) else None
+                own = args.hf_weights == "own"
+                hf = hf_model(plain_copy(model) if own else model)
+                drafter = None
+                if any("assisted" in m for m in hf_modes):
+                    with plain_pages() if own else contextlib.nullcontext():
+                        drafter = gguf.load_gguf(DRAFTER, device="cpu", dtype=dtype)
                 hf_drafter = hf_model(drafter) if drafter is not None else None
             for mode in modes:
                 runners[mode] = HFRunner(hf, hf_drafter, tok, mode, ids, args, hf_threads) if mode.startswith("hf") \

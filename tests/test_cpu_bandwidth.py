@@ -36,3 +36,18 @@ def test_cpu_bandwidth_smoke(tmp_path):
         assert bw["gemv"] > 0 and bw["sum"] > 0
         assert res["ideal_step_ms"][n] > 0
     assert {"ours, 1 thread", "ours argmax only, 1 thread", "LM head alone, 1 thread"} <= set(res["variants"])
+
+
+def test_cpu_draft_smoke(tmp_path):
+    """benchmarks/cpu_draft.py at the tiny drafter: every variant timed, the screened and full-head STEPs'
+    drafts equal, the worker process's STEPs interleaved with the in-process ones."""
+    out = tmp_path / "cd.json"
+    proc = subprocess.run([sys.executable, "benchmarks/cpu_draft.py", "--drafter", "tiny", "--steps", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert {"STEP 1 draft (extension forward)", "STEP 5 drafts, full head", "layers only", "head screened",
+            "worker STEP 5 drafts"} <= set(res["variants"])
+    assert all(v["min_ms"] > 0 for v in res["variants"].values())
+    assert res["drafts_equal_full_head"] is True
+    assert set(res["per_draft_worker_ms"]) == {"p50_ms", "min_ms"}

@@ -127,3 +127,53 @@ def test_greedy_engine_output_is_the_same_screened_or_not(small_heads, monkeypat
     n = len(calls)
     assert run() == screened
     assert len(calls) == n  # the second run read the whole head
+
+
+def full_pick(h: torch.Tensor, w: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    lg = F.linear(h, w).float()
+    tok = lg.argmax(-1)
+    return tok.tolist(), torch.softmax(lg, -1).gather(-1, tok[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("cap", [None, 1 / 512])
+@pytest.mark.parametrize("sharp", [2.0, 6.0, 12.0])
+def test_pick_interval_holds_the_full_heads_confidence(small_heads, monkeypatch, sharp, cap):
+    """Over peaked and flat rows: the argmax is the full head's, the full head's confidence lies in the
+    interval, and the value returned is close to it (the tail estimated from the int8 logits); with a
+    small cap on the rows computed in fp32 (8 of 4096: the flat distribution's path) the interval holds."""
+    if cap is not None:
+        monkeypatch.setattr(G, "CONF_MAX_FRACTION", cap)
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(4096, 64, generator=g) * 0.05
+        rows = torch.randint(0, 4096, (5,), generator=g)
+        h = torch.randn(5, 64, generator=g) + sharp * w[rows] / w[rows].norm(dim=1, keepdim=True) * 8
+        got = G.pick_interval(h, w)
+        assert got is not None
+        tok, p, lo, hi = got
+        want_tok, want_p = full_pick(h, w)
+        assert tok.tolist() == want_tok
+        assert (lo <= want_p * (1 + 1e-6)).all() and (want_p <= hi * (1 + 1e-6)).all()
+        assert (lo <= p).all() and (p <= hi).all()
+        if cap is None:
+            assert torch.allclose(p, want_p, rtol=2e-3, atol=1e-5)
+
+
+def test_head_pick_decides_a_stop_as_the_full_head_or_declines(small_heads):
+    w, h, _ = peaked(M=4)
+    h[1] *= 0.45  # a flatter row: a confidence well inside (0, 1)
+    _, want = full_pick(h, w)
+    _, _, lo, hi = G.pick_interval(h, w)
+    assert 0.01 < float(want[1]) < 0.99
+    for thr in [0.0, 0.05, 0.3, 0.5, 0.7, 0.9, 0.999, float(want[1]), float(lo[1]), float(hi[1])]:
+        t = torch.full((4,), thr)
+        got = G.head_pick(h, w, t)
+        inside = ((lo * (1 - G.CONF_MARGIN) < t) & (hi * (1 + G.CONF_MARGIN) >= t) & (t > 0)).any()
+        if got is None:
+            assert inside  # declined only where the interval straddles the threshold
+            continue
+        assert not inside
+        assert ((got[1] < t) == (want < t)).all(), thr  # the stop fires where the full head's would
+    # a threshold at the full head's own value always straddles: the caller takes the full head
+    assert G.head_pick(h, w, torch.tensor([0.0, float(want[1]), 0.0, 0.0])) is None
+    assert G.head_pick(h, w, torch.tensor([0.0, float("inf"), 0.0, 0.0])) is not None  # inf: stopped already

@@ -98,3 +98,36 @@ def test_lean_refuses_positions_past_the_cache():
     room = d.cache.max_len - int(d.cache.lengths[0])
     with pytest.raises(ValueError, match="max_len"):
         d.run([Job(0, int(d.cache.lengths[0]), np.array([1], np.int32))], room + 1)
+
+
+def test_lean_with_a_screened_head_drafts_as_the_full_head_and_stops_alike(monkeypatch):
+    """A drafter whose head is screened (greedy_head.head_pick): the drafts of eager, the confidences close
+    to eager's, and with the confidence stop at thresholds around them the same drafts kept."""
+    from draftrelay import greedy_head as G
+    from draftrelay.worker.draft_stop import stop_counts
+    from draftrelay.worker.drafters import Job
+
+    monkeypatch.setattr(G, "SCREEN_MIN_BYTES", 0)  # the test head is small
+    monkeypatch.setattr(G, "KEEP_MAX_FRACTION", 1.0)  # and its logits spread less than a real head's
+    G._cache.clear()
+    cfg = M.tiny_config(n_layers=2).replace(vocab_size=2048, name="screened")
+    net = M.Transformer.random(cfg, seed=4, std=0.08, embed_std=0.3)
+    with torch.no_grad():
+        net.lm_head.weight.mul_(10.0)  # logits spread as a trained drafter's (confidences 0.1-0.9)
+    de = LlamaDrafter(net, 2, 120, 8, "m", "", mode="eager")
+    dl = LlamaDrafter(net, 2, 120, 8, "m", "", mode="lean")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 2048, 12).astype(np.int32)
+    screened_before = 0
+    for thr in (0.0, 0.2, 0.5, 0.8):
+        for d in (de, dl):
+            d.run([Job(0, 0, prompt)], 0)
+        je, jl = Job(0, 12, prompt[-1:] * 0 + 7, thr), Job(0, 12, prompt[-1:] * 0 + 7, thr)
+        (de_d, de_c), (dl_d, dl_c) = de.run([je], 6), dl.run([jl], 6)
+        ke = stop_counts(de_c, [thr], [6])[0]
+        kl = stop_counts(dl_c, [thr], [6])[0]
+        assert ke == kl and de_d[0, :ke].tolist() == dl_d[0, :kl].tolist(), thr
+        assert np.allclose(de_c[0, :ke], dl_c[0, :kl], rtol=2e-3, atol=1e-5), thr
+        assert dl._lean.screened > screened_before  # the screen ran
+        screened_before = dl._lean.screened
+    G._cache.clear()

@@ -23,6 +23,20 @@ The kept rows' logits come from a GEMM over those rows only; each is the same do
 GEMM, so the argmax equals the full head's up to the order of an fp32 reduction (the same freedom a
 change of thread count or verify width already takes): outputs differ only where the top two logits tie
 within a few ulps.
+
+A drafter also returns its confidence, p = softmax(l)[argmax] = 1 / sum_j exp(l_j - m) with m the maximum
+(`head_pick`). The rows whose upper bound a_j + E_j comes within CONF_TAIL of the best lower bound are
+computed in fp32 (a superset of the argmax's candidates; where a flat distribution has more of them than
+CONF_MAX_FRACTION of the head, that many of the highest upper bounds); they give S = sum over them of
+exp(l_j - m) exactly, and every other row j contributes between exp(a_j - E_j - m) and exp(a_j + E_j - m),
+so p lies in [1 / (S + R_hi), 1 / (S + R_lo)] with R_lo / R_hi the two sums (tight where the rows left out
+are far below the maximum: within 1e-3 on the reference drafter's code prompts, wider on flat prose
+distributions). The value
+returned is 1 / (S + R_a) with R_a the sum of exp(a_j - m), inside that interval, in practice within a
+small fraction of the tail's mass of the full head's value. Where a confidence stop compares p with a
+threshold, the interval (widened by CONF_MARGIN relative, more than the fp32 rounding of either
+computation) must lie wholly on one side of it, else `head_pick` declines and the caller takes the full
+head for that step: the stop's decisions are the full head's.
 """
 
 from __future__ import annotations
@@ -32,9 +46,14 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from draftrelay import hugepages
+
 SCREEN_MIN_BYTES = 64 << 20  # heads smaller than this run as one product (the screen would not pay)
 SCREEN_MAX_ROWS = 16  # product rows (positions) up to which the screen runs: decode and verify widths
 KEEP_MAX_FRACTION = 1 / 16  # a screen keeping more rows than this falls back to the full product
+CONF_TAIL = 12.0  # head_pick: rows within this many logits of the floor are computed in fp32 ...
+CONF_MAX_FRACTION = 1 / 32  # ... at most this fraction of them (those of highest upper bound)
+CONF_MARGIN = 1e-4  # head_pick: relative widening of the confidence's interval before it decides a stop
 _BUILD_ROWS = 8192  # rows quantized at a time (bounds the fp32 temporaries of the build)
 
 _cache: dict[int, tuple[weakref.ref, int, ScreenedHead]] = {}
@@ -45,7 +64,7 @@ class ScreenedHead:
 
     def __init__(self, w: torch.Tensor) -> None:
         V, D = w.shape
-        self.q = torch.empty(V, D, dtype=torch.int8)
+        self.q = hugepages.empty((V, D), torch.int8)  # read on every step, as the weights are
         self.cmax = torch.empty(V, dtype=torch.float32)
         with torch.no_grad():
             for i in range(0, V, _BUILD_ROWS):
@@ -103,3 +122,55 @@ def head_argmax(h: torch.Tensor, w: torch.Tensor, full=F.linear) -> torch.Tensor
         if keep is not None:
             return keep[F.linear(h, w[keep]).float().argmax(-1)]
     return full(h, w).float().argmax(-1)
+
+
+
+def pick_interval(h: torch.Tensor, w: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(argmax int64 [M], confidence, its lower and upper bound, fp32 [M]) of h [M, D] @ w^T from the screen
+    (the module's derivation; the bounds before CONF_MARGIN), or None where it does not run or decide."""
+    if not usable(h, w):
+        return None
+    sh = screened_for(w)
+    a, err = sh.bounds(h)
+    if not torch.isfinite(err).all():  # err is non-finite wherever a or h is
+        return None
+    V = a.shape[1]
+    hi = a + err
+    floor = (a - err).amax(1, keepdim=True)  # each row's maximum logit is at least this
+    if int((hi >= floor).any(0).sum()) > KEEP_MAX_FRACTION * V:  # the argmax's candidates
+        return None
+    cap = max(1, int(CONF_MAX_FRACTION * V))
+    score = (hi - floor).amax(0)  # >= 0 exactly for the argmax's candidates
+    near = score >= -CONF_TAIL
+    if int(near.sum()) <= cap:
+        keep = near.nonzero()[:, 0]
+    else:  # a flat distribution: the cap's rows of highest upper bound (the candidates among them)
+        keep = score.topk(cap).indices.sort().values
+    exact = F.linear(h, w[keep]).float()  # [M, K]
+    m, j = exact.max(-1, keepdim=True)
+    s = torch.exp(exact - m).sum(-1)
+    t = a - m
+    t[:, keep] = float("-inf")  # the rows computed exactly are in s: the rest, each within t -/+ err
+    p = 1 / (s + torch.exp(t).sum(-1))
+    p_lo = 1 / (s + torch.exp(t + err).sum(-1))
+    p_hi = 1 / (s + torch.exp(t - err).sum(-1))
+    return keep[j[:, 0]], p, p_lo, p_hi
+
+
+def head_pick(h: torch.Tensor, w: torch.Tensor, min_conf: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(argmax int64 [M], confidence fp32 [M]) of the logits h [M, D] @ w^T, from the screen and the fp32
+    rows near the top (`pick_interval`); None where the screen does not run or decide, or leaves some row's
+    min_conf[m] (> 0; 0 or inf: no stop to decide) inside the confidence's interval widened by CONF_MARGIN:
+    the caller then computes the full logits."""
+    got = pick_interval(h, w)
+    if got is None:
+        return None
+    tok, p, p_lo, p_hi = got
+    if min_conf is not None:
+        thr = min_conf.to(torch.float32)
+        live = (thr > 0) & torch.isfinite(thr)
+        if (live & (p_lo * (1 - CONF_MARGIN) < thr) & (p_hi * (1 + CONF_MARGIN) >= thr)).any():
+            return None
+    return tok, p

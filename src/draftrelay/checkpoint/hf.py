@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from draftrelay import hugepages
 from draftrelay.model import ModelConfig, ModelError, Transformer
 
 # The HF model types the decoder runs: plain Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral
@@ -149,9 +150,12 @@ def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def empty_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> Transformer:
-    """A Transformer with uninitialised parameters allocated once, directly in `dtype` on `device`."""
+    """A Transformer with uninitialised parameters allocated once, directly in `dtype` on `device`; on a
+    CPU in one arena of huge pages, advised before the loader writes them (draftrelay/hugepages.py)."""
     with torch.device("meta"):
         model = Transformer(cfg)
+    if torch.device(device).type == "cpu" and hugepages.materialize(model, dtype):
+        return model
     return model.to(dtype).to_empty(device=device)
 
 

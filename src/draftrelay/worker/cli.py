@@ -262,8 +262,17 @@ def run(args: argparse.Namespace) -> int:
           f"max_ctx={drafter.max_ctx} rows={drafter.n_rows} per-session={per_session} "
           f"auth={'secret' if secret else 'none'} tls={'on' if tls else 'off'} ({drafter.info}"
           + ("" if planned is None else f"; {planned.line()}") + ")", flush=True)
+    calls = None
+    if getattr(drafter, "model", None) is not None and getattr(drafter.model, "device", None) is not None \
+            and drafter.model.device.type == "cpu" and hasattr(drafter, "calls"):
+        from draftrelay.worker.mainthread import MainThreadCalls
+
+        calls = drafter.calls = MainThreadCalls()  # the drafter's steps on this thread (mainthread.py: why)
     try:
-        server.serve_forever()
+        if calls is not None:
+            calls.serve(server._stopping)
+        else:
+            server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:

@@ -192,7 +192,15 @@ class LlamaDrafter(Drafter):
         dev = self.model.device
         return self.torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
+    # a CPU worker's main thread runs the steps (worker/mainthread.py says why); None: the caller's thread
+    calls = None
+
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.calls is not None:
+            return self.calls.call(self._run_here, jobs, n_steps)
+        return self._run_here(jobs, n_steps)
+
+    def _run_here(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         with self._on_model_gpu():
             return self._run(jobs, n_steps)
 

@@ -11,9 +11,13 @@ tensors), RoPE cos/sin for every position of the cache (the same expression `mod
 evaluates, so the same values) and the key positions. Each forward then runs the plain path's ops in the
 plain path's order on the same shapes (`model.attention`'s write-then-read of the KV, `model.attend`'s two
 GEMMs, the same norms and products), so its logits, and the drafts, equal the eager path's bit for bit on
-fp32 (tests/test_worker_lean.py holds it to that). What it does not do: prompts (extensions longer
-than PAD_LIMIT go through the eager path), q/k norms (Qwen3) and the fused-kernel fast path; a drafter
-needing one of those stays eager.
+fp32 (tests/test_worker_lean.py holds it to that). One exception: a large fp32 head (greedy_head.usable;
+the reference 0.5B drafter's 151,936 x 896 head is 544 MB, a quarter of its bytes per draft) is screened
+through its int8 copy (`greedy_head.head_pick`): the drafts are the full head's argmax (up to fp32 ties),
+the confidences lie within a proven interval around the full head's, and a confidence stop decides as
+the full head would (a step the interval leaves undecided takes the full head). What it does not do:
+prompts (extensions longer than PAD_LIMIT go through the eager path), q/k norms (Qwen3) and the
+fused-kernel fast path; a drafter needing one of those stays eager.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from draftrelay import greedy_head
 from draftrelay import model as M
 from draftrelay.worker.draft_stop import all_stopped
 
@@ -32,7 +37,7 @@ def supports(model: M.Transformer) -> bool:
 
 
 class LeanSteps:
-    def __init__(self, model: M.Transformer, cache: M.KVCache) -> None:
+    def __init__(self, model: M.Transformer, cache: M.KVCache, screen: bool = True) -> None:
         cfg = model.cfg
         self.model, self.cache = model, cache
         self.layers = model.layer_weights()  # views of the model's tensors: no copy
@@ -52,6 +57,12 @@ class LeanSteps:
         self.sin = torch.cat((-sin, sin), dim=-1).to(dtype)
         self.key_pos = torch.arange(cache.max_len)
         self.t_pos = torch.arange(64)
+        # the head screened through its int8 copy where greedy_head runs it (a large fp32 head: the
+        # reference 0.5B's is a quarter of its bytes); heads it declines, and steps it cannot decide, are full
+        self.screen = screen
+        self.screened = self.full = 0  # steps picked each way (benchmarks read them)
+        if screen and greedy_head.usable(torch.empty(1, self.head.shape[1], dtype=self.head.dtype), self.head):
+            greedy_head.screened_for(self.head)  # the int8 copy built with the drafter, not in a round
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return M.rms_norm(x, w, self.eps)
@@ -65,8 +76,8 @@ class LeanSteps:
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, tables, rows: list[int], kv_len: int,
                 pick: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] int64 at positions pos [B, T] of cache rows rows[b] (the caller has checked them and
-        keeps cache.lengths), tables: `tables(pos, kv_len)` or views of a larger one -> fp32 logits [B, V]
-        at position pick[b] of each row (None: T == 1)."""
+        keeps cache.lengths), tables: `tables(pos, kv_len)` or views of a larger one -> the final norm's output
+        [B, 1, D] at position pick[b] of each row (None: T == 1), the head's input (`pick`)."""
         B, T = tokens.shape
         H, HK, D, n_rep = self.H, self.HK, self.D, self.n_rep
         cos, sin, blocked = tables
@@ -107,7 +118,22 @@ class LeanSteps:
         x = x + red.to(x.dtype)
         if pick is not None:
             x = x[torch.arange(B), pick][:, None]
-        return F.linear(self._norm(x, self.final_norm), self.head).float()[:, 0]
+        return self._norm(x, self.final_norm)
+
+    def pick(self, hn: torch.Tensor, min_conf: np.ndarray | None) -> tuple[torch.Tensor, np.ndarray]:
+        """The greedy drafts int64 [B] and their confidences float32 [B] from the normed last hidden states
+        hn [B, 1, D]: through the screened head (greedy_head.head_pick: the full head's argmax, the
+        confidence within its proven interval, every stop at min_conf decided as the full head decides it),
+        else from the full logits (the plain path's ops: ties go to the lower id)."""
+        if self.screen:
+            got = greedy_head.head_pick(hn[:, 0], self.head, None if min_conf is None else torch.from_numpy(min_conf))
+            if got is not None:
+                self.screened += 1
+                return got[0], got[1].numpy()
+        self.full += 1
+        logits = F.linear(hn, self.head).float()[:, 0]
+        tok = logits.argmax(-1)
+        return tok, torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0].float().numpy()
 
     def run(self, jobs, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         """LlamaDrafter.run for jobs whose extensions are all short: roll back, extend (right-padded, one
@@ -131,8 +157,8 @@ class LeanSteps:
         with torch.inference_mode():
             pos = start[:, None] + self.t_pos[:T][None, :]
             kv = max(keeps) + T
-            logits = self.forward(torch.from_numpy(toks), pos, self.tables(pos, kv), rows, kv,
-                                  pick=torch.tensor([n - 1 for n in lens]))
+            hn = self.forward(torch.from_numpy(toks), pos, self.tables(pos, kv), rows, kv,
+                              pick=torch.tensor([n - 1 for n in lens]))
             if n_steps == 0:
                 out_d, out_c = np.zeros((B, 0), np.int32), np.zeros((B, 0), np.float32)
             else:
@@ -141,27 +167,23 @@ class LeanSteps:
                 kv = max(k + n for k, n in zip(keeps, lens, strict=True))
                 steps = first[:, None] + self.t_pos[:max(1, n_steps - 1)][None, :]  # [B, n_steps - 1]
                 cos, sin, blocked = self.tables(steps, kv + n_steps - 1)
-                out_t, picked, confs = [], [], []
+                out_t, confs = [], []
                 pending = np.array([getattr(j, "min_conf", 0.0) for j in jobs], np.float32)  # confidence stop
                 stopping = bool(pending.any())
                 for s in range(n_steps):
-                    tok = logits.argmax(-1)  # ties go to the lower id
+                    # each step's draft and confidence (a softmax per step: row by row the values of one over
+                    # all steps); with a stop, the stop decides whether to go on
+                    tok, conf = self.pick(hn, pending if stopping else None)
                     out_t.append(tok)
-                    picked.append(logits)
-                    if stopping:  # each step's confidence now: the stop decides whether to go on
-                        confs.append(torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0].float().numpy())
-                        if all_stopped(confs[-1], pending):
-                            break
+                    confs.append(conf)
+                    if stopping and all_stopped(conf, pending):
+                        break
                     if s < n_steps - 1:
                         L = kv + s + 1
-                        logits = self.forward(tok[:, None], steps[:, s:s + 1],
-                                              (cos[:, s:s + 1], sin[:, s:s + 1], blocked[:, s:s + 1, :L]), rows, L)
-                tok = torch.stack(out_t, 1)
-                if stopping:
-                    out_c = np.stack(confs, 1)
-                else:  # the confidences of all steps in one softmax (row by row the same values as one per step)
-                    out_c = torch.softmax(torch.stack(picked, 1), -1).gather(-1, tok[..., None])[..., 0].float().numpy()
-                out_d = tok.to(torch.int32).numpy()
+                        hn = self.forward(tok[:, None], steps[:, s:s + 1],
+                                          (cos[:, s:s + 1], sin[:, s:s + 1], blocked[:, s:s + 1, :L]), rows, L)
+                out_d = torch.stack(out_t, 1).to(torch.int32).numpy()
+                out_c = np.stack(confs, 1)
                 n_steps = len(out_t)  # fewer where every job's stop fired
         for b, j in enumerate(jobs):  # context + the drafts fed back (n_steps - 1), as the eager path leaves them
             cache.lengths[j.row] = j.keep + lens[b] + max(0, n_steps - 1)
