@@ -321,3 +321,30 @@ def test_an_interrupt_reaches_the_waiter_running_a_deferred_batch(bare):
     release(region, 1)
     assert ev.wait(1.0) and native.load32(region.word_addr(W.CONSUMED)) == 1
     assert np.array_equal(dst[:8], np.arange(8, dtype=np.uint8) + 1)
+
+
+def test_a_spare_core_spins_a_bounded_while_and_only_where_one_is_spare(monkeypatch):
+    """handoff_config(spare_core=True) (the demo's, where the target and the worker each run one thread
+    on a larger CPU): the proxy and the engine's wait spin CPU_SPARE_SPIN_US before they sleep, so a
+    round out for 300 ms costs each side at most about that spin, not the whole round."""
+    import draftrelay.engine.loading as L
+
+    monkeypatch.setattr(L, "default_threads", lambda: 2)
+    assert L.has_spare_core(1, 1) and L.has_spare_core(1, 0)
+    assert not L.has_spare_core(2, 1) and not L.has_spare_core(1, 2)  # the target or the worker uses every core
+    h = handoff_config({"kind": "builtin", "faults": dict(p_delay=1.0, delay_ms=300)}, torch.device("cpu"),
+                       500.0, True, spare_core=True, vocab_size=VOCAB, max_requests=4, max_tokens=256,
+                       max_drafts=8, selftest_rounds=2, loss_fires=10**6, round_budget_ms=1000.0)
+    assert h.wait_mode == "block" and h.spin_us == h.stream_spin_us == L.CPU_SPARE_SPIN_US
+    r = open_rounds(h)
+    assert isinstance(r, AsyncRounds), r.refusal
+    try:
+        pid = r.proxy.pid
+        q = [request(1)]
+        engine0, proxy0 = cpu_ns(), cpu_ns(pid)
+        assert_exact(q[0], r.result(r.submit(q), timeout_s=5.0))
+        out = cpu_ns() - engine0, cpu_ns(pid) - proxy0
+        spin_ns = L.CPU_SPARE_SPIN_US * 1000
+        assert out[0] < spin_ns + 30_000_000 and out[1] < spin_ns + 30_000_000, f"engine, proxy CPU {out} ns"
+    finally:
+        r.close()

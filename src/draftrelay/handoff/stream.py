@@ -338,15 +338,17 @@ class EmulatedStream(StreamOps):
                     store(base + a, b)
                 elif op == _WAIT:
                     self._waiting_on = base + a
-                    while True:
+                    spin = self.spin_us  # once per wait, not once per poll slice: a 20 ms spin per 50 ms
+                    while True:          # slice held 40 % of a core through a long round
                         bound = self.poll_us if end is None else max(0, min(
                             self.poll_us, int((end - time.monotonic()) * 1e6)))
                         if block:
-                            rc = native.wait_geq32_block(base + a, b, self.spin_us, self.slice_us, bound,
+                            rc = native.wait_geq32_block(base + a, b, spin, self.slice_us, bound,
                                                          self._closing_addr)
                         else:
-                            rc = native.wait_geq32(base + a, b, self.spin_us, self.nap_us, bound,
+                            rc = native.wait_geq32(base + a, b, spin, self.nap_us, bound,
                                                    self._closing_addr)
+                        spin = 0
                         if rc == native.WAIT_OK or self._closing[0]:
                             break
                         if end is not None and time.monotonic() >= end:
