@@ -19,7 +19,9 @@ the engine runs it) and splits the round:
    from stamps on one clock (CLOCK_MONOTONIC in both processes) into submit, the proxy's part up to its
    release (its clock right before the store: its wake-up, parse, the STEP round trip, the reply write)
    and release -> result (the engine side's wake-up, the reply copy, the decode).
-   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap).
+   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap); and the
+   async rounds `draftrelay demo` opens where a core is spare (the proxy and the engine's wait spin 20 ms
+   before they sleep: engine.loading.handoff_config(spare_core)).
 
     python benchmarks/demo_round.py [--steps 200] [--k 4] -> benchmarks/results/demo_round_cpu.json
 """
@@ -231,7 +233,7 @@ def sync_rounds(w, tgt: Target, k: int, accept: int, steps: int) -> dict:
 
 
 def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, inline: bool = True,
-                 cli_settings: bool = True) -> dict:
+                 cli_settings: bool = True, spare_core: bool = False) -> dict:
     """Async rounds as `draftrelay demo` opens them on a CPU (host staging, the stream's part run inline by
     the engine thread), or with the stream thread doing its part (inline False). The hops from stamps on
     one clock (CLOCK_MONOTONIC in both processes): submit (staging, announcement); the proxy's part up to
@@ -240,6 +242,8 @@ def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, inl
     spec = {"kind": "worker", "host": w.host, "port": w.port, "n_out_max": 8, "max_requests": 8,
             "client_name": "demo_round"}
     spin, nap = (0, 200) if wait == "block" else (50, 20)
+    if spare_core:  # the demo's where the target and the worker leave a core idle (handoff_config(spare_core))
+        spin = L.CPU_SPARE_SPIN_US
     # the periodic wake-ups as `draftrelay demo` sets them on a CPU (engine.loading.handoff_config), or
     # HandoffConfig's defaults
     periodic = dict(wait_slice_us=L.CPU_WAIT_SLICE_US, supervise_ms=L.CPU_SUPERVISE_MS,
@@ -339,6 +343,8 @@ def main(argv=None) -> int:
                 row = {"config": c, "repeat": rep, "loadavg_1m_before": os.getloadavg()[0],
                        "sync": sync_rounds(w, tgt, args.k, args.accept, args.steps),
                        "async": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"]),
+                       "async_spare_core": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"],
+                                                        spare_core=True),
                        "async_stream_thread": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"],
                                                            inline=False),
                        "async_default_periodic": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"],
@@ -349,10 +355,12 @@ def main(argv=None) -> int:
                     pin(os.getpid(), every)
             runs.append(row)
             s, a, at, ad = row["sync"], row["async"], row["async_stream_thread"], row["async_default_periodic"]
+            asp = row["async_spare_core"]
             print(f"[{c['name']}] sync: round {s['round_ms']['p50']:.2f} ms = worker {s['worker_step_ms']['p50']:.2f} "
                   f"+ rest {s['transport_codec_wakeups_ms']['p50']:.2f}; verify {s['verify_ms']['p50']:.2f}; "
                   f"step {s['step_ms_p50']:.2f}")
-            for name, x in (("async", a), ("async, stream thread", at), ("async, default wake-ups", ad)):
+            for name, x in (("async", a), ("async, spinning on a spare core", asp), ("async, stream thread", at),
+                            ("async, default wake-ups", ad)):
                 print(f"[{c['name']}] {name}: round {x['round_ms']['p50']:.2f} ms = submit "
                       f"{x['submit_ms']['p50']:.3f} + proxy to release {x['proxy_to_release_ms']['p50']:.2f} + "
                       f"release to result {x['release_to_result_ms']['p50']:.3f}; verify {x['verify_ms']['p50']:.2f}; "
