@@ -20,8 +20,8 @@ the engine runs it) and splits the round:
    release (its clock right before the store: its wake-up, parse, the STEP round trip, the reply write)
    and release -> result (the engine side's wake-up, the reply copy, the decode).
    The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap); and the
-   async rounds `draftrelay demo` opens where a core is spare (the proxy and the engine's wait spin 20 ms
-   before they sleep: engine.loading.handoff_config(spare_core)).
+   async rounds `draftrelay demo` opens where a core is spare (the proxy's and the engine's waits spin in
+   a short window around the moment they expect their word: engine.loading.handoff_config(spare_core)).
 
     python benchmarks/demo_round.py [--steps 200] [--k 4] -> benchmarks/results/demo_round_cpu.json
 """
@@ -242,8 +242,8 @@ def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, inl
     spec = {"kind": "worker", "host": w.host, "port": w.port, "n_out_max": 8, "max_requests": 8,
             "client_name": "demo_round"}
     spin, nap = (0, 200) if wait == "block" else (50, 20)
-    if spare_core:  # the demo's where the target and the worker leave a core idle (handoff_config(spare_core))
-        spin = L.CPU_SPARE_SPIN_US
+    # where the target and the worker leave a core idle, the demo's waits spin around the expected wake-up
+    window = L.CPU_SPARE_WINDOW_US if spare_core else 0
     # the periodic wake-ups as `draftrelay demo` sets them on a CPU (engine.loading.handoff_config), or
     # HandoffConfig's defaults
     periodic = dict(wait_slice_us=L.CPU_WAIT_SLICE_US, supervise_ms=L.CPU_SUPERVISE_MS,
@@ -251,7 +251,7 @@ def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, inl
     cfg = HandoffConfig(max_requests=8, max_tokens=4096, max_drafts=8, vocab_size=2048, deadline_ms=500,
                         round_budget_ms=400, spin_us=spin, nap_us=nap, stream_spin_us=spin, stream_nap_us=nap,
                         wait=wait, round_spec=spec, strict=True, watchdog_poll_us=5000, stream_inline=inline,
-                        **periodic)
+                        spin_window_us=window, **periodic)
     r = open_rounds(cfg)
     assert isinstance(r, AsyncRounds)
     a_last = r.region.word_addr(W.LAST_RELEASE_NS)

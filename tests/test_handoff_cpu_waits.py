@@ -325,8 +325,8 @@ def test_an_interrupt_reaches_the_waiter_running_a_deferred_batch(bare):
 
 def test_a_spare_core_spins_a_bounded_while_and_only_where_one_is_spare(monkeypatch):
     """handoff_config(spare_core=True) (the demo's, where the target and the worker each run one thread
-    on a larger CPU): the proxy and the engine's wait spin CPU_SPARE_SPIN_US before they sleep, so a
-    round out for 300 ms costs each side at most about that spin, not the whole round."""
+    on a larger CPU): the proxy's and the engine's waits spin only in a window around the moment they
+    expect their word, so rounds out for 300 ms cost each side a few ms of CPU, not the round."""
     import draftrelay.engine.loading as L
 
     monkeypatch.setattr(L, "default_threads", lambda: 2)
@@ -335,16 +335,39 @@ def test_a_spare_core_spins_a_bounded_while_and_only_where_one_is_spare(monkeypa
     h = handoff_config({"kind": "builtin", "faults": dict(p_delay=1.0, delay_ms=300)}, torch.device("cpu"),
                        500.0, True, spare_core=True, vocab_size=VOCAB, max_requests=4, max_tokens=256,
                        max_drafts=8, selftest_rounds=2, loss_fires=10**6, round_budget_ms=1000.0)
-    assert h.wait_mode == "block" and h.spin_us == h.stream_spin_us == L.CPU_SPARE_SPIN_US
+    assert h.wait_mode == "block" and h.spin_us == h.stream_spin_us == 0
+    assert h.spin_window_us == L.CPU_SPARE_WINDOW_US
     r = open_rounds(h)
     assert isinstance(r, AsyncRounds), r.refusal
     try:
         pid = r.proxy.pid
-        q = [request(1)]
-        engine0, proxy0 = cpu_ns(), cpu_ns(pid)
-        assert_exact(q[0], r.result(r.submit(q), timeout_s=5.0))
-        out = cpu_ns() - engine0, cpu_ns(pid) - proxy0
-        spin_ns = L.CPU_SPARE_SPIN_US * 1000
-        assert out[0] < spin_ns + 30_000_000 and out[1] < spin_ns + 30_000_000, f"engine, proxy CPU {out} ns"
+        for i in range(3):
+            q = [request(i)]
+            engine0, proxy0 = cpu_ns(), cpu_ns(pid)
+            assert_exact(q[0], r.result(r.submit(q), timeout_s=5.0))
+            time.sleep(0.05)
+            out = cpu_ns() - engine0, cpu_ns(pid) - proxy0
+            assert out[0] < 30_000_000 and out[1] < 30_000_000, f"engine, proxy CPU {out} ns"
     finally:
         r.close()
+
+
+def test_an_expected_wait_sleeps_until_its_window_and_spins_through_it(bare):
+    """ExpectedWait: a wait whose word changes 60 ms in, as the last ones did, sleeps ~59 ms and spins
+    ~1 ms (a window of 500 us each side), and the release it spins for is seen at once."""
+    from draftrelay.handoff.stream import ExpectedWait
+
+    region, _, _ = bare
+    addr = region.word_addr(W.RELEASED)
+    w = ExpectedWait(500)
+    for _ in range(3):
+        w.observe(0.060)
+    for t in (1, 2):
+        threading.Timer(0.060, native.store_max32_wake, (addr, t)).start()
+        tid = threading.get_native_id()
+        cpu0, t0 = cpu_ns(tid=tid), time.monotonic()
+        spin = w.before(addr, t, 0, 20_000, None)
+        rc = native.wait_geq32_block(addr, t, spin, 20_000, 1_000_000, 0)
+        dt, cpu = time.monotonic() - t0, cpu_ns(tid=tid) - cpu0
+        assert rc == native.WAIT_OK and spin == 1000 and 0.055 < dt < 0.2
+        assert cpu < 15_000_000, f"the wait ran {cpu / 1e6:.1f} ms of CPU"  # asleep for most of it

@@ -158,7 +158,7 @@ def worker_spec(host: str, port: int, model_id: str, tokenizer_hash: str, n_draf
 # machine every polling thread competes with the target's own compute, so the hand-off naps longer.
 SPIN_NAP_US = {"cuda": (20_000, 20), "cpu": (0, 200)}
 CPU_WAIT_SLICE_US, CPU_SUPERVISE_MS, CPU_HEARTBEAT_MS = 20_000, 50.0, 100.0
-CPU_SPARE_SPIN_US = 20_000  # handoff_config(spare_core=True): how long the hand-off's waits spin on a CPU
+CPU_SPARE_WINDOW_US = 400  # handoff_config(spare_core=True): the hand-off's waits spin 2x this per round
 
 
 def has_spare_core(target_threads: int, worker_threads: int) -> bool:
@@ -180,11 +180,12 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
     A worker on the engine's GPU is named (HandoffConfig.worker_shares_gpu): the speculation cache
     declines there by default (SpecCache.bind says why).
 
-    spare_core (CPU; has_spare_core): the target and the worker each leave a core idle, so the proxy
-    spins for the next round while the verify runs and the engine thread spins through the round
-    (CPU_SPARE_SPIN_US, then both sleep as without it): no hop of the round waits for a sleeping thread,
-    and on a VM for an idle vCPU to be woken (two such wake-ups were async's 0.3 ms over sync's 2.9 ms
-    round in the demo, benchmarks/demo_pair.py)."""
+    spare_core (CPU; has_spare_core): the target and the worker each leave a core idle, so the proxy's
+    wait for the next round and the engine's wait for the release spin for a short window around the
+    moment each expects its word to change (HandoffConfig.spin_window_us = CPU_SPARE_WINDOW_US; asleep
+    before and after it, as without it): the hop finds its reader awake instead of waking a sleeping
+    thread, on a VM an idle vCPU (two such wake-ups are most of what an async round costs over a sync
+    one in the demo: benchmarks/demo_round.py)."""
     from draftrelay.handoff.rounds import HandoffConfig
 
     gpu = device.type == "cuda"
@@ -201,7 +202,7 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
         # the stream's wait on `released` (run by the engine thread itself: EmulatedStream.inline) sleeps
         # at once too, as the proxy's does: a spin there holds a core while the proxy and the worker run
         if spare_core:
-            spin = CPU_SPARE_SPIN_US
+            fields.setdefault("spin_window_us", CPU_SPARE_WINDOW_US)
         fields.setdefault("stream_spin_us", spin)
     if gpu and host_rounds:  # a GPU host has cores to spare: the emulated stream polls (spin, then nap)
         fields.setdefault("wait", "poll")
