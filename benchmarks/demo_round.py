@@ -19,9 +19,9 @@ the engine runs it) and splits the round:
    from stamps on one clock (CLOCK_MONOTONIC in both processes) into submit, the proxy's part up to its
    release (its clock right before the store: its wake-up, parse, the STEP round trip, the reply write)
    and release -> result (the engine side's wake-up, the reply copy, the decode).
-   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap); and the
-   async rounds `draftrelay demo` opens where a core is spare (the proxy's and the engine's waits spin in
-   a short window around the moment they expect their word: engine.loading.handoff_config(spare_core)).
+   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap); and a row
+   whose waits spin in a 400 us window each side of the moment they expect their word, asleep before and
+   after it (HandoffConfig.spin_window_us: for a core the target and the worker leave idle).
 
     python benchmarks/demo_round.py [--steps 200] [--k 4] -> benchmarks/results/demo_round_cpu.json
 """
@@ -56,6 +56,7 @@ ROWS = CPU_BATCH  # requests per round: the demo's on a CPU (--rows)
 PROMPT = 12  # tokens of a first round (not timed)
 EPISODE = 48  # rounds before the requests start over (the demo's contexts stay short)
 WARMUP = 20  # untimed rounds at the start of each run
+SPIN_WINDOW_US = 400  # the async_spare_core row's HandoffConfig.spin_window_us
 
 
 def p50(xs) -> float:
@@ -242,8 +243,8 @@ def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, inl
     spec = {"kind": "worker", "host": w.host, "port": w.port, "n_out_max": 8, "max_requests": 8,
             "client_name": "demo_round"}
     spin, nap = (0, 200) if wait == "block" else (50, 20)
-    # where the target and the worker leave a core idle, the demo's waits spin around the expected wake-up
-    window = L.CPU_SPARE_WINDOW_US if spare_core else 0
+    # spare_core: the waits spin in a window around the expected wake-up (HandoffConfig.spin_window_us)
+    window = SPIN_WINDOW_US if spare_core else 0
     # the periodic wake-ups as `draftrelay demo` sets them on a CPU (engine.loading.handoff_config), or
     # HandoffConfig's defaults
     periodic = dict(wait_slice_us=L.CPU_WAIT_SLICE_US, supervise_ms=L.CPU_SUPERVISE_MS,

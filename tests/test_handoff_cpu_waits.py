@@ -323,23 +323,15 @@ def test_an_interrupt_reaches_the_waiter_running_a_deferred_batch(bare):
     assert np.array_equal(dst[:8], np.arange(8, dtype=np.uint8) + 1)
 
 
-def test_a_spare_core_spins_a_bounded_while_and_only_where_one_is_spare(monkeypatch):
-    """handoff_config(spare_core=True) (the demo's, where the target and the worker each run one thread
-    on a larger CPU): the proxy's and the engine's waits spin only in a window around the moment they
-    expect their word, so rounds out for 300 ms cost each side a few ms of CPU, not the round."""
-    import draftrelay.engine.loading as L
-
-    monkeypatch.setattr(L, "default_threads", lambda: 2)
-    assert L.has_spare_core(1, 1) and L.has_spare_core(1, 0)
-    assert not L.has_spare_core(2, 1) and not L.has_spare_core(1, 2)  # the target or the worker uses every core
-    h = handoff_config({"kind": "builtin", "faults": dict(p_delay=1.0, delay_ms=300)}, torch.device("cpu"),
-                       500.0, True, spare_core=True, vocab_size=VOCAB, max_requests=4, max_tokens=256,
-                       max_drafts=8, selftest_rounds=2, loss_fires=10**6, round_budget_ms=1000.0)
-    assert h.wait_mode == "block" and h.spin_us == h.stream_spin_us == 0
-    assert h.spin_window_us == L.CPU_SPARE_WINDOW_US
+def test_a_spin_window_spins_a_bounded_while():
+    """HandoffConfig.spin_window_us: the proxy's and the engine's waits spin only in a window around the
+    moment they expect their word, so rounds out for 300 ms cost each side a few ms of CPU, not the round."""
+    h = cpu_config({"kind": "builtin", "faults": dict(p_delay=1.0, delay_ms=300)}, round_budget_ms=1000.0,
+                   spin_window_us=400)
     r = open_rounds(h)
     assert isinstance(r, AsyncRounds), r.refusal
     try:
+        assert r.stream.window is not None and r.stream.window.window_us == 400
         pid = r.proxy.pid
         for i in range(3):
             q = [request(i)]

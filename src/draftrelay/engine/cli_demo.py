@@ -155,10 +155,8 @@ def run(args: argparse.Namespace) -> int:
         results: dict[str, dict] = {}
         outputs: dict[str, list[list[int]]] = {}
         for mode in modes:
-            spare = dev.type == "cpu" and L.has_spare_core(torch.get_num_threads(),
-                                                             0 if args.worker else args.worker_threads or CPU_THREADS)
-            h = L.handoff_config(spec, dev, rs.deadline_ms, not args.worker, round_budget_ms=rs.budget_ms,
-                                 spare_core=spare) if mode != "off" else None
+            h = L.handoff_config(spec, dev, rs.deadline_ms, not args.worker, round_budget_ms=rs.budget_ms) \
+                if mode != "off" else None
             cache = (args.spec_cache or 8) if mode == "cache" else 0
             cfg = EngineConfig(mode="async" if cache else mode, n_draft=k_max, max_batch=batch,
                                max_len=max_len, handoff=h, depth="fixed" if args.k is not None else "auto",

@@ -158,17 +158,10 @@ def worker_spec(host: str, port: int, model_id: str, tokenizer_hash: str, n_draf
 # machine every polling thread competes with the target's own compute, so the hand-off naps longer.
 SPIN_NAP_US = {"cuda": (20_000, 20), "cpu": (0, 200)}
 CPU_WAIT_SLICE_US, CPU_SUPERVISE_MS, CPU_HEARTBEAT_MS = 20_000, 50.0, 100.0
-CPU_SPARE_WINDOW_US = 400  # handoff_config(spare_core=True): the hand-off's waits spin 2x this per round
-
-
-def has_spare_core(target_threads: int, worker_threads: int) -> bool:
-    """Whether this CPU has a core that neither the target's forward (target_threads) nor a local
-    worker's (worker_threads; 0: the worker runs elsewhere) uses: then the hand-off may spin on it."""
-    return default_threads() > max(target_threads, worker_threads, 1)
 
 
 def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_shares_gpu: bool,
-                   host_rounds: bool = False, spare_core: bool = False, **fields):
+                   host_rounds: bool = False, **fields):
     """The hand-off for rounds to the worker `spec`: the CUDA stream on a GPU, the emulated one on a
     CPU. A worker on the engine's own GPU gets memop parking (HandoffConfig.cuda_wait says why).
 
@@ -178,14 +171,7 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
     drafts per verify (a few hundred bytes) instead of the verify reading them from the reply buffer.
 
     A worker on the engine's GPU is named (HandoffConfig.worker_shares_gpu): the speculation cache
-    declines there by default (SpecCache.bind says why).
-
-    spare_core (CPU; has_spare_core): the target and the worker each leave a core idle, so the proxy's
-    wait for the next round and the engine's wait for the release spin for a short window around the
-    moment each expects its word to change (HandoffConfig.spin_window_us = CPU_SPARE_WINDOW_US; asleep
-    before and after it, as without it): the hop finds its reader awake instead of waking a sleeping
-    thread, on a VM an idle vCPU (two such wake-ups are most of what an async round costs over a sync
-    one in the demo: benchmarks/demo_round.py)."""
+    declines there by default (SpecCache.bind says why)."""
     from draftrelay.handoff.rounds import HandoffConfig
 
     gpu = device.type == "cuda"
@@ -201,8 +187,6 @@ def handoff_config(spec: dict, device: torch.device, deadline_ms: float, worker_
         fields.setdefault("heartbeat_ms", CPU_HEARTBEAT_MS)
         # the stream's wait on `released` (run by the engine thread itself: EmulatedStream.inline) sleeps
         # at once too, as the proxy's does: a spin there holds a core while the proxy and the worker run
-        if spare_core:
-            fields.setdefault("spin_window_us", CPU_SPARE_WINDOW_US)
         fields.setdefault("stream_spin_us", spin)
     if gpu and host_rounds:  # a GPU host has cores to spare: the emulated stream polls (spin, then nap)
         fields.setdefault("wait", "poll")
