@@ -106,6 +106,10 @@ def summarize(runs: list[dict]) -> dict:
             summary[m]["step_ratio_median"] = statistics.median(
                 r["modes"][m]["tokens_per_step"] * r["modes"]["off"]["step_p50_ms"] / r["modes"][m]["step_p50_ms"]
                 for r in runs)
+    if "sync" in runs[0]["modes"] and "async" in runs[0]["modes"]:  # the two round modes, run by run
+        per = [r["modes"]["async"]["tokens_per_s"] / r["modes"]["sync"]["tokens_per_s"] for r in runs]
+        summary["async_over_sync"] = {"median": statistics.median(per), "min": min(per), "max": max(per),
+                                      "runs": per}
     return summary
 
 
@@ -148,7 +152,10 @@ def main(argv=None) -> int:
     summary = {c: summarize(rs) for c, rs in runs.items()}
     for c, sm in summary.items():
         for m, s_ in sm.items():
-            if m != "off":
+            if m == "async_over_sync":
+                print(f"[{c or 'defaults'}] async / sync: {s_['median']:.2f} (range {s_['min']:.2f}-{s_['max']:.2f}: "
+                      + ", ".join(f"{x:.2f}" for x in s_["runs"]) + ")")
+            elif m != "off":
                 print(f"[{c or 'defaults'}] {m:5s}: {s_['tokens_per_s_median']:.0f} tok/s, "
                       f"{s_['ratio_to_off_median']:.2f}x "
                       f"off (range {s_['ratio_to_off_min']:.2f}-{s_['ratio_to_off_max']:.2f} over {len(runs[c])} runs; "

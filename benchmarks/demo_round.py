@@ -19,7 +19,9 @@ the engine runs it) and splits the round:
    from stamps on one clock (CLOCK_MONOTONIC in both processes) into submit, the proxy's part up to its
    release (its clock right before the store: its wake-up, parse, the STEP round trip, the reply write)
    and release -> result (the engine side's wake-up, the reply copy, the decode).
-   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap).
+   The wait of the emulated stream and the proxy: `block` (futex sleep) or `poll` (spin, nap); and a row
+   whose waits spin in a 400 us window each side of the moment they expect their word, asleep before and
+   after it (HandoffConfig.spin_window_us: for a core the target and the worker leave idle).
 
     python benchmarks/demo_round.py [--steps 200] [--k 4] -> benchmarks/results/demo_round_cpu.json
 """
@@ -54,6 +56,7 @@ ROWS = CPU_BATCH  # requests per round: the demo's on a CPU (--rows)
 PROMPT = 12  # tokens of a first round (not timed)
 EPISODE = 48  # rounds before the requests start over (the demo's contexts stay short)
 WARMUP = 20  # untimed rounds at the start of each run
+SPIN_WINDOW_US = 400  # the async_spare_core row's HandoffConfig.spin_window_us
 
 
 def p50(xs) -> float:
@@ -231,7 +234,7 @@ def sync_rounds(w, tgt: Target, k: int, accept: int, steps: int) -> dict:
 
 
 def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, inline: bool = True,
-                 cli_settings: bool = True) -> dict:
+                 cli_settings: bool = True, spare_core: bool = False) -> dict:
     """Async rounds as `draftrelay demo` opens them on a CPU (host staging, the stream's part run inline by
     the engine thread), or with the stream thread doing its part (inline False). The hops from stamps on
     one clock (CLOCK_MONOTONIC in both processes): submit (staging, announcement); the proxy's part up to
@@ -240,6 +243,8 @@ def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, inl
     spec = {"kind": "worker", "host": w.host, "port": w.port, "n_out_max": 8, "max_requests": 8,
             "client_name": "demo_round"}
     spin, nap = (0, 200) if wait == "block" else (50, 20)
+    # spare_core: the waits spin in a window around the expected wake-up (HandoffConfig.spin_window_us)
+    window = SPIN_WINDOW_US if spare_core else 0
     # the periodic wake-ups as `draftrelay demo` sets them on a CPU (engine.loading.handoff_config), or
     # HandoffConfig's defaults
     periodic = dict(wait_slice_us=L.CPU_WAIT_SLICE_US, supervise_ms=L.CPU_SUPERVISE_MS,
@@ -247,7 +252,7 @@ def async_rounds(w, tgt: Target, k: int, accept: int, steps: int, wait: str, inl
     cfg = HandoffConfig(max_requests=8, max_tokens=4096, max_drafts=8, vocab_size=2048, deadline_ms=500,
                         round_budget_ms=400, spin_us=spin, nap_us=nap, stream_spin_us=spin, stream_nap_us=nap,
                         wait=wait, round_spec=spec, strict=True, watchdog_poll_us=5000, stream_inline=inline,
-                        **periodic)
+                        spin_window_us=window, **periodic)
     r = open_rounds(cfg)
     assert isinstance(r, AsyncRounds)
     a_last = r.region.word_addr(W.LAST_RELEASE_NS)
@@ -339,6 +344,8 @@ def main(argv=None) -> int:
                 row = {"config": c, "repeat": rep, "loadavg_1m_before": os.getloadavg()[0],
                        "sync": sync_rounds(w, tgt, args.k, args.accept, args.steps),
                        "async": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"]),
+                       "async_spare_core": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"],
+                                                        spare_core=True),
                        "async_stream_thread": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"],
                                                            inline=False),
                        "async_default_periodic": async_rounds(w, tgt, args.k, args.accept, args.steps, c["wait"],
@@ -349,10 +356,12 @@ def main(argv=None) -> int:
                     pin(os.getpid(), every)
             runs.append(row)
             s, a, at, ad = row["sync"], row["async"], row["async_stream_thread"], row["async_default_periodic"]
+            asp = row["async_spare_core"]
             print(f"[{c['name']}] sync: round {s['round_ms']['p50']:.2f} ms = worker {s['worker_step_ms']['p50']:.2f} "
                   f"+ rest {s['transport_codec_wakeups_ms']['p50']:.2f}; verify {s['verify_ms']['p50']:.2f}; "
                   f"step {s['step_ms_p50']:.2f}")
-            for name, x in (("async", a), ("async, stream thread", at), ("async, default wake-ups", ad)):
+            for name, x in (("async", a), ("async, spinning on a spare core", asp), ("async, stream thread", at),
+                            ("async, default wake-ups", ad)):
                 print(f"[{c['name']}] {name}: round {x['round_ms']['p50']:.2f} ms = submit "
                       f"{x['submit_ms']['p50']:.3f} + proxy to release {x['proxy_to_release_ms']['p50']:.2f} + "
                       f"release to result {x['release_to_result_ms']['p50']:.3f}; verify {x['verify_ms']['p50']:.2f}; "

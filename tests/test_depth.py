@@ -3,6 +3,8 @@ engine: greedy output unchanged with the policy on, k = 0 when every round fails
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from draftrelay.engine.depth import Acceptance, CostCurve, DepthConfig, DepthPolicy, ScaledCurve
@@ -153,7 +155,7 @@ def test_the_issue_cpu_pair_picks_a_small_k():
 
 
 def test_low_acceptance_turns_speculation_off_and_probes_come_back():
-    cfg = DepthConfig(decay=1.0, probe_every=5)
+    cfg = DepthConfig(decay=1.0, probe_every=5, probe_max=5)  # a fixed gap (the backoff: below)
     pol = trained(4, lambda k: 2 + k, lambda t: 10 + 0.5 * t, [0.05] * 4, cfg=cfg)
     picks = [pol.choose() for _ in range(12)]
     assert picks.count(0) >= 10 and pol.probes == 2
@@ -212,7 +214,7 @@ def test_the_deepest_step_is_explored_once_even_when_its_verify_went_untimed():
 
 def test_every_other_probe_at_depth_zero_asks_a_neighbour():
     # speculation does not pay (acceptance 0.1): probes alternate between the best depth and its neighbour
-    cfg = DepthConfig(decay=1.0, probe_every=4)
+    cfg = DepthConfig(decay=1.0, probe_every=4, probe_max=4)  # a fixed gap
     pol = trained(4, lambda k: 50 + 50 * k, lambda t: 400 * (1 + (t - 1) / 6), [0.1] * 4, cfg=cfg)
     probes = [k for k in (pol.choose() for _ in range(40)) if k]
     assert len(probes) == pol.probes >= 7
@@ -234,6 +236,108 @@ def test_catch_up_rounds_are_not_depth_costs():
     assert not pol.round.known(2)
     pol.observe_round(2, 0.01, 3)
     assert pol.round(2) == 0.01
+
+
+def simulate(pol: DepthPolicy, steps: int, round_ms, verify_ms, p_cond, load=lambda i: (1.0, 1.0),
+             seed: int = 0) -> list[int]:
+    """Drive `pol` through `steps` steps of one request the way the engine does: choose, the round (it
+    sends every token the drafter has not seen: after plain steps a catch-up), the verify, the accept
+    (kept drawn with the conditional acceptance p_cond, seeded), the host's share. load(i): factors on
+    step i's round and verify costs (a spike of other work). Returns the depths chosen."""
+    rng = random.Random(seed)
+    lag, picks = 1, []
+    for i in range(steps):
+        k = pol.choose()
+        rl, vl = load(i)
+        kept = 0
+        if k:
+            while kept < k and rng.random() < p_cond[kept]:
+                kept += 1
+            pol.observe_round(k, rl * round_ms(k) / 1e3, lag, drafted=k)
+            pol.observe_accept(k, k, kept)
+            lag = 1 + kept
+        else:
+            lag += 1
+        pol.observe_verify(1 + k, vl * verify_ms(1 + k) / 1e3)
+        pol.observe_host(0.0005)
+        picks.append(k)
+    return picks
+
+
+def test_a_load_spike_on_the_rounds_does_not_leave_speculation_off():
+    # speculation pays (rate(2) 7.4 tok/s against a plain decode's 5.0), then for 30 steps other work
+    # makes every round 4x slower and the policy drops to 0; when it ends, the probes must time a round
+    # again and bring speculation back. Their first round after 16 plain steps is a catch-up (17+ tokens,
+    # not a depth cost), so a policy that timed only that one never saw a round again and stayed at 0
+    round_ms, verify_ms, p = (lambda k: 40.0 * k), (lambda t: 200 * (1 + (t - 1) / 8)), [0.8] * 6
+    pol = trained(6, round_ms, verify_ms, p, cfg=DepthConfig())
+    spike = simulate(pol, 60, round_ms, verify_ms, p, load=lambda i: (4.0, 1.0) if i < 30 else (1.0, 1.0))
+    assert spike[20:30].count(0) >= 8  # off during the spike
+    after = simulate(pol, 200, round_ms, verify_ms, p, seed=1)
+    back = next((i for i in range(len(after)) if after[i:i + 10].count(0) <= 1), None)
+    assert back is not None and back <= 100, f"still at depth 0 after the spike: {after}"
+    assert after[-60:].count(0) <= 6  # and it stays on (refreshes and close calls aside)
+
+
+def test_a_probe_after_plain_steps_times_its_depth_on_the_next_step():
+    pol = trained(4, lambda k: 300 + 50 * k, lambda t: 200.0, [0.1] * 4, cfg=DepthConfig(decay=1.0, probe_every=8))
+    picks = simulate(pol, 10, lambda k: 300 + 50 * k, lambda t: 200.0, [0.1] * 4)
+    assert picks[:8] == [0] * 8 and picks[8] > 0  # 9 tokens to catch up: more than k_max + 2
+    assert picks[9] == picks[8]  # the catch-up round was not timed: the same depth once more, timed
+    assert pol.round.known(picks[8])
+
+
+def test_probes_back_off_while_speculation_does_not_pay_and_speculation_still_comes_back():
+    # acceptance 0.05: every probe costs a round, a catch-up and a wider verify for nothing; the gap
+    # doubles from 16 to 128 steps, so over 600 steps a few probes cost under 2 % of a plain decode's time
+    round_ms, verify_ms = (lambda k: 100.0 * k), (lambda t: 200 * (1 + (t - 1) / 8))
+    pol = trained(6, round_ms, verify_ms, [0.05] * 6, cfg=DepthConfig())
+    picks = simulate(pol, 600, round_ms, verify_ms, [0.05] * 6)
+    spec = [k for k in picks if k]
+    extra = sum(round_ms(k) + verify_ms(k + 1) - verify_ms(1) for k in spec)
+    assert pol.probes <= 8 and extra < 0.02 * 600 * verify_ms(1)
+    # the text gets easy (acceptance 0.95): within two probes (the acceptance counts fade at depth 0,
+    # so a probe's news weighs against what is left of the old text) speculation is back
+    later = simulate(pol, 300, round_ms, verify_ms, [0.95] * 6, seed=2)
+    assert later[200:].count(0) <= 5
+
+
+def test_a_close_call_refreshes_the_plain_decode():
+    # prose-like: one draft pays about 5 % by the model; every other refresh is a plain step, so the
+    # plain decode's cost is measured while speculating, not only at the start
+    round_ms, verify_ms = (lambda k: 105.0 * k), (lambda t: 205 + 15 * (t - 1))
+    cfg = DepthConfig(decay=1.0, refresh_every=6)
+    pol = trained(4, round_ms, verify_ms, [0.7, 0.5, 0.5, 0.5], cfg=cfg)
+    assert 1.03 <= max(pol.rates()[1:]) / pol.rates()[0] < 1.25
+    picks = simulate(pol, 120, round_ms, verify_ms, [0.7, 0.5, 0.5, 0.5])
+    assert 6 <= picks.count(0) <= 14  # one plain step every 12 (of 120: 10)
+    # a plain decode that got cheaper shows up within a few refreshes and turns speculation off
+    picks = simulate(pol, 120, round_ms, lambda t: verify_ms(t) if t > 1 else 180.0, [0.7, 0.5, 0.5, 0.5])
+    assert picks[-40:].count(0) >= 30
+
+
+def test_deeper_positions_follow_a_change_of_text():
+    # code (every position kept at 0.9, 6-draft rounds), then prose: position 0 kept at 0.65, position 1
+    # at 0.45, the policy asking one draft mostly and two every fourth round; after 60 prose rounds the
+    # estimate at position 1 has left code's (averaged over 40 seeded texts: a few rounds reach it)
+    def p1(deep_decay=None) -> float:
+        out = []
+        for seed in range(40):
+            a, rng = Acceptance(6, deep_decay=deep_decay), random.Random(seed)
+            for _ in range(200):
+                kept = 0
+                while kept < 6 and rng.random() < 0.9:
+                    kept += 1
+                a.add(6, 6, kept)
+            for i in range(60):
+                k = 2 if i % 4 == 0 else 1
+                kept = int(rng.random() < 0.65)
+                kept += int(k == 2 and kept == 1 and rng.random() < 0.45)
+                a.add(k, k, kept)
+            out.append(a.cond()[1])
+        return sum(out) / len(out)
+
+    assert p1() < 0.63 and p1(deep_decay=0.97) > 0.66  # the same decay at every position: 0.69
 
 
 # -- in the engine ------------------------------------------------------------------------------------

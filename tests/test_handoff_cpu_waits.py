@@ -321,3 +321,45 @@ def test_an_interrupt_reaches_the_waiter_running_a_deferred_batch(bare):
     release(region, 1)
     assert ev.wait(1.0) and native.load32(region.word_addr(W.CONSUMED)) == 1
     assert np.array_equal(dst[:8], np.arange(8, dtype=np.uint8) + 1)
+
+
+def test_a_spin_window_spins_a_bounded_while():
+    """HandoffConfig.spin_window_us: the proxy's and the engine's waits spin only in a window around the
+    moment they expect their word, so rounds out for 300 ms cost each side a few ms of CPU, not the round."""
+    h = cpu_config({"kind": "builtin", "faults": dict(p_delay=1.0, delay_ms=300)}, round_budget_ms=1000.0,
+                   spin_window_us=400)
+    r = open_rounds(h)
+    assert isinstance(r, AsyncRounds), r.refusal
+    try:
+        assert r.stream.window is not None and r.stream.window.window_us == 400
+        pid = r.proxy.pid
+        for i in range(3):
+            q = [request(i)]
+            engine0, proxy0 = cpu_ns(), cpu_ns(pid)
+            assert_exact(q[0], r.result(r.submit(q), timeout_s=5.0))
+            time.sleep(0.05)
+            out = cpu_ns() - engine0, cpu_ns(pid) - proxy0
+            assert out[0] < 30_000_000 and out[1] < 30_000_000, f"engine, proxy CPU {out} ns"
+    finally:
+        r.close()
+
+
+def test_an_expected_wait_sleeps_until_its_window_and_spins_through_it(bare):
+    """ExpectedWait: a wait whose word changes 60 ms in, as the last ones did, sleeps ~59 ms and spins
+    ~1 ms (a window of 500 us each side), and the release it spins for is seen at once."""
+    from draftrelay.handoff.stream import ExpectedWait
+
+    region, _, _ = bare
+    addr = region.word_addr(W.RELEASED)
+    w = ExpectedWait(500)
+    for _ in range(3):
+        w.observe(0.060)
+    for t in (1, 2):
+        threading.Timer(0.060, native.store_max32_wake, (addr, t)).start()
+        tid = threading.get_native_id()
+        cpu0, t0 = cpu_ns(tid=tid), time.monotonic()
+        spin = w.before(addr, t, 0, 20_000, None)
+        rc = native.wait_geq32_block(addr, t, spin, 20_000, 1_000_000, 0)
+        dt, cpu = time.monotonic() - t0, cpu_ns(tid=tid) - cpu0
+        assert rc == native.WAIT_OK and spin == 1000 and 0.055 < dt < 0.2
+        assert cpu < 15_000_000, f"the wait ran {cpu / 1e6:.1f} ms of CPU"  # asleep for most of it

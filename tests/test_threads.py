@@ -67,6 +67,17 @@ def test_a_width_seen_with_one_count_only_follows_the_other_widths():
     assert pol.choose(5) == 1
 
 
+def test_new_widths_before_a_ratio_do_not_all_run_on_the_other_count():
+    # the depth policy's first steps verify widths 7, 1, 2, 3, 3, ...: each new to the thread policy; one
+    # probe of the other count, then the first width seen twice completes a pair, not one probe per width
+    pol = ThreadPolicy(2, probe_every=12)
+    widths = [7, 1, 2, 3, 3, 3, 2, 3, 1, 3, 3]
+    picks = drive(pol, lambda n, w: (0.45 if n == 1 else 0.25) * (1 + (w - 1) / 6), len(widths),
+                  width=lambda i: widths[i])
+    assert picks[:5].count(1) <= 2 and pol._ratio() is not None
+    assert picks[5:] == [2] * 6
+
+
 def test_near_ties_keep_the_current_count():
     pol = ThreadPolicy(2, probe_every=1000, margin=0.05)
     drive(pol, lambda n, w: 0.30 if n == 1 else 0.31, 10)

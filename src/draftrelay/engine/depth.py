@@ -9,8 +9,13 @@ the k in 0..k_max with the highest expected tokens per second:
 p_j is the conditional acceptance at position j (the draft at j is kept given all before it were),
 s the share of rounds that came back at all (a timed-out round costs its time and gives nothing).
 Speculating has to beat rate(0) by `min_gain` (noise margin), else the step is a plain decode; while
-at 0, every `probe_every` steps one round at the best positive depth refreshes the acceptance (and
-the round cost), so speculation comes back when the text gets easier or the drafter faster.
+at 0, a probe (a round at the best positive depth or its neighbour) refreshes the acceptance and the
+round cost, so speculation comes back when the text gets easier or the drafter faster. A probe after
+plain steps first catches the drafter up on every token it missed, a round the round curve does not
+take (it prefills), so the probe runs its depth once more and that round is timed; the gap to the
+next probe starts at `probe_every` steps and doubles (up to `probe_max`) with every probe that finds
+speculation still not paying, so probing costs little where it never pays; the acceptance counts fade
+at depth 0 (`idle_decay` per plain step) so that a probe's news is not outweighed by old text.
 
 Costs are running estimates from the engine's own step clock, each a scale times a shape
 (`ScaledCurve`): every measurement moves the scale (the machine's current speed: a shared CPU's load
@@ -18,7 +23,8 @@ moves all depths alike), and the relative cost of its depth or width slowly; the
 non-decreasing, interpolated between measured points and a least-squares line beyond them (both are
 close to linear in k on CPU and GPU alike). While speculating, every `refresh_every` steps one step
 runs at the best depth's neighbour (best - 1 or best + 1) measured longer ago, so the depths the choice
-is between never keep a cost that one bad measurement gave them, and no step pays for a far one.
+is between never keep a cost that one bad measurement gave them, and no step pays for a far one; when
+the best depth is within `close` of a plain decode, every other refresh is a plain step instead.
 Until the width-1 verify and a second width have been timed, and a round at two depths (unless
 `round_costs` seeded them: engine/calibrate.py measures the worker before decoding), the policy explores
 those first; the deepest step is tried once among them (on a CPU it costs several plain steps), and
@@ -101,8 +107,8 @@ class ScaledCurve:
     they were when last measured (an outlier measured once at the deepest width kept it off for good).
     Here a measurement at x moves the scale for all of them, and the shape only slowly."""
 
-    def __init__(self, alpha: float = 0.25, shape_alpha: float = 0.1) -> None:
-        self.alpha = alpha
+    def __init__(self, alpha: float = 0.25, shape_alpha: float = 0.1, down_alpha: float | None = None) -> None:
+        self.alpha, self.down_alpha = alpha, alpha if down_alpha is None else max(alpha, down_alpha)
         self.shape = CostCurve(shape_alpha)
         self.scale: float | None = None
         self.ref: int | None = None
@@ -117,7 +123,11 @@ class ScaledCurve:
             return
         rel = self.shape(x)
         if rel is not None:
-            self.scale += self.alpha * (seconds / rel - self.scale)
+            # down_alpha (the round curve's): a load spike only ever makes a measurement slower, so one
+            # below the estimate may be believed at once and one above it only slowly
+            target = seconds / rel
+            a = self.alpha if target >= self.scale else self.down_alpha
+            self.scale += a * (target - self.scale)
         if x != self.ref:
             # a median, not an exponential average: a load spike during a measurement only ever makes
             # it slower, and the average kept one such outlier (a 2-wide verify timed at 3x a 1-wide one
@@ -151,13 +161,20 @@ class Acceptance:
     c_j = go/at (the drafter went on after j, kept or not: it sets what the round and the verify cost).
     Without the confidence stop every asked draft comes back: o = c = 1, and the model is the plain one."""
 
-    def __init__(self, k_max: int, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97) -> None:
+    def __init__(self, k_max: int, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97,
+                 deep_decay: float | None = None) -> None:
         self.tries = np.zeros(k_max)
         self.hits = np.zeros(k_max)
         self.reach = np.zeros(k_max)
         self.at = np.zeros(k_max)
         self.go = np.zeros(k_max)
         self.prior, self.w, self.decay = prior, prior_weight, decay
+        # positions after the first decay faster (decay ** 2 per round: the last ~16 rounds): they are
+        # judged only in rounds deep enough to reach them, so after a change of text (code, then prose)
+        # the old text's counts there outweighed the new one's for dozens of rounds (a policy that
+        # mostly asks 1 draft on prose kept position 1 at code's 0.7 against the 0.46 it kept), and
+        # the depth chosen was one too deep; a faded position borrows the one before it (`_chain`)
+        self.deep_decay = decay ** 2 if deep_decay is None else deep_decay
         self.rounds = 0.0
         self.answered = 0.0
 
@@ -167,6 +184,7 @@ class Acceptance:
             return
         for a in (self.tries, self.hits, self.reach, self.at, self.go):
             a *= self.decay
+            a[1:] *= self.deep_decay / self.decay if self.decay else 0.0
         self.rounds = self.rounds * self.decay + 1
         self.answered = self.answered * self.decay + (offered > 0)
         L = len(self.tries)
@@ -178,6 +196,13 @@ class Acceptance:
             self.reach[:min(kept + 1, asked, L)] += 1
             self.at[:min(offered, asked - 1, L)] += 1
             self.go[:min(offered - 1, L)] += 1
+
+    def fade(self, factor: float) -> None:
+        """Every count times `factor` (a step with no round: the evidence ages all the same)."""
+        for a in (self.tries, self.hits, self.reach, self.at, self.go):
+            a *= factor
+        self.rounds *= factor
+        self.answered *= factor
 
     def _chain(self, num: np.ndarray, den: np.ndarray, start: float) -> np.ndarray:
         """num/den at every position, each shrunk toward the one before it (position 0: toward start)."""
@@ -223,12 +248,16 @@ class Acceptance:
 
 @dataclass
 class DepthConfig:
-    probe_every: int = 16  # steps at depth 0 between probe rounds
+    probe_every: int = 16  # steps at depth 0 before the first probe (and after speculation paid again)
+    probe_max: int = 128  # the longest gap: every probe that still finds speculation not paying doubles it
+    close: float = 1.25  # the best depth within this factor of a plain decode: every other refresh is plain
+    round_down_alpha: float = 0.75  # the round cost's scale follows a measurement below it this fast
     refresh_every: int = 24  # steps at a positive depth between refreshes of the longest-unmeasured depth
     min_gain: float = 1.03  # speculate only when its expected rate beats a plain decode by this factor
     prior: float = 0.6  # acceptance assumed at a position before any round reached it
     prior_weight: float = 2.0
     decay: float = 0.97  # per round: the acceptance estimate follows the last ~30 rounds
+    idle_decay: float = 0.99  # per plain step: at depth 0 the text moves on while no round measures it
     catch_up_tokens: int = 0  # rounds sending more tokens than this are not timed (0: k_max + 2)
 
 
@@ -240,7 +269,9 @@ class DepthPolicy:
             raise ValueError(f"DepthPolicy: k_max must be >= 1, got {k_max}")
         self.k_max = k_max
         self.cfg = cfg or DepthConfig()
-        self.round = ScaledCurve()
+        # rounds move down fast: a policy at depth 0 times one round per probe, and a round cost a load
+        # spike had inflated 4x took a dozen probes (hundreds of plain steps) to come down at alpha alone
+        self.round = ScaledCurve(down_alpha=self.cfg.round_down_alpha)
         self.verify = ScaledCurve()
         self.host = CostCurve()
         self.acc = Acceptance(k_max, self.cfg.prior, self.cfg.prior_weight, self.cfg.decay)
@@ -248,6 +279,10 @@ class DepthPolicy:
             if 0 < int(k) <= k_max:
                 self.round.add(int(k), float(s))
         self._at_zero = 0  # consecutive steps chosen at depth 0
+        self._gap = self.cfg.probe_every  # steps at depth 0 before the next probe
+        self._probe_k = 0  # depth of the probe round of the last step (0: it was no probe)
+        self._retime = 0  # the probe's round went untimed (a catch-up): this depth once more, timed
+        self._plain_turn = False  # the next close-call refresh is a plain step
         self._explore_left = 6  # exploring steps allowed (failed rounds time no verify width)
         self._deep_tried = False  # the k_max step of the exploration has run
         self.chosen: dict[int, int] = {}  # depth -> steps (metrics)
@@ -308,30 +343,57 @@ class DepthPolicy:
 
     def choose(self) -> int:
         self._steps += 1
-        k = self._explore()
+        probe = 0
+        k = None
+        if self._retime:
+            # the probe's second half: after `_gap` plain steps its first round carried every token the
+            # drafter missed (a catch-up, which the round curve does not take: it prefills), so without
+            # this step a policy at depth 0 never timed a round again, and a round cost inflated by a
+            # load spike kept it at 0 for good
+            k = probe = self._retime
+            self._retime = 0
+        if k is None:
+            k = self._explore()
         if k is None:
             rates = self.rates()
             best = 1 + int(np.argmax(rates[1:])) if max(rates[1:]) > 0 else self.k_max
             if rates[best] >= self.cfg.min_gain * rates[0]:
                 k = best
+                self._gap = self.cfg.probe_every
                 self._since_refresh += 1
                 if self._since_refresh >= self.cfg.refresh_every:  # re-measure a neighbour of the best
                     # only best - 1 and best + 1: the shared scale keeps every depth's cost current, and
                     # a depth can become the best only through its neighbours; a refresh far away (k_max
                     # while 2 is best) cost a wide verify and a long round for nothing
                     k = self._stale_neighbour(best)
+                    if rates[best] < self.cfg.close * rates[0]:
+                        # a close call: every other refresh is a plain step, whose cost is otherwise
+                        # timed only at the start and in failed rounds (a 1-wide verify kept at 218 ms
+                        # while the machine ran it in 205 made k = 2 look 7 % better than a plain
+                        # decode on prose, where it was 3 % worse); it costs next to nothing there
+                        k = 0 if self._plain_turn else k
+                        self._plain_turn = not self._plain_turn
                     self._since_refresh = 0
                     self.refreshes += 1
-            elif self._at_zero >= self.cfg.probe_every:
-                k = best
+            elif self._at_zero >= self._gap:
+                k = probe = best
                 self.probes += 1
+                # each probe that finds speculation still not paying doubles the gap to the next (up to
+                # probe_max): a probe costs a round, a catch-up of every token the drafter missed and a
+                # wider verify, a few plain steps' worth where nothing is kept
+                self._gap = min(self.cfg.probe_max, 2 * self._gap)
                 if self.probes % 2 == 0:  # every other probe at a neighbour of the best: its cost and
                     # acceptance are otherwise only interpolated (a round line through k = 1 and k_max
                     # put a 2-draft round at 1.6x its cost, and the probes kept asking k = 1)
-                    k = self._stale_neighbour(best)
+                    k = probe = self._stale_neighbour(best)
             else:
                 k = 0
+        self._probe_k = probe
         self._at_zero = self._at_zero + 1 if k == 0 else 0
+        if k == 0 and self._at_zero > 1:
+            # the acceptance counts fade while no round brings news (not on a single plain refresh): after
+            # a long stretch at depth 0 what a probe finds weighs more than the rounds long before it
+            self.acc.fade(self.cfg.idle_decay)
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 
@@ -348,7 +410,13 @@ class DepthPolicy:
         0 (a failed round) books it at k."""
         limit = self.cfg.catch_up_tokens or self.k_max + 2
         d = drafted if 0 < drafted <= k else k
-        if 0 < d <= self.k_max and sent_tokens <= limit:  # a catch-up round also prefills: not a depth cost
+        if sent_tokens > limit:  # a catch-up round also prefills: not a depth cost
+            if self._probe_k == k and drafted > 0:
+                self._retime = k  # time the probe's depth on the next step
+            return
+        if drafted <= 0 and self.round(d) is not None and seconds < self.round(d):
+            return  # a round that failed fast (a refusal, a disconnect) says nothing about what one costs
+        if 0 < d <= self.k_max:
             self.round.add(d, seconds)
 
     def observe_verify(self, width: int, seconds: float) -> None:

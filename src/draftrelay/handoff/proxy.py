@@ -48,6 +48,7 @@ from .region import (
     unpack_staging,
     write_reply,
 )
+from .stream import ExpectedWait
 
 # ---------------------------------------------------------------------------------------------
 # The serving loop
@@ -89,12 +90,14 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
           round_budget_s: float = 0.15, faults: FaultPlan | None = None,
           parent_pid: int | None = None, wait: str = "poll", wait_slice_us: int = 2000,
           after_release: Callable[[int], None] | None = None, wake_release: bool = False,
-          budget: RoundBudget | None = None) -> None:
+          budget: RoundBudget | None = None, spin_window_us: int = 0) -> None:
     """The proxy's loop. wait "block": sleep on `gathered` (an emulated stream wakes it) and wake the
     stream with the release; "poll": spin_us, then nap_us naps (a GPU writes `gathered`, no wake).
     wake_release: wake the release word in poll mode too (an engine thread sleeps on it: the host park).
     after_release(t): called after round t is released (the speculation cache's branch push).
-    budget: each parsed round's time beyond a steady round's goes to the watchdog's deadline."""
+    budget: each parsed round's time beyond a steady round's goes to the watchdog's deadline.
+    spin_window_us (wait "block"): sleep until that long before the next round is expected (the running
+    average of release -> next announcement), then spin through twice that (stream.ExpectedWait)."""
     L, cfg, base = region.layout, region.cfg, region.base
     a_gathered = base + L.word(W.GATHERED)
     a_released = base + L.word(W.RELEASED)
@@ -121,13 +124,23 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
     release = native.store_max32_wake if blocking or wake_release else native.store_max32
     reported_reconnects = 0
     t = native.load32(a_released) + 1
+    spin = spin_us  # spin for the next round after a round only: once a wait timed out, rounds stopped
+    window = ExpectedWait(spin_window_us) if blocking and spin_window_us > 0 else None
+    t_wait = None  # when the wait for the next round began (after a release)
     while True:
+        if window is not None and t_wait is not None and not native.geq32(native.load32(a_gathered), t):
+            spin = window.before(a_gathered, t, a_stop, wait_slice_us, None)
         if blocking:
-            rc = native.wait_geq32_block(a_gathered, t, spin_us, wait_slice_us, 100_000, a_stop)
+            rc = native.wait_geq32_block(a_gathered, t, spin, wait_slice_us, 100_000, a_stop)
         else:
-            rc = native.wait_geq32(a_gathered, t, spin_us, nap_us, 100_000, a_stop)
+            rc = native.wait_geq32(a_gathered, t, spin, nap_us, 100_000, a_stop)
         if rc == native.WAIT_ABORTED:
             return
+        spin = spin_us if rc == native.WAIT_OK else 0  # (a 20 ms spin per 100 ms timeout: 20 % of a core idle)
+        if window is not None and t_wait is not None:
+            if rc == native.WAIT_OK:  # the gap from a release to the next round (a pause between requests
+                window.observe(time.monotonic() - t_wait)  # ends in a timeout: not counted)
+            t_wait = None
         if rc == native.WAIT_TIMEOUT:
             if parent_pid is not None and os.getppid() != parent_pid:
                 return  # the engine is gone
@@ -167,6 +180,7 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
             count(Counter.LATE_DISCARDED)
         if after_release is not None:  # the speculation cache: round t's branch table, written while the
             after_release(t)  # engine verifies round t (off its critical path; branch_push.py)
+        t_wait = time.monotonic()
         reconnects = getattr(round_fn, "reconnects", 0)
         if reconnects != reported_reconnects:
             count(Counter.RECONNECTS, reconnects - reported_reconnects)
@@ -239,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
               round_budget_s=float(spec.get("round_budget_s", 0.15)), faults=faults, parent_pid=parent,
               wait=str(spec.get("wait", "poll")), wait_slice_us=int(spec.get("wait_slice_us", 2000)),
               after_release=pushes[0].after_release if pushes else None,
-              wake_release=bool(spec.get("wake_release", False)), budget=RoundBudget.from_spec(spec))
+              wake_release=bool(spec.get("wake_release", False)), budget=RoundBudget.from_spec(spec),
+              spin_window_us=int(spec.get("spin_window_us", 0)))
     finally:
         if args.audit:
             _audit(args.audit)

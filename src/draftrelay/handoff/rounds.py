@@ -56,6 +56,11 @@ class HandoffConfig:
     nap_us: int = 20
     stream_spin_us: int = 50  # the emulated stream's wait (a GPU polls; the emulation spins, then naps)
     stream_nap_us: int = 20
+    # wait "block": the proxy's wait for the next round and the emulated stream's wait for a release sleep
+    # until this long before the moment they expect it (the running average of the last waits), then
+    # spin through 2x this window, then sleep again: the writer's store finds its reader awake instead of
+    # waking it (on a VM, an idle vCPU), at a bounded spin per round. 0: off (sleep at once)
+    spin_window_us: int = 0
     # how the emulated stream and the proxy wait: "poll" (spin, then nap: what a GPU's wait costs the
     # host, nothing) or "block" (sleep on the word, woken by the writer: no CPU while a round is out,
     # which is what a CPU-only machine needs, where every poll takes time from the target's compute).
@@ -132,7 +137,8 @@ class HandoffConfig:
         spec.setdefault("vocab_size", self.vocab_size)
         spec.update(spin_us=self.spin_us, nap_us=self.nap_us, heartbeat_us=int(self.heartbeat_ms * 1000),
                     round_budget_s=self.round_budget_ms / 1000, wait=self.wait_mode,
-                    wait_slice_us=self.wait_slice_us, wake_release=self.park_mode == "host")
+                    wait_slice_us=self.wait_slice_us, wake_release=self.park_mode == "host",
+                    spin_window_us=self.spin_window_us)
         if self.secret:
             spec["secret"] = self.secret
         return spec
@@ -661,7 +667,8 @@ class AsyncRounds:
 def make_stream(cfg: HandoffConfig, region: Region) -> StreamOps:
     if cfg.backend == "emulated":
         return EmulatedStream(region, cfg.stream_spin_us, cfg.stream_nap_us, wait=cfg.wait_mode,
-                              slice_us=cfg.wait_slice_us, inline=None if cfg.stream_inline else False)
+                              slice_us=cfg.wait_slice_us, inline=None if cfg.stream_inline else False,
+                              spin_window_us=cfg.spin_window_us)
     if cfg.backend == "cuda":
         from .cuda_stream import CudaStream  # needs cuda-bindings and a GPU
 
