@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from interleave import interleaved  # noqa: E402
+
 
 def decode_read_bytes(model, context: int) -> dict[str, int]:
     """Bytes a batch-1 decode step at `context` cached positions reads, by part."""
@@ -179,15 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     variants.update({f"LM head alone, {n} thread{'s' * (n > 1)}": Head(n) for n in counts})
     for v in variants.values():  # warm-up
         v.step()
-    times: dict[str, list[float]] = {k: [] for k in variants}
     loads = [load0]
-    for i in range(args.steps):
-        order = list(variants.items())
-        for name, var in order[i % len(order):] + order[:i % len(order)]:
-            t0 = time.perf_counter()
-            var.step()
-            times[name].append(time.perf_counter() - t0)
-        loads.append(os.getloadavg()[0])
+    times = interleaved(variants, args.steps, loads)
     torch.set_num_threads(n_all)
 
     roof = {n: max(bw[n].values()) for n in counts}

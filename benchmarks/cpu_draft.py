@@ -30,7 +30,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from interleave import interleaved  # noqa: E402
 
 PROBE_ID = (1 << 62) + 11  # the benchmark's request id at the worker
 
@@ -209,15 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         variants[f"worker STEP {n} drafts"] = WorkerStep(client, n)
     for v in variants.values():  # warm-up (and the screen's int8 copy)
         v.step()
-    times: dict[str, list[float]] = {k: [] for k in variants}
     loads = [load0]
-    for i in range(args.steps):
-        order = list(variants.items())
-        for name, var in order[i % len(order):] + order[:i % len(order)]:
-            t0 = time.perf_counter()
-            var.step()
-            times[name].append(time.perf_counter() - t0)
-        loads.append(os.getloadavg()[0])
+    times = interleaved(variants, args.steps, loads)
     rows = {k: {"p50_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)} for k, t in times.items()}
     one, many = rows["STEP 1 draft (extension forward)"], rows[f"STEP {n} drafts"]
     per_draft = {q: (many[q] - one[q]) / (n - 1) for q in ("p50_ms", "min_ms")}

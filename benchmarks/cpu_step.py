@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import draftrelay.model as M  # noqa: E402
 import real_pair as RP  # noqa: E402  (the pair's files and loaders)
+from interleave import interleaved  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,15 +90,8 @@ def main(argv: list[str] | None = None) -> int:
              f"verify 4, {n_all} threads, one GEMM": Ours(n_all, 4, False),
              f"verify 7, {n_all} threads, blocks": Ours(n_all, 7),
              f"verify 7, {n_all} threads, one GEMM": Ours(n_all, 7, False)}
-        times: dict[str, list[float]] = {k: [] for k in v}
-        loads = []
-        for i in range(args.steps):
-            order = list(v.items())
-            for name, var in order[i % len(order):] + order[:i % len(order)]:
-                t0 = time.perf_counter()
-                var.step()
-                times[name].append(time.perf_counter() - t0)
-            loads.append(os.getloadavg()[0])
+        loads: list[float] = []
+        times = interleaved(v, args.steps, loads)
         same = v["ours, 1 thread"].out == v["transformers"].out == v[f"ours, {n_all} threads"].out
         row = {"round": rnd, "load_min": min(loads), "load_max": max(loads), "greedy_equal": same,
                "p50_ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
