@@ -286,6 +286,7 @@ def main() -> int:
         json.dump(prompts, f)
     result["target_build_s"] = time.perf_counter() - t_target
     result["setup_s"] = time.perf_counter() - t_start
+    log_pos = len(worker.log()) if worker is not None else 0
     try:
         for mode in modes:
             left = args.budget_s - (time.perf_counter() - t_start) if args.budget_s else 1e9
@@ -356,6 +357,13 @@ def main() -> int:
                 traceback.print_exc()
                 row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
             row["wall_s"] = time.perf_counter() - t0
+            if worker is not None:  # the worker's slow-STEP reports during this mode (worker --slow-step-ms)
+                wlog = worker.log()
+                slow = [ln for ln in wlog[log_pos:].splitlines() if "slow STEP" in ln]
+                errors = [ln for ln in wlog[log_pos:].splitlines() if " ERROR " in ln or "Error" in ln]
+                row["worker_slow_steps"] = {"count": len(slow), "first": slow[:60], "last": slow[-20:],
+                                            "errors": errors[:20]}
+                log_pos = len(wlog)
             print(f"{mode}: {json.dumps(row.get('trace_check'))} in {row['wall_s']:.1f} s", flush=True)
             save()
             # the mode's engine and server go now, not when the next mode's names rebind: their KV cache and

@@ -85,6 +85,9 @@ def test_speculation_warning_names_the_reasons():
     assert wd == "speculation off: 6 of 8 rounds failed: watchdog"
     assert speculation_warning({"ok": 20, "failed": 10, "watchdog": 0}, {"failed_by_reason": {"timeout": 10}}) == ""
     assert speculation_warning({"ok": 0, "failed": 2, "watchdog": 0}, {}) == ""  # too few rounds to judge
+    said = speculation_warning(rounds, {"failed_by_reason": {"timeout": 20, "breaker": 10},
+                                        "first_failure": {"breaker": "3 failures in a row", "timeout": "no reply"}})
+    assert said == "speculation off: 30 of 30 rounds failed: timeout 20, breaker 10 (first timeout: no reply)"
 
 
 def test_local_cpu_worker_gets_every_allowed_core(monkeypatch):

@@ -111,4 +111,7 @@ def speculation_warning(rounds: dict, handoff: dict, min_rounds: int = 4) -> str
         reasons["watchdog"] = handoff["watchdog"]
     named = sorted(reasons.items(), key=lambda kv: -kv[1])
     why = named[0][0] if len(named) == 1 else ", ".join(f"{k} {v}" for k, v in named)
-    return f"speculation off: {bad} of {asked} rounds failed" + (f": {why}" if why else "")
+    # what the first failure of the commonest reason said (a timeout names the part of the round that ran out)
+    first = handoff.get("first_failure", {}).get(named[0][0], "") if named else ""
+    return (f"speculation off: {bad} of {asked} rounds failed" + (f": {why}" if why else "")
+            + (f" (first {named[0][0]}: {first})" if first else ""))

@@ -149,17 +149,22 @@ class _Stats:
         self.rounds = 0
         self.by_status: Tally = Tally()
         self.drafts = 0
+        self.first_detail: dict[str, str] = {}  # per failure reason, what its first round said
 
     def add(self, res: RoundResult) -> None:
         self.rounds += 1
-        self.by_status[res.status.name.lower()] += 1
+        reason = res.status.name.lower()
+        self.by_status[reason] += 1
         self.drafts += int(res.counts.sum())
+        if reason not in ("ok", "watchdog") and res.detail and reason not in self.first_detail:
+            self.first_detail[reason] = res.detail[:300]
 
     def as_dict(self) -> dict:
         failed = {k: v for k, v in self.by_status.items() if k not in ("ok", "watchdog")}
         return {"rounds": self.rounds, "ok": self.by_status.get("ok", 0),
                 "watchdog": self.by_status.get("watchdog", 0), "failed": sum(failed.values()),
-                "failed_by_reason": dict(sorted(failed.items())), "drafts": self.drafts}
+                "failed_by_reason": dict(sorted(failed.items())), "drafts": self.drafts,
+                "first_failure": dict(sorted(self.first_detail.items()))}
 
 
 class SyncRounds:

@@ -356,9 +356,17 @@ class DrafterClient:
             return ftype, payload
 
     def _step(self, payload: bytes, blocks: Sequence[Block], deadline: float) -> StepReply:
-        self._ensure(deadline)
-        seq = self._send(P.STEP, payload, deadline)
-        reply = self._recv_reply(seq, P.STEP_REPLY, deadline)
+        t0 = time.monotonic()
+        phase = "connecting and the handshake" if self.sock is None else "sending the STEP"
+        try:
+            self._ensure(deadline)
+            phase = "sending the STEP"
+            seq = self._send(P.STEP, payload, deadline)
+            phase = "waiting for the STEP's reply"
+            reply = self._recv_reply(seq, P.STEP_REPLY, deadline)
+        except WireTimeout as exc:  # which part of the round ran out of time, and how much it had
+            raise WireTimeout(f"{exc} ({phase}; {(time.monotonic() - t0) * 1e3:.1f} ms of "
+                              f"{(deadline - t0) * 1e3:.1f} ms)") from None
         self.stats["steps"] += 1
         try:
             return self._decode_reply(reply, blocks)

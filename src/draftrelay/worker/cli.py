@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-slice-ms", type=float, default=0.0,
                    help="drafter time one prefill slice may take while other sessions wait (0: about one "
                         "ordinary STEP; -1: never slice)")
+    p.add_argument("--slow-step-ms", type=float, default=50.0, metavar="MS",
+                   help="log every STEP slower than this with what it did (graphs built, kernels planned, "
+                        "waiting for the drafter); 0: never")
     p.add_argument("--max-ctx", type=int, default=4096, help="longest context per request, in tokens")
     p.add_argument("--n-out-max", type=int, default=8, help="most drafts per block (1-64)")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle session expires")
@@ -113,6 +116,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be a positive number"
     if not math.isfinite(args.prefill_slice_ms):
         return f"--prefill-slice-ms {args.prefill_slice_ms}: must be 0 (auto), a positive number or -1 (off)"
+    if not (math.isfinite(args.slow_step_ms) and args.slow_step_ms >= 0):
+        return f"--slow-step-ms {args.slow_step_ms}: must be 0 (never) or a positive number"
     if args.threads < 0:
         return f"--threads {args.threads}: must be 0 or more"
     if not 1 <= args.tp <= 8:
@@ -217,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
             drafter.warm([n for n in steps if 1 <= n <= args.n_out_max], args.warm_batch, args.warm_max_kv)
     per_session = min(args.max_requests, args.rows) if args.max_requests else max(1, args.rows // 2)
     core = WorkerCore(drafter, max_requests=per_session, idle_timeout=args.idle_timeout, max_frame=args.max_frame,
-                      row_lease=args.row_lease, prefill_slice_ms=args.prefill_slice_ms)
+                      row_lease=args.row_lease, prefill_slice_ms=args.prefill_slice_ms,
+                      slow_step_ms=args.slow_step_ms)
     try:
         server = WorkerServer(core, args.host, args.port, max_conns=args.max_conns,
                               handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,

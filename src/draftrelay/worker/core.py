@@ -126,8 +126,11 @@ MAX_SLICE_TOKENS = 256
 class WorkerCore:
     def __init__(self, drafter: Drafter, max_requests: int | None = None, idle_timeout: float = 60.0,
                  max_frame: int = 4 << 20, row_lease: float = 10.0, prefill_slice_ms: float = 0.0,
-                 capacity_wait: float = 0.5):
-        """max_requests: rows one session may reserve (None: half the pool, at least 1). row_lease: seconds
+                 capacity_wait: float = 0.5, slow_step_ms: float = 50.0):
+        """slow_step_ms: a STEP taking longer than this (waiting for the drafter's lock included) is logged
+        with what it did (`slow_steps` in the stats; 0: never): a round's budget is about three times
+        that, and what overran it is otherwise invisible from the engine's side.
+        max_requests: rows one session may reserve (None: half the pool, at least 1). row_lease: seconds
         without a STEP after which a session's rows may be reclaimed for a new session. prefill_slice_ms:
         the drafter time one prefill slice may take while other sessions exist (0: the median time of
         recent ordinary STEPs, so a waiting STEP is delayed by about one of its own; negative: no slicing)."""
@@ -135,6 +138,7 @@ class WorkerCore:
         self.max_requests = max(1, drafter.n_rows // 2) if max_requests is None else max_requests
         self.idle_timeout, self.max_frame = idle_timeout, max_frame
         self.row_lease, self.prefill_slice_ms, self.capacity_wait = row_lease, prefill_slice_ms, capacity_wait
+        self.slow_step_s = slow_step_ms / 1000
         self._freed = threading.Condition()  # notified when a session's rows come back
         self._freed_count = 0
         self.lock = FairLock()
@@ -144,7 +148,8 @@ class WorkerCore:
         self.free_rows = list(range(drafter.n_rows))
         self.sessions: dict[int, Session] = {}
         self.stats = {"sessions_opened": 0, "sessions_closed": 0, "steps": 0, "blocks": 0, "refused_blocks": 0,
-                      "drafter_errors": 0, "evictions": 0, "sessions_reclaimed": 0, "prefill_slices": 0}
+                      "drafter_errors": 0, "evictions": 0, "sessions_reclaimed": 0, "prefill_slices": 0,
+                      "slow_steps": 0}
         self._step_times: collections.deque[float] = collections.deque(maxlen=64)  # ordinary STEPs, seconds
         self._slice_tokens = 64.0  # adapted so a slice takes about the budget
 
@@ -271,24 +276,42 @@ class WorkerCore:
     def step(self, s: Session, blocks: list[P.Block]) -> StepResult:
         s.busy = True  # before the lock: a session waiting for the drafter is not idle
         s.last_step = time.monotonic()
+        t_enter = time.perf_counter()
+        t_locked = [t_enter]
         try:
-            with self.lock:
-                if s.closed:
-                    raise Refusal(P.SESSION_EXPIRED, "this session's rows were reclaimed")
-                long = any(len(b.tokens) > LONG_EXTENSION for b in blocks)
-                if long and len(self.sessions) > 1 and self.prefill_slice_ms >= 0:
-                    frame = self._plan_frame(s, blocks)
-                else:
-                    t0 = time.perf_counter()
-                    r = self._step(s, blocks)
-                    if not long:  # the budget of a slice: what an ordinary STEP costs
-                        self._step_times.append(time.perf_counter() - t0)
-                    return r
-            self._prefill_in_slices(s, frame)
-            with self.lock:
-                return self._finish_frame(s, blocks, frame)
+            return self._step_locked(s, blocks, t_locked)
         finally:
             s.busy = False
+            dt = time.perf_counter() - t_enter
+            if 0 < self.slow_step_s < dt:
+                self._report_slow(blocks, dt, t_locked[0] - t_enter)
+
+    def _report_slow(self, blocks: list[P.Block], dt: float, waited: float) -> None:
+        self.stats["slow_steps"] += 1
+        what = getattr(self.drafter, "last_run", None)
+        lens = [len(b.tokens) for b in blocks]
+        log.warning("slow STEP: %.1f ms (%.1f ms waiting for the drafter), %d blocks, tokens per block %s, "
+                    "%d drafts%s", dt * 1e3, waited * 1e3, len(blocks), lens if len(lens) <= 16 else
+                    f"{min(lens)}-{max(lens)}", max((b.n_out for b in blocks), default=0),
+                    f"; drafter: {what}" if what else "")
+
+    def _step_locked(self, s: Session, blocks: list[P.Block], t_locked: list[float]) -> StepResult:
+        with self.lock:
+            t_locked[0] = time.perf_counter()
+            if s.closed:
+                raise Refusal(P.SESSION_EXPIRED, "this session's rows were reclaimed")
+            long = any(len(b.tokens) > LONG_EXTENSION for b in blocks)
+            if long and len(self.sessions) > 1 and self.prefill_slice_ms >= 0:
+                frame = self._plan_frame(s, blocks)
+            else:
+                t0 = time.perf_counter()
+                r = self._step(s, blocks)
+                if not long:  # the budget of a slice: what an ordinary STEP costs
+                    self._step_times.append(time.perf_counter() - t0)
+                return r
+        self._prefill_in_slices(s, frame)
+        with self.lock:
+            return self._finish_frame(s, blocks, frame)
 
     def _slice_budget_s(self) -> float:
         if self.prefill_slice_ms > 0:

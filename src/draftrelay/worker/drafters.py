@@ -33,6 +33,10 @@ log = logging.getLogger("draftrelay.worker")
 
 PAD_LIMIT = 16  # extensions up to this many tokens are batched in one padded forward
 PREFILL_CHUNK = 512  # longer extensions (first-round prompts) run alone, in chunks of this size
+# on a GPU an eager forward of the 0.5B costs ~25 ms of launches whatever its length up to thousands of
+# tokens (H200), so a long catch-up takes as few as fit: 4,096 tokens in 2 forwards, not 8
+GPU_PREFILL_CHUNK = 2048
+BATCHED_HEAD = 256  # extensions up to this long (catch-up, short prompts) are prefilled together, padded
 
 
 @dataclass
@@ -194,6 +198,8 @@ class LlamaDrafter(Drafter):
 
     # a CPU worker's main thread runs the steps (worker/mainthread.py says why); None: the caller's thread
     calls = None
+    last_run = ""  # what the latest run did and cost (the slow-STEP report)
+    _extended = 0  # jobs the latest run extended eagerly before its static step
 
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         if self.calls is not None:
@@ -201,8 +207,20 @@ class LlamaDrafter(Drafter):
         return self._run_here(jobs, n_steps)
 
     def _run_here(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
-        with self._on_model_gpu():
-            return self._run(jobs, n_steps)
+        graphs, planned, t0 = len(self._static), _planned(), time.perf_counter()
+        self._extended = 0
+        try:
+            with self._on_model_gpu():
+                return self._run(jobs, n_steps)
+        finally:
+            # what this run did, for the worker's slow-STEP report (WorkerCore): a first-use graph
+            # capture or kernel measurement costs far more than a round's budget
+            n_long = sum(len(j.tokens) > PAD_LIMIT for j in jobs)
+            path = ("lean" if self._lean is not None and not n_long else
+                    f"{self.mode} ({self._extended} extended eagerly first)" if self._extended else
+                    self.mode if self.mode in ("static", "graph") and n_steps >= 1 else "eager")
+            self.last_run = (f"{(time.perf_counter() - t0) * 1e3:.1f} ms {path}, "
+                             f"{len(self._static) - graphs} graphs built, {_planned() - planned} kernel shapes planned")
 
     def plan_warm(self) -> None:
         """One eager one-token forward with the head on the scratch row (CUDA): the kernel planner then
@@ -238,7 +256,8 @@ class LlamaDrafter(Drafter):
     def _run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         if self._lean is not None and jobs and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
             return self._lean.run(jobs, n_steps)
-        if self.mode in ("static", "graph") and jobs and n_steps >= 1 and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
+        if self.mode in ("static", "graph") and jobs and n_steps >= 1:
+            jobs = self._fit_built(jobs, n_steps)
             key_count = len(self._static)
             try:
                 return self._run_static(jobs, n_steps)
@@ -250,6 +269,62 @@ class LlamaDrafter(Drafter):
                 self.mode, self._static = "eager", {}
                 self.info = self.info.replace(", graph", ", eager (graph capture failed)")
         return self._run_eager(jobs, n_steps)
+
+    def _fit_built(self, jobs: list[Job], n_steps: int) -> list[Job]:
+        """The frame's jobs, fitted to a static step the worker built at start where they would need
+        one it never built: a request catching up after plain steps or sending its prompt sends more
+        tokens than a steady round (at most n_steps + 1), and its T bucket (or, beyond PAD_LIMIT, the
+        eager path) is not among the captured steps. Such jobs are extended eagerly first
+        (_extend_heads) down to a steady round's size. A frame of steady shapes is left as it is (a
+        step it lacks is built once, then kept)."""
+        B, keep = len(jobs), max(j.keep for j in jobs)
+        longest = max(len(j.tokens) for j in jobs)
+        if longest <= PAD_LIMIT:
+            T = next(t for t in T_BUCKETS if t >= longest)
+            n = self._built_steps(B, T, n_steps, keep)
+            if (B, T, n, kv_bucket(keep + T + n, self.cache.max_len)) in self._static:
+                return jobs
+        n = self._built_steps(B, 1, n_steps, keep)  # the steps a steady round of this frame would run
+        limit = next((t for t in T_BUCKETS if t >= n + 1), PAD_LIMIT)
+        return jobs if longest <= limit else self._extend_heads(jobs, limit)
+
+    def _extend_heads(self, jobs: list[Job], limit: int) -> list[Job]:
+        """Extend each job longer than `limit` tokens eagerly by all its tokens but the last, and return
+        the jobs with those cut to their last token: the draft step that follows is then a static one,
+        whose graphs the worker captured at start. (Drafting a frame with a job beyond PAD_LIMIT eagerly,
+        as a whole, cost 60-150 ms for one request catching up on 17-30 tokens and 0.4-1 s for sixteen
+        on the H200 with the 0.5B drafter: the draft steps' eager forwards, not the prefill; each such
+        round overran its budget.) The heads up to BATCHED_HEAD tokens run as one right-padded forward
+        (causal: the padding is never attended to, and the rows are cut back after it); longer ones
+        alone, in PREFILL_CHUNK chunks."""
+        torch, model, cache = self.torch, self.model, self.cache
+        dev = model.device
+        heads = [j for j in jobs if len(j.tokens) > limit]
+        self._extended = len(heads)
+        T = max((len(j.tokens) - 1 for j in heads if len(j.tokens) - 1 <= BATCHED_HEAD), default=0)
+        batched = [j for j in heads if len(j.tokens) - 1 <= BATCHED_HEAD and j.keep + T <= cache.max_len]
+        with torch.inference_mode():
+            for j in heads:
+                cache.truncate(j.row, j.keep)
+            if batched:
+                toks = np.zeros((len(batched), T), np.int64)
+                for b, j in enumerate(batched):
+                    toks[b, :len(j.tokens) - 1] = j.tokens[:-1]
+                model(torch.from_numpy(toks).to(dev), torch.tensor([j.keep for j in batched]), cache,
+                      torch.tensor([j.row for j in batched]),
+                      logits_at=torch.zeros(len(batched), dtype=torch.int64, device=dev))
+                for j in batched:
+                    cache.truncate(j.row, j.keep + len(j.tokens) - 1)  # forget the padding
+            for j in heads:
+                if any(j is b for b in batched):
+                    continue
+                toks = torch.from_numpy(j.tokens[:-1].astype(np.int64)).to(dev)
+                chunk = GPU_PREFILL_CHUNK if dev.type == "cuda" else PREFILL_CHUNK
+                for s in range(0, len(toks), chunk):
+                    model(toks[s:s + chunk][None], torch.tensor([j.keep + s]), cache, torch.tensor([j.row]),
+                          last_only=True)
+        return [Job(j.row, j.keep + len(j.tokens) - 1, j.tokens[-1:], j.min_conf) if len(j.tokens) > limit
+                else j for j in jobs]
 
     # ---- eager ---------------------------------------------------------------------------------------
 
@@ -353,6 +428,8 @@ class LlamaDrafter(Drafter):
         torch, cache = self.torch, self.cache
         B = len(jobs)
         T = next(t for t in T_BUCKETS if t >= max(len(j.tokens) for j in jobs))
+        asked = n_steps
+        n_steps = self._built_steps(B, T, n_steps, max(j.keep for j in jobs))
         kv = kv_bucket(max(j.keep for j in jobs) + T + n_steps, self.cache.max_len)
         g = self._get_static((B, T, n_steps, kv))
         host = g.host.numpy()
@@ -373,11 +450,33 @@ class LlamaDrafter(Drafter):
             if g.out.device.type == "cuda":
                 torch.cuda.current_stream(g.out.device).synchronize()
             out = g.host_out.numpy()
-            drafts = out[:, :n_steps].copy()
-            confs = out[:, n_steps:].view(np.float32).copy()
-        for j in jobs:  # the same row lengths the eager path leaves: context + first n_steps-1 drafts
-            cache.lengths[j.row] = j.keep + len(j.tokens) + n_steps - 1
+            drafts = out[:, :asked].copy()
+            confs = out[:, n_steps:n_steps + asked].view(np.float32).copy()
+        for j in jobs:  # the same row lengths the eager path leaves: context + first asked-1 drafts
+            cache.lengths[j.row] = j.keep + len(j.tokens) + asked - 1
         return drafts, confs
+
+    def _built_steps(self, B: int, T: int, n_steps: int, keep: int) -> int:
+        """n_steps, or where its step was never built (a request's last rounds ask fewer drafts than the
+        worker captured at start) the fewest more steps already built for this batch and T: drafting a
+        few more and returning the first n_steps (greedy: the same drafts) costs a forward or two, a
+        capture in the round some 70-100 ms (H200, 0.5B). Only where those steps fit the rows. (Static
+        mode, a CPU test vehicle, does the same, so CPU tests cover it.)"""
+        max_len = self.cache.max_len
+        if (B, T, n_steps, kv_bucket(keep + T + n_steps, max_len)) in self._static:
+            return n_steps
+        for n in range(n_steps + 1, self.n_out_max + 1):
+            if keep + T + n <= max_len and (B, T, n, kv_bucket(keep + T + n, max_len)) in self._static:
+                return n
+        return n_steps
+
+
+def _planned() -> int:
+    """Kernel shapes this process has measured or checked so far (0 before the Triton kernels load)."""
+    from draftrelay.kernels import plan_stats
+
+    st = plan_stats()
+    return 0 if st is None else st.measured + st.from_seed
 
 
 def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows: int = 16, max_ctx: int = 4096,
