@@ -182,10 +182,11 @@ def test_gpu_draft_path_logic_on_the_emulated_stream(pair, reference, worker, gr
         rounds.reply_device_buffer = reply_bytes
         reqs = eng.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         m = eng.metrics(reqs)["total"]
+        verify_graph = eng.graphs.get(5)  # (a closed engine has given its graphs back)
     assert [r.output for r in reqs] == reference
     assert len(used) >= 4 and m["mean_accepted"] > 1.0
     if graphs:
-        assert eng.graphs[5].replays >= len(used)
+        assert verify_graph.replays >= len(used)
 
 
 def test_worker_identity_mismatch_is_target_only(pair, reference, worker):

@@ -164,6 +164,14 @@ class KVCache:
     def reset(self, row: int) -> None:
         self.lengths[row] = 0
 
+    def release(self) -> None:
+        """Give the K/V memory back now (an engine's close): whatever still holds this cache (a
+        benchmark's reference, a cycle not yet collected) then holds no device memory, and any later
+        use fails at once on the empty tensors instead of reading stale keys."""
+        self.k = self.k.new_empty(0)
+        self.v = self.v.new_empty(0)
+        self.lengths.zero_()
+
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 

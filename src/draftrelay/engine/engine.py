@@ -438,7 +438,8 @@ class Engine:
 
     def close(self) -> None:
         """Close the rounds the engine opened (their worker session included: a session reserves
-        draft-KV rows on the worker until its connection closes)."""
+        draft-KV rows on the worker until its connection closes) and give back its KV cache and graphs.
+        The metrics stay readable; decoding after close fails."""
         if self.spec_cache is not None:  # collect the round in flight, free the table memory
             self.spec_cache.close(self)
             self.spec_cache = None
@@ -447,6 +448,12 @@ class Engine:
         self.rounds = None
         if self.threads is not None:  # torch's thread count as the engine found it
             self.threads.restore()
+            self.threads = None
+        # the KV cache and the graphs (15-30 GB at 7B shape) go now, not when the last reference to the
+        # engine does: a closed engine kept alive by a caller (or a cycle frozen by gc.freeze) held its
+        # GPU memory beside the next engine's, which then ran out of it
+        self.verifier.graphs = {}
+        self.cache.release()
 
     def __enter__(self) -> Engine:
         return self

@@ -33,9 +33,6 @@ log = logging.getLogger("draftrelay.worker")
 
 PAD_LIMIT = 16  # extensions up to this many tokens are batched in one padded forward
 PREFILL_CHUNK = 512  # longer extensions (first-round prompts) run alone, in chunks of this size
-# on a GPU an eager forward of the 0.5B costs ~25 ms of launches whatever its length up to thousands of
-# tokens (H200), so a long catch-up takes as few as fit: 4,096 tokens in 2 forwards, not 8
-GPU_PREFILL_CHUNK = 2048
 BATCHED_HEAD = 256  # extensions up to this long (catch-up, short prompts) are prefilled together, padded
 
 
@@ -319,9 +316,8 @@ class LlamaDrafter(Drafter):
                 if any(j is b for b in batched):
                     continue
                 toks = torch.from_numpy(j.tokens[:-1].astype(np.int64)).to(dev)
-                chunk = GPU_PREFILL_CHUNK if dev.type == "cuda" else PREFILL_CHUNK
-                for s in range(0, len(toks), chunk):
-                    model(toks[s:s + chunk][None], torch.tensor([j.keep + s]), cache, torch.tensor([j.row]),
+                for s in range(0, len(toks), PREFILL_CHUNK):
+                    model(toks[s:s + PREFILL_CHUNK][None], torch.tensor([j.keep + s]), cache, torch.tensor([j.row]),
                           last_only=True)
         return [Job(j.row, j.keep + len(j.tokens) - 1, j.tokens[-1:], j.min_conf) if len(j.tokens) > limit
                 else j for j in jobs]
