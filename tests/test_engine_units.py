@@ -111,5 +111,5 @@ def test_a_closed_engine_holds_no_kv_memory_even_while_referenced():
     assert eng.cache.nbytes() == 0 and eng.graphs == {}
     assert eng.metrics(reqs)["total"]["output_tokens"] == 4
     eng.close()  # twice is harmless
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="engine is closed"):
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4))

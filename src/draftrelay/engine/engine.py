@@ -137,6 +137,7 @@ class Engine:
             raise
         self.verifier = Verifier(target, self.cache, self._capture_graphs() if cfg.graphs else {}, cfg.n_draft)
         self.wall_s = 0.0
+        self.closed = False
         self.timing = new_timing()  # where each decode step's time goes (see metrics.py)
         if self.spec_cache is not None:
             self.spec_cache.bind(self.rounds, self.vocab, self.device_drafts)
@@ -224,6 +225,8 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> Request:
+        if self.closed:
+            raise RuntimeError("this engine is closed (its KV cache was given back): make a new Engine")
         params = params or SamplingParams()
         prompt = [int(x) for x in prompt]
         if not prompt:
@@ -454,6 +457,7 @@ class Engine:
         # GPU memory beside the next engine's, which then ran out of it
         self.verifier.graphs = {}
         self.cache.release()
+        self.closed = True
 
     def __enter__(self) -> Engine:
         return self
