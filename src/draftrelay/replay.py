@@ -362,6 +362,11 @@ class ReplayDrafter:
         self.on_trace = np.zeros(self.n_rows + 1, np.int64)  # longest prefix of the row on its script
         log.warning("REPLAY drafter: drafts come from the trace of %s", trace.pair)
 
+    @property
+    def last_run(self) -> str:
+        """What the wrapped drafter's latest run did (the worker's slow-STEP report)."""
+        return getattr(self.inner, "last_run", "") if self.inner is not None else "emulated cost spent"
+
     def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0) -> int:
         fn = getattr(self.inner, "warm", None)
         return fn(n_steps_list, max_batch, max_kv) if fn is not None else 0
