@@ -419,3 +419,29 @@ def test_the_watchdog_deadline_follows_the_rounds_size():
         assert res.status == Status.WATCHDOG and 1.05 <= took < 2.5, took  # deadline + the round's 1 s
     finally:
         r.close()
+
+
+def test_an_async_rounds_failure_says_what_ran_out_sync_and_async_alike():
+    """A worker slower than the round's budget: the failed round's detail (and the rounds' first_failure)
+    names the part of the round that ran out, in async rounds (the proxy writes it into the reply slot)
+    as in sync ones (the engine's thread sees the exception itself)."""
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.server import WorkerServer
+
+    srv = WorkerServer(WorkerCore(load_drafter("test", test_vocab=VOCAB, slow_token=7, delay_ms=400), max_requests=4))
+    host, port = srv.start()
+    spec = {"kind": "worker", "host": host, "port": port, "max_requests": 4, "n_out_max": 8}
+    slow = [RoundRequest(1, 1, 0, np.array([7], np.int32), 2)]
+    try:
+        for make in (SyncRounds, open_rounds):
+            r = make(cfg(round_spec=spec, round_budget_ms=100, deadline_ms=3000, selftest_rounds=0))
+            try:
+                res = r.result(r.submit(slow), timeout_s=10)
+                assert res.status == Status.TIMEOUT, (make, res)
+                assert "waiting for the STEP's reply" in res.detail and "ms of 100.0 ms" in res.detail, res.detail
+                assert r.stats()["first_failure"]["timeout"] == res.detail[:300]
+            finally:
+                r.close()
+    finally:
+        srv.stop()

@@ -174,3 +174,29 @@ def test_decode_reply_request_count_mismatch():
     L = Layout(CFG)
     res = decode_reply(L, _reply(L, 6, 12), 6, np.array([4, 2], np.int32))
     assert res.status == Status.BAD_REPLY and res.counts.tolist() == [0, 0]
+
+
+def test_a_failed_rounds_detail_travels_in_its_reply_slot_and_is_only_text():
+    """The proxy writes what a failed round said (a timeout names the part of the round that ran out)
+    where its drafts would be; the engine reads it back as printable text of at most the drafts area,
+    and a length word beyond that area (a corrupt slot) leaves the generic detail."""
+    L = Layout(CFG)
+    n_out = np.array([4, 2, 5], np.int32)
+
+    def failed(detail: str, n_said: int | None = None):
+        buf = np.zeros(L.reply_size, np.uint8)
+        buf[:4].view("<u4")[0] = 12
+        write_reply(L, buf, 6, Status.TIMEOUT, None, None, None, detail)
+        if n_said is not None:
+            buf[LINE + 12:LINE + 16].view("<u4")[0] = n_said
+        return decode_reply(L, buf, 6, n_out)
+
+    said = "no reply within the timeout (waiting for the STEP's reply; 262.5 ms of 261.8 ms)"
+    res = failed(said)
+    area = 4 * CFG.max_requests * CFG.max_drafts  # 80 bytes here: the detail is cut to it
+    assert res.status == Status.TIMEOUT and res.detail == said[:area] and res.counts.sum() == 0
+    assert failed("bell\x07 and\nnewline").detail == "bell? and?newline"
+    assert failed("x", n_said=area + 1).detail == "proxy reported failure"
+    assert failed("").detail == "proxy reported failure"
+    ok = decode_reply(L, _reply(L, 6, 12), 6, n_out)  # an answered round's drafts are not text
+    assert ok.status == Status.OK and ok.detail == ""

@@ -58,7 +58,8 @@ def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_f
            sized: Callable[[int, list], None] | None = None):
     """Round t's reply from a private copy of its staging: parse it, run the round function (the
     built-in one for the engine's self-test rounds), check the output. Returns (status, counts,
-    drafts, conf); every failure is a status with no drafts (None)."""
+    drafts, conf, detail); every failure is a status with no drafts (None) and what it said (the
+    engine's rounds keep the first per reason: a timeout names the part of the round that ran out)."""
     cfg = L.cfg
     try:
         flags, requests = unpack_staging(L, private, t)
@@ -66,13 +67,13 @@ def answer(L: Layout, private: np.ndarray, t: int, selftest_fn: RoundFn, round_f
             sized(t, requests)
         fn = selftest_fn if flags & FLAG_SELFTEST else round_fn
         out = fn(t, requests, budget_s)
-        return (Status.OK, *check_drafts(out, requests, cfg.vocab_size, cfg.max_drafts))
-    except DescriptorError:
-        return Status.BAD_DESC, None, None, None
+        return (Status.OK, *check_drafts(out, requests, cfg.vocab_size, cfg.max_drafts), "")
+    except DescriptorError as exc:
+        return Status.BAD_DESC, None, None, None, f"staging: {exc}"
     except RoundFailure as f:
-        return f.status, None, None, None
-    except Exception:
-        return Status.EXCEPTION, None, None, None
+        return f.status, None, None, None, str(f)
+    except Exception as exc:
+        return Status.EXCEPTION, None, None, None, f"{type(exc).__name__}: {exc}"
 
 
 def copy_staged(L: Layout, private: np.ndarray, staged: np.ndarray) -> None:
@@ -160,12 +161,12 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
             t = native.load32(a_gathered)
             continue
         count(Counter.ROUNDS)
-        status, counts, drafts, conf = answer(L, private, t, selftest_fn, round_fn, round_budget_s,
-                                              sized if budget is not None else None)
+        status, counts, drafts, conf, detail = answer(L, private, t, selftest_fn, round_fn, round_budget_s,
+                                                      sized if budget is not None else None)
         # The GPU acknowledged round t-2 before it staged t (stream order); re-check, bounded.
         native.wait_geq32(a_consumed, t - 2, 0, 50, 200_000, a_stop)
         stall(point, fault, "write")
-        write_reply(L, replies[s], t, status, counts, drafts, conf)
+        write_reply(L, replies[s], t, status, counts, drafts, conf, detail)
         if fault == "corrupt" and counts is not None and len(counts):
             replies[s][L.reply_counts_off:L.reply_counts_off + 4].view("<i4")[0] = cfg.max_drafts + 7
         stall(point, fault, "claim")

@@ -84,7 +84,8 @@ REQ_DTYPE = np.dtype(
      ("n_tok", "<u4"), ("n_out", "<u4"), ("flags", "<u4"), ("reserved", "<u4")]
 )
 DESC_HEADER = struct.Struct("<IIII")  # round, n_req, n_tok, flags
-REPLY_HEADER = struct.Struct("<IIII")  # round, status, n_req, reserved
+DETAIL_MAX = 240  # bytes of a failed round's detail in its reply slot
+REPLY_HEADER = struct.Struct("<IIII")  # round, status, n_req, bytes of a failed round's detail
 
 FLAG_SELFTEST = 1  # staging flag: answer with the built-in deterministic drafter, no network
 
@@ -341,11 +342,16 @@ def unpack_staging(layout: Layout, buf: np.ndarray, expect_round: int) -> tuple[
 
 
 def write_reply(layout: Layout, buf: np.ndarray, t: int, status: Status, counts: np.ndarray | None,
-                drafts: np.ndarray | None, conf: np.ndarray | None) -> None:
-    """Fill a reply slot's header and body (never its claim line)."""
+                drafts: np.ndarray | None, conf: np.ndarray | None, detail: str = "") -> None:
+    """Fill a reply slot's header and body (never its claim line). A failed round (no counts) carries
+    `detail` (UTF-8, cut to the drafts area) where its drafts would be, its length in the header."""
     cfg = layout.cfg
     n_req = 0 if counts is None else len(counts)
-    REPLY_HEADER.pack_into(buf, LINE, t & 0xFFFFFFFF, int(status), n_req, 0)
+    said = b""
+    if counts is None and detail:
+        said = detail.encode("utf-8", "replace")[:min(DETAIL_MAX, 4 * cfg.max_requests * cfg.max_drafts)]
+        buf[layout.reply_drafts_off:layout.reply_drafts_off + len(said)] = np.frombuffer(said, np.uint8)
+    REPLY_HEADER.pack_into(buf, LINE, t & 0xFFFFFFFF, int(status), n_req, len(said))
     c = buf[layout.reply_counts_off:layout.reply_counts_off + 4 * cfg.max_requests].view("<i4")
     c[:] = 0
     if counts is not None and n_req:
@@ -378,7 +384,7 @@ def decode_reply(layout: Layout, buf: np.ndarray, t: int, n_out: np.ndarray) -> 
         return fail(Status.WATCHDOG, "claimed by the watchdog")
     if claim != (2 * t32) & 0xFFFFFFFF:
         return fail(Status.STALE, f"claim word {claim} is not round {t}'s")
-    rnd, status, got_req, _ = REPLY_HEADER.unpack_from(buf, LINE)
+    rnd, status, got_req, n_said = REPLY_HEADER.unpack_from(buf, LINE)
     if rnd != t32:
         return fail(Status.STALE, f"reply header is for round {rnd}")
     if status != Status.OK:
@@ -386,7 +392,11 @@ def decode_reply(layout: Layout, buf: np.ndarray, t: int, n_out: np.ndarray) -> 
             st = Status(status)
         except ValueError:
             return fail(Status.BAD_REPLY, f"unknown status {status}")
-        return fail(st if st != Status.NONE else Status.BAD_REPLY, "proxy reported failure")
+        said = "proxy reported failure"
+        if 0 < n_said <= min(DETAIL_MAX, 4 * cfg.max_requests * cfg.max_drafts):  # text for a log, nothing more
+            raw = bytes(buf[layout.reply_drafts_off:layout.reply_drafts_off + n_said])
+            said = "".join(c if c.isprintable() else "?" for c in raw.decode("utf-8", "replace"))
+        return fail(st if st != Status.NONE else Status.BAD_REPLY, said)
     if got_req != n_req:
         return fail(Status.BAD_REPLY, f"reply has {got_req} requests, round had {n_req}")
     # On the engine's critical path after every round, with caches the verify has just flushed: few numpy
