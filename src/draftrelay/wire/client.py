@@ -135,11 +135,12 @@ class DrafterClient:
     def step(self, blocks: Sequence[Block], timeout: float | None = None, fanout: int = 0) -> StepReply:
         """One STEP round: send every block, return the worker's per-block results. fanout > 0 also
         asks for a branch table (the speculation cache), read afterwards with `recv_branches`."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        t0 = time.monotonic()
+        deadline = t0 + (self.timeout if timeout is None else timeout)
         if not blocks:
             raise ValueError("step needs at least one block")
         payload = P.encode_step(blocks, fanout)  # encoding errors are the caller's bug, not a wire failure
-        return self._guarded(lambda: self._step(payload, blocks, deadline))
+        return self._guarded(lambda: self._step(payload, blocks, deadline, t0))
 
     def recv_branches(self, timeout: float) -> memoryview:
         """The payload of the BRANCHES frame answering the last STEP (raw bytes, parsed by
@@ -355,8 +356,7 @@ class DrafterClient:
                 raise WireBadReply(f"expected {' or '.join(P.FRAME_NAMES[w] for w in wants)}, got frame type {ftype}")
             return ftype, payload
 
-    def _step(self, payload: bytes, blocks: Sequence[Block], deadline: float) -> StepReply:
-        t0 = time.monotonic()
+    def _step(self, payload: bytes, blocks: Sequence[Block], deadline: float, t0: float) -> StepReply:
         phase = "connecting and the handshake" if self.sock is None else "sending the STEP"
         try:
             self._ensure(deadline)
