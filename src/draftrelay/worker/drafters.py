@@ -338,9 +338,11 @@ class LlamaDrafter(Drafter):
     def _run_eager(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         torch, model, cache = self.torch, self.model, self.cache
         dev = model.device
-        if n_steps >= 1 and any(len(j.tokens) > PAD_LIMIT for j in jobs):
-            # prompts and catch-ups extended as the captured path extends them (_extend_heads), so the
-            # eager drafter (the reference the graphs are checked against) computes what they compute
+        if dev.type == "cuda" and n_steps >= 1 and any(len(j.tokens) > PAD_LIMIT for j in jobs):
+            # on a GPU, prompts and catch-ups extended as the captured path extends them (_extend_heads),
+            # so the eager drafter (the reference the graphs are checked against) computes what they
+            # compute. Not on a CPU: there the extension costs a forward more than one prefill with the
+            # logits at its end (~60 ms for the 0.5B), and the lean loop's long frames come here.
             jobs = self._extend_heads(jobs, next((t for t in T_BUCKETS if t >= n_steps + 1), PAD_LIMIT))
         with torch.inference_mode():
             for j in jobs:
