@@ -429,19 +429,20 @@ def test_an_async_rounds_failure_says_what_ran_out_sync_and_async_alike():
     from draftrelay.worker.drafters import load_drafter
     from draftrelay.worker.server import WorkerServer
 
-    srv = WorkerServer(WorkerCore(load_drafter("test", test_vocab=VOCAB, slow_token=7, delay_ms=400), max_requests=4))
-    host, port = srv.start()
-    spec = {"kind": "worker", "host": host, "port": port, "max_requests": 4, "n_out_max": 8}
     slow = [RoundRequest(1, 1, 0, np.array([7], np.int32), 2)]
-    try:
-        for make in (SyncRounds, open_rounds):
-            r = make(cfg(round_spec=spec, round_budget_ms=100, deadline_ms=3000, selftest_rounds=0))
-            try:
-                res = r.result(r.submit(slow), timeout_s=10)
-                assert res.status == Status.TIMEOUT, (make, res)
-                assert "waiting for the STEP's reply" in res.detail and "ms of 100.0 ms" in res.detail, res.detail
-                assert r.stats()["first_failure"]["timeout"] == res.detail[:300]
-            finally:
-                r.close()
-    finally:
-        srv.stop()
+    for make in (SyncRounds, open_rounds):
+        # a worker each: the late STEP of one holds the drafter's lock, and a new session's handshake waits
+        # for it (that round's detail then says "connecting and the handshake")
+        srv = WorkerServer(WorkerCore(load_drafter("test", test_vocab=VOCAB, slow_token=7, delay_ms=400),
+                                      max_requests=4))
+        host, port = srv.start()
+        spec = {"kind": "worker", "host": host, "port": port, "max_requests": 4, "n_out_max": 8}
+        r = make(cfg(round_spec=spec, round_budget_ms=100, deadline_ms=3000, selftest_rounds=0))
+        try:
+            res = r.result(r.submit(slow), timeout_s=10)
+            assert res.status == Status.TIMEOUT, (make, res)
+            assert "waiting for the STEP's reply" in res.detail and "ms of 100.0 ms" in res.detail, res.detail
+            assert r.stats()["first_failure"]["timeout"] == res.detail[:300]
+        finally:
+            r.close()
+            srv.stop()
