@@ -81,25 +81,13 @@ CONTEXTS = {"short": 0, "32k": 32768}
 def synthetic_trace(vocab: int, n: int = 4, length: int = 96, seed: int = 0) -> Trace:
     """The smoke path's trace (--trace synthetic): code and prose entries of random tokens within `vocab`;
     the drafter's top-1 is the target's token 75 % of the time (else its second choice)."""
-    from draftrelay.replay import TraceEntry
+    from draftrelay.replay import synthetic_trace as make
 
-    rng = np.random.default_rng(seed)
-    entries = []
-    for i in range(n):
-        target = [int(x) for x in rng.integers(0, vocab, length)]
-        top, prob = [], []
-        for t in target:
-            first = t if rng.random() < 0.75 else int((t + 1 + rng.integers(0, vocab - 1)) % vocab)
-            rest = [int(x) for x in rng.choice([v for v in range(vocab) if v not in (first, t)], 3, replace=False)]
-            if first != t:
-                rest[0] = t
-            top.append([first, *rest])
-            prob.append([0.6, 0.3, 0.07, 0.03])
-        e = TraceEntry([int(x) for x in rng.integers(0, vocab, 8 + 4 * i)], target, top,
-                       name=f"{'code' if i % 2 == 0 else 'prose'}:synthetic{i}")
-        e.draft_prob = prob
-        entries.append(e)
-    return Trace(pair="synthetic (smoke)", top_f=4, entries=entries, vocab_size=vocab)
+    tr = make(vocab, n, length, 0.75, seed=seed, second=True, prompt_len=(8, 4), pair="synthetic (smoke)")
+    for i, e in enumerate(tr.entries):  # the replay's split by kind, and probabilities to rank branches by
+        e.name = f"{'code' if i % 2 == 0 else 'prose'}:synthetic{i}"
+        e.draft_prob = [[0.6, 0.3, 0.07, 0.03] for _ in e.target]
+    return tr
 
 
 def p50(xs) -> float:

@@ -171,23 +171,10 @@ def emulated_worker(args, dev, inner: str, model_id: str, max_len: int, max_toke
 def synthetic_trace(path: str, n: int = 8, length: int = 160, vocab: int = 256, hit: float = 0.7) -> str:
     """`--trace synthetic`: random target sequences; the drafter's top guess is the target's token with
     probability `hit`, else its second guess is (written to `path`)."""
-    import numpy as np
+    from draftrelay.replay import synthetic_trace as make
 
-    from draftrelay.replay import TraceEntry
-
-    rng = np.random.default_rng(0)
-    entries = []
-    for i in range(n):
-        target = [int(x) for x in rng.integers(0, vocab, length)]
-        top = []
-        for t in target:
-            first = t if rng.random() < hit else int((t + 1 + rng.integers(0, vocab - 1)) % vocab)
-            rest = [int(x) for x in rng.choice([v for v in range(vocab) if v not in (first, t)], 3, replace=False)]
-            if first != t:
-                rest[0] = t
-            top.append([first, *rest])
-        entries.append(TraceEntry([int(x) for x in rng.integers(0, vocab, 14 + 2 * i)], target, top, name=f"s{i}"))
-    Trace(pair="synthetic pair (random tokens, 70 % top-1)", top_f=4, entries=entries, vocab_size=vocab).save(path)
+    make(vocab, n, length, hit, second=True, prompt_len=(14, 2), pair="synthetic pair (random tokens, 70 % top-1)",
+         prefix="s").save(path)
     return path
 
 

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from draftrelay import replay
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 from draftrelay.handoff.rounds import HandoffConfig
 from draftrelay.model import tiny_model_id, tiny_pair
@@ -28,22 +29,7 @@ MAX_TOKENS = 40
 
 
 def synthetic_trace(seed: int = 0, n: int = 3, length: int = 48, hit: float = 0.7, second: bool = False) -> Trace:
-    """Random target sequences; the drafter's top-1 is the target's token with probability `hit`
-    (second: where it is not, the target's token is the drafter's second choice)."""
-    rng = np.random.default_rng(seed)
-    entries = []
-    for i in range(n):
-        prompt = [int(x) for x in rng.integers(0, VOCAB, 5 + 3 * i)]
-        target = [int(x) for x in rng.integers(0, VOCAB, length)]
-        top = []
-        for t in target:
-            first = t if rng.random() < hit else int((t + 1 + rng.integers(0, VOCAB - 1)) % VOCAB)
-            rest = [int(x) for x in rng.choice([v for v in range(VOCAB) if v not in (first, t)], 3, replace=False)]
-            if second and first != t:
-                rest[0] = t
-            top.append([first, *rest])
-        entries.append(TraceEntry(prompt, target, top, name=f"e{i}"))
-    return Trace(pair="synthetic test pair", top_f=4, entries=entries, vocab_size=VOCAB)
+    return replay.synthetic_trace(VOCAB, n, length, hit, seed=seed, second=second, pair="synthetic test pair")
 
 
 @pytest.fixture(scope="module")

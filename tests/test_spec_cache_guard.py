@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from draftrelay.engine.cache_guard import CacheGuard
@@ -137,22 +136,9 @@ VOCAB = 256
 def trace(seed: int = 4, n: int = 3, length: int = 60, hit: float = 0.8):
     """Random target sequences; the drafter's top-1 is the target's token with probability `hit`, its
     second choice the target's token otherwise (so branches over the corrections hit)."""
-    from draftrelay.replay import Trace, TraceEntry
+    from draftrelay.replay import synthetic_trace
 
-    rng = np.random.default_rng(seed)
-    entries = []
-    for i in range(n):
-        prompt = [int(x) for x in rng.integers(0, VOCAB, 5 + 3 * i)]
-        target = [int(x) for x in rng.integers(0, VOCAB, length)]
-        top = []
-        for t in target:
-            first = t if rng.random() < hit else int((t + 1 + rng.integers(0, VOCAB - 1)) % VOCAB)
-            rest = [int(x) for x in rng.choice([v for v in range(VOCAB) if v not in (first, t)], 3, replace=False)]
-            if first != t:
-                rest[0] = t
-            top.append([first, *rest])
-        entries.append(TraceEntry(prompt, target, top, name=f"e{i}"))
-    tr = Trace(pair="synthetic guard pair", top_f=4, entries=entries, vocab_size=VOCAB)
+    tr = synthetic_trace(VOCAB, n, length, hit, seed=seed, second=True, pair="synthetic guard pair")
     for ent in tr.entries:  # probabilities, so the branch choice has something to rank
         ent.draft_prob = [[0.6, 0.3, 0.07, 0.03] for _ in ent.target]
     return tr

@@ -162,6 +162,29 @@ def with_fillers(trace: Trace, fillers: list[list[int]]) -> Trace:
     return Trace(trace.pair, trace.top_f, entries, trace.vocab_size, meta)
 
 
+def synthetic_trace(vocab: int, n: int = 3, length: int = 48, hit: float = 0.7, *, seed: int = 0,
+                    second: bool = False, prompt_len: tuple[int, int] = (5, 3), pair: str = "synthetic pair",
+                    prefix: str = "e") -> Trace:
+    """Random target sequences (tests, CPU smoke runs): entry i has a prompt of prompt_len[0] +
+    prompt_len[1] * i random tokens; the drafter's top-1 is the target's token with probability `hit`
+    (second: where it is not, the target's token is the drafter's second choice, so branches over the
+    corrections hit), its other guesses distinct random tokens."""
+    rng = np.random.default_rng(seed)
+    entries = []
+    for i in range(n):
+        prompt = [int(x) for x in rng.integers(0, vocab, prompt_len[0] + prompt_len[1] * i)]
+        target = [int(x) for x in rng.integers(0, vocab, length)]
+        top = []
+        for t in target:
+            first = t if rng.random() < hit else int((t + 1 + rng.integers(0, vocab - 1)) % vocab)
+            rest = [int(x) for x in rng.choice([v for v in range(vocab) if v not in (first, t)], 3, replace=False)]
+            if second and first != t:
+                rest[0] = t
+            top.append([first, *rest])
+        entries.append(TraceEntry(prompt, target, top, name=f"{prefix}{i}"))
+    return Trace(pair=pair, top_f=4, entries=entries, vocab_size=vocab)
+
+
 # -------------------------------------------------------------------------------------------------
 # the target side
 
