@@ -91,22 +91,31 @@ class Server:
         return rc
 
 
-@pytest.fixture(scope="module")
-def servers():
+def tiny_worker(n_rows: int, max_ctx: int):
+    """A worker serving the tiny drafter in this process, on loopback: (core, server, host, port)."""
     from draftrelay.worker import drafters
     from draftrelay.worker.core import WorkerCore
     from draftrelay.worker.server import WorkerServer
 
-    core = WorkerCore(drafters.load_drafter("tiny", n_rows=16, max_ctx=4200, n_out_max=8, dtype="float32"),
+    core = WorkerCore(drafters.load_drafter("tiny", n_rows=n_rows, max_ctx=max_ctx, n_out_max=8, dtype="float32"),
                       max_requests=16)
     wsrv = WorkerServer(core, "127.0.0.1", 0)
-    whost, wport = wsrv.start()
+    return (core, wsrv, *wsrv.start())
+
+
+def generate_reference(*mode_args: str) -> subprocess.Popen:
+    """`draftrelay generate` of PROMPTS[0] (32 tokens, CPU) in a child process: the reference output."""
+    return subprocess.Popen([sys.executable, "-m", "draftrelay", "generate", PROMPTS[0], *mode_args,
+                             "--max-tokens", "32", "--device", "cpu"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=ENV, text=True)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    core, wsrv, whost, wport = tiny_worker(16, 4200)
     with tempfile.NamedTemporaryFile("w", suffix=".key", delete=False) as f:
         f.write(KEY + "\n")
-    # the `generate` reference runs while the servers start
-    gen_proc = subprocess.Popen([sys.executable, "-m", "draftrelay", "generate", PROMPTS[0], "--mode", "off",
-                                 "--max-tokens", "32", "--device", "cpu"], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=ENV, text=True)
+    gen_proc = generate_reference("--mode", "off")  # runs while the servers start
     s = {
         # --depth fixed: these tests look at every request's drafts (the policy may choose 0 for some)
         "async": Server("--mode", "async", "--depth", "fixed", "--api-key-file", f.name, "--max-batch", "16",

@@ -24,23 +24,25 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from draftrelay.engine.loading import printable  # noqa: E402
-from test_serve import ENV, MODEL, PROMPTS, Server, _health, _scrape, _worker_rids, spec  # noqa: E402
+from test_serve import (  # noqa: E402
+    ENV,
+    MODEL,
+    PROMPTS,
+    Server,
+    _health,
+    _scrape,
+    _worker_rids,
+    generate_reference,
+    spec,
+    tiny_worker,
+)
 
 
 @pytest.fixture(scope="module")
 def cached():
-    from draftrelay.worker import drafters
-    from draftrelay.worker.core import WorkerCore
-    from draftrelay.worker.server import WorkerServer
-
-    core = WorkerCore(drafters.load_drafter("tiny", n_rows=20, max_ctx=600, n_out_max=8, dtype="float32"),
-                      max_requests=16)
-    wsrv = WorkerServer(core, "127.0.0.1", 0)
-    whost, wport = wsrv.start()
+    core, wsrv, whost, wport = tiny_worker(20, 600)
     # `draftrelay generate` with the cache (its own local worker), while the server starts
-    gen = subprocess.Popen([sys.executable, "-m", "draftrelay", "generate", PROMPTS[0], "--mode", "async",
-                            "--spec-cache", "--k", "4", "--max-tokens", "32", "--device", "cpu"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True)
+    gen = generate_reference("--mode", "async", "--spec-cache", "--k", "4")
     # the guard off: every step a cache step (on 2 cores it would run plain rounds, hiding the paths tested here)
     srv = Server("--mode", "async", "--spec-cache", "--cache-guard", "off", "--k", "4", "--worker", f"{whost}:{wport}",
                  "--max-batch", "16", "--max-model-len", "512", "--device", "cpu")
