@@ -242,37 +242,33 @@ os.environ["TRITON_INTERPRET"] = "1"
 from draftrelay.kernels import plan as P, reference as R, triton_ops as T
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 n = splits = 0
+
+
+def check(pro, cfg, M, N, K, launches):
+    """One configuration on fresh inputs against the definition, launched `launches` times."""
+    x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
+    w, b = torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
+    d, nw = torch.randn(M, K, generator=g), torch.randn(K, generator=g)
+    if pro == P.PRO_NORM:
+        rx, ref = R.norm_linear(x, d, nw, 1e-6, w, b)
+    else:
+        rx, ref = x, (R.act_linear if pro == P.PRO_SILU else R.linear)(x, w, b)
+    for _ in range(launches):
+        gx, got = T.skinny_linear(pro, cfg, x, w, b, d if pro == P.PRO_NORM else None, nw, 1e-6)
+        assert torch.equal(gx, rx), (pro, cfg)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
+
+
 for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 4500), (3, 40, 2300),
                 (5, 24, 300), (4, 16, 1500), (2, 72, 600)):
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
         for cfg in P.candidates(pro, M, N, K):
-            x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
-            w, b = torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
-            d, nw = torch.randn(M, K, generator=g), torch.randn(K, generator=g)
-            if pro == P.PRO_NORM:
-                rx, ref = R.norm_linear(x, d, nw, 1e-6, w, b)
-            else:
-                rx, ref = x, (R.act_linear if pro == P.PRO_SILU else R.linear)(x, w, b)
-            for _ in range(2 if cfg.split > 1 else 1):  # twice: the counts are left ready for the next launch
-                gx, got = T.skinny_linear(pro, cfg, x, w, b, d if pro == P.PRO_NORM else None, nw, 1e-6)
-                assert torch.equal(gx, rx), (pro, cfg)
-                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
+            check(pro, cfg, M, N, K, 2 if cfg.split > 1 else 1)  # twice: the counts are left ready for the next
             n += 1
             splits += cfg.split > 1
 for M, N, K in ((1, 40, 96), (1, 24, 1100)):  # the compact-rows dot tile at one row (not a candidate there)
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
-        cfg = P.rows_dot(N, K, 32, pro == P.PRO_NORM and K > 1024)
-        x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
-        w, b = torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
-        d, nw = torch.randn(M, K, generator=g), torch.randn(K, generator=g)
-        if pro == P.PRO_NORM:
-            rx, ref = R.norm_linear(x, d, nw, 1e-6, w, b)
-        else:
-            rx, ref = x, (R.act_linear if pro == P.PRO_SILU else R.linear)(x, w, b)
-        for _ in range(2):
-            gx, got = T.skinny_linear(pro, cfg, x, w, b, d if pro == P.PRO_NORM else None, nw, 1e-6)
-            assert torch.equal(gx, rx), (pro, cfg)
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
+        check(pro, P.rows_dot(N, K, 32, pro == P.PRO_NORM and K > 1024), M, N, K, 2)
         n += 1
 lg = torch.randn(3, 9000, generator=g)
 lg[0, 8999] = lg[0, 4100] = lg[0].max() + 1  # tied across two chunks of the first pass
