@@ -85,6 +85,11 @@ REQ_DTYPE = np.dtype(
 )
 DESC_HEADER = struct.Struct("<IIII")  # round, n_req, n_tok, flags
 DETAIL_MAX = 240  # bytes of a failed round's detail in its reply slot
+
+
+def detail_room(cfg: RegionConfig) -> int:
+    """Bytes a failed round's detail may take: DETAIL_MAX, within the slot's drafts area it is written to."""
+    return min(DETAIL_MAX, 4 * cfg.max_requests * cfg.max_drafts)
 REPLY_HEADER = struct.Struct("<IIII")  # round, status, n_req, bytes of a failed round's detail
 
 FLAG_SELFTEST = 1  # staging flag: answer with the built-in deterministic drafter, no network
@@ -349,7 +354,7 @@ def write_reply(layout: Layout, buf: np.ndarray, t: int, status: Status, counts:
     n_req = 0 if counts is None else len(counts)
     said = b""
     if counts is None and detail:
-        said = detail.encode("utf-8", "replace")[:min(DETAIL_MAX, 4 * cfg.max_requests * cfg.max_drafts)]
+        said = detail.encode("utf-8", "replace")[:detail_room(cfg)]
         buf[layout.reply_drafts_off:layout.reply_drafts_off + len(said)] = np.frombuffer(said, np.uint8)
     REPLY_HEADER.pack_into(buf, LINE, t & 0xFFFFFFFF, int(status), n_req, len(said))
     c = buf[layout.reply_counts_off:layout.reply_counts_off + 4 * cfg.max_requests].view("<i4")
@@ -393,7 +398,7 @@ def decode_reply(layout: Layout, buf: np.ndarray, t: int, n_out: np.ndarray) -> 
         except ValueError:
             return fail(Status.BAD_REPLY, f"unknown status {status}")
         said = "proxy reported failure"
-        if 0 < n_said <= min(DETAIL_MAX, 4 * cfg.max_requests * cfg.max_drafts):  # text for a log, nothing more
+        if 0 < n_said <= detail_room(cfg):  # text for a log, nothing more
             raw = bytes(buf[layout.reply_drafts_off:layout.reply_drafts_off + n_said])
             said = "".join(c if c.isprintable() else "?" for c in raw.decode("utf-8", "replace"))
         return fail(st if st != Status.NONE else Status.BAD_REPLY, said)

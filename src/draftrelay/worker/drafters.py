@@ -195,8 +195,20 @@ class LlamaDrafter(Drafter):
 
     # a CPU worker's main thread runs the steps (worker/mainthread.py says why); None: the caller's thread
     calls = None
-    last_run = ""  # what the latest run did and cost (the slow-STEP report)
     _extended = 0  # jobs the latest run extended eagerly before its static step
+    _path = ""  # the path the latest run took (lean, static, graph, eager)
+    _last: tuple = ()  # (seconds, graphs built, kernel shapes planned) of the latest run
+
+    @property
+    def last_run(self) -> str:
+        """What the latest run did and cost, for the worker's slow-STEP report (WorkerCore): a first-use
+        graph capture or kernel measurement costs far more than a round's budget. Formatted only when
+        asked: the facts are kept on every run, the text only for a slow one."""
+        if not self._last:
+            return ""
+        seconds, graphs, planned = self._last
+        path = f"{self._path} ({self._extended} extended eagerly first)" if self._extended else self._path
+        return f"{seconds * 1e3:.1f} ms {path}, {graphs} graphs built, {planned} kernel shapes planned"
 
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         if self.calls is not None:
@@ -210,14 +222,7 @@ class LlamaDrafter(Drafter):
             with self._on_model_gpu():
                 return self._run(jobs, n_steps)
         finally:
-            # what this run did, for the worker's slow-STEP report (WorkerCore): a first-use graph
-            # capture or kernel measurement costs far more than a round's budget
-            n_long = sum(len(j.tokens) > PAD_LIMIT for j in jobs)
-            path = ("lean" if self._lean is not None and not n_long else
-                    f"{self.mode} ({self._extended} extended eagerly first)" if self._extended else
-                    self.mode if self.mode in ("static", "graph") and n_steps >= 1 else "eager")
-            self.last_run = (f"{(time.perf_counter() - t0) * 1e3:.1f} ms {path}, "
-                             f"{len(self._static) - graphs} graphs built, {_planned() - planned} kernel shapes planned")
+            self._last = (time.perf_counter() - t0, len(self._static) - graphs, _planned() - planned)
 
     def plan_warm(self) -> None:
         """One eager one-token forward with the head on the scratch row (CUDA): the kernel planner then
@@ -252,8 +257,10 @@ class LlamaDrafter(Drafter):
 
     def _run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         if self._lean is not None and jobs and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
+            self._path = "lean"
             return self._lean.run(jobs, n_steps)
         if self.mode in ("static", "graph") and jobs and n_steps >= 1:
+            self._path = self.mode
             jobs = self._fit_built(jobs, n_steps)
             key_count = len(self._static)
             try:
@@ -265,6 +272,7 @@ class LlamaDrafter(Drafter):
                 log.exception("CUDA graph capture failed; the drafter falls back to eager mode")
                 self.mode, self._static = "eager", {}
                 self.info = self.info.replace(", graph", ", eager (graph capture failed)")
+        self._path = "eager"
         return self._run_eager(jobs, n_steps)
 
     def _fit_built(self, jobs: list[Job], n_steps: int) -> list[Job]:
