@@ -257,24 +257,13 @@ def test_proxy_sends_the_fanout_the_engine_writes():
     none while it writes 0 (the paused case), the spec's again once cleared."""
     from draftrelay.handoff.branch_push import BranchRounds
     from draftrelay.handoff.branch_shm import ShmError, TableShm
+    from test_spec_cache_units import fanout_recorder
 
-    calls = []
-
-    class Client:
-        def step(self, blocks, timeout=None, **kw):
-            calls.append(kw.get("fanout", 0))
-            return "reply"
-
-    class Inner:
-        def __init__(self):
-            self.client = Client()
-
-        def __call__(self, t, requests, budget_s):
-            return self.client.step(requests, budget_s)
+    inner, calls = fanout_recorder()
 
     shm = TableShm.create(4096)
     try:
-        br = BranchRounds(Inner(), {"fd": shm.fd, "fanout": 8}, 256)
+        br = BranchRounds(inner, {"fd": shm.fd, "fanout": 8}, 256)
         for t, f in enumerate((None, 4, 0, 16, None)):
             shm.set_fanout(f)
             br(t, [], 0.1)

@@ -460,12 +460,9 @@ def test_adapt_keeps_tables_only_when_measured_faster():
     assert b.decisions == ["tables"] and not b.plain and b.stats()["off_reason"] == ""
 
 
-def test_paused_tables_send_steps_without_a_fanout():
-    """The proxy side of a pause: while the engine's word is set, STEPs go out without a fan-out, so the
-    worker does no branch work and no BRANCHES frame is read."""
-    from draftrelay.handoff.branch_push import BranchRounds
-    from draftrelay.handoff.branch_shm import TableShm
-
+def fanout_recorder():
+    """A worker round function whose client records each STEP's fan-out instead of sending it:
+    (round function, the fan-outs seen)."""
     calls = []
 
     class Client:
@@ -480,9 +477,20 @@ def test_paused_tables_send_steps_without_a_fanout():
         def __call__(self, t, requests, budget_s):
             return self.client.step(requests, budget_s)
 
+    return Inner(), calls
+
+
+def test_paused_tables_send_steps_without_a_fanout():
+    """The proxy side of a pause: while the engine's word is set, STEPs go out without a fan-out, so the
+    worker does no branch work and no BRANCHES frame is read."""
+    from draftrelay.handoff.branch_push import BranchRounds
+    from draftrelay.handoff.branch_shm import TableShm
+
+    inner, calls = fanout_recorder()
+
     shm = TableShm.create(4096)
     try:
-        br = BranchRounds(Inner(), {"fd": shm.fd, "fanout": 6}, 256)
+        br = BranchRounds(inner, {"fd": shm.fd, "fanout": 6}, 256)
         assert br(1, [], 0.1) == "reply" and calls == [6] and br._want
         shm.set_paused(True)
         assert br.shm.paused
