@@ -220,7 +220,7 @@ def test_drafts_graph_equals_eager_and_fast_vs_plain_are_near_ties():
             for r in range(n_req):
                 if np.array_equal(res[k][r], res["eager_fast"][r]):
                     same[k] += 1
-                elif k == "eager_plain":  # classify the first differing draft with both paths' logits there
+                else:  # classify the first differing draft with both paths' logits there
                     j = int(np.argmax(res[k][r] != res["eager_fast"][r]))
                     seq = ctx[r] + list(res["eager_fast"][r][:j])
                     lg = {}
@@ -230,7 +230,7 @@ def test_drafts_graph_equals_eager_and_fast_vs_plain_are_near_ties():
                         with torch.inference_mode():
                             lg[fast] = model(torch.tensor([seq]), torch.tensor([0]), cache, torch.tensor([0]),
                                              last_only=True)[0, 0]
-                    mism.append({"round": rnd, "pos": j, **_near_tie(lg[True], lg[False],
+                    mism.append({"vs": k, "round": rnd, "pos": j, **_near_tie(lg[True], lg[False],
                                                                      int(res["eager_fast"][r][j]),
                                                                      int(res[k][r][j]))})
         for r in range(n_req):  # accept a random prefix of the fast eager drafts, plus one token

@@ -359,6 +359,12 @@ class LlamaDrafter(Drafter):
             short = [i for i, j in enumerate(jobs) if len(j.tokens) <= PAD_LIMIT]
             if short:
                 T = max(len(jobs[i].tokens) for i in short)
+                if dev.type == "cuda":
+                    # padded to the captured step's T bucket, as the graphs pad: the products then have the
+                    # graph's row counts and so the plan's same kernels (five tokens of three requests are
+                    # 15 rows on the skinny GEMM, padded to 8 each 24 rows on cuBLAS: another rounding,
+                    # and a near-tie draft flipped in 17 % of the GPU draft check's request-rounds)
+                    T = next(t for t in T_BUCKETS if t >= T)
                 toks = np.zeros((len(short), T), np.int64)  # right padding: causal, so it never leaks back
                 for b, i in enumerate(short):
                     toks[b, :len(jobs[i].tokens)] = jobs[i].tokens
