@@ -23,6 +23,7 @@ from draftrelay import model as M
 from draftrelay.kernels import plan as P
 from draftrelay.kernels import reference as R
 from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
+from near_tie import near_tie as _near_tie
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton_available("cuda")),
                                 reason="needs a CUDA GPU with Triton")
@@ -182,19 +183,6 @@ def test_fast_forward_error_vs_float64_within_bf16_bounds(T, mode, monkeypatch):
     for what in ("hidden", "logits"):
         assert errs["fast"][what] < 3e-2, errs  # bf16 operands over 6 layers: a few 1e-3 expected
         assert errs["fast"][what] <= 2 * errs["plain"][what] + 2e-3, errs
-
-
-def _near_tie(la: torch.Tensor, lb: torch.Tensor, ta: int, tb: int) -> dict:
-    """docs/TP2.md's rule: tol = max(largest |la - lb|, 4 bf16 ulps of the top logit); a mismatch is a
-    numeric near-tie when both models' margins between the two tokens are <= 2 tol and tol is <= 5 % of
-    the logits' spread."""
-    diff = float((la - lb).abs().max())
-    ulp = float(la.abs().max()) * 2 ** -7
-    tol = max(diff, 4 * ulp)
-    ma, mb = float(la[ta] - la[tb]), float(lb[tb] - lb[ta])
-    spread = float(la.max() - la.min())
-    return {"tol": tol, "margin_a": ma, "margin_b": mb, "near_tie": abs(ma) <= 2 * tol and abs(mb) <= 2 * tol
-            and tol <= 0.05 * spread}
 
 
 def test_drafts_graph_equals_eager_and_fast_vs_plain_are_near_ties():

@@ -3,8 +3,9 @@
 1. The forked attention kernel (worker/fork_triton.py) against its plain-torch definition on bf16 inputs
    of the 0.5B drafter's shape, one program per row and a 33K split with the combine.
 2. The branch work in graph mode on the 0.5B shape at random weights: each branch's drafts against a
-   fresh round of its context (the drafter's own graphs) agree in most branches (both bf16; a mismatch
-   is a numeric near-tie of random weights, and a wrong draft costs acceptance only).
+   fresh round of its context (the drafter's own graphs) agree in at least half the branches, and every
+   mismatch is a numeric near-tie (tests_gpu/near_tie.py: the batched run and the fresh round run other
+   kernels of the plan; at random weights the top two logits are often within rounding).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from draftrelay import kernels
 from draftrelay.worker import fork
 from draftrelay.worker import fork_triton as FT
+from near_tie import near_tie
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton_available("cuda")),
                                 reason="needs a CUDA GPU with Triton")
@@ -63,11 +65,30 @@ def test_branches_in_graph_mode_are_the_rounds_of_their_contexts():
     entries = pf._draft(blocks, res, todo, Acceptance(), F)
     agree = total = 0
     spare = 3
+    mism = []
     for r, e in enumerate(entries):
         for b in range(e.n_branches):
             full = np.concatenate([ctx[r], e.prefix(b)]).astype(np.int32)
             d.run([Job(spare, 0, full[:-1])], 0)
             fresh, _ = d.run([Job(spare, len(full) - 1, full[-1:])], k)
-            agree += int(np.array_equal(fresh[0], e.branch_drafts[b]))
             total += 1
-    assert total == 2 * F and agree >= 0.75 * total, (agree, total)
+            if np.array_equal(fresh[0], e.branch_drafts[b]):
+                agree += 1
+                continue
+            # the first differing draft, classified with the fused and the plain forward's logits there: the
+            # batched branch run (F rows per request) and the fresh round (one row) run other kernels of the
+            # plan, so at random weights a near-tie can go either way; a wrong branch would not be a near-tie
+            j = int(np.argmax(fresh[0] != e.branch_drafts[b]))
+            seq = torch.tensor(np.concatenate([full, fresh[0][:j]]).astype(np.int64)[None], device="cuda")
+            lg = {}
+            for fast in (True, False):
+                d.model.fast = fast
+                cache = d.model.new_cache(1, seq.shape[1] + 1)
+                with torch.inference_mode():
+                    lg[fast] = d.model(seq, torch.tensor([0]), cache, torch.tensor([0]), last_only=True)[0, 0]
+            d.model.fast = None
+            mism.append({"request": r, "branch": b, "pos": j,
+                         **near_tie(lg[True], lg[False], int(fresh[0][j]), int(e.branch_drafts[b][j]))})
+    assert total == 2 * F, total
+    assert all(m["near_tie"] for m in mism), mism
+    assert agree >= 0.5 * total, (agree, total, mism)
