@@ -114,19 +114,6 @@ def rows_dot(N: int, K: int, block_n: int, pre: bool = False) -> SkinnyConfig:
     return SkinnyConfig(block_n, bk, True, 4, 1, True, math.ceil(K / bk), pre)
 
 
-WHOLE_ROW_DOT_K = 1024  # rows up to this long: the whole-row dot tiles with the norm inside (whole_row_dots)
-
-
-def whole_row_dots(K: int) -> list[SkinnyConfig]:
-    """The whole-row dot tiles of a norm product (K up to WHOLE_ROW_DOT_K): each program loads its
-    16 or 32 weight rows whole before the previous kernel's wait, then the rows (padded to 16), norms
-    them itself and makes one tensor-core dot: one launch, no split, no separate norm. At several rows
-    the other candidates of the 0.5B's norm products pay a launch of add_rms_norm first (the pipelined
-    dot tile, cuBLAS) or a split-K sum (the compact-rows tiles)."""
-    bk = next_pow2(K)
-    return [SkinnyConfig(16, bk, True, 4, 1), SkinnyConfig(32, bk, True, 8, 1)]
-
-
 def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     """The configurations measured against cuBLAS for one product of M rows by an [N, K] weight.
 
@@ -137,9 +124,6 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     three split-K tiles (K ranges of 1,024 / 2,048 elements in tiles of 1,024, and of 4,096 in one
     tile) and the whole K in tiles of 1,024 over two weight rows, unrolled: every load of a program in
     flight at once, and programs enough to fill the card.
-
-    Norm products of rows up to WHOLE_ROW_DOT_K (the 0.5B's), at any row count: the whole-row dot
-    tiles (`whole_row_dots`, the norm inside one tensor-core dot per program).
 
     Two to sixteen rows: for weights of at most ROWS_DOT_MAX elements the compact-rows dot tiles
     (`rows_dot`, 32 and 64 columns a program, one K slice each; the SiLU or, for rows up to 1,024, the
@@ -155,8 +139,6 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
         return []
     out: list[SkinnyConfig] = []
     small = N * K <= SMALL_WEIGHT
-    if pro == PRO_NORM and next_pow2(K) <= WHOLE_ROW_DOT_K:
-        out += whole_row_dots(K)
     if M == 1:
         if pro == PRO_NORM:
             bk = next_pow2(K)
