@@ -424,6 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--k-max", type=int, default=6, help="deepest draft of the depth policy (sync:auto, async:auto)")
     ap.add_argument("--worker-threads", type=int, default=0, help="the drafter worker's CPU threads (0: all cores)")
+    ap.add_argument("--drafter-dtype", default="same", choices=["same", *DTYPES],
+                    help="the drafter's dtype (the worker's, and transformers' assistant's): same as the target "
+                         "(default), or fp32 / bf16 whatever the target's (a greedy verify keeps the target's "
+                         "output; a bf16 drafter reads half the bytes a draft)")
+    ap.add_argument("--drafter-quant", default="none", choices=["none", "int8"],
+                    help="the worker's --quant: int8 runs the drafter's layer products on int8 weights "
+                         "(worker/quant.py; transformers' assistant stays as loaded)")
     ap.add_argument("--threads", default="auto", help="the engine's CPU threads: auto (engine/threads.py) or N")
     ap.add_argument("--hf-weights", default="shared", choices=["shared", "own"],
                     help="transformers' weights: our tensors (shared: in our huge pages, hugepages.py), or its own "
@@ -461,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     out = {"machine": {"platform": platform.platform(), "cpus": L.default_threads(), "torch": torch.__version__,
                        "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0]},
            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-           "target": TARGET.name, "drafter": DRAFTER.name, "max_tokens": args.max_tokens, "repeats": args.repeats,
+           "target": TARGET.name, "drafter": DRAFTER.name, "drafter_dtype": args.drafter_dtype,
+           "drafter_quant": args.drafter_quant,
+           "max_tokens": args.max_tokens, "repeats": args.repeats,
            "prompts": {n: PROMPTS[n] for n in names}, "results": {}}
     from draftrelay import hugepages
 
@@ -469,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                          "hf_weights": args.hf_weights}
     for dname in dtypes:
         dtype = DTYPES[dname]
+        ddtype = dtype if args.drafter_dtype == "same" else DTYPES[args.drafter_dtype]
         t0 = time.perf_counter()
         model, tok = load_pair_target(dtype)
         print(f"[{dname}] target loaded in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -486,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
                             + [_cache_arg(m.partition(":")[2])[0] for m in modes
                                if m.startswith(("cache:", "cache-raw:"))])
                 worker = L.start_local_worker(str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 4,
-                                              args.worker_threads, dtype="float32" if dname == "fp32" else "bfloat16")
+                                              args.worker_threads,
+                                              dtype="float32" if ddtype == torch.float32 else "bfloat16",
+                                              quant=args.drafter_quant)
                 spec = L.worker_spec(worker.host, worker.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash,
                                      k_all, 8)
                 # the round budget follows the deepest mode; each mode's policy starts from the round costs
@@ -506,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                 drafter = None
                 if any("assisted" in m for m in hf_modes):
                     with plain_pages() if own else contextlib.nullcontext():
-                        drafter = gguf.load_gguf(DRAFTER, device="cpu", dtype=dtype)
+                        drafter = gguf.load_gguf(DRAFTER, device="cpu", dtype=ddtype)
                 hf_drafter = hf_model(drafter) if drafter is not None else None
             for mode in modes:
                 runners[mode] = HFRunner(hf, hf_drafter, tok, mode, ids, args, hf_threads) if mode.startswith("hf") \

@@ -542,10 +542,16 @@ def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives(mode):
     assert int(got[0][0][0]) == int(f[0])  # the first place's most likely token is the first draft
 
 
-def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch):
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch, quant):
     """A drafter in its lean loop (the CPU default) drafts its branches with fork.LeanFork: neither the
     fast-forward structure (fork_forward) nor the reference attention's merged full-length rows run, and
-    the bonus forward runs only when a next table reads it. Its branches are what a fresh round drafts."""
+    the bonus forward runs only when a next table reads it. Its branches are what a fresh round drafts,
+    on fp32 weights and on int8 ones (worker/quant.py: the branch rows run the rounds' int8 products)."""
+    from draftrelay.worker import quant as Q
+
+    if quant != "none" and Q.available():
+        pytest.skip(Q.available())
     from draftrelay.worker import fork, prefetch
     from draftrelay.worker.core import WorkerCore
     from draftrelay.worker.drafters import load_drafter
@@ -556,7 +562,7 @@ def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch):
 
     monkeypatch.setattr(prefetch, "fork_forward", refuse)
     monkeypatch.setattr(fork, "_merged_rows", refuse)
-    d = load_drafter("tiny", n_rows=4, max_ctx=256, mode="lean")
+    d = load_drafter("tiny", n_rows=4, max_ctx=256, mode="lean", quant=quant)
     core = WorkerCore(d, max_requests=2)
     session, _ = core.open_session(P.Hello(max_requests=2, n_out_max=8))
     k, F = 4, 8
@@ -570,9 +576,14 @@ def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch):
     for e, prompt in zip(t.entries, prompts, strict=True):
         for b in range(F):
             ctx = np.concatenate([prompt, e.prefix(b)]).astype(np.int32)
-            other = WorkerCore(load_drafter("tiny", n_rows=2, max_ctx=256, mode="lean"), max_requests=1)
+            other = WorkerCore(load_drafter("tiny", n_rows=2, max_ctx=256, mode="lean", quant=quant),
+                               max_requests=1)
             s2, _ = other.open_session(P.Hello(max_requests=1, n_out_max=8))
-            fresh = other.step(s2, [P.Block(1, 1, 0, ctx, k)]).drafts[0, :k]
+            # the prompt first, as its own frame (a prompt extends on the eager path, whose products are the
+            # model's own fp32 ones), then the branch's prefix as a short frame in the lean loop: what the
+            # branch row's context went through
+            other.step(s2, [P.Block(1, 1, 0, prompt, 0)])
+            fresh = other.step(s2, [P.Block(1, 1, len(prompt), ctx[len(prompt):], k)]).drafts[0, :k]
             assert np.array_equal(fresh, e.branch_drafts[b]), (e.request_id, b)
 
 

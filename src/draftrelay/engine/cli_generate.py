@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round-budget-ms", type=float, default=None,
                    help="what the proxy allows one round (default: from the worker's measured STEP)")
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
+    p.add_argument("--drafter-quant", default="none", choices=["none", "int8"],
+                   help="int8: the local CPU worker drafts with int8 layer weights (draftrelay worker --quant: "
+                        "faster, approximate drafts; the output is the target's either way)")
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (async): the worker pre-drafts F branches per request during each "
                         "verify (no value: 8)")
@@ -119,6 +122,12 @@ def check_flags(args: argparse.Namespace) -> list[str]:
             bad.append(f"{flag} {v}: must be a positive number of milliseconds")
     if args.worker_threads < 0:
         bad.append(f"--worker-threads {args.worker_threads}: must be 0 (all cores) or more")
+    quant = getattr(args, "drafter_quant", "none")
+    if quant != "none" and str(getattr(args, "device", "cpu")).startswith("cuda"):
+        bad.append(f"--drafter-quant {quant}: for a CPU drafter (the local worker's lean loop), not --device "
+                   f"{args.device}")
+    if quant != "none" and getattr(args, "worker", None):
+        bad.append(f"--drafter-quant {quant}: the local worker's setting; a remote worker takes --quant itself")
     if getattr(args, "metrics_port", 0) and not 0 < args.metrics_port < 65536:
         bad.append(f"--metrics-port {args.metrics_port}: must be 1-65535")
     spec_cache = getattr(args, "spec_cache", 0)
@@ -224,7 +233,8 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
         if mode != "off":
             if not args.worker:
                 try:
-                    worker = L.start_local_worker(args.drafter, dev, k_max, max_len + 64, 1, args.worker_threads)
+                    worker = L.start_local_worker(args.drafter, dev, k_max, max_len + 64, 1, args.worker_threads,
+                                                  quant=args.drafter_quant)
                     host, port = worker.host, worker.port
                 except RuntimeError as exc:
                     rc = _warn_target_only(args, f"the local worker did not start: {exc}")

@@ -159,7 +159,7 @@ class LlamaDrafter(Drafter):
     """
 
     def __init__(self, model, n_rows: int, max_ctx: int, n_out_max: int, model_id: str, tokenizer_hash: str,
-                 mode: str = "eager"):
+                 mode: str = "eager", quant: str = "none"):
         import torch
 
         from draftrelay.worker import lean
@@ -173,6 +173,14 @@ class LlamaDrafter(Drafter):
             raise ValueError("CUDA graphs need the drafter on a CUDA device")
         if mode == "lean" and not lean.supports(model):
             raise ValueError("drafter mode 'lean' needs a CPU model on the plain path without q/k norms")
+        from draftrelay.worker import quant as Q
+
+        if quant not in Q.QUANTS:
+            raise ValueError(f"drafter quant {quant!r}: one of {', '.join(Q.QUANTS)}")
+        if quant != "none" and mode != "lean":
+            raise ValueError(f"drafter quant {quant!r} runs in the lean loop (a CPU drafter), not in mode {mode!r}")
+        if quant != "none" and Q.available():
+            raise ValueError(f"drafter quant {quant!r}: {Q.available()}")
         self.mode = mode
         self.max_ctx = min(max_ctx, cfg.max_position_embeddings)
         self.n_rows, self.n_out_max, self.vocab_size = n_rows, n_out_max, cfg.vocab_size
@@ -182,9 +190,11 @@ class LlamaDrafter(Drafter):
         self.cache = model.new_cache(n_rows + 1, self.max_ctx + max(PAD_LIMIT, n_out_max) + 1)
         self._static: dict[tuple[int, int, int], object] = {}
         self._capture: GraphCapture | None = None  # made at the first capture, on the model's GPU
-        self._lean = lean.LeanSteps(model, self.cache) if mode == "lean" else None
+        self._lean = lean.LeanSteps(model, self.cache, quant=quant) if mode == "lean" else None
+        self.quant = quant
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
-                     f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}")
+                     f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}"
+                     + (f", {quant} products" if quant != "none" else ""))
 
     def _on_model_gpu(self):
         # the server calls from its own threads, whose current CUDA device is GPU 0 whatever the
@@ -508,10 +518,14 @@ def _planned() -> int:
 
 def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows: int = 16, max_ctx: int = 4096,
                  n_out_max: int = 8, seed: int | None = None, model_id: str = "", test_vocab: int = 1000,
-                 slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1, mode: str = "auto") -> Drafter:
+                 slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1, mode: str = "auto",
+                 quant: str = "none") -> Drafter:
     """`tiny` (the drafter half of model.tiny_pair), `test` (TestDrafter), `random:SHAPE`
     (SHAPES at seeded random weights), a local HF model directory, a GGUF file, or (benchmarks only)
-    `replay:TRACE.json:INNER` / `replay:TRACE.json:emulated=COST.json` (draftrelay.replay)."""
+    `replay:TRACE.json:INNER` / `replay:TRACE.json:emulated=COST.json` (draftrelay.replay).
+    quant "int8": the layers' products on int8 weights (worker/quant.py; a CPU drafter in the lean loop)."""
+    if quant != "none" and (spec == "test" or spec.startswith("replay:")):
+        raise ValueError(f"--quant {quant}: the {spec.split(':')[0]!r} drafter has no weights to quantize")
     if spec == "test":
         return TestDrafter(test_vocab, n_rows, max_ctx, n_out_max, slow_token, delay_ms, fail_token)
     if spec.startswith("replay:"):  # benchmarks only, asked for by name (draftrelay.replay says why)
@@ -543,7 +557,7 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         s = M.TINY_SEED if seed is None else seed
         _, net = M.tiny_pair(s, device=dev, dtype=tdtype)
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or M.tiny_model_id(s), M.TINY_TOKENIZER_ID,
-                            mode_for(net))
+                            mode_for(net), quant)
     if spec.startswith("random:"):
         name = spec.split(":", 1)[1]
         if name not in SHAPES:
@@ -551,17 +565,17 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         cfg = M.ModelConfig(**SHAPES[name], name=name)
         net = M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype, draw_on="device")
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "",
-                            mode_for(net))
+                            mode_for(net), quant)
     if spec.lower().endswith(".gguf") and not os.path.isdir(spec):
         from draftrelay.checkpoint import gguf
 
         ck = gguf.read_gguf(spec)
         net = gguf.load_gguf(spec, device=dev, dtype=None if dtype == "auto" else tdtype, checkpoint=ck)
         mid = model_id or os.path.basename(os.path.abspath(spec))
-        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, ck.vocab.digest(), mode_for(net))
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, ck.vocab.digest(), mode_for(net), quant)
     if not os.path.isdir(spec):
         raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', an existing directory, "
                            "nor a .gguf file")
     net = hf.load_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype)
     mid = model_id or os.path.basename(os.path.abspath(spec))
-    return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode_for(net))
+    return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode_for(net), quant)

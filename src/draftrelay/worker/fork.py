@@ -186,9 +186,10 @@ class LeanFork:
         scale = ln.scale
         x, red = F.embedding(tokens, ln.embed), None
         for i, w in enumerate(ln.layers):
+            p_qkv, p_o, p_gu, p_d = ln.prods[i]  # the lean loop's products (int8 where it quantizes)
             if red is not None:
                 x = x + red.to(x.dtype)
-            qkv = F.linear(ln._norm(x, w.ln1), w.wqkv, w.bqkv)
+            qkv = p_qkv(ln._norm(x, w.ln1))
             qk = qkv[..., :(H + HK) * D].view(B, T, H + HK, D)
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
             q, k = qk[:, :, :H], qk[:, :, H:]
@@ -219,11 +220,11 @@ class LeanFork:
                 outs.append(o)
             out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)  # [HK, B, R, D]
             o = out.view(HK, B, n_rep, T, D).permute(1, 3, 0, 2, 4).reshape(B, T, H * D).to(x.dtype)
-            red = F.linear(o, w.wo)
+            red = p_o(o)
             x = x + red.to(x.dtype)
-            gu = F.linear(ln._norm(x, w.ln2), w.wgu)
+            gu = p_gu(ln._norm(x, w.ln2))
             m = gu.shape[-1] // 2
-            red = F.linear(F.silu(gu[..., :m]) * gu[..., m:], w.wd)
+            red = p_d(F.silu(gu[..., :m]) * gu[..., m:])
         x = x + red.to(x.dtype)
         if pick is None:
             return F.linear(ln._norm(x, ln.final_norm), ln.head).float()

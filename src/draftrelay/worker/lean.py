@@ -17,7 +17,8 @@ through its int8 copy (`greedy_head.head_pick`): the drafts are the full head's 
 the confidences lie within a proven interval around the full head's, and a confidence stop decides as
 the full head would (a step the interval leaves undecided takes the full head). What it does not do:
 prompts (extensions longer than PAD_LIMIT go through the eager path), q/k norms (Qwen3) and the
-fused-kernel fast path; a drafter needing one of those stays eager.
+fused-kernel fast path; a drafter needing one of those stays eager. With `quant="int8"` (worker/quant.py)
+the layers' products read int8 weights: the drafts are then approximate, not the eager path's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from draftrelay import greedy_head
 from draftrelay import model as M
+from draftrelay.worker import quant as Q
 from draftrelay.worker.draft_stop import all_stopped
 
 
@@ -37,10 +39,14 @@ def supports(model: M.Transformer) -> bool:
 
 
 class LeanSteps:
-    def __init__(self, model: M.Transformer, cache: M.KVCache, screen: bool = True) -> None:
+    def __init__(self, model: M.Transformer, cache: M.KVCache, screen: bool = True, quant: str = "none") -> None:
         cfg = model.cfg
         self.model, self.cache = model, cache
         self.layers = model.layer_weights()  # views of the model's tensors: no copy
+        # each layer's (q|k|v, o, gate|up, down) products: the weights as they are, or int8 (worker/quant.py:
+        # a quarter of fp32's bytes a draft, approximate drafts; the target's verify keeps the output)
+        self.quant = quant
+        self.prods = Q.layer_products(self.layers, quant)
         self.embed = model.embed_tokens.weight
         self.head = self.embed if model.lm_head is None else model.lm_head.weight
         self.final_norm, self.eps = model.norm.weight, cfg.rms_norm_eps
@@ -92,9 +98,10 @@ class LeanSteps:
         half = D // 2
         x, red = F.embedding(tokens, self.embed), None
         for i, w in enumerate(self.layers):
+            p_qkv, p_o, p_gu, p_d = self.prods[i]
             if red is not None:
                 x = x + red.to(x.dtype)
-            qkv = F.linear(self._norm(x, w.ln1), w.wqkv, w.bqkv)
+            qkv = p_qkv(self._norm(x, w.ln1))
             qk = qkv[..., :(H + HK) * D].view(B, T, H + HK, D)
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
             q, k = qk[:, :, :H], qk[:, :, H:]
@@ -110,11 +117,11 @@ class LeanSteps:
             qg = q.transpose(1, 2).reshape(B, HK, n_rep * T, D)
             out = M.attend(qg, keys, vals, blocked)
             o = out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, -1)
-            red = F.linear(o, w.wo)
+            red = p_o(o)
             x = x + red.to(x.dtype)
-            gu = F.linear(self._norm(x, w.ln2), w.wgu)
+            gu = p_gu(self._norm(x, w.ln2))
             m = gu.shape[-1] // 2
-            red = F.linear(F.silu(gu[..., :m]) * gu[..., m:], w.wd)
+            red = p_d(F.silu(gu[..., :m]) * gu[..., m:])
         x = x + red.to(x.dtype)
         if pick is not None:
             x = x[torch.arange(B), pick][:, None]
