@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="tiny",
                    help="drafter of the local worker: 'tiny', a local HF directory or a .gguf file")
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
+    p.add_argument("--drafter-quant", default="none", choices=["none", "int8"],
+                   help="int8: the local CPU worker drafts with int8 layer weights (draftrelay worker --quant: "
+                        "faster, approximate drafts; the output is the target's either way)")
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
@@ -94,6 +97,11 @@ def _check(args: argparse.Namespace) -> str:
         return f"--threads must be 'auto' or a thread count (0: torch's own), got {args.threads!r}"
     if args.spec_cache and args.k < 1:
         return f"--spec-cache needs --k >= 1 (drafts to branch), got --k {args.k}"
+    if args.drafter_quant != "none" and args.worker:
+        return f"--drafter-quant {args.drafter_quant}: the local worker's setting; a remote worker takes --quant itself"
+    if args.drafter_quant != "none" and args.device.startswith("cuda"):
+        return (f"--drafter-quant {args.drafter_quant}: for a CPU drafter (the local worker's lean loop), "
+                f"not --device {args.device}")
     return ""
 
 
@@ -272,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch,
                                                   warm_batch=0 if args.no_warmup else args.max_batch,
-                                                  warm_max_kv=args.worker_warm_max_kv)
+                                                  warm_max_kv=args.worker_warm_max_kv, quant=args.drafter_quant)
                 except RuntimeError as exc:
                     say(f"the local worker did not start: {exc}")
                     return 1
