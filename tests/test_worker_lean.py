@@ -15,8 +15,9 @@ from draftrelay.worker.core import WorkerCore
 from draftrelay.worker.drafters import LlamaDrafter, load_drafter
 
 
-def make(spec, mode, n_rows=6):
-    d = load_drafter(spec, device="cpu", n_rows=n_rows, max_ctx=200, n_out_max=6, mode=mode)
+def make(spec, mode="auto", n_rows=6, quant="none"):
+    """A drafter of spec on the CPU, a worker core over it and one open session (the worker tests' setting)."""
+    d = load_drafter(spec, device="cpu", n_rows=n_rows, max_ctx=200, n_out_max=6, mode=mode, quant=quant)
     core = WorkerCore(d, max_requests=4)
     s, _ = core.open_session(P.Hello(max_requests=4, n_out_max=6))
     return d, core, s

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from draftrelay import cli, demo_pair
 from draftrelay.wire import protocol as P
 from draftrelay.worker import quant as Q
-from draftrelay.worker.core import WorkerCore
 from draftrelay.worker.drafters import load_drafter
+from test_worker_lean import make as make_worker
 
 pytestmark = pytest.mark.skipif(bool(Q.available()), reason=Q.available() or "int8 available")
 
@@ -55,11 +55,8 @@ def test_products_the_kernel_misreads_stay_fp32_and_say_why(caplog):
         Q.layer_products([], "int4")
 
 
-def _pair(quant: str, n_rows: int = 6):
-    d = load_drafter(demo_pair.paths()[1], device="cpu", n_rows=n_rows, max_ctx=200, n_out_max=6, quant=quant)
-    core = WorkerCore(d, max_requests=4)
-    s, _ = core.open_session(P.Hello(max_requests=4, n_out_max=6))
-    return d, core, s
+def _pair(quant: str):
+    return make_worker(demo_pair.paths()[1], quant=quant)
 
 
 def test_lean_loop_on_int8_weights_drafts_close_to_fp32():

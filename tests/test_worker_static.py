@@ -8,13 +8,11 @@ import numpy as np
 from draftrelay.wire import protocol as P
 from draftrelay.worker.core import WorkerCore
 from draftrelay.worker.drafters import load_drafter
+from test_worker_lean import make as make_worker
 
 
 def make(mode):
-    d = load_drafter("tiny", device="cpu", n_rows=6, max_ctx=200, n_out_max=6, mode=mode)
-    core = WorkerCore(d, max_requests=4)
-    s, _ = core.open_session(P.Hello(max_requests=4, n_out_max=6))
-    return d, core, s
+    return make_worker("tiny", mode)
 
 
 def test_static_step_equals_eager_step():
