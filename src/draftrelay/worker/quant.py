@@ -2,10 +2,11 @@
 
 A CPU drafter's draft is bound by the bytes its products read: the reference 0.5B drafter in fp32 reads
 about 1.4 GB of layer weights per draft (84 ms a draft on the 2-core development VM, ~30 GB/s). Its
-weights as int8 with one fp32 scale per output row are a quarter of that, and torch's CPU kernel for
-such products (`aten._weight_int8pack_mm`, bf16 activations, the int8 weight rows dequantized in its
-inner loop) runs the 0.5B's products 2.3-2.6 x faster than fp32 `F.linear` there (gate|up 1.04 -> 0.45 ms,
-down 0.41 -> 0.16 ms), where bf16 `F.linear` gains nothing at one row.
+weights as int8 with one bf16 scale per output row are a quarter of that. torch's CPU kernel for such
+products (`aten._weight_int8pack_mm`, bf16 activations, the int8 weight rows dequantized in its inner
+loop) is bound by that dequantization rather than by the bytes (about 8 GB/s of int8 weights there), so
+a draft goes from 82 to 58 ms (1.42 x, `benchmarks/cpu_draft.py --int8`), where bf16 weights through
+`F.linear` gain nothing at one row.
 
 The drafts are then approximate: each product is within ~1 % of the fp32 one (the int8 rounding of each
 weight, and the activations rounded to bf16), so a near-tie among the drafter's top tokens can go the other
