@@ -101,6 +101,19 @@ class Progress:
             print(file=sys.stderr)
 
 
+def local_quant_problems(quant: str, device: str, worker: str) -> list[str]:
+    """Why --drafter-quant cannot apply (none when it can): it sets the local worker's --quant, which runs
+    on a CPU drafter only; a remote worker (--worker) is started with its own. Shared with `draftrelay serve`."""
+    if quant == "none":
+        return []
+    bad = []
+    if worker:
+        bad.append(f"--drafter-quant {quant}: the local worker's setting; a remote worker takes --quant itself")
+    if str(device).startswith("cuda"):
+        bad.append(f"--drafter-quant {quant}: for a CPU drafter (the local worker's lean loop), not --device {device}")
+    return bad
+
+
 def check_flags(args: argparse.Namespace) -> list[str]:
     """One message per bad flag (demo and generate share the common ones)."""
     bad = []
@@ -122,12 +135,8 @@ def check_flags(args: argparse.Namespace) -> list[str]:
             bad.append(f"{flag} {v}: must be a positive number of milliseconds")
     if args.worker_threads < 0:
         bad.append(f"--worker-threads {args.worker_threads}: must be 0 (all cores) or more")
-    quant = getattr(args, "drafter_quant", "none")
-    if quant != "none" and str(getattr(args, "device", "cpu")).startswith("cuda"):
-        bad.append(f"--drafter-quant {quant}: for a CPU drafter (the local worker's lean loop), not --device "
-                   f"{args.device}")
-    if quant != "none" and getattr(args, "worker", None):
-        bad.append(f"--drafter-quant {quant}: the local worker's setting; a remote worker takes --quant itself")
+    bad += local_quant_problems(getattr(args, "drafter_quant", "none"), getattr(args, "device", "cpu"),
+                                getattr(args, "worker", ""))
     if getattr(args, "metrics_port", 0) and not 0 < args.metrics_port < 65536:
         bad.append(f"--metrics-port {args.metrics_port}: must be 1-65535")
     spec_cache = getattr(args, "spec_cache", 0)

@@ -84,13 +84,14 @@ REQ_DTYPE = np.dtype(
      ("n_tok", "<u4"), ("n_out", "<u4"), ("flags", "<u4"), ("reserved", "<u4")]
 )
 DESC_HEADER = struct.Struct("<IIII")  # round, n_req, n_tok, flags
+REPLY_HEADER = struct.Struct("<IIII")  # round, status, n_req, bytes of a failed round's detail
 DETAIL_MAX = 240  # bytes of a failed round's detail in its reply slot
 
 
 def detail_room(cfg: RegionConfig) -> int:
     """Bytes a failed round's detail may take: DETAIL_MAX, within the slot's drafts area it is written to."""
     return min(DETAIL_MAX, 4 * cfg.max_requests * cfg.max_drafts)
-REPLY_HEADER = struct.Struct("<IIII")  # round, status, n_req, bytes of a failed round's detail
+
 
 FLAG_SELFTEST = 1  # staging flag: answer with the built-in deterministic drafter, no network
 

@@ -97,12 +97,9 @@ def _check(args: argparse.Namespace) -> str:
         return f"--threads must be 'auto' or a thread count (0: torch's own), got {args.threads!r}"
     if args.spec_cache and args.k < 1:
         return f"--spec-cache needs --k >= 1 (drafts to branch), got --k {args.k}"
-    if args.drafter_quant != "none" and args.worker:
-        return f"--drafter-quant {args.drafter_quant}: the local worker's setting; a remote worker takes --quant itself"
-    if args.drafter_quant != "none" and args.device.startswith("cuda"):
-        return (f"--drafter-quant {args.drafter_quant}: for a CPU drafter (the local worker's lean loop), "
-                f"not --device {args.device}")
-    return ""
+    from draftrelay.engine.cli_generate import local_quant_problems
+
+    return next(iter(local_quant_problems(args.drafter_quant, args.device, args.worker)), "")
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quant", default="none", choices=["none", "int8"],
                    help="int8: the layers' products on int8 weights, one scale per row (a CPU drafter in its lean "
-                        "loop: a quarter of fp32's bytes a draft, ~2x faster drafts on the reference 0.5B; the "
+                        "loop: a quarter of fp32's bytes a draft, 1.4x faster drafts on the reference 0.5B; the "
                         "drafts are approximate, the target's verify keeps its output)")
     p.add_argument("--rows", type=int, default=16, help="draft-KV rows shared by all sessions")
     p.add_argument("--max-requests", type=int, default=0,

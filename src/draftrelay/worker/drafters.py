@@ -179,8 +179,9 @@ class LlamaDrafter(Drafter):
             raise ValueError(f"drafter quant {quant!r}: one of {', '.join(Q.QUANTS)}")
         if quant != "none" and mode != "lean":
             raise ValueError(f"drafter quant {quant!r} runs in the lean loop (a CPU drafter), not in mode {mode!r}")
-        if quant != "none" and Q.available():
-            raise ValueError(f"drafter quant {quant!r}: {Q.available()}")
+        missing = Q.available() if quant != "none" else ""
+        if missing:
+            raise ValueError(f"drafter quant {quant!r}: {missing}")
         self.mode = mode
         self.max_ctx = min(max_ctx, cfg.max_position_embeddings)
         self.n_rows, self.n_out_max, self.vocab_size = n_rows, n_out_max, cfg.vocab_size
@@ -191,7 +192,6 @@ class LlamaDrafter(Drafter):
         self._static: dict[tuple[int, int, int], object] = {}
         self._capture: GraphCapture | None = None  # made at the first capture, on the model's GPU
         self._lean = lean.LeanSteps(model, self.cache, quant=quant) if mode == "lean" else None
-        self.quant = quant
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
                      f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}"
                      + (f", {quant} products" if quant != "none" else ""))

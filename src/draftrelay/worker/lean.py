@@ -45,7 +45,6 @@ class LeanSteps:
         self.layers = model.layer_weights()  # views of the model's tensors: no copy
         # each layer's (q|k|v, o, gate|up, down) products: the weights as they are, or int8 (worker/quant.py:
         # a quarter of fp32's bytes a draft, approximate drafts; the target's verify keeps the output)
-        self.quant = quant
         self.prods = Q.layer_products(self.layers, quant)
         self.embed = model.embed_tokens.weight
         self.head = self.embed if model.lm_head is None else model.lm_head.weight

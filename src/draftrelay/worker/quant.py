@@ -57,6 +57,7 @@ class Int8Linear:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.q, self.scale, self.bias = q, scale, bias
         self.N, self.K = q.shape
+        self._op = _int8_op()  # looked up once: each forward calls every layer's products
 
     @staticmethod
     def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +95,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = _int8_op()(x.reshape(-1, self.K).to(torch.bfloat16), self.q, self.scale)
+        y = self._op(x.reshape(-1, self.K).to(torch.bfloat16), self.q, self.scale)
         y = y.view(*lead, self.N).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
