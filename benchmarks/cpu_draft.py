@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: every core, as the local worker)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--no-worker", action="store_true", help="leave the worker process out")
-    ap.add_argument("--int8", action="store_true",
-                    help="also the STEP of a second drafter on the same weights with int8 layer products "
-                         "(draftrelay worker --quant int8, worker/quant.py)")
+    ap.add_argument("--quant", default="",
+                    help="comma-separated int8,int4: also the STEP of a drafter on the same weights with its layer "
+                         "products quantized so (draftrelay worker --quant, worker/quant.py), interleaved")
+    ap.add_argument("--int8", action="store_true", help="the same as --quant int8")
     ap.add_argument("--other-thread", action="store_true",
                     help="also the STEP from a second thread of this process (its second OpenMP team slows every "
                          "in-process variant, which is what it shows)")
@@ -96,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     prompt = np.asarray(ids, np.int32)
     drafter.run([Job(0, 0, prompt[:-1])], 0)  # the prompt but its last token in the cache: every STEP below
     base = len(ids) - 1                       # extends it by that token and drafts from there
-    drafter8 = None
-    if args.int8:  # the same weights, the layers' products on an int8 copy of them
-        drafter8 = LlamaDrafter(net, 1, len(ids) + n + 32, max(8, n), "bench", "", mode="lean", quant="int8")
-        drafter8.run([Job(0, 0, prompt[:-1])], 0)
+    quants = [q for q in args.quant.split(",") if q] + (["int8"] if args.int8 and "int8" not in args.quant else [])
+    bad = [q for q in quants if q not in ("int8", "int4")]
+    if bad:
+        raise SystemExit(f"cpu_draft: --quant takes int8 and/or int4, got {','.join(bad)}")
+    quantized = {}  # the same weights, the layers' products on a quantized copy of them
+    for q in quants:
+        quantized[q] = LlamaDrafter(net, 1, len(ids) + n + 32, max(8, n), "bench", "", mode="lean", quant=q)
+        quantized[q].run([Job(0, 0, prompt[:-1])], 0)
 
     def step(n_steps: int, d=drafter):
         return d.run([Job(0, base, prompt[-1:])], n_steps)
@@ -207,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "STEP 1 draft, full head": Step(1, False),
                                    f"STEP {n} drafts, full head": Step(n, False),
                                    "layers only": Layers(), "head full": Head(False), "head screened": Head(True)}
-    if drafter8 is not None:
-        variants["STEP 1 draft, int8 products"] = Step(1, d=drafter8)
-        variants[f"STEP {n} drafts, int8 products"] = Step(n, d=drafter8)
+    for q, dq in quantized.items():
+        variants[f"STEP 1 draft, {q} products"] = Step(1, d=dq)
+        variants[f"STEP {n} drafts, {q} products"] = Step(n, d=dq)
     if args.other_thread:
         variants["STEP 1 draft, another thread"] = ThreadStep(1)
         variants[f"STEP {n} drafts, another thread"] = ThreadStep(n)
@@ -230,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     same = all(np.array_equal(a, b) for a, b in zip(variants[f"STEP {n} drafts"].out[:1],
                                                     variants[f"STEP {n} drafts, full head"].out[:1], strict=True))
     screened = {"screened_steps": drafter._lean.screened, "full_steps": drafter._lean.full}
-    per_draft_thread = per_draft_int8 = None
-    if drafter8 is not None:
-        i1, i_n = rows["STEP 1 draft, int8 products"], rows[f"STEP {n} drafts, int8 products"]
-        per_draft_int8 = {q: (i_n[q] - i1[q]) / (n - 1) for q in ("p50_ms", "min_ms")}
-        out8 = variants[f"STEP {n} drafts, int8 products"].out[0][0]
-        same8 = int((out8 == variants[f"STEP {n} drafts"].out[0][0]).sum())
+    per_draft_thread = None
+    per_draft_q, same_q = {}, {}
+    for q in quantized:
+        i1, i_n = rows[f"STEP 1 draft, {q} products"], rows[f"STEP {n} drafts, {q} products"]
+        per_draft_q[q] = {s: (i_n[s] - i1[s]) / (n - 1) for s in ("p50_ms", "min_ms")}
+        out_q = variants[f"STEP {n} drafts, {q} products"].out[0][0]
+        same_q[q] = int((out_q == variants[f"STEP {n} drafts"].out[0][0]).sum())
     if args.other_thread:
         t1, tn = rows["STEP 1 draft, another thread"], rows[f"STEP {n} drafts, another thread"]
         per_draft_thread = {q: (tn[q] - t1[q]) / (n - 1) for q in ("p50_ms", "min_ms")}
@@ -253,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  per draft in the worker's loop (slope 1 -> {n}): p50 {per_draft['p50_ms']:.1f} ms, "
           f"min {per_draft['min_ms']:.1f} ms; with the full head p50 {per_draft_full['p50_ms']:.1f} ms, "
           f"min {per_draft_full['min_ms']:.1f} ms; drafts equal: {same}; {screened}")
-    if per_draft_int8:
-        print(f"  per draft with int8 products: p50 {per_draft_int8['p50_ms']:.1f} ms, "
-              f"min {per_draft_int8['min_ms']:.1f} ms ({per_draft['p50_ms'] / per_draft_int8['p50_ms']:.2f} x "
-              f"faster at the p50; {same8} of {n} drafts equal to fp32's)")
+    for q, pq in per_draft_q.items():
+        print(f"  per draft with {q} products: p50 {pq['p50_ms']:.1f} ms, "
+              f"min {pq['min_ms']:.1f} ms ({per_draft['p50_ms'] / pq['p50_ms']:.2f} x "
+              f"faster at the p50; {same_q[q]} of {n} drafts equal to fp32's)")
     if per_draft_thread:
         print(f"  per draft from another thread of this process: p50 {per_draft_thread['p50_ms']:.1f} ms, "
               f"min {per_draft_thread['min_ms']:.1f} ms")
@@ -267,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
            "threads": threads, "drafter": net.cfg.name or args.drafter, "steps": args.steps,
            "huge_pages": hugepages.enabled()[0], "load_average": {"min": min(loads), "max": max(loads)},
            "variants": rows, "per_draft_ms": per_draft, "per_draft_full_head_ms": per_draft_full,
-           "per_draft_other_thread_ms": per_draft_thread, "per_draft_int8_ms": per_draft_int8,
-           "int8_drafts_equal_fp32": None if drafter8 is None else same8,
+           "per_draft_other_thread_ms": per_draft_thread, "per_draft_int8_ms": per_draft_q.get("int8"),
+           "int8_drafts_equal_fp32": same_q.get("int8"), "per_draft_int4_ms": per_draft_q.get("int4"),
+           "int4_drafts_equal_fp32": same_q.get("int4"),
            "drafts_equal_full_head": same, "steps_picked": screened, "per_draft_worker_ms": worker}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -22,7 +22,11 @@ Modes (`--modes`, comma-separated):
   cache:K/F[/RULE]         async rounds with the speculation cache (engine/spec_cache.py): fixed k = K,
                            F branches per request, wait rule RULE (all, rows or early; default all), with
                            its guard (engine/cache_guard.py: F, F/2 or plain rounds, whichever measures faster)
+  cache:autoK/F[/RULE]     the same with the depth policy (up to K) choosing k on the guard's plain steps, as
+                           `draftrelay generate --spec-cache` runs it (cache steps draft K)
   cache-raw:K/F[/RULE]     the same without the guard: every step a cache step
+  MODE@QUANT               a sync, async or cache mode with the drafter worker's --quant QUANT (none, int8,
+                           int4) instead of --drafter-quant's: one worker per quant, every mode interleaved
   hf                       transformers' plain greedy generate
   hf-assisted:K            transformers' assisted generation, constant K drafts (confidence threshold off)
   hf-assisted:heuristic    transformers' assisted generation with its own defaults (heuristic schedule)
@@ -94,9 +98,22 @@ def engine_mode(m: str, k_max: int) -> tuple[str, bool, int, float]:
     return kind, auto, int(k), s
 
 
+QUANTS = ("none", "int8", "int4")
+
+
+def mode_quant(m: str, default: str) -> tuple[str, str]:
+    """(the mode without its @QUANT suffix, the drafter quant it runs with: the suffix's, else default)."""
+    base, at, q = m.partition("@")
+    return base, (q if at else default)
+
+
 def parse_modes(s: str, k_max: int = 6) -> list[str]:
     out = []
-    for m in (x.strip() for x in s.split(",") if x.strip()):
+    for full in (x.strip() for x in s.split(",") if x.strip()):
+        m, at, q = full.partition("@")
+        if at and (q not in QUANTS or not m.startswith(("sync", "async", "cache"))):
+            raise SystemExit(f"real_pair: --modes: {full!r}: @QUANT ({', '.join(QUANTS)}) follows a sync, async "
+                             f"or cache mode")
         kind, _, arg = m.partition(":")
         ok = (kind == "hf" and not arg) or (kind == "off" and arg == "full-head") or (kind == "hf-assisted" and (
             arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
@@ -111,17 +128,20 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
             raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, hf, sync:D[/S], async:D[/S] "
                              f"(D: auto, autoN or K <= 16; S: a confidence stop in [0, 1]), "
                              f"cache[-raw]:K/F[/all|rows|early], hf-assisted:K|heuristic")
-        out.append(m)
+        out.append(full)
     return out
 
 
-def _cache_arg(arg: str) -> tuple[int, int, str] | None:
-    """cache:K/F[/RULE] -> (K, F, RULE), or None if malformed."""
+def _cache_arg(arg: str) -> tuple[int, int, str, bool] | None:
+    """cache:[auto]K/F[/RULE] -> (K, F, RULE, depth policy on the plain steps), or None if malformed."""
     parts = arg.split("/")
+    auto = parts[0].startswith("auto")
+    if auto:
+        parts[0] = parts[0][4:]
     if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts[:2]):
         return None
     k, f, rule = int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "all"
-    return (k, f, rule) if 1 <= k <= 16 and 1 <= f <= 64 and rule in ("all", "rows", "early") else None
+    return (k, f, rule, auto) if 1 <= k <= 16 and 1 <= f <= 64 and rule in ("all", "rows", "early") else None
 
 
 # -- draftrelay ---------------------------------------------------------------------------------------
@@ -164,9 +184,9 @@ class EngineRunner:
         kind, _, arg = mode.partition(":")
         self.full_head = arg == "full-head"
         fanout, options = 0, {}
-        if kind in ("cache", "cache-raw"):  # async rounds with the speculation cache, a fixed depth
-            k_max, fanout, rule = _cache_arg(arg)
-            kind, auto, stop, options = "async", False, 0.0, {"wait_rule": rule, "guard": kind == "cache"}
+        if kind in ("cache", "cache-raw"):  # async rounds with the speculation cache at depth k_max
+            k_max, fanout, rule, auto = _cache_arg(arg)  # auto: the depth policy on the guard's plain steps
+            kind, stop, options = "async", 0.0, {"wait_rule": rule, "guard": kind == "cache"}
         else:
             kind, auto, k_max, stop = engine_mode("off" if self.full_head else mode, args.k_max)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
@@ -428,9 +448,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the drafter's dtype (the worker's, and transformers' assistant's): same as the target "
                          "(default), or fp32 / bf16 whatever the target's (a greedy verify keeps the target's "
                          "output; a bf16 drafter reads half the bytes a draft)")
-    ap.add_argument("--drafter-quant", default="none", choices=["none", "int8"],
-                    help="the worker's --quant: int8 runs the drafter's layer products on int8 weights "
-                         "(worker/quant.py; transformers' assistant stays as loaded)")
+    ap.add_argument("--drafter-quant", default="none", choices=list(QUANTS),
+                    help="the worker's --quant: int8 / int4 run the drafter's layer products on int8 / int4 weights "
+                         "(worker/quant.py; transformers' assistant stays as loaded). A mode's own @QUANT suffix "
+                         "(sync:auto@int4) overrides it: each quant gets its own worker, all modes interleaved")
     ap.add_argument("--threads", default="auto", help="the engine's CPU threads: auto (engine/threads.py) or N")
     ap.add_argument("--hf-weights", default="shared", choices=["shared", "own"],
                     help="transformers' weights: our tensors (shared: in our huge pages, hugepages.py), or its own "
@@ -485,30 +506,35 @@ def main(argv: list[str] | None = None) -> int:
         ids = {n: tok.encode(PROMPTS[n][1]) for n in names}
         res: dict[str, dict] = {m: {"prompts": {n: {"runs": []} for n in ids}} for m in modes}
         timing = None
-        worker = None
+        workers: dict[str, object] = {}
         runners: dict[str, object] = {}
         hf_threads = torch.get_num_threads()
         try:
-            if any(m.split(":")[0] in ("sync", "async", "cache", "cache-raw") for m in modes):
+            spec_modes = [mode_quant(m, args.drafter_quant) for m in modes
+                          if m.split(":")[0] in ("sync", "async", "cache", "cache-raw")]
+            specs: dict[str, tuple] = {}  # quant -> (worker spec, round settings)
+            if spec_modes:
                 max_ctx = max(len(x) for x in ids.values()) + args.max_tokens + 64
-                k_all = max([args.k_max] + [engine_mode(m, args.k_max)[2] for m in modes
+                k_all = max([args.k_max] + [engine_mode(m, args.k_max)[2] for m, _ in spec_modes
                                             if m.startswith(("sync", "async"))]
-                            + [_cache_arg(m.partition(":")[2])[0] for m in modes
+                            + [_cache_arg(m.partition(":")[2])[0] for m, _ in spec_modes
                                if m.startswith(("cache:", "cache-raw:"))])
-                worker = L.start_local_worker(str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 4,
-                                              args.worker_threads,
-                                              dtype="float32" if ddtype == torch.float32 else "bfloat16",
-                                              quant=args.drafter_quant)
-                spec = L.worker_spec(worker.host, worker.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash,
-                                     k_all, 8)
-                # the round budget follows the deepest mode; each mode's policy starts from the round costs
-                # measured at its own k_max (calibrate.py measures every depth asked)
-                depths = [engine_mode(m, args.k_max)[2] for m in modes if m.startswith(("sync", "async"))]
-                rs = round_settings_for(spec, max(ids.values(), key=len), depths)
-                timing = rs.timing.as_dict() if rs.timing else None
-                print(f"[{dname}] {rs.note}", flush=True)
-            else:
-                spec = rs = None
+                timing = {}
+                for quant in dict.fromkeys(q for _, q in spec_modes):  # one worker per drafter quant
+                    workers[quant] = w = L.start_local_worker(
+                        str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 4, args.worker_threads,
+                        dtype="float32" if ddtype == torch.float32 else "bfloat16", quant=quant)
+                    spec = L.worker_spec(w.host, w.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash, k_all, 8)
+                    # the round budget follows the deepest mode; each mode's policy starts from the round costs
+                    # measured at its own k_max (calibrate.py measures every depth asked)
+                    depths = [engine_mode(m, args.k_max)[2] for m, q in spec_modes
+                              if q == quant and m.startswith(("sync", "async"))]
+                    rs = round_settings_for(spec, max(ids.values(), key=len), depths)
+                    specs[quant] = (spec, rs)
+                    timing[quant] = rs.timing.as_dict() if rs.timing else None
+                    print(f"[{dname}] drafter quant {quant}: {rs.note}", flush=True)
+                if len(timing) == 1:
+                    timing = next(iter(timing.values()))
             hf_modes = [m for m in modes if m.startswith("hf")]
             if hf_modes:
                 from draftrelay.checkpoint import gguf
@@ -522,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                 hf_drafter = hf_model(drafter) if drafter is not None else None
             for mode in modes:
                 runners[mode] = HFRunner(hf, hf_drafter, tok, mode, ids, args, hf_threads) if mode.startswith("hf") \
-                    else EngineRunner(model, tok, mode, ids, args, spec, rs)
+                    else EngineRunner(model, tok, mode_quant(mode, "")[0], ids, args,
+                                      *specs.get(mode_quant(mode, args.drafter_quant)[1], (None, None)))
             # interleaved: every prompt of every repeat runs each mode once, the order rotating, so a change of
             # the machine's load hits every mode alike
             t_all = time.perf_counter()
@@ -543,8 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for mode, r in runners.items():
                 res[mode].update(r.close())
-            if worker is not None:
-                worker.stop()
+            for w in workers.values():
+                w.stop()
         loads = [v for m in res.values() for p in m["prompts"].values() for r in p["runs"] for v in r["load"]]
         out.setdefault("load_average", {})[dname] = {"min": min(loads), "max": max(loads),
                                                      "median": statistics.median(loads)}

@@ -542,16 +542,17 @@ def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives(mode):
     assert int(got[0][0][0]) == int(f[0])  # the first place's most likely token is the first draft
 
 
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch, quant):
     """A drafter in its lean loop (the CPU default) drafts its branches with fork.LeanFork: neither the
     fast-forward structure (fork_forward) nor the reference attention's merged full-length rows run, and
-    the bonus forward runs only when a next table reads it. Its branches are what a fresh round drafts,
-    on fp32 weights and on int8 ones (worker/quant.py: the branch rows run the rounds' int8 products)."""
+    the bonus forward runs only when a next table reads it. Its branches are what a fresh round drafts, on
+    fp32 weights and on quantized ones (worker/quant.py: the branch rows run the rounds' int8 or int4
+    products; int4 but for near-ties, below)."""
     from draftrelay.worker import quant as Q
 
-    if quant != "none" and Q.available():
-        pytest.skip(Q.available())
+    if Q.available(quant):
+        pytest.skip(Q.available(quant))
     from draftrelay.worker import fork, prefetch
     from draftrelay.worker.core import WorkerCore
     from draftrelay.worker.drafters import load_drafter
@@ -573,6 +574,7 @@ def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch, quant):
     assert [e.n_branches for e in t.entries] == [F, F]  # a failed branch run would give an empty table
     pf = core.prefetcher
     assert pf.fork._bonus is not None and pf.fork._bonus[3] is None  # not run yet
+    same = rows = 0
     for e, prompt in zip(t.entries, prompts, strict=True):
         for b in range(F):
             ctx = np.concatenate([prompt, e.prefix(b)]).astype(np.int32)
@@ -584,7 +586,16 @@ def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch, quant):
             # branch row's context went through
             other.step(s2, [P.Block(1, 1, 0, prompt, 0)])
             fresh = other.step(s2, [P.Block(1, 1, len(prompt), ctx[len(prompt):], k)]).drafts[0, :k]
-            assert np.array_equal(fresh, e.branch_drafts[b]), (e.request_id, b)
+            rows += 1
+            if np.array_equal(fresh, e.branch_drafts[b]):
+                same += 1
+            else:  # int4 only (below): the branch's first draft is the fresh round's all the same
+                assert quant == "int4" and fresh[0] == e.branch_drafts[b][0], (e.request_id, b)
+    # int4's 16 levels a group leave the tiny drafter small margins between its top tokens, and the forked
+    # rows' fp32 attention and head run at other shapes than a fresh round's: their last-bit differences,
+    # rounded to bf16 at the next quantized product's input, flipped a later draft in 2 of these 16 rows
+    # (likely that; not isolated further). int8 and fp32 drafts are equal row for row.
+    assert same >= (rows if quant != "int4" else rows - 3), (same, rows)
 
 
 @pytest.mark.parametrize("mode", ["eager", "lean"])

@@ -41,9 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round-budget-ms", type=float, default=None,
                    help="what the proxy allows one round (default: from the worker's measured STEP)")
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
-    p.add_argument("--drafter-quant", default="none", choices=["none", "int8"],
-                   help="int8: the local CPU worker drafts with int8 layer weights (draftrelay worker --quant: "
-                        "faster, approximate drafts; the output is the target's either way)")
+    p.add_argument("--drafter-quant", default="none", choices=["none", "int8", "int4"],
+                   help="the local CPU worker's --quant: int8 or int4 layer weights for its drafts (faster, "
+                        "approximate drafts; the output is the target's either way)")
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (async): the worker pre-drafts F branches per request during each "
                         "verify (no value: 8)")

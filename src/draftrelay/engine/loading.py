@@ -123,7 +123,8 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
     requests at every KV bucket before the worker listens (a server's first round at a new batch
     size or context would otherwise wait for a capture, past its deadline); warm_max_kv > 0: only for
     contexts up to that many tokens (fewer graphs, a shorter start; longer contexts capture on first
-    use). quant: the worker's --quant (int8: a CPU drafter's products on int8 weights, worker/quant.py)."""
+    use). quant: the worker's --quant (int8 / int4: a CPU drafter's products on int8 / int4 weights,
+    worker/quant.py)."""
     from draftrelay.worker.process import start_worker_process
 
     args = ["--model", drafter, "--device", str(device), "--n-out-max", str(max(8, n_draft)),

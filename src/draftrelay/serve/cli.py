@@ -28,9 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="tiny",
                    help="drafter of the local worker: 'tiny', a local HF directory or a .gguf file")
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
-    p.add_argument("--drafter-quant", default="none", choices=["none", "int8"],
-                   help="int8: the local CPU worker drafts with int8 layer weights (draftrelay worker --quant: "
-                        "faster, approximate drafts; the output is the target's either way)")
+    p.add_argument("--drafter-quant", default="none", choices=["none", "int8", "int4"],
+                   help="the local CPU worker's --quant: int8 or int4 layer weights for its drafts (faster, "
+                        "approximate drafts; the output is the target's either way)")
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")

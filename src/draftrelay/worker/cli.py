@@ -41,10 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=18627, help="TCP port (0: pick a free one; printed at start)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quant", default="none", choices=["none", "int8"],
-                   help="int8: the layers' products on int8 weights, one scale per row (a CPU drafter in its lean "
-                        "loop: a quarter of fp32's bytes a draft, 1.4x faster drafts on the reference 0.5B; the "
-                        "drafts are approximate, the target's verify keeps its output)")
+    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                   help="a CPU drafter's layer products (its lean loop) on quantized weights: int8 (one scale per "
+                        "row, a quarter of fp32's bytes; 1.4x faster drafts on the reference 0.5B) or int4 (groups "
+                        "of 32, an eighth; faster still, less like the fp32 drafter). The drafts are approximate, "
+                        "the target's verify keeps its output")
     p.add_argument("--rows", type=int, default=16, help="draft-KV rows shared by all sessions")
     p.add_argument("--max-requests", type=int, default=0,
                    help="most requests (rows) one session may hold (0: half of --rows, so one client cannot take "

@@ -179,7 +179,7 @@ class LlamaDrafter(Drafter):
             raise ValueError(f"drafter quant {quant!r}: one of {', '.join(Q.QUANTS)}")
         if quant != "none" and mode != "lean":
             raise ValueError(f"drafter quant {quant!r} runs in the lean loop (a CPU drafter), not in mode {mode!r}")
-        missing = Q.available() if quant != "none" else ""
+        missing = Q.available(quant) if quant != "none" else ""
         if missing:
             raise ValueError(f"drafter quant {quant!r}: {missing}")
         self.mode = mode
@@ -523,7 +523,8 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     """`tiny` (the drafter half of model.tiny_pair), `test` (TestDrafter), `random:SHAPE`
     (SHAPES at seeded random weights), a local HF model directory, a GGUF file, or (benchmarks only)
     `replay:TRACE.json:INNER` / `replay:TRACE.json:emulated=COST.json` (draftrelay.replay).
-    quant "int8": the layers' products on int8 weights (worker/quant.py; a CPU drafter in the lean loop)."""
+    quant "int8" / "int4": the layers' products on int8 / int4 weights (worker/quant.py; a CPU drafter in the
+    lean loop)."""
     if quant != "none" and (spec == "test" or spec.startswith("replay:")):
         raise ValueError(f"--quant {quant}: the {spec.split(':')[0]!r} drafter has no weights to quantize")
     if spec == "test":

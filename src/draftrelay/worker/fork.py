@@ -186,7 +186,7 @@ class LeanFork:
         scale = ln.scale
         x, red = F.embedding(tokens, ln.embed), None
         for i, w in enumerate(ln.layers):
-            p_qkv, p_o, p_gu, p_d = ln.prods[i]  # the lean loop's products (int8 where it quantizes)
+            p_qkv, p_o, p_gu, p_d = ln.prods[i]  # the lean loop's products (int8 or int4 where it quantizes)
             if red is not None:
                 x = x + red.to(x.dtype)
             qkv = p_qkv(ln._norm(x, w.ln1))

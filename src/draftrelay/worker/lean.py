@@ -17,8 +17,9 @@ through its int8 copy (`greedy_head.head_pick`): the drafts are the full head's 
 the confidences lie within a proven interval around the full head's, and a confidence stop decides as
 the full head would (a step the interval leaves undecided takes the full head). What it does not do:
 prompts (extensions longer than PAD_LIMIT go through the eager path), q/k norms (Qwen3) and the
-fused-kernel fast path; a drafter needing one of those stays eager. With `quant="int8"` (worker/quant.py)
-the layers' products read int8 weights: the drafts are then approximate, not the eager path's.
+fused-kernel fast path; a drafter needing one of those stays eager. With `quant="int8"` or `"int4"`
+(worker/quant.py) the layers' products read int8 or int4 weights: the drafts are then approximate, not the
+eager path's.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class LeanSteps:
         cfg = model.cfg
         self.model, self.cache = model, cache
         self.layers = model.layer_weights()  # views of the model's tensors: no copy
-        # each layer's (q|k|v, o, gate|up, down) products: the weights as they are, or int8 (worker/quant.py:
-        # a quarter of fp32's bytes a draft, approximate drafts; the target's verify keeps the output)
+        # each layer's (q|k|v, o, gate|up, down) products: the weights as they are, or int8 / int4
+        # (worker/quant.py: fewer bytes a draft, approximate drafts; the target's verify keeps the output)
         self.prods = Q.layer_products(self.layers, quant)
         self.embed = model.embed_tokens.weight
         self.head = self.embed if model.lm_head is None else model.lm_head.weight
