@@ -77,6 +77,10 @@ class BranchRounds:
     def reconnects(self) -> int:
         return getattr(self.inner, "reconnects", 0)
 
+    def keepalive(self) -> bool:
+        ka = getattr(self.inner, "keepalive", None)
+        return bool(ka()) if ka is not None else False
+
     def close(self) -> None:
         close = getattr(self.inner, "close", None)
         if close is not None:

@@ -121,6 +121,7 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
     def sized(t: int, requests: list) -> None:  # round t's time beyond a steady round's, for the watchdog
         native.store64(base + L.word(W.ROUND_BUDGET), (t & 0xFFFFFFFF) << 32 | budget.extra_us(requests))
 
+    keepalive = getattr(round_fn, "keepalive", None)
     blocking = wait == "block"
     release = native.store_max32_wake if blocking or wake_release else native.store_max32
     reported_reconnects = 0
@@ -145,6 +146,8 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
         if rc == native.WAIT_TIMEOUT:
             if parent_pid is not None and os.getppid() != parent_pid:
                 return  # the engine is gone
+            if keepalive is not None:  # no round for 100 ms: keep the worker session from expiring
+                keepalive()
             continue
         g = native.load32(a_gathered)
         if g != t and native.geq32(g, t):

@@ -16,6 +16,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections import Counter as Tally
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -168,11 +169,15 @@ class _Stats:
 
 
 class SyncRounds:
-    """The baseline: the engine's own thread runs the round function (and waits on the network)."""
+    """The baseline: the engine's own thread runs the round function (and waits on the network). A
+    worker round function's session is kept alive between rounds by a timer thread (`keepalive`: a
+    PING once a third of the worker's idle timeout passed with no frame, wire/client.py), which takes
+    the same lock as a round, so the two never share the client's socket."""
 
     mode = "sync"
     device_replies = False
     reply_layout = None
+    KEEPALIVE_POLL_S = 1.0  # how often the timer asks the client whether a PING is due
 
     def __init__(self, cfg: HandoffConfig, refusal: str = "") -> None:
         self.cfg = cfg
@@ -181,6 +186,29 @@ class SyncRounds:
         self._t = 0
         self._results: dict[int, RoundResult] = {}
         self._stats = _Stats()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._keeper = None
+        if getattr(self._fn, "keepalive", None) is not None:
+            # the thread holds the round function weakly: rounds never closed still get collected (and
+            # their timer ends at its next tick)
+            self._keeper = threading.Thread(target=SyncRounds._keep, daemon=True, name="draftrelay-keepalive",
+                                            args=(weakref.ref(self._fn), self._stop, self._lock,
+                                                  self.KEEPALIVE_POLL_S))
+            self._keeper.start()
+
+    @staticmethod
+    def _keep(fn_ref, stop: threading.Event, lock: threading.Lock, poll_s: float) -> None:
+        while not stop.wait(poll_s):
+            with lock:
+                fn = fn_ref()
+                if fn is None or stop.is_set():
+                    return
+                try:
+                    fn.keepalive()
+                except Exception:  # a keepalive never fails a round; the next round reconnects if it must
+                    log.debug("keepalive failed", exc_info=True)
+                del fn
 
     def submit(self, requests: list[RoundRequest]) -> int:
         self._t += 1
@@ -188,7 +216,8 @@ class SyncRounds:
         cfg = self.cfg
         n = len(requests)
         try:
-            out = self._fn(t, requests, cfg.round_budget_ms / 1000)
+            with self._lock:
+                out = self._fn(t, requests, cfg.round_budget_ms / 1000)
             counts, drafts, conf = check_drafts(out, requests, cfg.vocab_size, cfg.max_drafts)
             res = RoundResult(t, Status.OK, counts, drafts, conf)
         except Exception as exc:
@@ -213,9 +242,13 @@ class SyncRounds:
         return {"mode": self.mode, "refusal": self.refusal, **self._stats.as_dict()}
 
     def close(self) -> None:
-        close = getattr(self._fn, "close", None)  # a worker client: end its session now, not at GC
-        if close is not None:
-            close()
+        self._stop.set()
+        with self._lock:  # the timer is not mid-PING on the socket BYE goes out on
+            close = getattr(self._fn, "close", None)  # a worker client: end its session now, not at GC
+            if close is not None:
+                close()
+        if self._keeper is not None:
+            self._keeper.join(timeout=5)
 
 
 class PendingRound(NamedTuple):

@@ -10,6 +10,11 @@ Failure handling, in one place:
   worker then answers UNKNOWN_REQUEST until requests are resent from position 0).
 - circuit breaker: after `breaker_failures` failures in a row, calls raise WireBreakerOpen at once
   for `breaker_cooldown` seconds; then one call goes through (success closes the breaker).
+- idle sessions: the worker expires a session that sent no frame for its idle timeout (HELLO_OK's
+  idle_timeout_ms, 60 s by default), and the first round after such a pause would then fail and reach
+  a new session that knows none of the requests. `keepalive()`, called by whoever holds the client while
+  no round runs (the proxy between rounds, SyncRounds' timer), PINGs once a third of that timeout has
+  passed without a frame, so a pause between requests costs no round.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ __all__ = ["Block", "BlockResult", "DrafterClient", "StepReply", "WireBadReply",
            "WireDisconnected", "WireError", "WireRefused", "WireRemoteError", "WireTimeout"]
 
 CLIENT_MAX_FRAME = 1 << 20  # replies are small: 16 + blocks * (16 + 8 * n_out)
+KEEPALIVE_WITHIN = 1 / 3  # keepalive() PINGs once this fraction of the worker's idle timeout has passed
 
 
 class WireError(Exception):
@@ -114,8 +120,10 @@ class DrafterClient:
         self._seq = 0
         self._fails = 0
         self._open_until = 0.0
+        self._last_sent = 0.0  # monotonic time of the last frame sent (the worker's idle clock restarts)
         self.stats = {"steps": 0, "timeouts": 0, "disconnects": 0, "bad_replies": 0, "remote_errors": 0,
-                      "breaker_rejects": 0, "connects": 0, "skipped_late_replies": 0}
+                      "breaker_rejects": 0, "connects": 0, "skipped_late_replies": 0, "keepalives": 0,
+                      "keepalive_failures": 0}
 
     # ---- public -----------------------------------------------------------------------------------
 
@@ -163,6 +171,27 @@ class DrafterClient:
             return time.perf_counter() - t0
 
         return self._guarded(go)
+
+    def keepalive(self, within: float = KEEPALIVE_WITHIN, now: float | None = None) -> bool:
+        """PING the worker if this session has sent nothing for `within` of its idle timeout; True if it
+        did and the PONG came back. Not connected, or no timeout announced: nothing to keep. A failed
+        PING drops the connection (the next round reconnects, as after any disconnect) but does not
+        count toward the breaker: no round failed."""
+        if self.sock is None or self.info is None or not self.info.idle_timeout_ms:
+            return False
+        now = time.monotonic() if now is None else now
+        if now - self._last_sent < within * self.info.idle_timeout_ms / 1000:
+            return False
+        deadline = time.monotonic() + self.timeout
+        try:
+            seq = self._send(P.PING, b"", deadline)
+            self._recv_reply(seq, P.PONG, deadline)
+        except WireError:
+            self.stats["keepalive_failures"] += 1
+            self._drop()
+            return False
+        self.stats["keepalives"] += 1
+        return True
 
     def close(self) -> None:
         if self.sock is not None:
@@ -283,6 +312,7 @@ class DrafterClient:
         try:
             self.sock.settimeout(left)
             self.sock.sendall(data)
+            self._last_sent = time.monotonic()
         except TimeoutError:
             self._drop()  # a partly sent frame breaks the framing: this connection is done
             raise WireTimeout("send timed out") from None

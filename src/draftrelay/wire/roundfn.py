@@ -132,6 +132,10 @@ class WorkerRoundFn:
         """End the worker session now (BYE): its draft-KV rows are reserved until then."""
         self.client.close()
 
+    def keepalive(self) -> bool:
+        """Between rounds: keep the worker session from expiring while no round runs (DrafterClient)."""
+        return self.client.keepalive()
+
     def __call__(self, t: int, requests: list[RoundRequest], budget_s: float) -> list[tuple[np.ndarray, np.ndarray]]:
         if not requests:
             return []
