@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
                    help="a CPU drafter's layer products (its lean loop) on quantized weights: int8 (one scale per "
                         "row, a quarter of fp32's bytes; 1.4x faster drafts on the reference 0.5B) or int4 (groups "
-                        "of 32, an eighth; faster still, less like the fp32 drafter). The drafts are approximate, "
+                        "of 32, an eighth; 1.9x, its drafts less like the fp32 drafter's). The drafts are approximate, "
                         "the target's verify keeps its output")
     p.add_argument("--rows", type=int, default=16, help="draft-KV rows shared by all sessions")
     p.add_argument("--max-requests", type=int, default=0,
