@@ -15,6 +15,8 @@ runs with torch's default thread count.
 Modes (`--modes`, comma-separated):
   off                      target only (draftrelay's engine)
   off:full-head            the same with the greedy head read whole in fp32 (greedy_head.py's screen off)
+  off:even-probes          target only with the thread policy probing one thread as often as all of them
+                           (probe_cost_fewer = probe_cost, engine/threads.py)
   sync:D / async:D         rounds to a local drafter worker process (loopback), D = auto (the depth
                            policy, engine/depth.py, up to --k-max), autoN (the same up to N) or a fixed k
   sync:D/S / async:D/S     the same with the worker's confidence stop at S (e.g. sync:auto12/0.4): a round's
@@ -115,8 +117,8 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
             raise SystemExit(f"real_pair: --modes: {full!r}: @QUANT ({', '.join(QUANTS)}) follows a sync, async "
                              f"or cache mode")
         kind, _, arg = m.partition(":")
-        ok = (kind == "hf" and not arg) or (kind == "off" and arg == "full-head") or (kind == "hf-assisted" and (
-            arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
+        ok = (kind == "hf" and not arg) or (kind == "off" and arg in ("full-head", "even-probes")) \
+            or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
             or (kind in ("cache", "cache-raw") and _cache_arg(arg) is not None)
         if not ok:
             try:
@@ -125,7 +127,8 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
             except ValueError:
                 pass
         if not ok:
-            raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, hf, sync:D[/S], async:D[/S] "
+            raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, off:even-probes, hf, "
+                             f"sync:D[/S], async:D[/S] "
                              f"(D: auto, autoN or K <= 16; S: a confidence stop in [0, 1]), "
                              f"cache[-raw]:K/F[/all|rows|early], hf-assisted:K|heuristic")
         out.append(full)
@@ -183,12 +186,13 @@ class EngineRunner:
 
         kind, _, arg = mode.partition(":")
         self.full_head = arg == "full-head"
+        even = arg == "even-probes"
         fanout, options = 0, {}
         if kind in ("cache", "cache-raw"):  # async rounds with the speculation cache at depth k_max
             k_max, fanout, rule, auto = _cache_arg(arg)  # auto: the depth policy on the guard's plain steps
             kind, stop, options = "async", 0.0, {"wait_rule": rule, "guard": kind == "cache"}
         else:
-            kind, auto, k_max, stop = engine_mode("off" if self.full_head else mode, args.k_max)
+            kind, auto, k_max, stop = engine_mode("off" if self.full_head or even else mode, args.k_max)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
         h = None
         if kind != "off":
@@ -199,6 +203,8 @@ class EngineRunner:
                            spec_fanout=fanout, spec_options=options)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
         self.eng = Engine(model, cfg)
+        if even and self.eng.threads is not None:  # the policy as it probed before the asymmetric costs
+            self.eng.threads.probe_cost_fewer = self.eng.threads.probe_cost
         with self.head():  # warm-up (and the policy's start)
             self.eng.generate([next(iter(ids.values()))], SamplingParams(max_tokens=4))
 

@@ -7,6 +7,14 @@ the wait is a scheduler time slice, hundreds of times per forward, and the waiti
 threads and 0.45 s on one, while on an idle machine two threads take 0.23 s against 0.42 s. Neither
 count is right for both, and the load changes while a request decodes, so the engine measures.
 
+Probes are not symmetric. On all threads, a rise of load shows in the steps themselves: they slow past
+one thread's (older, lighter-loaded, so optimistic) average and the policy switches at once, with no
+probe. So a probe of one thread from all threads only refreshes that average, and costs at most
+`probe_cost_fewer` (1 %) of the time: on the idle 2-core VM a one-thread probe is 1.8-1.9 x a step, and
+at the symmetric 5 % the probes alone took 5 % of a target-only decode (7-9 probes in 127 steps). On one
+thread, a fall of load shows only in a probe of all threads (their average is the loaded one, pessimistic),
+so those keep `probe_cost` (5 %).
+
 The policy keeps, per (thread count, verify width), an exponential average of the forward's wall time.
 Each step runs with the count whose average is lower at that width (for a width measured with only one
 count, the ratio of the two counts at the other widths decides); every `probe_every` steps one forward
@@ -31,13 +39,17 @@ class ThreadPolicy:
     """choose(width) before a forward, observe(width, seconds) after it; apply() sets torch's count."""
 
     def __init__(self, max_threads: int, probe_every: int = 12, alpha: float = 0.3, margin: float = 0.03,
-                 probe_cost: float = 0.05, probe_alpha: float = 0.7) -> None:
+                 probe_cost: float = 0.05, probe_alpha: float = 0.7, probe_cost_fewer: float = 0.01) -> None:
         if max_threads < 2:
             raise ValueError(f"ThreadPolicy: needs at least 2 threads to choose from, got {max_threads}")
         if probe_every < 2:
             raise ValueError(f"ThreadPolicy: probe_every must be >= 2, got {probe_every}")
+        if not 0 < probe_cost_fewer <= probe_cost:
+            raise ValueError(f"ThreadPolicy: probe_cost_fewer must be in (0, probe_cost = {probe_cost}], "
+                             f"got {probe_cost_fewer}")
         self.options = (1, max_threads)
         self.probe_every, self.alpha, self.margin, self.probe_cost = probe_every, alpha, margin, probe_cost
+        self.probe_cost_fewer = probe_cost_fewer
         self.probe_alpha = probe_alpha
         self.mean: dict[tuple[int, int], float] = {}
         self.best = max_threads  # torch's default until measured otherwise
@@ -75,14 +87,16 @@ class ThreadPolicy:
 
     def interval(self, width: int) -> int:
         """Steps between probes: probe_every, or more where the other count is much slower, so that
-        probing costs at most `probe_cost` of the time (a probe 2.8x slower: every 36 steps)."""
+        probing costs at most `probe_cost` of the time (a probe 2.8x slower: every 36 steps), and at most
+        `probe_cost_fewer` where the probe is of fewer threads than the best (1.8x slower: every 80)."""
         a, b = self.options
         ta, tb = self.mean.get((a, width)), self.mean.get((b, width))
         r = ta / tb if ta is not None and tb is not None else self._ratio()
         if r is None or self._soon:
             return self.probe_every
         slow = max(r, 1 / r)
-        return max(self.probe_every, math.ceil((slow - 1) / self.probe_cost))
+        cost = self.probe_cost_fewer if self.best == b else self.probe_cost
+        return max(self.probe_every, math.ceil((slow - 1) / cost))
 
     def choose(self, width: int) -> int:
         self.steps += 1
