@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftrelay import greedy_head, hugepages
     from draftrelay.engine import loading as L
+    from draftrelay.worker import quant as Q
     from draftrelay.worker.drafters import Job, LlamaDrafter
 
     threads = args.threads or L.default_threads()
@@ -98,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     drafter.run([Job(0, 0, prompt[:-1])], 0)  # the prompt but its last token in the cache: every STEP below
     base = len(ids) - 1                       # extends it by that token and drafts from there
     quants = [q for q in args.quant.split(",") if q] + (["int8"] if args.int8 and "int8" not in args.quant else [])
-    bad = [q for q in quants if q not in ("int8", "int4")]
+    kinds = [q for q in Q.QUANTS if q != "none"]
+    bad = [q for q in quants if q not in kinds]
     if bad:
-        raise SystemExit(f"cpu_draft: --quant takes int8 and/or int4, got {','.join(bad)}")
+        raise SystemExit(f"cpu_draft: --quant takes {' and/or '.join(kinds)}, got {','.join(bad)}")
     quantized = {}  # the same weights, the layers' products on a quantized copy of them
     for q in quants:
         quantized[q] = LlamaDrafter(net, 1, len(ids) + n + 32, max(8, n), "bench", "", mode="lean", quant=q)

@@ -61,6 +61,8 @@ from pathlib import Path
 
 import torch
 
+from draftrelay.worker.quant import QUANTS  # the worker's --quant values
+
 REFPAIR = Path(os.environ.get("DRAFTRELAY_REFPAIR", "/work/refpair"))
 TARGET = REFPAIR / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DRAFTER = REFPAIR / "qwen2.5-coder-0.5b-instruct.gguf"
@@ -98,9 +100,6 @@ def engine_mode(m: str, k_max: int) -> tuple[str, bool, int, float]:
     if not k.isdigit() or not 1 <= int(k) <= 16:
         raise ValueError(m)
     return kind, auto, int(k), s
-
-
-QUANTS = ("none", "int8", "int4")
 
 
 def mode_quant(m: str, default: str) -> tuple[str, str]:

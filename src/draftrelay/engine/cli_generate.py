@@ -41,9 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round-budget-ms", type=float, default=None,
                    help="what the proxy allows one round (default: from the worker's measured STEP)")
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
-    p.add_argument("--drafter-quant", default="none", choices=["none", "int8", "int4"],
-                   help="the local CPU worker's --quant: int8 or int4 layer weights for its drafts (faster, "
-                        "approximate drafts; the output is the target's either way)")
+    add_drafter_quant(p)
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (async): the worker pre-drafts F branches per request during each "
                         "verify (no value: 8)")
@@ -99,6 +97,13 @@ class Progress:
     def close(self) -> None:
         if self.shown:
             print(file=sys.stderr)
+
+
+def add_drafter_quant(p: argparse.ArgumentParser) -> None:
+    """--drafter-quant, as `draftrelay generate` and `draftrelay serve` take it (checked by local_quant_problems)."""
+    p.add_argument("--drafter-quant", default="none", choices=["none", "int8", "int4"],
+                   help="the local CPU worker's --quant: int8 or int4 layer weights for its drafts (faster, "
+                        "approximate drafts; the output is the target's either way)")
 
 
 def local_quant_problems(quant: str, device: str, worker: str) -> list[str]:

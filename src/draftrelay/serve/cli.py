@@ -19,6 +19,8 @@ import socket
 import sys
 import threading
 
+from draftrelay.engine.cli_generate import add_drafter_quant, local_quant_problems
+
 CPU_WARMUP_PROMPT = 8192  # the warm-up's longest prompt on a CPU unless --warmup-prompt-len says
 
 
@@ -28,9 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="tiny",
                    help="drafter of the local worker: 'tiny', a local HF directory or a .gguf file")
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
-    p.add_argument("--drafter-quant", default="none", choices=["none", "int8", "int4"],
-                   help="the local CPU worker's --quant: int8 or int4 layer weights for its drafts (faster, "
-                        "approximate drafts; the output is the target's either way)")
+    add_drafter_quant(p)
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
@@ -97,8 +97,6 @@ def _check(args: argparse.Namespace) -> str:
         return f"--threads must be 'auto' or a thread count (0: torch's own), got {args.threads!r}"
     if args.spec_cache and args.k < 1:
         return f"--spec-cache needs --k >= 1 (drafts to branch), got --k {args.k}"
-    from draftrelay.engine.cli_generate import local_quant_problems
-
     return next(iter(local_quant_problems(args.drafter_quant, args.device, args.worker)), "")
 
 

@@ -172,15 +172,14 @@ class DrafterClient:
 
         return self._guarded(go)
 
-    def keepalive(self, within: float = KEEPALIVE_WITHIN, now: float | None = None) -> bool:
-        """PING the worker if this session has sent nothing for `within` of its idle timeout; True if it
-        did and the PONG came back. Not connected, or no timeout announced: nothing to keep. A failed
+    def keepalive(self) -> bool:
+        """PING the worker if this session has sent nothing for KEEPALIVE_WITHIN of its idle timeout; True
+        if it did and the PONG came back. Not connected, or no timeout announced: nothing to keep. A failed
         PING drops the connection (the next round reconnects, as after any disconnect) but does not
         count toward the breaker: no round failed."""
         if self.sock is None or self.info is None or not self.info.idle_timeout_ms:
             return False
-        now = time.monotonic() if now is None else now
-        if now - self._last_sent < within * self.info.idle_timeout_ms / 1000:
+        if time.monotonic() - self._last_sent < KEEPALIVE_WITHIN * self.info.idle_timeout_ms / 1000:
             return False
         deadline = time.monotonic() + self.timeout
         try:

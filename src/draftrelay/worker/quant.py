@@ -78,7 +78,24 @@ def _check_error(lin, w: torch.Tensor, b: torch.Tensor | None) -> float:
     return float((lin(x).float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-class Int8Linear:
+class _WeightOnly:
+    """A weight-only product's call: x of any float dtype and shape [..., K] as bf16 rows into the
+    subclass's kernel (`_product`, [M, K] bf16 -> [M, N]), the result in x's dtype and shape, plus the bias."""
+
+    N: int
+    K: int
+    bias: torch.Tensor | None
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self._product(x.reshape(-1, self.K).to(torch.bfloat16)).view(*lead, self.N).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+class Int8Linear(_WeightOnly):
     """y = x @ W^T (+ b) with W as int8 rows and one scale per row: W ~ q * scale[:, None].
     Called with x of any float dtype and shape [..., K]; returns x's dtype."""
 
@@ -118,17 +135,14 @@ class Int8Linear:
             return None
         return lin
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = self._op(x.reshape(-1, self.K).to(torch.bfloat16), self.q, self.scale)
-        y = y.view(*lead, self.N).to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.q, self.scale)
 
     def nbytes(self) -> int:
         return self.q.numel() + 2 * self.scale.numel()
 
 
-class Int4Linear:
+class Int4Linear(_WeightOnly):
     """y = x @ W^T (+ b) with W as 4-bit values in groups of INT4_GROUP along K, each group with a bf16
     scale and offset: W ~ (q - 8) * scale + offset, q in 0..15 (the kernel's form), packed by torch's CPU
     int4 packing. Called with x of any float dtype and shape [..., K]; returns x's dtype."""
@@ -178,12 +192,8 @@ class Int4Linear:
             return None
         return lin
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = self._op(x.reshape(-1, self.K).to(torch.bfloat16).contiguous(), self.packed, INT4_GROUP,
-                     self.scale_offset)
-        y = y.view(*lead, self.N).to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x.contiguous(), self.packed, INT4_GROUP, self.scale_offset)
 
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + 2 * self.scale_offset.numel()
