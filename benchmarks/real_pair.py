@@ -16,6 +16,7 @@ Modes (`--modes`, comma-separated):
   off                      target only (draftrelay's engine)
   off:full-head            the same with the greedy head read whole in fp32 (greedy_head.py's screen off)
   off:even-probes          target only with the thread policy probing one thread as often as all of them
+  off:mkl                  target only with its fp32 products on MKL whatever cpu_linear's probe chose
                            (probe_cost_fewer = probe_cost, engine/threads.py)
   sync:D / async:D         rounds to a local drafter worker process (loopback), D = auto (the depth
                            policy, engine/depth.py, up to --k-max), autoN (the same up to N) or a fixed k
@@ -116,7 +117,7 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
             raise SystemExit(f"real_pair: --modes: {full!r}: @QUANT ({', '.join(QUANTS)}) follows a sync, async "
                              f"or cache mode")
         kind, _, arg = m.partition(":")
-        ok = (kind == "hf" and not arg) or (kind == "off" and arg in ("full-head", "even-probes")) \
+        ok = (kind == "hf" and not arg) or (kind == "off" and arg in ("full-head", "even-probes", "mkl")) \
             or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
             or (kind in ("cache", "cache-raw") and _cache_arg(arg) is not None)
         if not ok:
@@ -126,7 +127,7 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
             except ValueError:
                 pass
         if not ok:
-            raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, off:even-probes, hf, "
+            raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, off:even-probes, off:mkl, hf, "
                              f"sync:D[/S], async:D[/S] "
                              f"(D: auto, autoN or K <= 16; S: a confidence stop in [0, 1]), "
                              f"cache[-raw]:K/F[/all|rows|early], hf-assisted:K|heuristic")
@@ -184,14 +185,14 @@ class EngineRunner:
         from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 
         kind, _, arg = mode.partition(":")
-        self.full_head = arg == "full-head"
+        self.full_head, self.mkl = arg == "full-head", arg == "mkl"
         even = arg == "even-probes"
         fanout, options = 0, {}
         if kind in ("cache", "cache-raw"):  # async rounds with the speculation cache at depth k_max
             k_max, fanout, rule, auto = _cache_arg(arg)  # auto: the depth policy on the guard's plain steps
             kind, stop, options = "async", 0.0, {"wait_rule": rule, "guard": kind == "cache"}
         else:
-            kind, auto, k_max, stop = engine_mode("off" if self.full_head or even else mode, args.k_max)
+            kind, auto, k_max, stop = engine_mode("off" if self.full_head or even or self.mkl else mode, args.k_max)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
         h = None
         if kind != "off":
@@ -209,16 +210,21 @@ class EngineRunner:
 
     @contextlib.contextmanager
     def head(self):
-        """off:full-head: the screen of greedy_head.py off for this engine's steps."""
-        from draftrelay import greedy_head
+        """off:full-head: the screen of greedy_head.py off for this engine's steps; off:mkl: its products on
+        MKL (cpu_linear's choice for the others is put back after each call)."""
+        from draftrelay import cpu_linear, greedy_head
 
-        saved = greedy_head.SCREEN_MIN_BYTES
+        saved, library = greedy_head.SCREEN_MIN_BYTES, cpu_linear.chosen()
         if self.full_head:
             greedy_head.SCREEN_MIN_BYTES = 1 << 62
+        if self.mkl:
+            cpu_linear.choose("mkl")
         try:
             yield
         finally:
             greedy_head.SCREEN_MIN_BYTES = saved
+            if self.mkl:
+                cpu_linear.choose(library)
 
     def run(self, x: list[int]) -> dict:
         with self.head():
@@ -489,10 +495,18 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             raise SystemExit("real_pair: the hf modes need transformers: pip install -e '.[bench]'") from None
 
+    from draftrelay import cpu_linear
     from draftrelay.engine import loading as L
 
-    out = {"machine": {"platform": platform.platform(), "cpus": L.default_threads(), "torch": torch.__version__,
-                       "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0]},
+    if cpu_linear.chosen() == "auto":  # decide once, before any mode runs (off:mkl switches around its calls)
+        cpu_linear.probe()
+    print(f"CPU fp32 products: {cpu_linear.chosen()} {cpu_linear.probe_times() or '(fixed)'}", flush=True)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
+    out = {"machine": {"platform": platform.platform(), "cpu": cpu, "cpus": L.default_threads(),
+                       "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                       "python": sys.version.split()[0], "cpu_linear": cpu_linear.chosen(),
+                       "cpu_linear_probe_ms": cpu_linear.probe_times()},
            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "target": TARGET.name, "drafter": DRAFTER.name, "drafter_dtype": args.drafter_dtype,
            "drafter_quant": args.drafter_quant,

@@ -374,8 +374,9 @@ def test_blocked_cpu_linear_with_threads_blocks_only_large_weights(monkeypatch, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocked_cpu_linear_equals_one_gemm(monkeypatch, counted_linear, dtype):
-    """A few-row single-threaded product in row blocks of the weight gives the one GEMM's values
-    (each block computes whole output columns); other shapes and thread counts are the one GEMM."""
+    """A few-row single-threaded product in row blocks of the weight gives the one GEMM's values within
+    fp32 summation order (each block computes whole output columns); other shapes and thread counts are
+    the one GEMM."""
     monkeypatch.setattr(M, "CPU_BLOCK_BYTES", 4096)
     monkeypatch.setattr(M, "CPU_BLOCK_MIN", 1 << 16)
     g = torch.Generator().manual_seed(3)
@@ -388,8 +389,10 @@ def test_blocked_cpu_linear_equals_one_gemm(monkeypatch, counted_linear, dtype):
         calls.clear()
         out = M.linear(x, w, b)
         assert len(calls) > 1 and max(calls) == 16  # blocks of 16 rows (the floor), the last shorter
-        torch.testing.assert_close(out, real(x, w, b), rtol=1e-6 if dtype == torch.float32 else 1e-2,
-                                   atol=1e-5 if dtype == torch.float32 else 1e-2)
+        # the same dot products; MKL's kernel for a block may sum them in another order (last bits: on the
+        # AMD EPYC VM 1 of 16,000 values was 1.1e-5 off, on the Intel one none)
+        torch.testing.assert_close(out, real(x, w, b), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-4 if dtype == torch.float32 else 1e-2)
     for rows in (1, 3, 17):
         calls.clear()
         M.linear(torch.randn(rows, 256, generator=g).to(dtype), w, b)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftrelay import cpu_linear
+
 TINY_SEED = 0  # the built-in tiny pair's default seed: engine and worker must use the same one
 TINY_TOKENIZER_ID = "bytes-256"  # the tiny models' vocabulary is the 256 byte values
 
@@ -290,8 +292,13 @@ CPU_BLOCK_MIN_THREADED = 8 << 20  # the same with several threads
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, in row blocks of w for CPU products of CPU_BLOCK_ROWS rows (above)."""
-    if x.device.type == "cpu" and x.dim() >= 2 and CPU_BLOCK_ROWS[0] <= x.numel() // x.shape[-1] <= CPU_BLOCK_ROWS[1]:
+    """F.linear; on a CPU, through oneDNN where cpu_linear measured it faster, else in row blocks of w for
+    MKL products of CPU_BLOCK_ROWS rows (above)."""
+    if x.device.type != "cpu" or x.dim() < 2:
+        return F.linear(x, w, b)
+    if cpu_linear.use_onednn(w) and x.dtype == w.dtype:
+        return cpu_linear.onednn_linear(x, w, b)
+    if CPU_BLOCK_ROWS[0] <= x.numel() // x.shape[-1] <= CPU_BLOCK_ROWS[1]:
         per_row = w.shape[1] * w.element_size()
         size = w.shape[0] * per_row
         n = torch.get_num_threads() if size >= CPU_BLOCK_MIN else 0  # small weights: no call at all

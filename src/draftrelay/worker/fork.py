@@ -227,6 +227,6 @@ class LeanFork:
             red = p_d(F.silu(gu[..., :m]) * gu[..., m:])
         x = x + red.to(x.dtype)
         if pick is None:
-            return F.linear(ln._norm(x, ln.final_norm), ln.head).float()
+            return M.linear(ln._norm(x, ln.final_norm), ln.head).float()
         x = x[torch.arange(B), pick][:, None]
-        return F.linear(ln._norm(x, ln.final_norm), ln.head).float()[:, 0]
+        return M.linear(ln._norm(x, ln.final_norm), ln.head).float()[:, 0]

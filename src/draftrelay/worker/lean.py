@@ -138,7 +138,7 @@ class LeanSteps:
                 self.screened += 1
                 return got[0], got[1].numpy()
         self.full += 1
-        logits = F.linear(hn, self.head).float()[:, 0]
+        logits = M.linear(hn, self.head).float()[:, 0]
         tok = logits.argmax(-1)
         return tok, torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0].float().numpy()
 

@@ -40,6 +40,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from draftrelay import model as M
+
 log = logging.getLogger("draftrelay.worker")
 
 QUANTS = ("none", "int8", "int4")
@@ -208,13 +210,14 @@ MAKERS = {"int8": (Int8Linear.make,), "int4": (Int4Linear.make, Int8Linear.make)
 
 
 class DenseLinear:
-    """The plain product F.linear(x, w, b): what a layer's product is without quantization."""
+    """The plain product (model.linear: MKL or oneDNN, as cpu_linear chose): a layer's product without
+    quantization."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
         self.w, self.b = w, b
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w, self.b)
+        return M.linear(x, self.w, self.b)
 
 
 def layer_products(layers, quant: str) -> list[tuple]:

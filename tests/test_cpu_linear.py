@@ -1,0 +1,144 @@
+"""cpu_linear: which library runs a CPU fp32 product (MKL or oneDNN), chosen by a probe or fixed."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import draftrelay.cpu_linear as C
+import draftrelay.model as M
+
+
+@pytest.fixture(autouse=True)
+def restore_choice():
+    """Each test starts undecided ("auto") and leaves the process's choice as it found it."""
+    before = C._chosen
+    C._chosen = None
+    yield
+    C._chosen = before
+    C._probe.clear()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the oneDNN calls that model.linear makes (the real op still computes them)."""
+    calls, real = [], C._onednn
+    monkeypatch.setattr(C, "_onednn", lambda x, w, b: calls.append(tuple(w.shape)) or real(x, w, b))
+    return calls
+
+
+needs_onednn = pytest.mark.skipif(bool(C.onednn_unavailable()), reason=C.onednn_unavailable() or "available")
+
+
+def test_choose_refuses_unknown_names_and_env_values(monkeypatch):
+    with pytest.raises(ValueError, match="'blas'"):
+        C.choose("blas")
+    monkeypatch.setenv(C.ENV, "openblas")
+    with pytest.raises(ValueError, match="DRAFTRELAY_CPU_LINEAR='openblas'"):
+        C._from_env()
+    monkeypatch.setenv(C.ENV, "MKL")
+    C._from_env()
+    assert C.chosen() == "mkl"
+
+
+def test_without_onednn_every_product_is_mkl_and_forcing_it_names_why(monkeypatch, counted):
+    monkeypatch.setattr(C, "onednn_unavailable", lambda: "this torch is built without oneDNN (test)")
+    with pytest.raises(RuntimeError, match="without oneDNN"):
+        C.choose("onednn")
+    w = torch.randn(2048, 1024)  # 8 MB: would probe
+    out = M.linear(torch.randn(2, 1024), w)
+    assert C.chosen() == "mkl" and counted == [] and out.shape == (2, 2048)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 512), (4, 512), (3, 1, 512), (2, 5, 512)])
+def test_onednn_products_equal_mkl_ones(counted, shape):
+    """Forced oneDNN: model.linear's values (1 row, 4 rows, 3-d inputs, with a bias, on a row view of a
+    fused weight as Proj hands out) are F.linear's within fp32 summation-order differences."""
+    C.choose("onednn")
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(3072, 512, generator=g)  # 6 MB
+    b = torch.randn(1024, generator=g)
+    x = torch.randn(*shape, 512, generator=g)
+    for w, bias in ((fused, None), (fused[1024:2048], b)):
+        got = M.linear(x, w, bias)
+        ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    assert counted == [(3072, 512), (1024, 512)]
+
+
+@needs_onednn
+def test_small_bf16_and_strided_weights_stay_on_mkl(counted):
+    C.choose("onednn")
+    x = torch.randn(2, 256)
+    M.linear(x, torch.randn(1024, 256))  # 1 MB: below ONEDNN_MIN_BYTES
+    M.linear(x.bfloat16(), torch.randn(4096, 256).bfloat16())  # bf16: torch's own oneDNN path
+    M.linear(x, torch.randn(256, 4096).t())  # not contiguous
+    assert counted == []
+    M.linear(x, torch.randn(4096, 256))  # 4 MB fp32: oneDNN
+    assert counted == [(4096, 256)]
+
+
+def test_only_a_large_weight_triggers_the_probe(monkeypatch):
+    ran = []
+    monkeypatch.setattr(C, "probe", lambda: ran.append(1) or C.choose("mkl"))
+    M.linear(torch.randn(2, 512), torch.randn(1536, 512))  # 3 MB: below PROBE_MIN_BYTES
+    assert ran == [] and C.chosen() == "auto"
+    M.linear(torch.randn(2, 512), torch.randn(2048, 512))  # 4 MB
+    assert ran == [1] and C.chosen() == "mkl"
+    M.linear(torch.randn(2, 512), torch.randn(4096, 512))
+    assert ran == [1]  # decided once
+
+
+def _slow(f, delay_s: float):
+    def run(*a):
+        time.sleep(delay_s)
+        return f(*a)
+    return run
+
+
+@needs_onednn
+def test_probe_keeps_the_faster_library(monkeypatch):
+    monkeypatch.setattr(C, "PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(C, "_onednn", _slow(C._onednn, 0.01))
+    assert C.probe() == "mkl"
+    t = C.probe_times()
+    assert t["onednn_1"] > t["mkl_1"] and t["onednn_4"] > t["mkl_4"]
+    monkeypatch.undo()
+    monkeypatch.setattr(C, "PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(C.F, "linear", _slow(F.linear, 0.01))
+    assert C.probe() == "onednn" and C.chosen() == "onednn"
+
+
+@needs_onednn
+def test_probe_refuses_a_wrong_onednn_product(monkeypatch, caplog):
+    monkeypatch.setattr(C, "PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(C, "_onednn", lambda x, w, b: F.linear(x, w) * 1.01)  # 1 % off
+    with caplog.at_level(logging.WARNING, logger="draftrelay.cpu_linear"):
+        assert C.probe() == "mkl"
+    assert "off by" in caplog.text
+
+
+@needs_onednn
+def test_a_model_decodes_alike_on_both_libraries(monkeypatch):
+    """The tiny pair's target with every product on oneDNN (the size floor lowered) gives MKL's logits
+    within fp32 rounding and the same greedy tokens."""
+    from draftrelay.model import ModelConfig, Transformer
+    monkeypatch.setattr(C, "ONEDNN_MIN_BYTES", 0)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=256, hidden_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                                    head_dim=32, intermediate_size=256, qkv_bias=True)).eval()
+    toks = torch.randint(0, 256, (1, 12))
+    out = {}
+    for lib in ("mkl", "onednn"):
+        C.choose(lib)
+        cache = model.new_cache(1, 16)
+        with torch.inference_mode():
+            out[lib] = model(toks, torch.tensor([0]), cache, torch.tensor([0]))
+    torch.testing.assert_close(out["onednn"], out["mkl"], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out["onednn"].argmax(-1), out["mkl"].argmax(-1))
