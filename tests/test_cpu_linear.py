@@ -104,15 +104,17 @@ def _slow(f, delay_s: float):
 
 @needs_onednn
 def test_probe_keeps_the_faster_library(monkeypatch):
+    """The library made 50 ms slower per call loses the probe (the probe takes each variant's best of
+    three, so a load spike has to hit all three to matter)."""
     monkeypatch.setattr(C, "PROBE_BYTES", 1 << 20)
-    monkeypatch.setattr(C, "_onednn", _slow(C._onednn, 0.01))
+    monkeypatch.setattr(C, "_onednn", _slow(C._onednn, 0.05))
     assert C.probe() == "mkl"
-    t = C.probe_times()
-    assert t["onednn_1"] > t["mkl_1"] and t["onednn_4"] > t["mkl_4"]
+    assert min(C.probe_times()["onednn_1"], C.probe_times()["onednn_4"]) >= 50
     monkeypatch.undo()
     monkeypatch.setattr(C, "PROBE_BYTES", 1 << 20)
-    monkeypatch.setattr(C.F, "linear", _slow(F.linear, 0.01))
+    monkeypatch.setattr(C.F, "linear", _slow(F.linear, 0.05))
     assert C.probe() == "onednn" and C.chosen() == "onednn"
+    assert min(C.probe_times()["mkl_1"], C.probe_times()["mkl_4"]) >= 50
 
 
 @needs_onednn
@@ -142,3 +144,16 @@ def test_a_model_decodes_alike_on_both_libraries(monkeypatch):
             out[lib] = model(toks, torch.tensor([0]), cache, torch.tensor([0]))
     torch.testing.assert_close(out["onednn"], out["mkl"], rtol=1e-4, atol=1e-4)
     assert torch.equal(out["onednn"].argmax(-1), out["mkl"].argmax(-1))
+
+
+def test_engine_metrics_name_the_library_in_force():
+    from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
+    from draftrelay.model import tiny_pair
+
+    target, _ = tiny_pair()
+    C.choose("mkl")
+    with Engine(target, EngineConfig(mode="off", max_batch=1, max_len=64)) as eng:
+        eng.generate([list(b"hello")], SamplingParams(max_tokens=4))
+        assert eng.metrics()["total"]["cpu_linear"] == "mkl"
+        C._chosen = "onednn"
+        assert eng.metrics()["total"]["cpu_linear"] == "onednn"

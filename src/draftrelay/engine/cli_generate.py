@@ -319,7 +319,8 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
           f"TTFT {1e3 * t['ttft_s_mean']:.1f} ms, step p50 {t['step_p50_ms']:.2f} ms, "
           f"accepted/round {t['mean_accepted']:.2f}, rounds ok/failed/watchdog/target-only "
           f"{r['ok']}/{r['failed']}/{r['watchdog']}/{r['target_only']}"
-          + (f", depth chosen {t['depth']['chosen']}" if "depth" in t else ""), file=sys.stderr)
+          + (f", depth chosen {t['depth']['chosen']}" if "depth" in t else "")
+          + (f", CPU products on {t['cpu_linear']}" if "cpu_linear" in t else ""), file=sys.stderr)
     if t.get("speculation_warning"):
         print(f"draftrelay generate: WARNING: {t['speculation_warning']}", file=sys.stderr)
     sc = t.get("spec_cache")

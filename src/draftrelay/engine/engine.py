@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftrelay import cpu_linear
 from draftrelay.handoff.rounds import HandoffConfig, SyncRounds, open_rounds
 from draftrelay.model import Transformer
 from draftrelay.round import Rounds
@@ -430,6 +431,8 @@ class Engine:
             total["spec_cache"] = self.spec_cache.stats()
         if self.threads is not None:
             total["threads"] = self.threads.summary()
+        if getattr(getattr(self.model, "device", None), "type", "") == "cpu":  # which library ran fp32 products
+            total["cpu_linear"] = cpu_linear.chosen()
         return {"total": total, "requests": per}
 
     def reset_metrics(self) -> None:
