@@ -16,9 +16,7 @@ Prints the p50 per variant, the oneDNN / MKL ratio and the spread; JSON: benchma
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,18 +27,11 @@ import torch
 import draftrelay.cpu_linear as C
 import draftrelay.model as M
 
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import cpu_name, write_json  # noqa: E402
+
 D, INTER, KV, VOCAB = 1536, 8960, 256, 151936
 SHAPES = ((D + 2 * KV, D), (D, D), (2 * INTER, D), (D, INTER))
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
            "cpu": cpu_name(), "cpus": os.cpu_count(), "torch": torch.__version__, "layers": args.layers,
            "layer_gb": gb, "repeats": args.repeats, "load_min": min(loads), "load_max": max(loads),
            "probe_choice": probe_choice, "probe_ms": C.probe_times(), "table": table}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

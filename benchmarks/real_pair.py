@@ -501,8 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_linear.chosen() == "auto":  # decide once, before any mode runs (off:mkl switches around its calls)
         cpu_linear.probe()
     print(f"CPU fp32 products: {cpu_linear.chosen()} {cpu_linear.probe_times() or '(fixed)'}", flush=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
+    from machine import cpu_name
+    cpu = cpu_name()
     out = {"machine": {"platform": platform.platform(), "cpu": cpu, "cpus": L.default_threads(),
                        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                        "python": sys.version.split()[0], "cpu_linear": cpu_linear.chosen(),

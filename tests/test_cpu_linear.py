@@ -157,3 +157,15 @@ def test_engine_metrics_name_the_library_in_force():
         assert eng.metrics()["total"]["cpu_linear"] == "mkl"
         C._chosen = "onednn"
         assert eng.metrics()["total"]["cpu_linear"] == "onednn"
+
+
+def test_prepare_probes_only_models_with_a_large_fp32_cpu_weight(monkeypatch):
+    ran = []
+    monkeypatch.setattr(C, "probe", lambda: ran.append(1) or C.choose("mkl"))
+    small = torch.nn.Linear(512, 512)  # 1 MB
+    assert C.prepare(small) == "auto" and ran == []
+    assert C.prepare(torch.nn.Linear(1024, 1024).bfloat16()) == "auto" and ran == []  # bf16: not ours to choose
+    C.prepare(torch.nn.Linear(1024, 1024))  # 4 MB fp32
+    assert ran == [1] and C.chosen() != "auto"
+    C.prepare(torch.nn.Linear(1024, 1024))
+    assert ran == [1]  # decided once

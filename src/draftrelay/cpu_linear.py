@@ -5,15 +5,16 @@ on the Intel development VM a one-row product streamed the weight near the read 
 AMD EPYC VM of a later session it reached about 19 GB/s of 46, and 2..16 rows cost 2-3x one row (a
 verify of 4 positions of the 1.5B reference target cost twice its decode step, so speculation lost). The
 same products through oneDNN (`torch.ops.mkldnn._linear_pointwise` on the plain weight: no packed copy,
-no extra memory) read at 36 GB/s there and 2..16 rows cost 1.3-1.7x one (`benchmarks/cpu_linear.py`).
+no extra memory) read at 32 GB/s there and 2..16 rows cost 1.3-1.8x one (`benchmarks/cpu_linear.py`).
 
-So the choice is measured, not assumed: the first fp32 product over a weight of PROBE_MIN_BYTES or more
-times both libraries on a weight of PROBE_BYTES (larger than a last-level cache, so it measures reads
-from memory, as a decode's products do) at 1 and 4 rows, checks oneDNN's values against MKL's, and keeps
-oneDNN only where it is at least PROBE_MARGIN faster and right. `DRAFTRELAY_CPU_LINEAR=mkl|onednn|auto`
-(or `choose()`) fixes it. Weights under ONEDNN_MIN_BYTES always stay on MKL: oneDNN's call costs ~12 us
-more, which a small weight does not repay (a 256 x 256 product: 5 us on MKL, 17 on oneDNN). bf16 and
-other dtypes are not touched: torch already sends bf16 products to oneDNN.
+So the choice is measured, not assumed: the engine and the worker call `prepare(model)` when they are
+built (else the first fp32 product over a weight of PROBE_MIN_BYTES or more does it), which, for a model
+with such a weight, times both libraries on a weight of PROBE_BYTES (larger than a last-level cache, so
+it measures reads from memory, as a decode's products do) at 1 and 4 rows, checks oneDNN's values
+against MKL's, and keeps oneDNN only where it is at least PROBE_MARGIN faster and right.
+`DRAFTRELAY_CPU_LINEAR=mkl|onednn|auto` (or `choose()`) fixes it. Weights under ONEDNN_MIN_BYTES always
+stay on MKL: oneDNN's call costs ~12 us more, which a small weight does not repay (a 256 x 256 product:
+5 us on MKL, 17 on oneDNN). bf16 and other dtypes are not touched: torch already sends bf16 products to oneDNN.
 
 The two libraries sum in different orders: their fp32 results differ in the last bits (~1e-6 relative),
 as MKL's do between widths and thread counts; neither is bitwise width-invariant.
@@ -140,6 +141,15 @@ def use_onednn(w: torch.Tensor) -> bool:
     if _chosen is None and size >= PROBE_MIN_BYTES:
         probe()
     return _chosen == "onednn"
+
+
+def prepare(model: torch.nn.Module) -> str:
+    """Decide now, before anything is timed (the engine and the worker call it on their models): probes if
+    undecided and the model has an fp32 CPU weight of PROBE_MIN_BYTES or more. Returns the choice."""
+    if _chosen is None and any(p.dtype == torch.float32 and p.device.type == "cpu" and p.numel() * 4 >= PROBE_MIN_BYTES
+                               for p in model.parameters()):
+        probe()
+    return chosen()
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -113,6 +113,7 @@ class Engine:
         cfg.validate()
         self.model, self.cfg = target, cfg
         self.device = target.device
+        cpu_linear.prepare(target)  # the probe (if any) runs here, not inside a timed step
         self.vocab = target.cfg.vocab_size
         # one spare row: the graph path pads batches with it (its contents are never read back)
         self.cache = target.new_cache(cfg.max_batch + 1, cfg.max_len)

@@ -162,10 +162,12 @@ class LlamaDrafter(Drafter):
                  mode: str = "eager", quant: str = "none"):
         import torch
 
+        from draftrelay import cpu_linear
         from draftrelay.worker import lean
 
         self.torch = torch
         self.model = model
+        cpu_linear.prepare(model)  # before the worker times its STEP
         cfg = model.cfg
         if mode not in ("eager", "lean", "static", "graph"):
             raise ValueError(f"drafter mode {mode!r}: eager, lean, static or graph")
