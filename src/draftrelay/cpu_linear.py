@@ -2,7 +2,7 @@
 
 torch sends an fp32 `F.linear` on the CPU to MKL. How well MKL reads a large weight depends on the CPU:
 on the Intel development VM a one-row product streamed the weight near the read bandwidth, while on the
-AMD EPYC VM of a later session it reached about 19 GB/s of 46, and 2..16 rows cost 2-3x one row (a
+2-core AMD EPYC VM it reached about 19 GB/s of 46, and 2..16 rows cost 2-3x one row (a
 verify of 4 positions of the 1.5B reference target cost twice its decode step, so speculation lost). The
 same products through oneDNN (`torch.ops.mkldnn._linear_pointwise` on the plain weight: no packed copy,
 no extra memory) read at 32 GB/s there and 2..16 rows cost 1.3-1.8x one (`benchmarks/cpu_linear.py`).
