@@ -20,7 +20,6 @@ JSON: benchmarks/results/cpu_bandwidth.json (or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 
 from interleave import interleaved  # noqa: E402
+from machine import write_json  # noqa: E402
 
 
 def decode_read_bytes(model, context: int) -> dict[str, int]:
@@ -218,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
            "bytes_per_step_total": total, "bandwidth_gb_s": {str(n): bw[n] for n in counts},
            "bandwidth_huge_pages_gb_s": {str(n): bw_huge[n] for n in counts} if bw_huge else None, "pages": pages,
            "ideal_step_ms": {str(n): ideal_ms[n] for n in counts}, "variants": rows, "greedy_equal_to_hf": same}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

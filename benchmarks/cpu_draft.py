@@ -26,7 +26,6 @@ JSON: benchmarks/results/cpu_draft.json (or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 
 from interleave import interleaved  # noqa: E402
+from machine import write_json  # noqa: E402
 
 PROBE_ID = (1 << 62) + 11  # the benchmark's request id at the worker
 
@@ -279,9 +279,7 @@ def main(argv: list[str] | None = None) -> int:
            "int8_drafts_equal_fp32": same_q.get("int8"), "per_draft_int4_ms": per_draft_q.get("int4"),
            "int4_drafts_equal_fp32": same_q.get("int4"),
            "drafts_equal_full_head": same, "steps_picked": screened, "per_draft_worker_ms": worker}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

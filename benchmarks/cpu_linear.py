@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oneDNN cannot run here: {why}")
         return 1
     torch.manual_seed(0)
-    print(f"{cpu_name()}, {os.cpu_count()} CPUs; {args.layers} layers of 1.5B shapes "
-          f"({args.layers * sum(n * k for n, k in SHAPES) * 4 / 1e9:.2f} GB) and the head", flush=True)
+    gb = args.layers * sum(n * k for n, k in SHAPES) * 4 / 1e9
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs; {args.layers} layers of 1.5B shapes ({gb:.2f} GB) and the head",
+          flush=True)
     weights = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(args.layers)]
     biases = [torch.randn(SHAPES[0][0]) * 0.02 for _ in range(args.layers)]
     head = torch.randn(VOCAB, D) * 0.02
@@ -94,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  repeat {rep}/{args.repeats} done (load {loads[-1]:.1f})", file=sys.stderr, flush=True)
     torch.set_num_threads(n_all)
 
-    gb = args.layers * sum(n * k for n, k in SHAPES) * 4 / 1e9
     table = []
     print(f"\nlayer products of {args.layers} layers, p50 ms (min-max), load {min(loads):.1f}-{max(loads):.1f}")
     print(f"{'threads':>7} {'rows':>4} {'MKL':>20} {'oneDNN':>20} {'oneDNN/MKL':>10} {'oneDNN GB/s':>11}")

@@ -13,7 +13,6 @@ Prints p50 and min per variant with the load average; JSON: benchmarks/results/c
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import draftrelay.model as M  # noqa: E402
 import real_pair as RP  # noqa: E402  (the pair's files and loaders)
 from interleave import interleaved  # noqa: E402
+from machine import write_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(n_all)
     out = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "cpus": n_all, "steps": args.steps, "rounds": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 
 from draftrelay.worker.quant import QUANTS  # the worker's --quant values
+from machine import cpu_name  # benchmarks/ (the script's own folder, or put on sys.path by its importers)
 
 REFPAIR = Path(os.environ.get("DRAFTRELAY_REFPAIR", "/work/refpair"))
 TARGET = REFPAIR / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -501,9 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_linear.chosen() == "auto":  # decide once, before any mode runs (off:mkl switches around its calls)
         cpu_linear.probe()
     print(f"CPU fp32 products: {cpu_linear.chosen()} {cpu_linear.probe_times() or '(fixed)'}", flush=True)
-    from machine import cpu_name
-    cpu = cpu_name()
-    out = {"machine": {"platform": platform.platform(), "cpu": cpu, "cpus": L.default_threads(),
+    out = {"machine": {"platform": platform.platform(), "cpu": cpu_name(), "cpus": L.default_threads(),
                        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                        "python": sys.version.split()[0], "cpu_linear": cpu_linear.chosen(),
                        "cpu_linear_probe_ms": cpu_linear.probe_times()},

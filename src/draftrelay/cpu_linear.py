@@ -80,13 +80,10 @@ def probe_times() -> dict[str, float]:
     return dict(_probe)
 
 
-def _time(f, reps: int = 3) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+def _time_ms(f) -> float:
+    t = time.perf_counter()
+    f()
+    return (time.perf_counter() - t) * 1e3
 
 
 def probe() -> str:
@@ -111,8 +108,8 @@ def probe() -> str:
             return _chosen
         m, d = [], []
         for _ in range(3):  # interleaved, so a burst of load hits both
-            m.append(_time(lambda x=x: F.linear(x, w), 1))
-            d.append(_time(lambda x=x: _onednn(x, w, None), 1))
+            m.append(_time_ms(lambda x=x: F.linear(x, w)))
+            d.append(_time_ms(lambda x=x: _onednn(x, w, None)))
         times[f"mkl_{rows}"], times[f"onednn_{rows}"] = min(m), min(d)
     _probe.update(times)
     fast = times["onednn_1"] + times["onednn_4"] <= PROBE_MARGIN * (times["mkl_1"] + times["mkl_4"])
@@ -131,11 +128,14 @@ def _from_env() -> None:
         choose(library)
 
 
+def _fp32_cpu_bytes(w: torch.Tensor) -> int:
+    """w's bytes if it is an fp32 CPU tensor (what this module chooses for), else 0."""
+    return w.numel() * 4 if w.dtype == torch.float32 and w.device.type == "cpu" else 0
+
+
 def use_onednn(w: torch.Tensor) -> bool:
     """Whether an fp32 CPU product over w runs on oneDNN (probing first if this is the first large one)."""
-    if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
-        return False
-    size = w.numel() * 4
+    size = _fp32_cpu_bytes(w) if w.is_contiguous() else 0
     if size < ONEDNN_MIN_BYTES:
         return False
     if _chosen is None and size >= PROBE_MIN_BYTES:
@@ -146,8 +146,7 @@ def use_onednn(w: torch.Tensor) -> bool:
 def prepare(model: torch.nn.Module) -> str:
     """Decide now, before anything is timed (the engine and the worker call it on their models): probes if
     undecided and the model has an fp32 CPU weight of PROBE_MIN_BYTES or more. Returns the choice."""
-    if _chosen is None and any(p.dtype == torch.float32 and p.device.type == "cpu" and p.numel() * 4 >= PROBE_MIN_BYTES
-                               for p in model.parameters()):
+    if _chosen is None and any(_fp32_cpu_bytes(p) >= PROBE_MIN_BYTES for p in model.parameters()):
         probe()
     return chosen()
 

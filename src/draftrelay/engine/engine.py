@@ -432,7 +432,7 @@ class Engine:
             total["spec_cache"] = self.spec_cache.stats()
         if self.threads is not None:
             total["threads"] = self.threads.summary()
-        if getattr(getattr(self.model, "device", None), "type", "") == "cpu":  # which library ran fp32 products
+        if self.device.type == "cpu":  # which library ran the fp32 products
             total["cpu_linear"] = cpu_linear.chosen()
         return {"total": total, "requests": per}
 
