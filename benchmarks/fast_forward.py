@@ -3,7 +3,8 @@ verify (7B shape), this project's eager, graphs (plain forward), graphs with the
 cuBLAS for every product ("graphs_fast_cublas"), graphs with the fused kernels and the products chosen
 per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"; "graphs_fast_nopdl" the same launched
 without programmatic dependent launch, "graphs_fast_noprefetch" without the attention's L2 prefetch,
-"graphs_fast_norows" planned without the compact-rows dot tiles; for the drafter also its graph replayed alone,
+"graphs_fast_norows" planned without the compact-rows dot tiles, "graphs_fast_nocublas" planned over the
+Triton candidates only; for the drafter also its graph replayed alone,
 "graphs_fast_replay_only", and the worker's host work of the step with the replay left out,
 "graphs_fast_host_only"), plain torch.compile of the same model
 (7B decode), and Hugging Face transformers (target decode). The "gemm" section and "plans" list each
@@ -106,6 +107,17 @@ PLAN_KEY = P.plan_key
 NOROWS_PLANNER = P.Planner(triton_ops._measure)
 
 
+def _measure_nocublas(key, cands):
+    times = triton_ops._measure(key, cands)
+    times[None] = float("inf")  # cuBLAS is never chosen where a candidate runs and matches
+    return times
+
+
+# the plan that keeps every product of at most plan.MAX_ROWS rows on the Triton kernels (launched with PDL)
+# wherever a candidate runs: the "nocublas" variant, which prices the chain breaks a cuBLAS product costs
+NOCUBLAS_PLANNER = P.Planner(_measure_nocublas)
+
+
 def _plan_key_norows(*args, **kw):
     planned = PLAN_KEY(*args, **kw)
     if planned is None:
@@ -120,6 +132,7 @@ def fast_path(model: M.Transformer, fast) -> None:
     "nopdl": the same launched plainly (triton_ops.PDL off); "noprefetch": the same without the
     attention's L2 prefetch of its first key tile (triton_ops.ATTN_PREFETCH off); "norows": the same
     planned without the compact-rows dot tiles (a plan of its own over the other candidates);
+    "nocublas": planned over the Triton candidates only (cuBLAS never chosen where one runs);
     "cublas": the same fused kernels with cuBLAS for every product and the separate norm / SiLU / pick
     kernels (plan MODE "off"); False: the plain forward. Graphs keep what was set when they were captured."""
     model.fast = bool(fast)
@@ -127,7 +140,7 @@ def fast_path(model: M.Transformer, fast) -> None:
     triton_ops.PDL = fast != "nopdl"
     triton_ops.ATTN_PREFETCH = fast != "noprefetch"
     norows = fast == "norows"
-    triton_ops.PLANNER = NOROWS_PLANNER if norows else MAIN_PLANNER
+    triton_ops.PLANNER = NOROWS_PLANNER if norows else NOCUBLAS_PLANNER if fast == "nocublas" else MAIN_PLANNER
     P.plan_key = _plan_key_norows if norows else PLAN_KEY
 
 
@@ -232,7 +245,8 @@ def drafter_section(dev, ctxs, iters, out) -> None:
     n_out = 4
     variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast_cublas": ("graph", "cublas"),
                 "graphs_fast_nopdl": ("graph", "nopdl"), "graphs_fast_noprefetch": ("graph", "noprefetch"),
-                "graphs_fast_norows": ("graph", "norows"), "graphs_fast": ("graph", True),
+                "graphs_fast_norows": ("graph", "norows"), "graphs_fast_nocublas": ("graph", "nocublas"),
+                "graphs_fast": ("graph", True),
                 "eager_fast": ("eager", True)}
     drafters = {k: LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m) for k, (m, _) in variants.items()}
     wb = weight_bytes(model)
@@ -305,7 +319,7 @@ def target_section(dev, ctxs, iters, out) -> None:
     res = out.setdefault("target_7b", {"weight_bytes": wb, "rows": []})
     graphs = {}
     for T in (1, 5):
-        for fast in (False, "cublas", "nopdl", "noprefetch", "norows", True):
+        for fast in (False, "cublas", "nopdl", "noprefetch", "norows", "nocublas", True):
             fast_path(model, fast)
             t0 = time.perf_counter()
             graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
@@ -333,7 +347,8 @@ def target_section(dev, ctxs, iters, out) -> None:
 
             fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast_cublas": graph("cublas"),
                    "graphs_fast_nopdl": graph("nopdl"), "graphs_fast_noprefetch": graph("noprefetch"),
-                   "graphs_fast_norows": graph("norows"), "graphs_fast": graph(True), "eager_fast": eager(True)}
+                   "graphs_fast_norows": graph("norows"), "graphs_fast_nocublas": graph("nocublas"),
+                   "graphs_fast": graph(True), "eager_fast": eager(True)}
             t = interleaved(fns, iters)
             row = {"context": ctx, "tokens": T, "step": t,
                    "bytes_per_step": wb + (ctx + T) * kv_bytes_per_token(cfg)}
@@ -475,6 +490,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
         out["plans"] = plan_rows()  # every product shape measured so far, the forwards' own included
         out["plans_norows"] = plan_rows(NOROWS_PLANNER)  # the "norows" variant's plan
+        out["plans_nocublas"] = plan_rows(NOCUBLAS_PLANNER)  # the "nocublas" variant's plan
         save()
         torch.cuda.empty_cache()  # the section's models are gone: their blocks back for the next one
     out["wall_s"] = round(time.perf_counter() - t_start, 1)

@@ -8,12 +8,16 @@ the file holds exactly what a start-up would measure. Prints the cold planning c
 without seed or cache pays) and writes the file.
 
     python benchmarks/plan_seed.py --shapes qwen2.5-7b,qwen2.5-0.5b --out src/draftrelay/kernels/plans/NVIDIA_H200.json
+
+`--repick FILE` (no GPU): choose again from the times a seed or cache file recorded, under the present
+choice rule (`plan.pick`: MARGIN, CHAIN_S), and rewrite the file's choices; prints each choice it changes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -42,13 +46,41 @@ def shapes_of(shape: str, dtype: torch.dtype, k: int) -> set[tuple]:
     return {(pro, N, K, dt, bias, delta) for pro, _, N, K, dt, bias, delta in rec.calls}
 
 
+def repick(path: str) -> int:
+    """Rewrite the choices of plan file `path` from its recorded times under the present rule."""
+    with open(path) as f:
+        data = json.load(f)
+    changed = 0
+    for key, entry in sorted(data["plans"].items()):
+        times = {None if label == "cublas" else label: (math.inf if us is None else us * 1e-6)
+                 for label, us in entry.get("us", {}).items()}
+        if None not in times:
+            continue  # no cuBLAS time recorded: nothing to compare against, the choice stands
+        got = P.pick(times)
+        choice = "cublas" if got is None else got
+        if choice != entry["choice"]:
+            us = entry["us"]
+            print(f"{key}: {entry['choice']} ({us.get(entry['choice'])} us) -> {choice} ({us.get(choice)} us)")
+            entry["choice"] = choice
+            changed += 1
+    with open(path, "w") as f:
+        json.dump(data, f, indent=0, sort_keys=True)
+    print(f"{changed} of {len(data['plans'])} choices changed; wrote {path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repick", metavar="FILE", help="re-choose FILE's entries from its recorded times (no GPU)")
     ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-0.5b",
                     help="model shapes (draftrelay.worker.drafters.SHAPES), comma separated; NAME:float32 for fp32")
     ap.add_argument("--k", type=int, default=4, help="drafts per round (the verify's width is k + 1)")
-    ap.add_argument("--out", required=True, help="the seed file to write")
+    ap.add_argument("--out", help="the seed file to write")
     args = ap.parse_args()
+    if args.repick:
+        return repick(args.repick)
+    if not args.out:
+        ap.error("--out FILE is required (or --repick FILE)")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU: the seed is what this card measures")
     from draftrelay.kernels import triton_ops

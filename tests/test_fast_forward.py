@@ -195,7 +195,11 @@ def test_planner_measures_each_key_once_and_keeps_cublas_unless_clearly_faster()
     from draftrelay.kernels import plan as P
     a, b = P.SkinnyConfig(4, 1024, False, 4, 2), P.SkinnyConfig(16, 128, True, 4, 4)
     calls = []
-    speeds = {("fast",): {None: 10e-6, a: 6e-6, b: 7e-6}, ("close",): {None: 10e-6, a: 9.9e-6, b: math.inf},
+    # cuBLAS is charged P.CHAIN_S (the chain of PDL launches it breaks), then a candidate must be MARGIN faster
+    chained = (10e-6 + P.CHAIN_S) * (1 - P.MARGIN)
+    speeds = {("fast",): {None: 10e-6, a: 6e-6, b: 7e-6},
+              ("slower alone",): {None: 10e-6, a: chained * 0.99, b: math.inf},
+              ("close",): {None: 10e-6, a: chained * 1.01, b: math.inf},
               ("broken",): {None: 10e-6, a: math.inf, b: math.inf}}
 
     def measure(key, cands):
@@ -205,9 +209,11 @@ def test_planner_measures_each_key_once_and_keeps_cublas_unless_clearly_faster()
 
     pl = P.Planner(measure)
     assert pl.choose(("fast",), [a, b]) == a
-    assert pl.choose(("close",), [a, b]) is None  # within MARGIN of cuBLAS: cuBLAS
+    assert pl.choose(("slower alone",), [a, b]) == a  # slower than cuBLAS alone, faster than cuBLAS in a chain
+    assert pl.choose(("close",), [a, b]) is None  # within MARGIN of cuBLAS in a chain: cuBLAS
     assert pl.choose(("broken",), [a, b]) is None  # every candidate failed its check
-    assert pl.choose(("fast",), [a, b]) == a and calls == [("fast",), ("close",), ("broken",)]
+    assert pl.choose(("fast",), [a, b]) == a
+    assert calls == [("fast",), ("slower alone",), ("close",), ("broken",)]
     assert pl.choose(("none",), []) is None and ("none",) not in calls  # nothing to measure
     assert pl.report[("fast",)]["cublas"] == 10e-6 and pl.report[("fast",)][a.label()] == 6e-6
 

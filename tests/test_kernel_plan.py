@@ -323,3 +323,53 @@ def test_every_shipped_seed_names_present_candidates():
             key = (int(pro), int(bucket), int(N), int(K), dt, bias == "True", delta == "True")
             cands = P.bucket_candidates(key[0], key[1], key[2], key[3])
             assert seed.get(key, cands) is not P.MISSING, (path, key_str, e["choice"])
+
+
+def test_repick_rewrites_a_files_choices_under_the_present_rule(tmp_path, capsys):
+    """benchmarks/plan_seed.py --repick: each entry is chosen again from its recorded times with plan.pick
+    (cuBLAS charged CHAIN_S, then MARGIN), so a seed measured under an older rule can follow the present
+    one without a GPU; entries without a cuBLAS time keep their choice."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("plan_seed_under_test", root / "plan_seed.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(root))
+    chained_us = (10e-6 + P.CHAIN_S) * (1 - P.MARGIN) * 1e6
+    plans = {
+        "1|4|9728|896|bfloat16|False|True": {"choice": "cublas", "us": {"cublas": 10.0, "dot64x128w4s4": 10.3}},
+        "1|8|4608|3584|bfloat16|True|False": {"choice": "cublas",
+                                              "us": {"cublas": 10.0, "dot64x128w4s4": chained_us * 1.05}},
+        "0|1|896|896|bfloat16|False|False": {"choice": "sum16x1024w8s2", "us": {"sum16x1024w8s2": 2.4}},
+        "2|1|896|4864|bfloat16|False|False": {"choice": "sum4x1024w4s1uk5",
+                                              "us": {"cublas": 8.3, "sum4x1024w4s1uk5": None}},
+    }
+    f = tmp_path / "seed.json"
+    f.write_text(json.dumps({"format": P.PlanCache.FORMAT, "meta": {"device": "X"}, "plans": plans}))
+    assert mod.repick(str(f)) == 0
+    got = {k: v["choice"] for k, v in json.loads(f.read_text())["plans"].items()}
+    assert got["1|4|9728|896|bfloat16|False|True"] == "dot64x128w4s4"  # 3 % slower alone, faster in a chain
+    assert got["1|8|4608|3584|bfloat16|True|False"] == "cublas"  # slower than cuBLAS even with the charge
+    assert got["0|1|896|896|bfloat16|False|False"] == "sum16x1024w8s2"  # no cuBLAS time: kept
+    assert got["2|1|896|4864|bfloat16|False|False"] == "cublas"  # the only candidate failed: cuBLAS
+    assert "2 of 4 choices changed" in capsys.readouterr().out
+
+
+def test_every_shipped_seed_follows_the_present_choice_rule():
+    """Each shipped choice is what plan.pick makes of the times the seed recorded: a change of the rule
+    (MARGIN, CHAIN_S) without `benchmarks/plan_seed.py --repick` would ship choices the rule no longer
+    makes (a seed's choices are checked on the card, never re-timed)."""
+    import glob
+    import os
+
+    for path in glob.glob(os.path.join(P.SEED_DIR, "*.json")):
+        for key_str, e in json.loads(open(path).read())["plans"].items():
+            times = {None if label == "cublas" else label: (math.inf if us is None else us * 1e-6)
+                     for label, us in e["us"].items()}
+            if None in times:
+                assert (P.pick(times) or "cublas") == e["choice"], (path, key_str, e)
