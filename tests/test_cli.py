@@ -33,3 +33,20 @@ def test_bad_use_is_a_clear_error():
     assert p.returncode == 2 and "invalid choice" in p.stderr
     p = run()
     assert p.returncode == 2 and "usage: draftrelay" in p.stdout
+
+
+@pytest.mark.parametrize("var,value,argv", [
+    ("DRAFTRELAY_CPU_LINEAR", "openblas", ["-m", "draftrelay", "generate", "hi", "--model", "tiny"]),
+    ("DRAFTRELAY_SKINNY", "fast", ["-m", "draftrelay", "worker", "--model", "tiny", "--port", "0"]),
+    ("DRAFTRELAY_SKINNY", "fast", ["-m", "draftrelay.worker", "--model", "tiny", "--port", "0"]),
+])
+def test_a_bad_setting_is_one_line_and_exit_2(var, value, argv):
+    """A DRAFTRELAY_* setting read at import with a value it does not take: the command names the
+    variable and the value in one line and exits 2, no traceback (draftrelay.SettingError)."""
+    import os
+
+    env = {**os.environ, var: value}
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert f"{var}={value!r}" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -115,6 +115,9 @@ def test_probe_keeps_the_faster_library(monkeypatch):
     monkeypatch.setattr(C.F, "linear", _slow(F.linear, 0.05))
     assert C.probe() == "onednn" and C.chosen() == "onednn"
     assert min(C.probe_times()["mkl_1"], C.probe_times()["mkl_4"]) >= 50
+    timings = C.probe_times()
+    assert C.choose("mkl") == "mkl" and C.probe_times() == timings  # a fixed choice keeps what was measured
+    assert C.choose("auto") == "auto" and C.probe_times() == {}  # a new probe will run: nothing stale kept
 
 
 @needs_onednn

@@ -13,6 +13,8 @@ import signal
 import sys
 import threading
 
+from draftrelay import SettingError
+
 # name -> (module, one-line help). The module provides add_arguments(parser) and run(args).
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("draftrelay.engine.cli_demo", "run the built-in demo: local worker + proxy, off/sync/async side by side"),
@@ -64,7 +66,11 @@ def _on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
+    try:
+        parser = build_parser(argv)  # imports the chosen command's module, which may read a setting
+    except SettingError as exc:
+        print(f"draftrelay: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
@@ -77,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
         return int(mod.run(args) or 0)
+    except SettingError as exc:
+        print(f"draftrelay {args.command}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except Terminated:

@@ -29,6 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from draftrelay import SettingError
+
 log = logging.getLogger("draftrelay.cpu_linear")
 
 LIBRARIES = ("auto", "mkl", "onednn")
@@ -59,14 +61,16 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 def choose(library: str) -> str:
     """Fix the library for this process ("mkl", "onednn", or "auto": probe at the next large product).
     Returns the library now in force ("auto" until the probe has run). Refuses "onednn" where it cannot
-    run, naming why."""
+    run, naming why. A fixed choice keeps the timings of a probe that ran (they still describe this
+    machine: a benchmark that forces one library for a while reports them); "auto" clears them."""
     global _chosen
     if library not in LIBRARIES:
         raise ValueError(f"CPU linear library {library!r}: one of {', '.join(LIBRARIES)}")
     if library == "onednn" and (why := onednn_unavailable()):
         raise RuntimeError(f"CPU linear library 'onednn': {why}")
     _chosen = None if library == "auto" else library
-    _probe.clear()
+    if library == "auto":
+        _probe.clear()
     return _chosen or "auto"
 
 
@@ -76,7 +80,8 @@ def chosen() -> str:
 
 
 def probe_times() -> dict[str, float]:
-    """The probe's timings in ms (empty when it has not run): mkl_1, onednn_1, mkl_4, onednn_4."""
+    """The latest probe's timings in ms (empty when none has run since "auto" was chosen): mkl_1,
+    onednn_1, mkl_4, onednn_4."""
     return dict(_probe)
 
 
@@ -123,7 +128,7 @@ def probe() -> str:
 def _from_env() -> None:
     library = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if library not in LIBRARIES:
-        raise ValueError(f"{ENV}={library!r}: one of {', '.join(LIBRARIES)}")
+        raise SettingError(f"{ENV}={library!r}: one of {', '.join(LIBRARIES)}")
     if library != "auto":
         choose(library)
 

@@ -64,6 +64,8 @@ from typing import Any
 
 import numpy as np
 
+from draftrelay import SettingError
+
 from . import cuda_caps, cuda_kernels
 from .cuda_driver import CudaError, CudaStreamRefused, bind_calls, err_name, import_driver
 from .cuda_kernels import ROUND_THREADS, RoundArgs
@@ -144,7 +146,8 @@ class CudaStream(StreamOps):
         self.fast = fast
         self.wait_mode = wait or os.environ.get("DRAFTRELAY_CUDA_WAIT", "auto")
         if self.wait_mode not in WAIT_MODES:
-            raise ValueError(f"CudaStream wait={self.wait_mode!r}: expected one of {', '.join(WAIT_MODES)}")
+            where = "wait" if wait else "DRAFTRELAY_CUDA_WAIT"
+            raise SettingError(f"CudaStream {where}={self.wait_mode!r}: expected one of {', '.join(WAIT_MODES)}")
         self.batch = batch
         self._registered: list[int] = []  # host addresses currently registered by us
         self._scratch: mmap.mmap | None = None

@@ -56,6 +56,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from draftrelay import SettingError
+
 MAX_ROWS = 16  # products with more rows (prefill chunks, large batches) stay on cuBLAS
 SUM_MAX_ROWS = 8  # the multiply-and-sum tile's rows (each row one more pass over the loaded weight tile)
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2  # what the kernel computes on its input rows before the product
@@ -72,7 +74,7 @@ CHAIN_S = 2e-6
 MODES = ("auto", "off")
 MODE = os.environ.get("DRAFTRELAY_SKINNY", "auto")
 if MODE not in MODES:
-    raise ValueError(f"DRAFTRELAY_SKINNY={MODE!r}: expected one of {', '.join(MODES)}")
+    raise SettingError(f"DRAFTRELAY_SKINNY={MODE!r}: expected one of {', '.join(MODES)}")
 NORM_MAX_K = 4096  # the norm prologue holds the whole row in one tile (its RMS needs all of it)
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # a product is planned and compiled once per bucket, at its top row count
 
