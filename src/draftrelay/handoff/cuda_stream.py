@@ -146,8 +146,9 @@ class CudaStream(StreamOps):
         self.fast = fast
         self.wait_mode = wait or os.environ.get("DRAFTRELAY_CUDA_WAIT", "auto")
         if self.wait_mode not in WAIT_MODES:
-            where = "wait" if wait else "DRAFTRELAY_CUDA_WAIT"
-            raise SettingError(f"CudaStream {where}={self.wait_mode!r}: expected one of {', '.join(WAIT_MODES)}")
+            if wait:
+                raise ValueError(f"CudaStream wait={wait!r}: expected one of {', '.join(WAIT_MODES)}")
+            raise SettingError(f"DRAFTRELAY_CUDA_WAIT={self.wait_mode!r}: expected one of {', '.join(WAIT_MODES)}")
         self.batch = batch
         self._registered: list[int] = []  # host addresses currently registered by us
         self._scratch: mmap.mmap | None = None

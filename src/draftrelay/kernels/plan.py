@@ -68,8 +68,9 @@ MARGIN = 0.03  # a Triton configuration replaces cuBLAS only when it is at least
 # finishes); cuBLAS launches plainly, so it breaks that chain on both sides, a cost the measurement (each
 # choice timed back to back with itself) does not see. Measured on the H200 (benchmarks/fast_forward.py,
 # variant "nocublas", three runs): the 0.5B drafter's four-request STEP was 0.11-0.33 ms faster with its
-# 96 four-row gate|up products on the Triton tile that timed 1-3 % slower alone than cuBLAS, i.e. 1-3.4 us
-# per cuBLAS launch; the same pair timed with a Triton neighbour launch in the graph did not show it.
+# 96 four-row gate|up products on the Triton tile than on cuBLAS, the two within 3 % of each other alone,
+# i.e. 1-3.4 us per cuBLAS launch; timing each choice paired with a Triton neighbour launch in the graph
+# did not show it (docs/FAST_FORWARD.md).
 CHAIN_S = 2e-6
 MODES = ("auto", "off")
 MODE = os.environ.get("DRAFTRELAY_SKINNY", "auto")
