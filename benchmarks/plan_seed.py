@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -52,12 +51,9 @@ def repick(path: str) -> int:
         data = json.load(f)
     changed = 0
     for key, entry in sorted(data["plans"].items()):
-        times = {None if label == "cublas" else label: (math.inf if us is None else us * 1e-6)
-                 for label, us in entry.get("us", {}).items()}
-        if None not in times:
+        choice = P.pick_recorded(entry.get("us"))
+        if choice is None:
             continue  # no cuBLAS time recorded: nothing to compare against, the choice stands
-        got = P.pick(times)
-        choice = "cublas" if got is None else got
         if choice != entry["choice"]:
             us = entry["us"]
             print(f"{key}: {entry['choice']} ({us.get(entry['choice'])} us) -> {choice} ({us.get(choice)} us)")

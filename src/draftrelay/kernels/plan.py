@@ -343,10 +343,7 @@ class PlanCache:
 
     def report(self, key: tuple) -> dict[str, float]:
         """The stored times of key's measurement (seconds per call by label; inf: failed)."""
-        us = self.entries.get(self.entry_key(key), {}).get("us")
-        if not isinstance(us, dict):
-            return {}
-        return {k: (v / 1e6 if isinstance(v, (int, float)) else math.inf) for k, v in us.items()}
+        return recorded_seconds(self.entries.get(self.entry_key(key), {}).get("us"))
 
     def put(self, key: tuple, choice: SkinnyConfig | None, report: dict[str, float]) -> None:
         self.entries[self.entry_key(key)] = {
@@ -436,10 +433,7 @@ class PlanSeed:
         return match[0] if match else MISSING
 
     def report(self, key: tuple) -> dict[str, float]:
-        us = self.entries.get(PlanCache.entry_key(key), {}).get("us")
-        if not isinstance(us, dict):
-            return {}
-        return {k: (v / 1e6 if isinstance(v, (int, float)) else math.inf) for k, v in us.items()}
+        return recorded_seconds(self.entries.get(PlanCache.entry_key(key), {}).get("us"))
 
 
 @dataclass
@@ -567,6 +561,24 @@ class Planner:
         if not ok:
             log.warning("kernel plan seed: %s for %s differs from cuBLAS here; measured", cfg.label(), key)
         return ok
+
+
+def recorded_seconds(us) -> dict[str, float]:
+    """A plan file entry's recorded times ("us": microseconds per call by label, null for a candidate
+    that failed) as seconds by label, inf for a failed one; {} where the entry has none."""
+    if not isinstance(us, dict):
+        return {}
+    return {k: (v / 1e6 if isinstance(v, (int, float)) else math.inf) for k, v in us.items()}
+
+
+def pick_recorded(us) -> str | None:
+    """The label `pick` chooses from a plan file entry's recorded times ("cublas" for cuBLAS), or None
+    where no cuBLAS time was recorded (nothing to compare against)."""
+    times = recorded_seconds(us)
+    if "cublas" not in times:
+        return None
+    got = pick({None if label == "cublas" else label: t for label, t in times.items()})
+    return "cublas" if got is None else got
 
 
 def pick(times: dict) -> SkinnyConfig | None:
