@@ -218,6 +218,31 @@ def test_planner_measures_each_key_once_and_keeps_cublas_unless_clearly_faster()
     assert pl.report[("fast",)]["cublas"] == 10e-6 and pl.report[("fast",)][a.label()] == 6e-6
 
 
+def test_greedy_top_definition():
+    """The m most likely ids in descending order with ties to the lower id, each with its softmax
+    probability; its token and confidence are greedy_pick's; an m outside 1..V is refused by name."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    lg = torch.randn(4, 3000, generator=g)
+    lg[1, 2900] = lg[1, 7] = lg[1].max() + 1  # a tie at the top: the lower id first
+    lg[2, 40] = lg[2, 41] = lg[2, 5] = float("-inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = lg.to(dtype)
+        tok, conf, ids, probs = R.greedy_top(x, 8)
+        pt, pc = R.greedy_pick(x)
+        assert torch.equal(tok, pt) and torch.equal(conf, pc) and torch.equal(ids[:, 0], tok)
+        assert ids.dtype == torch.int64 and ids.shape == (4, 8) and probs.dtype == torch.float32
+        assert ids[1, :2].tolist() == [7, 2900]
+        xf = x.float()
+        vals = xf.gather(-1, ids)
+        assert torch.equal(vals, xf.topk(8, dim=-1).values)  # the 8 largest, in descending order
+        assert bool((vals[:, :-1] >= vals[:, 1:]).all())
+        torch.testing.assert_close(probs, torch.softmax(xf, -1).gather(-1, ids))
+    assert R.greedy_top(lg, 3000)[2].shape == (4, 3000)
+    for bad in (0, 3001):
+        with pytest.raises(ValueError, match=f"m={bad}"):
+            R.greedy_top(lg, bad)
+
+
 def test_greedy_pick_definition_and_the_forward_greedy_output():
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     lg = torch.randn(4, 300, generator=g)
@@ -282,6 +307,14 @@ tok, conf = T.greedy_pick(lg)
 rt, rc = R.greedy_pick(lg)
 assert torch.equal(tok, rt) and int(tok[0]) == 4100, (tok, rt)
 torch.testing.assert_close(conf, rc)
+lg[1, 100] = lg[1, 9] = lg[1].max() + 1  # tied inside one chunk
+lg[2, :4096] = float("-inf")  # a chunk of -inf logits: no candidate of it is taken twice
+for m in (1, 8):
+    got, want = T.greedy_top(lg, m), R.greedy_top(lg, m)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3:2], want[:3:2], strict=True)), (got, want)
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[3], want[3])
+    assert torch.equal(got[1], T.greedy_pick(lg)[1])  # greedy_pick's confidence, summed the same way
 assert T.linear(torch.ones(1, 96), torch.ones(5, 96)).sum() == 5 * 96  # not CUDA: cuBLAS's place, F.linear
 for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLOCK), one row and a verify
     T.SINGLE_BLOCK[16, 16] = T.SINGLE_BLOCK[16, 32] = blk

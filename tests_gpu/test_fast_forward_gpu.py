@@ -140,6 +140,26 @@ def test_greedy_pick_equals_argmax_and_softmax():
         torch.testing.assert_close(conf, rc, rtol=1e-4, atol=1e-7)
 
 
+def test_greedy_top_equals_its_definition_and_greedy_pick():
+    K = kernels.backend(DEV)
+    g = fresh()
+    for dtype in (torch.bfloat16, torch.float32):
+        for B in (1, 8, 32):
+            lg = (torch.randn(B, 151936, device=DEV, generator=g) * 3).to(dtype)
+            lg[0, 70000] = lg[0, 9] = lg[0].max() + 1  # a tie across chunks: the lower id first
+            lg[-1, 4096:8192] = float("-inf")
+            for m in (1, 8):
+                tok, conf, ids, probs = K.greedy_top(lg, m)
+                rt, rc, ri, rp = R.greedy_top(lg, m)
+                pt, pc = K.greedy_pick(lg)
+                assert torch.equal(tok, rt) and torch.equal(ids, ri) and int(ids[0, 0]) == 9
+                assert torch.equal(tok, pt) and torch.equal(conf, pc)  # greedy_pick's, bit for bit
+                torch.testing.assert_close(conf, rc, rtol=1e-4, atol=1e-7)
+                torch.testing.assert_close(probs, rp, rtol=1e-4, atol=1e-7)
+                if m > 1:
+                    assert int(ids[0, 1]) == 70000
+
+
 def _forward_hidden_and_logits(model, cache, toks, start, kv):
     """Logits and the final hidden state (the normed output: the head replaced by the identity)."""
     with torch.inference_mode():

@@ -10,6 +10,7 @@ plain-torch definitions: the same function, not faster). Both modules define
     linear(x, w, b) -> x @ w^T + b
     act_linear(gu, w, b) -> silu_mul(gu) @ w^T + b
     greedy_pick(logits) -> (argmax, its softmax probability)
+    greedy_top(logits, m) -> greedy_pick's two and the m most likely ids with their probabilities
     silu_mul(gu) -> silu(gate) * up
     rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows) -> q rotated (k, v into the cache)
     decode_attention(q, ck, cv, rows, start, kv_len) -> causal GQA attention over the cache rows

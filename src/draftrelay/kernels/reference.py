@@ -60,6 +60,20 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tok, torch.softmax(lf, -1).gather(-1, tok[:, None])[:, 0]
 
 
+def greedy_top(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, V] (any float dtype), 1 <= m <= V -> (token int64 [B], confidence float32 [B], top ids
+    int64 [B, m], their probabilities float32 [B, m]): greedy_pick's token and confidence, and the m most
+    likely ids in descending order, ties to the lower id (a stable sort), each with its softmax probability
+    computed as exp(l - max) * confidence (ids[:, 0] is the token, probs[:, 0] its confidence)."""
+    if not 1 <= m <= logits.shape[-1]:
+        raise ValueError(f"greedy_top: m={m} outside 1..{logits.shape[-1]} (the vocabulary)")
+    tok, conf = greedy_pick(logits)
+    lf = logits.float()
+    v, i = torch.sort(lf, dim=-1, descending=True, stable=True)
+    v, i = v[:, :m], i[:, :m]
+    return tok, conf, i.contiguous(), (torch.exp(v - v[:, :1]) * conf[:, None]).contiguous()
+
+
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """gu [..., 2n] (rows gate | up of one GEMM) -> silu(gate) * up [..., n]; silu rounded first, as
     F.silu(gate) * up rounds."""

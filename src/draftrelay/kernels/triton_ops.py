@@ -14,6 +14,8 @@ each instead of the plain forward's several per op.
                     SiLU*up (act_linear, the down product); chosen against cuBLAS per shape (kernels.plan)
   greedy_pick       argmax and its softmax probability over the vocabulary: per-chunk (max, argmax,
                     sum exp) partials, merged by a one-program-per-row kernel     (plain: ~6)
+  greedy_top        the same and the m most likely ids with their probabilities (the speculation
+                    cache's candidates): per-chunk top m, merged per row            (plain: a top-k)
   decode_attention  flash-decoding: each program streams one key chunk of one (row, kv head) once, for
                     all n_rep * T query rows of that kv head (GQA without repeating K/V), online
                     softmax in fp32; long contexts split over many programs whose partials one combine
@@ -929,7 +931,8 @@ def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.const
     x = tl.load(l_ptr + b * V + offs, mask=msk, other=float("-inf")).to(tl.float32)
     mx = tl.max(x, axis=0)
     idx = tl.min(tl.where(x == mx, offs, V), axis=0)  # the lowest id of the chunk's maximum
-    s = tl.sum(tl.exp(x - mx), axis=0)
+    # a chunk of -inf logits adds nothing (exp(-inf - -inf) would be NaN)
+    s = tl.where(mx == float("-inf"), 0.0, tl.sum(tl.exp(x - mx), axis=0))
     tl.store(pm_ptr + b * n_chunk + c, mx)
     tl.store(pi_ptr + b * n_chunk + c, idx)
     tl.store(ps_ptr + b * n_chunk + c, s)
@@ -970,6 +973,95 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _pick_merge_kernel[(B,)](pm, pi, ps, tok, conf, V, nc, NC=max(16, triton.next_power_of_2(nc)), PDL=pdl,
                              num_warps=1, **_launch_kw(pdl))
     return tok, conf
+
+
+TOP_CHUNK = PICK_CHUNK  # greedy_top's chunks are greedy_pick's: the same partial sums, the same confidence
+
+
+@triton.jit
+def _top_part_kernel(l_ptr, tv_ptr, ti_ptr, ps_ptr, V, n_chunk, M: tl.constexpr, CHUNK: tl.constexpr,
+                     PDL: tl.constexpr):
+    # one (row, chunk): its m largest (lowest id first among equals) and its sum exp(l - chunk max), the
+    # latter exactly as _pick_part_kernel computes it (so the merged confidence is greedy_pick's)
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    msk = offs < V
+    x = tl.load(l_ptr + b * V + offs, mask=msk, other=float("-inf")).to(tl.float32)
+    mx = tl.max(x, axis=0)
+    s = tl.where(mx == float("-inf"), 0.0, tl.sum(tl.exp(x - mx), axis=0))
+    tl.store(ps_ptr + b * n_chunk + c, s)
+    alive = msk  # a taken entry leaves by id, not by value: an -inf logit is still a candidate
+    out = (b * n_chunk + c) * M
+    for j in tl.static_range(M):
+        v = tl.max(tl.where(alive, x, float("-inf")), axis=0)
+        i = tl.min(tl.where(alive & (x == v), offs, V), axis=0)
+        tl.store(tv_ptr + out + j, v)
+        tl.store(ti_ptr + out + j, i)
+        alive = alive & (offs != i)
+
+
+@triton.jit
+def _top_merge_kernel(tv_ptr, ti_ptr, ps_ptr, tok_ptr, conf_ptr, oi_ptr, op_ptr, V, n_chunk, M: tl.constexpr,
+                      NC: tl.constexpr, NM: tl.constexpr, PDL: tl.constexpr):
+    # one row: the m largest of the chunks' candidates (lowest id first among equals: ids are unique, so
+    # taking by id is exact), the confidence from the chunk sums as _pick_merge_kernel forms it
+    b = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    c = tl.arange(0, NC)
+    cm = c < n_chunk
+    n = tl.arange(0, NM)
+    nm = n < n_chunk * M
+    v = tl.load(tv_ptr + b * n_chunk * M + n, mask=nm, other=float("-inf"))
+    i = tl.load(ti_ptr + b * n_chunk * M + n, mask=nm, other=V)
+    alive = nm & (i < V)
+    pm = tl.max(tl.where(alive, v, float("-inf")), axis=0)  # the row's max: its chunk's first candidate
+    # each chunk's max is its first candidate (index c * M)
+    cmax = tl.load(tv_ptr + b * n_chunk * M + c * M, mask=cm, other=float("-inf"))
+    s = tl.load(ps_ptr + b * n_chunk + c, mask=cm, other=0.0)
+    total = tl.sum(tl.where(cm, s * tl.exp(cmax - pm), 0.0), axis=0)
+    conf = 1.0 / total
+    tl.store(conf_ptr + b, conf)
+    for j in tl.static_range(M):
+        vj = tl.max(tl.where(alive, v, float("-inf")), axis=0)
+        ij = tl.min(tl.where(alive & (v == vj), i, V), axis=0)
+        if j == 0:
+            tl.store(tok_ptr + b, ij.to(tl.int64))
+        tl.store(oi_ptr + b * M + j, ij.to(tl.int64))
+        tl.store(op_ptr + b * M + j, tl.exp(vj - pm) * conf)
+        alive = alive & (i != ij)
+
+
+def greedy_top(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.greedy_top in two launches: per (row, chunk of TOP_CHUNK) its m largest and sum of
+    exponentials, then per row the m largest of those. torch.topk over a [32, 151936] bf16 tensor took
+    ~120 us on an H200 (one radix select per row), this ~10 (benchmarks/branch_work.py)."""
+    if P.MODE == "off":
+        return R.greedy_top(logits, m)
+    logits = logits.contiguous()
+    B, V = logits.shape
+    if not 1 <= m <= V:
+        raise ValueError(f"greedy_top: m={m} outside 1..{V} (the vocabulary)")
+    dev = logits.device
+    nc = triton.cdiv(V, TOP_CHUNK)
+    tv = torch.empty(B, nc, m, device=dev, dtype=torch.float32)
+    ti = torch.empty(B, nc, m, device=dev, dtype=torch.int32)
+    ps = torch.empty(B, nc, device=dev, dtype=torch.float32)
+    pdl = _pdl(dev)
+    _top_part_kernel[(B, nc)](logits, tv, ti, ps, V, nc, M=m, CHUNK=TOP_CHUNK, PDL=pdl, num_warps=8,
+                              **_launch_kw(pdl))
+    tok = torch.empty(B, device=dev, dtype=torch.int64)
+    conf = torch.empty(B, device=dev, dtype=torch.float32)
+    ids = torch.empty(B, m, device=dev, dtype=torch.int64)
+    probs = torch.empty(B, m, device=dev, dtype=torch.float32)
+    _top_merge_kernel[(B,)](tv, ti, ps, tok, conf, ids, probs, V, nc, M=m, NC=max(16, triton.next_power_of_2(nc)),
+                            NM=max(16, triton.next_power_of_2(nc * m)), PDL=pdl, num_warps=4, **_launch_kw(pdl))
+    return tok, conf, ids, probs
 
 
 @functools.lru_cache(maxsize=8)

@@ -157,12 +157,14 @@ class ForkSteps:
                 torch.cuda.current_stream(g.out.device).synchronize()
         return g.host_out.numpy()
 
-    def _pick(self, logits):
-        """(argmax, its softmax probability) of logits [B, V]: the fast forward's greedy pick (fused on
-        CUDA, ties to the lower id), as the drafter's own drafting loop picks."""
+    def _pick_top(self, logits, m: int):
+        """(argmax, its softmax probability, the top m ids, their probabilities) of logits [B, V]: the
+        fast forward's greedy pick (fused on CUDA, ties to the lower id: the drafter's own drafting loop
+        picks the same token with the same confidence) and the candidates in the same two launches
+        (kernels.greedy_top; a torch top-k over the vocabulary cost ~120 us on an H200)."""
         from draftrelay.kernels import backend
 
-        return backend(logits.device).greedy_pick(logits)
+        return backend(logits.device).greedy_top(logits, m)
 
     def _top(self, lf, m: int):
         probs = self.torch.softmax(lf, -1)
@@ -189,8 +191,8 @@ class ForkSteps:
             start, parent, row = (g.inbuf[R * T + i * R:R * T + (i + 1) * R] for i in range(3))
             if spare is not None:
                 row = torch.full_like(row, spare)
-            lf = fork_forward(model, tokens, start, self.cache, row, self.d.cache, parent, start, kv)
-            _, tp, tt = self._top(lf, m)
+            lf = fork_forward(model, tokens, start, self.cache, row, self.d.cache, parent, start, kv, raw=True)
+            _, _, tt, tp = self._pick_top(lf.reshape(R * T, -1), m)
             g.out[:R * T * m].copy_(tt.reshape(-1).to(torch.int32))
             g.out[R * T * m:].view(torch.float32).copy_(tp.reshape(-1))
 
@@ -233,24 +235,24 @@ class ForkSteps:
         def body(g, spare=None):
             tokens = g.inbuf[:2 * B].view(B, 2)
             start, at, parent, pivot, row = inputs(g, spare)
-            # each step: the head's output as it is (no fp32 copy of the vocabulary) and the drafter's own
-            # fused greedy pick (the same token and confidence as its drafting loop); the top candidates of
-            # the k places in one top-k at the end, their probabilities exp(l - max) * p(argmax)
+            # each step: the head's output as it is (no fp32 copy of the vocabulary), the drafter's own
+            # fused greedy pick (the same token and confidence as its drafting loop) and the top candidates
+            # at that place with their probabilities, in one greedy_top
             lf = fork_forward(model, tokens, start, self.cache, row, self.d.cache, parent, pivot, kv,
                               logits_at=at, raw=True)[:, 0]
             pos = start + at + 1
-            logits, toks, confs = [], [], []
+            toks, confs, tts, tps = [], [], [], []
             for s in range(k):
-                logits.append(lf)
-                tok, conf = self._pick(lf)
+                tok, conf, tt_s, tp_s = self._pick_top(lf, m)
                 toks.append(tok)
                 confs.append(conf)
+                tts.append(tt_s)
+                tps.append(tp_s)
                 if s < k - 1:
                     lf = fork_forward(model, tok[:, None], pos + s, self.cache, row, self.d.cache, parent, pivot,
                                       kv, raw=True)[:, 0]
-            tl, tt = torch.stack(logits, 1).topk(m, dim=-1)  # [B, k, m]
+            tt, tp = torch.stack(tts, 1), torch.stack(tps, 1)  # [B, k, m]
             conf = torch.stack(confs, 1)  # [B, k]
-            tp = torch.exp(tl.float() - tl[..., :1].float()) * conf[..., None]
             o = g.out
             o[:B * k].copy_(torch.stack(toks, 1).reshape(-1).to(torch.int32))
             o[B * k:2 * B * k].view(torch.float32).copy_(conf.reshape(-1))
@@ -264,11 +266,9 @@ class ForkSteps:
             dk = g.out[:B * k].view(B, k)[:, k - 1:].long()
             lf = fork_forward(model, dk, start + at + k, self.cache, row, self.d.cache, parent, pivot, kv,
                               raw=True)[:, 0]
-            _, conf = self._pick(lf)
-            tl, tt = lf.topk(m, dim=-1)
+            _, _, tt, tp = self._pick_top(lf, m)
             gb.out[:B * m].copy_(tt.reshape(-1).to(torch.int32))
-            gb.out[B * m:].view(torch.float32).copy_((torch.exp(tl.float() - tl[:, :1].float())
-                                                      * conf[:, None]).reshape(-1))
+            gb.out[B * m:].view(torch.float32).copy_(tp.reshape(-1))
 
         return g, self._step(("bonus", B, k, m, kv), 1, 2 * B * m, bonus)
 
