@@ -67,14 +67,27 @@ def top_two_stage(x: torch.Tensor, m: int, chunk: int = 1024):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="128")
-    ap.add_argument("--fanout", default="8")
-    ap.add_argument("--requests", default="1,4")
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--contexts", default="128", help="comma-separated context lengths the KV is filled to")
+    ap.add_argument("--fanout", default="8", help="comma-separated branches per request (F)")
+    ap.add_argument("--requests", default="1,4", help="comma-separated numbers of requests drafted together")
+    ap.add_argument("--k", type=int, default=4, help="draft depth of each branch and of the STEP (n_out)")
+    ap.add_argument("--iters", type=int, default=30, help="graph replays timed per piece")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "branch_work.json"))
+                                                  "branch_work.json"), help="the JSON written (default: %(default)s)")
     args = ap.parse_args(argv)
+
+    def ints(name: str, text: str) -> list[int]:
+        try:
+            vals = [int(x) for x in text.split(",")]
+        except ValueError:
+            vals = []
+        if not vals or min(vals) < 1:
+            ap.error(f"--{name} takes comma-separated positive integers, not {text!r}")
+        return vals
+
+    ctxs, fans, reqs = ints("contexts", args.contexts), ints("fanout", args.fanout), ints("requests", args.requests)
+    if args.k < 1 or args.iters < 1:
+        ap.error(f"--k and --iters must be positive (got {args.k}, {args.iters})")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -87,9 +100,6 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     dev = torch.device("cuda:0")
-    ctxs = [int(x) for x in args.contexts.split(",")]
-    fans = [int(x) for x in args.fanout.split(",")]
-    reqs = [int(x) for x in args.requests.split(",")]
     k = args.k
     out: dict = {"benchmark": "branch_work", "machine": machine_info(), "k": k, "iters": args.iters,
                  "weights": "random bf16, Qwen2.5-0.5B shape", "argv": sys.argv[1:], "rows": []}

@@ -40,6 +40,27 @@ def test_fork_attention_is_attention_over_a_copied_row():
     assert torch.equal(fork.fork_attention_reference(q, ck, cv, rows, start, kv, pk2, pv, parent, pivot), got)
 
 
+def test_fork_rope_setting_names_a_bad_value(monkeypatch):
+    from draftrelay import SettingError
+
+    g = torch.Generator().manual_seed(4)
+    ck, cv = torch.randn(3, 2, 40, 16, generator=g), torch.randn(3, 2, 40, 16, generator=g)
+    pk, pv = ck.clone() + 1, cv.clone() - 1
+    kern = fork.ForkKernels(R, pk, pv, torch.tensor([0]), torch.tensor([5]))
+    qkv = torch.randn(1, 1, 8 * 16, generator=g)
+    inv = 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16))
+    args = (qkv, torch.tensor([9]), inv, 4, 2, ck, cv, torch.tensor([1]), 32)
+    for mode in fork.FORK_ROPE_MODES:  # on a CPU both are RoPE + write, then the forked attention
+        monkeypatch.setattr(fork, "FORK_ROPE", mode)
+        ck2, cv2 = ck.clone(), cv.clone()
+        q = R.rope_kv_write(qkv, args[1], inv, 4, 2, ck2, cv2, args[7])
+        want = fork.fork_attention_reference(q, ck2, cv2, args[7], args[1], 32, pk, pv, kern._parent, kern._pivot)
+        assert torch.equal(kern.rope_attention(*args), want)
+    monkeypatch.setattr(fork, "FORK_ROPE", "fuse")
+    with pytest.raises(SettingError, match="DRAFTRELAY_FORK_ROPE='fuse': expected one of split, fused"):
+        kern.rope_attention(*args)
+
+
 def test_fork_forward_equals_the_forward_over_a_copied_row():
     torch.manual_seed(0)
     _, net = M.tiny_pair(M.TINY_SEED)
@@ -89,6 +110,29 @@ for B, Tq, kv, starts, pivots in ((2, 1, 256, [100, 3], [60, 3]), (3, 2, 512, [4
     torch.testing.assert_close(FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, parent, zero),
                                R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
     n += 1
+# one token per row, one chunk: RoPE, the K/V write into the forked row and its attention in one launch
+inv = 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16))
+for B, kv, starts, pivots in ((3, 256, [100, 3, 0], [60, 3, 0]), (2, 1024, [1000, 700], [990, 0])):
+    qkv = torch.randn(B, 1, 8 * 16, generator=g)  # 4 q heads, 2 kv heads
+    ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)
+    pk, pv = torch.randn(5, 2, kv + 8, 16, generator=g), torch.randn(5, 2, kv + 8, 16, generator=g)
+    rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
+    parent, pivot = torch.arange(B) % 5 + 1, torch.tensor(pivots)
+    ck2, cv2 = ck.clone(), cv.clone()
+    got = FT.fork_attention(qkv, ck, cv, rows, st, kv, pk, pv, parent, pivot, (inv, 4, 2))
+    q = R.rope_kv_write(qkv, st, inv, 4, 2, ck2, cv2, rows)
+    want = fork.fork_attention_reference(q, ck2, cv2, rows, st, kv, pk, pv, parent, pivot)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ck, ck2, atol=1e-6, rtol=1e-6)  # the rotated new keys, at their positions
+    assert torch.equal(cv, cv2)
+    n += 1
+try:
+    FT.fork_attention(qkv[:, :1].expand(B, 2, -1).contiguous(), ck, cv, rows, st, kv, pk, pv, parent, pivot,
+                      (inv, 4, 2))
+except ValueError as e:
+    assert "T=2" in str(e), e
+else:
+    raise AssertionError("two tokens per row taken by the fused RoPE")
 print("checked", n)
 '''
 
@@ -96,7 +140,7 @@ print("checked", n)
 def test_fork_kernel_under_the_interpreter_equals_its_definition(tmp_path):
     """The CUDA kernel run by Triton's interpreter in fp32 (bf16 runs on the GPU)."""
     out = run_interpreted(tmp_path, INTERPRETED)
-    assert "checked 3" in out, out[-3000:]
+    assert "checked 5" in out, out[-3000:]
 
 
 def test_lean_fork_forward_equals_the_forward_over_a_copied_row():

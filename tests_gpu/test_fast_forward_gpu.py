@@ -153,7 +153,10 @@ def test_greedy_top_equals_its_definition_and_greedy_pick():
                 rt, rc, ri, rp = R.greedy_top(lg, m)
                 pt, pc = K.greedy_pick(lg)
                 assert torch.equal(tok, rt) and torch.equal(ids, ri) and int(ids[0, 0]) == 9
-                assert torch.equal(tok, pt) and torch.equal(conf, pc)  # greedy_pick's, bit for bit
+                # The same pick; the confidence agrees with greedy_pick's to rounding (the two merges
+                # add the chunk sums in different orders, so not bit for bit).
+                assert torch.equal(tok, pt)
+                torch.testing.assert_close(conf, pc, rtol=1e-6, atol=1e-9)
                 torch.testing.assert_close(conf, rc, rtol=1e-4, atol=1e-7)
                 torch.testing.assert_close(probs, rp, rtol=1e-4, atol=1e-7)
                 if m > 1:

@@ -42,6 +42,34 @@ def test_fork_kernel_equals_its_definition_in_bf16(kv, starts, pivots):
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kv,starts,pivots", [(512, [300, 7, 0, 511], [290, 7, 0, 400]),
+                                              (1024, [1023, 600], [1000, 0])])
+def test_fused_rope_fork_kernel_equals_rope_then_fork_attention_in_bf16(kv, starts, pivots):
+    """One token per row, one chunk: RoPE, the K/V write and the forked attention in one launch against
+    the reference RoPE + write and the forked attention's definition (the new key rounded to bf16 as
+    the cache holds it)."""
+    from draftrelay.kernels import reference as R
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    B, H, HK, D = len(starts), 14, 2, 64
+    qkv = torch.randn(B, 1, (H + 2 * HK) * D, generator=g, device=DEV, dtype=torch.bfloat16)
+    ck = torch.randn(B + 2, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    cv = torch.randn(B + 2, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    pk = torch.randn(3, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    pv = torch.randn(3, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV).float() / D))  # the 0.5B's rope_theta
+    rows = torch.arange(B, device=DEV) + 1
+    parent = torch.arange(B, device=DEV) % 3
+    st, pv_t = torch.tensor(starts, device=DEV), torch.tensor(pivots, device=DEV)
+    ck2, cv2 = ck.clone(), cv.clone()
+    got = FT.fork_attention(qkv, ck, cv, rows, st, kv, pk, pv, parent, pv_t, (inv, H, HK))
+    q = R.rope_kv_write(qkv, st, inv, H, HK, ck2, cv2, rows)
+    ref = fork.fork_attention_reference(q, ck2, cv2, rows, st, kv, pk, pv, parent, pv_t)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ck.float(), ck2.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(cv, cv2)
+
+
 def test_branches_in_graph_mode_are_the_rounds_of_their_contexts():
     import types
 

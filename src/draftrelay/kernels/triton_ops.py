@@ -239,6 +239,40 @@ def _rotate(x_ptr, src, d, c, sn, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv, s_cpos, s_vpos,
+                 D: tl.constexpr):
+    """One token per row (q_ptr: the q|k|v product [B, 1, (H + 2 n_kv) * D]): the row's query rows of kv
+    head g rotated to its position start ([R_PAD, D] in o_ptr's dtype, rows beyond rvalid zero), and its
+    new key (rotated) and value ([D]), both stored into the cache row (kb, vb) at position start. The
+    attention kernels' fused RoPE (_attn_kernel and the forked rows' kernel): rope_kv_write's values."""
+    ang = start.to(tl.float32) * tl.load(inv_ptr + d % (D // 2))  # the row's one position, per dim
+    c = tl.cos(ang)
+    sn = tl.sin(ang)
+    base = b.to(tl.int64) * ((H + 2 * n_kv) * D)
+    q = _rotate(q_ptr, base + tl.where(rvalid, h, 0) * D, d, c, sn, D // 2)
+    q = tl.where(rvalid[:, None], q, 0.0).to(o_ptr.dtype.element_ty)
+    ksrc = base + (H + g) * D + tl.zeros([1], tl.int64)
+    knew = tl.reshape(_rotate(q_ptr, ksrc, d, c, sn, D // 2), [D]).to(kb.dtype.element_ty)
+    vnew = tl.load(q_ptr + ksrc + n_kv * D + d)
+    tl.store(kb + start.to(tl.int64) * s_cpos + d, knew)
+    tl.store(vb + start.to(tl.int64) * s_vpos + d, vnew)
+    return q, knew, vnew
+
+
+@triton.jit
+def _attn_new_key(q, knew, vnew, m_i, l_i, acc, scale):
+    """The online softmax over one more key held in registers (the new token's, after the cache's
+    earlier keys): its score, then the step of a tile of one key."""
+    s_new = tl.sum(q.to(tl.float32) * knew.to(tl.float32)[None, :], axis=1) * scale
+    m_new = tl.maximum(m_i, s_new)
+    alpha = tl.exp(m_i - m_new)
+    p_new = tl.exp(s_new - m_new)
+    l_i = l_i * alpha + p_new
+    acc = acc * alpha[:, None] + p_new.to(vnew.dtype).to(tl.float32)[:, None] * vnew.to(tl.float32)[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefetch_l2(ptrs, mask):
     """An L2 prefetch of the 128-byte line at each pointer where mask holds (a hint: nothing waits on it)."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
@@ -283,17 +317,8 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
         _prefetch_l2(kb + pn.to(tl.int64)[:, None] * s_cpos + pl[None, :], pm[:, None])
         _prefetch_l2(vb + pn.to(tl.int64)[:, None] * s_vpos + pl[None, :], pm[:, None])
     if ROPE:
-        ang = start.to(tl.float32) * tl.load(inv_ptr + d % (D // 2))  # the row's one position, per dim
-        c = tl.cos(ang)
-        sn = tl.sin(ang)
-        base = b.to(tl.int64) * ((H + 2 * n_kv) * D)
-        q = _rotate(q_ptr, base + tl.where(rvalid, h, 0) * D, d, c, sn, D // 2)
-        q = tl.where(rvalid[:, None], q, 0.0).to(o_ptr.dtype.element_ty)
-        ksrc = base + (H + g) * D + tl.zeros([1], tl.int64)
-        knew = tl.reshape(_rotate(q_ptr, ksrc, d, c, sn, D // 2), [D]).to(ck_ptr.dtype.element_ty)
-        vnew = tl.load(q_ptr + ksrc + n_kv * D + d)
-        tl.store(kb + start.to(tl.int64) * s_cpos + d, knew)
-        tl.store(vb + start.to(tl.int64) * s_vpos + d, vnew)
+        q, knew, vnew = _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv,
+                                     s_cpos, s_vpos, D)
         hi = tl.minimum(hi, start)  # the cache's earlier keys; the new one is added from registers below
     else:
         q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
@@ -309,13 +334,8 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
         for it in range(0, n_iter):
             m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, lo + it * BLOCK, hi, qpos, d, m_i, l_i, acc,
                                        scale, BLOCK, IEEE)
-    if ROPE:  # the new key: its score, then the online-softmax step as a tile of one key
-        s_new = tl.sum(q.to(tl.float32) * knew.to(tl.float32)[None, :], axis=1) * scale
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp(m_i - m_new)
-        p_new = tl.exp(s_new - m_new)
-        l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new.to(vnew.dtype).to(tl.float32)[:, None] * vnew.to(tl.float32)[None, :]
+    if ROPE:
+        m_i, l_i, acc = _attn_new_key(q, knew, vnew, m_i, l_i, acc, scale)
     if SINGLE:
         o = acc / l_i[:, None]
         tl.store(o_ptr + qo[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])

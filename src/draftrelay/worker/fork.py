@@ -27,11 +27,25 @@ fast-forward structure costs several times the lean loop's dispatch on a CPU).
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
 
+from draftrelay import SettingError
 from draftrelay import model as M
 from draftrelay.kernels import backend, reference
+
+log = logging.getLogger(__name__)
+
+# How a forked row's one-token forward (the branch run's later steps, the bonus) does RoPE: "split", the
+# fast forward's rope_kv_write then the forked attention kernel (both with PDL), or "fused", one kernel
+# that rotates, writes the new K/V and attends (fork_triton: ROPE). Split is the default because it was
+# the faster on the H200 (docs/SPEC_CACHE.md, benchmarks/branch_work.py): the fused kernel's chain of
+# dependent loads (indices, q|k|v, then keys) is longer than what the separate launch costs under PDL.
+FORK_ROPE_MODES = ("split", "fused")
+FORK_ROPE = os.environ.get("DRAFTRELAY_FORK_ROPE", "split")
 
 
 def _merged_rows(ck: torch.Tensor, rows: torch.Tensor, pk: torch.Tensor, parent: torch.Tensor,
@@ -79,10 +93,44 @@ class ForkKernels:
         return self._attn(q, ck, cv, rows, start, kv_len, self._pk, self._pv, self._parent, self._pivot)
 
     def rope_attention(self, qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len):
-        # the module's fused RoPE + attention reads only the forked row: here RoPE and the K/V write
-        # stay the module's, the attention is the forked one (parent below the pivot)
+        """RoPE, the K/V write and the forked attention: the module's rope_kv_write, then the forked
+        attention; with DRAFTRELAY_FORK_ROPE=fused, one launch on CUDA where the fast forward's own
+        rope_attention is one (one token per row, one chunk of keys)."""
+        if FORK_ROPE not in FORK_ROPE_MODES:
+            raise SettingError(f"DRAFTRELAY_FORK_ROPE={FORK_ROPE!r}: expected one of {', '.join(FORK_ROPE_MODES)}")
+        if (FORK_ROPE == "fused" and self._base is not reference
+                and self._base.attention_fuses_rope(kv_len, qkv.shape[1])):
+            out = _fused_fork(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, self._pk, self._pv,
+                              self._parent, self._pivot)
+            if out is not None:
+                return out
         q = self._base.rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
         return self.decode_attention(q, ck, cv, rows, start, kv_len)
+
+
+_FUSED_FORK_OK: dict[torch.device, bool] = {}  # per device, once the fused fork kernel has been launched
+
+
+def _fused_fork(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, pk, pv, parent, pivot):
+    """The fused RoPE + forked attention, or None where it cannot run: it failed to build on this device
+    before, or its first launch would compile inside a CUDA graph capture (a failure there would break the
+    capture; the capture helper's warm-up launches it first, outside)."""
+    from draftrelay.worker import fork_triton
+
+    ok = _FUSED_FORK_OK.get(qkv.device)
+    if ok is False or (ok is None and qkv.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    args = (qkv.contiguous(), ck, cv, rows, start, kv_len, pk, pv, parent, pivot, (inv_freq, n_heads, n_kv))
+    if ok:
+        return fork_triton.fork_attention(*args)
+    try:  # the first launch compiles it; a card or Triton that cannot build it keeps the two kernels
+        out = fork_triton.fork_attention(*args)
+    except Exception:
+        log.exception("fused RoPE + forked attention failed to launch; RoPE and the attention as two kernels")
+        _FUSED_FORK_OK[qkv.device] = False
+        return None
+    _FUSED_FORK_OK[qkv.device] = True
+    return out
 
 
 def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: torch.Tensor, parent_cache,

@@ -12,19 +12,35 @@ import triton
 import triton.language as tl
 
 from draftrelay.kernels import triton_ops as TO
-from draftrelay.kernels.triton_ops import _attn_tile
+from draftrelay.kernels.triton_ops import (
+    _attn_new_key,
+    _attn_tile,
+    _prefetch_l2,
+    _rope_new_kv,
+    gdc_launch_dependents,
+    gdc_wait,
+)
 
 NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
 def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr,
-                      o_ptr, acc_ptr, ml_ptr, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos,
+                      o_ptr, acc_ptr, ml_ptr, inv_ptr, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos,
                       s_prow, s_phead, s_ppos, s_qrow, s_qhead, s_qpos, chunk, n_split, scale,
                       REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                      SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr):
+                      SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
+    """ROPE (one token per row, one chunk): q_ptr is the q|k|v product and the program rotates its kv
+    head's query rows and the new key, stores the new key and value into the forked row at its position
+    (start >= pivot: a forked row's own positions) and takes the new key from registers, as the fast
+    forward's fused _attn_kernel does: rope_kv_write and fork_attention in one launch. PDL as there:
+    the next kernel may start its prologue now; this one reads nothing before its producer is done."""
     bg = tl.program_id(0)
     sp = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     n_kv = H // REP
     b = bg // n_kv
     g = bg % n_kv
@@ -34,22 +50,33 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
     pivot = tl.load(pivot_ptr + b).to(tl.int32)
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, start + T)
-    mid = tl.maximum(tl.minimum(hi, pivot), lo)  # [lo, mid): the parent's keys; [mid, hi): the row's own
     r = tl.arange(0, R_PAD)
     rvalid = r < REP * T
     t = r % T
     h = g * REP + r // T
     d = tl.arange(0, D)
     qo = ((b * T + t).to(tl.int64) * H + h) * D
-    q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
     qpos = start + t
-    m_i = tl.full([R_PAD], NEG_INF, tl.float32)
-    l_i = tl.zeros([R_PAD], tl.float32)
-    acc = tl.zeros([R_PAD, D], tl.float32)
     pkb = pk_ptr + prow * s_prow + g * s_phead
     pvb = pv_ptr + prow * s_qrow + g * s_qhead
     kb = ck_ptr + row * s_crow + g * s_chead
     vb = cv_ptr + row * s_vrow + g * s_vhead
+    if PREFETCH:  # the parent's first tile of keys and values towards L2 now, while q and the new key rotate
+        pn = lo + tl.arange(0, BLOCK)
+        pm = pn < tl.minimum(tl.minimum(hi, start), pivot)
+        pl = tl.arange(0, (D + 63) // 64) * 64  # one pointer per 64 elements (a 128-byte line in bf16)
+        _prefetch_l2(pkb + pn.to(tl.int64)[:, None] * s_ppos + pl[None, :], pm[:, None])
+        _prefetch_l2(pvb + pn.to(tl.int64)[:, None] * s_qpos + pl[None, :], pm[:, None])
+    if ROPE:
+        q, knew, vnew = _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv,
+                                     s_cpos, s_vpos, D)
+        hi = tl.minimum(hi, start)  # the earlier keys from the caches; the new one from registers below
+    else:
+        q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
+    mid = tl.maximum(tl.minimum(hi, pivot), lo)  # [lo, mid): the parent's keys; [mid, hi): the row's own
+    m_i = tl.full([R_PAD], NEG_INF, tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, D], tl.float32)
     if FIXED_TRIPS:  # Triton's interpreter takes no run-time loop bound: every tile of the chunk, masked
         for it in range(0, FIXED_TRIPS):
             m_i, l_i, acc = _attn_tile(q, pkb, pvb, s_ppos, s_qpos, lo + it * BLOCK, mid, qpos, d, m_i, l_i,
@@ -66,6 +93,8 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
         for it in range(0, n_own):
             m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, mid + it * BLOCK, hi, qpos, d, m_i, l_i,
                                           acc, scale, BLOCK, IEEE)
+    if ROPE:
+        m_i, l_i, acc = _attn_new_key(q, knew, vnew, m_i, l_i, acc, scale)
     if SINGLE:
         o = acc / l_i[:, None]
         tl.store(o_ptr + qo[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])
@@ -78,9 +107,17 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
 
 def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                    kv_len: int, pk: torch.Tensor, pv: torch.Tensor, parent: torch.Tensor,
-                   pivot: torch.Tensor) -> torch.Tensor:
-    B, T, H, D = q.shape
-    n_kv = ck.shape[1]
+                   pivot: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
+    """The forked rows' attention of q [B, T, H, D]; with rope = (inv_freq, n_heads, n_kv), q is the q|k|v
+    product [B, 1, (H + 2 n_kv) D] and the kernel rotates and stores the new keys itself (one token per
+    row and one chunk: TO.attention_fuses_rope)."""
+    if rope is None:
+        B, T, H, D = q.shape
+        n_kv = ck.shape[1]
+    else:
+        inv_freq, H, n_kv = rope
+        B, T = q.shape[:2]
+        D = ck.shape[-1]
     rep = H // n_kv
     R_PAD = max(16, triton.next_power_of_2(rep * T))
     for name, x in (("ck", ck), ("cv", cv), ("pk", pk), ("pv", pv)):
@@ -91,23 +128,28 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
     sblock = TO.SINGLE_BLOCK.get((D, R_PAD), TO.BLOCK_N)
     chunk, n_split = TO.split_plan(kv_len, B * n_kv, TO._n_sm(q.device), sblock)
     block = sblock if n_split == 1 else TO.BLOCK_N
-    out = torch.empty_like(q)
+    out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     single = n_split == 1
+    if rope is not None and not (single and T == 1):
+        raise ValueError(f"fork_attention: the fused RoPE takes one token per row and one chunk, not T={T} "
+                         f"over {n_split} chunks (TO.attention_fuses_rope)")
     if single:
         acc = ml = out  # unused
     else:
         acc = torch.empty(B * n_kv * n_split * R_PAD * D, device=q.device, dtype=torch.float32)
         ml = torch.empty(B * n_kv * n_split * 2 * R_PAD, device=q.device, dtype=torch.float32)
     warps = 4 if R_PAD * D <= 64 * 64 else 8
+    pdl = TO._pdl(q.device)
     _fork_attn_kernel[(B * n_kv, n_split)](
-        q, ck, cv, rows, start, pk, pv, parent, pivot, out, acc, ml, T, H,
+        q, ck, cv, rows, start, pk, pv, parent, pivot, out, acc, ml, inv_freq if rope is not None else start, T, H,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
         chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
         IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if TO._INTERPRETED else 0,
-        num_warps=warps, num_stages=2)
+        ROPE=rope is not None, PDL=pdl, PREFETCH=rope is not None and TO.ATTN_PREFETCH and not TO._INTERPRETED,
+        num_warps=warps, num_stages=2, **TO._launch_kw(pdl))
     if not single:
-        # PDL off: the fork kernel above is launched without programmatic dependent launch
-        TO._attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=False,
-                                             FIXED_SPLIT=n_split if TO._INTERPRETED else 0, num_warps=warps)
+        TO._attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=pdl,
+                                             FIXED_SPLIT=n_split if TO._INTERPRETED else 0, num_warps=warps,
+                                             **TO._launch_kw(pdl))
     return out
