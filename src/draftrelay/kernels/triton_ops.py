@@ -30,6 +30,7 @@ Shapes and dtypes are the reference's; inputs must be contiguous where the refer
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -1102,47 +1103,85 @@ def split_plan(kv_len: int, n_programs: int, n_sm: int, block: int = BLOCK_N) ->
     return chunk, triton.cdiv(kv_len, chunk)
 
 
-def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
-               kv_len: int, rope: tuple | None) -> torch.Tensor:
-    """decode_attention; with rope = (inv_freq, n_heads, n_kv) q is the q|k|v product and the kernel
-    rotates and stores the new keys itself (one chunk only: the caller checks attention_fuses_rope)."""
+@dataclasses.dataclass
+class AttnLaunch:
+    """What the attention kernels' launches share (this module's _attn_kernel and the forked rows' kernel,
+    draftrelay.worker.fork_triton): the shapes, the split of the keys over programs, the output and, where
+    the keys are split, the partial results the combine kernel reads."""
+
+    B: int
+    T: int
+    H: int
+    n_kv: int
+    D: int
+    rep: int
+    R_PAD: int
+    chunk: int
+    n_split: int
+    block: int
+    warps: int
+    out: torch.Tensor
+    acc: torch.Tensor
+    ml: torch.Tensor
+
+    @property
+    def single(self) -> bool:
+        return self.n_split == 1
+
+
+def attn_launch(who: str, q: torch.Tensor, ck: torch.Tensor, kv_len: int, rope: tuple | None) -> AttnLaunch:
+    """The launch of an attention over q [B, T, H, D] (with rope = (inv_freq, n_heads, n_kv): q is the q|k|v
+    product [B, 1, (H + 2 n_kv) D]) and a cache of ck's head dim; ValueError (prefixed `who`) where a fused
+    RoPE is asked of more than one token per row or one chunk of keys (attention_fuses_rope)."""
     if rope is None:
         B, T, H, D = q.shape
         n_kv = ck.shape[1]
     else:
-        inv_freq, H, n_kv = rope
+        _, H, n_kv = rope
         B, T = q.shape[:2]
         D = ck.shape[-1]
     rep = H // n_kv
     R_PAD = max(16, triton.next_power_of_2(rep * T))
-    if ck.stride(-1) != 1 or cv.stride(-1) != 1 or not q.is_contiguous():
-        raise ValueError("decode_attention: q must be contiguous and the cache's last dim dense")
     sblock = SINGLE_BLOCK.get((D, R_PAD), BLOCK_N)
     chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device), sblock)
-    block = sblock if n_split == 1 else BLOCK_N
+    if rope is not None and not (n_split == 1 and T == 1):
+        raise ValueError(f"{who}: the fused RoPE takes one token per row and one chunk, not T={T} over "
+                         f"{n_split} chunks (attention_fuses_rope)")
     out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    single = n_split == 1
-    if rope is not None and not (single and T == 1):
-        raise ValueError("rope_attention: the fused RoPE takes one token per row, one chunk (attention_fuses_rope)")
-    if single:
+    if n_split == 1:
         acc = ml = out  # unused
     else:
         acc = torch.empty(B * n_kv * n_split * R_PAD * D, device=q.device, dtype=torch.float32)
         ml = torch.empty(B * n_kv * n_split * 2 * R_PAD, device=q.device, dtype=torch.float32)
-    warps = 4 if R_PAD * D <= 64 * 64 else 8
+    return AttnLaunch(B, T, H, n_kv, D, rep, R_PAD, chunk, n_split, sblock if n_split == 1 else BLOCK_N,
+                      4 if R_PAD * D <= 64 * 64 else 8, out, acc, ml)
+
+
+def attn_combine(a: AttnLaunch, pdl: bool) -> None:
+    """The combine of a split attention's partial results into a.out (nothing where it is one chunk)."""
+    if not a.single:
+        _attn_combine_kernel[(a.B * a.n_kv,)](a.out, a.acc, a.ml, a.T, a.H, a.n_split, REP=a.rep, R_PAD=a.R_PAD,
+                                              D=a.D, PDL=pdl, FIXED_SPLIT=a.n_split if _INTERPRETED else 0,
+                                              num_warps=a.warps, **_launch_kw(pdl))
+
+
+def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
+               kv_len: int, rope: tuple | None) -> torch.Tensor:
+    """decode_attention; with rope = (inv_freq, n_heads, n_kv) q is the q|k|v product and the kernel
+    rotates and stores the new keys itself (one chunk only: the caller checks attention_fuses_rope)."""
+    if ck.stride(-1) != 1 or cv.stride(-1) != 1 or not q.is_contiguous():
+        raise ValueError("decode_attention: q must be contiguous and the cache's last dim dense")
+    a = attn_launch("rope_attention", q, ck, kv_len, rope)
     pdl = _pdl(q.device)
-    _attn_kernel[(B * n_kv, n_split)](
-        q, ck, cv, rows, start, out, acc, ml, inv_freq if rope is not None else start, T, H,
+    _attn_kernel[(a.B * a.n_kv, a.n_split)](
+        q, ck, cv, rows, start, a.out, a.acc, a.ml, rope[0] if rope is not None else start, a.T, a.H,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
-        chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
-        IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if _INTERPRETED else 0,
+        a.chunk, a.n_split, a.D ** -0.5, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block, SINGLE=a.single,
+        IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if _INTERPRETED else 0,
         ROPE=rope is not None, PDL=pdl, PREFETCH=ATTN_PREFETCH and not _INTERPRETED,
-        num_warps=warps, num_stages=2, **_launch_kw(pdl))
-    if not single:
-        _attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=pdl,
-                                          FIXED_SPLIT=n_split if _INTERPRETED else 0,
-                                          num_warps=warps, **_launch_kw(pdl))
-    return out
+        num_warps=a.warps, num_stages=2, **_launch_kw(pdl))
+    attn_combine(a, pdl)
+    return a.out
 
 
 def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
@@ -1165,20 +1204,33 @@ def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tenso
         raise ValueError("rope_attention: qkv must be contiguous")
     if ck.dtype != qkv.dtype or cv.dtype != qkv.dtype:
         raise ValueError(f"rope_attention: cache dtype {ck.dtype} != activations {qkv.dtype}")
-    if qkv.device in _FUSED_ROPE_OK:
-        return _attention(qkv, ck, cv, rows, start, kv_len, (inv_freq, n_heads, n_kv))
-    if qkv.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # first use inside a capture
-        q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
-        return decode_attention(q, ck, cv, rows, start, kv_len)
-    try:  # the first launch compiles it; a card or Triton that cannot build it keeps the two kernels
-        out = _attention(qkv, ck, cv, rows, start, kv_len, (inv_freq, n_heads, n_kv))
-        _FUSED_ROPE_OK[qkv.device] = True
+    out = guarded_launch(_FUSED_ROPE_OK, qkv.device, "fused RoPE + attention",
+                         lambda: _attention(qkv, ck, cv, rows, start, kv_len, (inv_freq, n_heads, n_kv)))
+    if out is not None:
         return out
+    q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
+    return decode_attention(q, ck, cv, rows, start, kv_len)
+
+
+def guarded_launch(ok: dict, device: torch.device, what: str, launch):
+    """launch() of a fused kernel that may not build on every card or Triton, or None where the caller
+    runs its unfused kernels instead: the kernel failed to launch on this device before (ok[device] False),
+    or its first launch (which compiles it) would be inside a CUDA graph capture, where a failure would
+    break the capture (the capture helper's warm-up launches it first, outside). The first launch's
+    outcome is recorded in ok[device]."""
+    state = ok.get(device)
+    if state:
+        return launch()
+    if state is False or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    try:
+        out = launch()
     except Exception:
-        log.exception("fused RoPE + attention failed to launch; RoPE and the attention as two kernels")
-        _FUSED_ROPE_OK[qkv.device] = False
-        q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
-        return decode_attention(q, ck, cv, rows, start, kv_len)
+        log.exception("%s failed to launch; its unfused kernels instead", what)
+        ok[device] = False
+        return None
+    ok[device] = True
+    return out
 
 
 _FUSED_ROPE_OK: dict[torch.device, bool] = {}  # per device, once the fused kernel has been launched

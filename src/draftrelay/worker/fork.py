@@ -27,7 +27,6 @@ fast-forward structure costs several times the lean loop's dispatch on a CPU).
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -36,8 +35,6 @@ import torch.nn.functional as F
 from draftrelay import SettingError
 from draftrelay import model as M
 from draftrelay.kernels import backend, reference
-
-log = logging.getLogger(__name__)
 
 # How a forked row's one-token forward (the branch run's later steps, the bonus) does RoPE: "split", the
 # fast forward's rope_kv_write then the forked attention kernel (both with PDL), or "fused", one kernel
@@ -112,25 +109,13 @@ _FUSED_FORK_OK: dict[torch.device, bool] = {}  # per device, once the fused fork
 
 
 def _fused_fork(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, pk, pv, parent, pivot):
-    """The fused RoPE + forked attention, or None where it cannot run: it failed to build on this device
-    before, or its first launch would compile inside a CUDA graph capture (a failure there would break the
-    capture; the capture helper's warm-up launches it first, outside)."""
+    """The fused RoPE + forked attention, or None where it cannot run (triton_ops.guarded_launch)."""
+    from draftrelay.kernels import triton_ops
     from draftrelay.worker import fork_triton
 
-    ok = _FUSED_FORK_OK.get(qkv.device)
-    if ok is False or (ok is None and qkv.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return None
     args = (qkv.contiguous(), ck, cv, rows, start, kv_len, pk, pv, parent, pivot, (inv_freq, n_heads, n_kv))
-    if ok:
-        return fork_triton.fork_attention(*args)
-    try:  # the first launch compiles it; a card or Triton that cannot build it keeps the two kernels
-        out = fork_triton.fork_attention(*args)
-    except Exception:
-        log.exception("fused RoPE + forked attention failed to launch; RoPE and the attention as two kernels")
-        _FUSED_FORK_OK[qkv.device] = False
-        return None
-    _FUSED_FORK_OK[qkv.device] = True
-    return out
+    return triton_ops.guarded_launch(_FUSED_FORK_OK, qkv.device, "fused RoPE + forked attention",
+                                     lambda: fork_triton.fork_attention(*args))
 
 
 def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: torch.Tensor, parent_cache,

@@ -111,45 +111,20 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
     """The forked rows' attention of q [B, T, H, D]; with rope = (inv_freq, n_heads, n_kv), q is the q|k|v
     product [B, 1, (H + 2 n_kv) D] and the kernel rotates and stores the new keys itself (one token per
     row and one chunk: TO.attention_fuses_rope)."""
-    if rope is None:
-        B, T, H, D = q.shape
-        n_kv = ck.shape[1]
-    else:
-        inv_freq, H, n_kv = rope
-        B, T = q.shape[:2]
-        D = ck.shape[-1]
-    rep = H // n_kv
-    R_PAD = max(16, triton.next_power_of_2(rep * T))
     for name, x in (("ck", ck), ("cv", cv), ("pk", pk), ("pv", pv)):
         if x.stride(-1) != 1 or x.dtype != q.dtype:
             raise ValueError(f"fork_attention: {name} needs a dense last dim and q's dtype")
     if not q.is_contiguous():
         raise ValueError("fork_attention: q must be contiguous")
-    sblock = TO.SINGLE_BLOCK.get((D, R_PAD), TO.BLOCK_N)
-    chunk, n_split = TO.split_plan(kv_len, B * n_kv, TO._n_sm(q.device), sblock)
-    block = sblock if n_split == 1 else TO.BLOCK_N
-    out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    single = n_split == 1
-    if rope is not None and not (single and T == 1):
-        raise ValueError(f"fork_attention: the fused RoPE takes one token per row and one chunk, not T={T} "
-                         f"over {n_split} chunks (TO.attention_fuses_rope)")
-    if single:
-        acc = ml = out  # unused
-    else:
-        acc = torch.empty(B * n_kv * n_split * R_PAD * D, device=q.device, dtype=torch.float32)
-        ml = torch.empty(B * n_kv * n_split * 2 * R_PAD, device=q.device, dtype=torch.float32)
-    warps = 4 if R_PAD * D <= 64 * 64 else 8
+    a = TO.attn_launch("fork_attention", q, ck, kv_len, rope)
     pdl = TO._pdl(q.device)
-    _fork_attn_kernel[(B * n_kv, n_split)](
-        q, ck, cv, rows, start, pk, pv, parent, pivot, out, acc, ml, inv_freq if rope is not None else start, T, H,
-        ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
+    _fork_attn_kernel[(a.B * a.n_kv, a.n_split)](
+        q, ck, cv, rows, start, pk, pv, parent, pivot, a.out, a.acc, a.ml, rope[0] if rope is not None else start,
+        a.T, a.H, ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
-        chunk, n_split, D ** -0.5, REP=rep, R_PAD=R_PAD, D=D, BLOCK=block, SINGLE=single,
-        IEEE=q.dtype == torch.float32, FIXED_TRIPS=chunk // block if TO._INTERPRETED else 0,
+        a.chunk, a.n_split, a.D ** -0.5, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block, SINGLE=a.single,
+        IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if TO._INTERPRETED else 0,
         ROPE=rope is not None, PDL=pdl, PREFETCH=rope is not None and TO.ATTN_PREFETCH and not TO._INTERPRETED,
-        num_warps=warps, num_stages=2, **TO._launch_kw(pdl))
-    if not single:
-        TO._attn_combine_kernel[(B * n_kv,)](out, acc, ml, T, H, n_split, REP=rep, R_PAD=R_PAD, D=D, PDL=pdl,
-                                             FIXED_SPLIT=n_split if TO._INTERPRETED else 0, num_warps=warps,
-                                             **TO._launch_kw(pdl))
-    return out
+        num_warps=a.warps, num_stages=2, **TO._launch_kw(pdl))
+    TO.attn_combine(a, pdl)
+    return a.out
