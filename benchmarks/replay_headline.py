@@ -71,7 +71,7 @@ from draftrelay.speculation.table import Acceptance  # noqa: E402
 from draftrelay.wire import protocol as P  # noqa: E402
 from draftrelay.worker.core import WorkerCore  # noqa: E402
 from draftrelay.worker.drafters import Job, load_drafter  # noqa: E402
-from draftrelay.worker.prefetch import DEVICE_PIECES, Prefetcher, branches_payload  # noqa: E402
+from draftrelay.worker.prefetch import BONUS, DEVICE_PIECES, Prefetcher, branches_payload  # noqa: E402
 from draftrelay.worker.process import start_worker_process  # noqa: E402
 from engine_workloads import TARGET_SHAPES, prefill_held, target_model, write_drafter_dir  # noqa: E402
 
@@ -158,7 +158,7 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
     return CostTable(out, source=f"measured in this run on {dev}", prefetch=pre, prefetch_stops=pre_stops,
-                     prefetch_bonus=pre_bonus)
+                     prefetch_bonus=pre_bonus, bonus_mode=BONUS)
 
 
 def hit_curve(trace: Trace, k: int, fanouts: list[int], max_tokens: int) -> dict:
@@ -574,9 +574,10 @@ def cache_bound(res: dict, cost: CostTable, n: int, ctx: int, k: int) -> dict:
         step = 1e3 * cost.lookup(n, k, L)
         F = reps[0]["spec_cache"]["fanout"]
         branch = 1e3 * cost.lookup_prefetch(n, F, k, L) if cost.prefetch else 0.0
-        # after a hit: no forward over the stopping places, and the bonus forward after the table is out
-        after_hit = (branch - 1e3 * (cost.lookup_prefetch_stops(n, F, k, L) + cost.lookup_prefetch_bonus(n, F, k, L))
-                     if cost.prefetch else 0.0)
+        # after a hit: no forward over the stopping places; the bonus forward after the table is out (queued)
+        # or before the run (lazy: on the way to the table)
+        behind = cost.lookup_prefetch_bonus(n, F, k, L) if cost.bonus_mode == "queued" else 0.0
+        after_hit = (branch - 1e3 * (cost.lookup_prefetch_stops(n, F, k, L) + behind) if cost.prefetch else 0.0)
         bound = max(verify, step)
         out[name] = {"hit_rate": p50([r["spec_cache"]["hit_rate"] for r in reps]),
                      "fast_step_fraction": p50([r["spec_cache"]["fast_steps"] / max(1, r["timed_steps"])

@@ -322,6 +322,27 @@ def test_emulated_device_runs_the_bonus_forward_after_the_table_and_skips_answer
     assert time.perf_counter() - t0 >= 0.045
 
 
+def test_emulated_device_with_the_lazy_bonus_spends_it_only_after_a_hit_and_queues_nothing():
+    """A cost table measured with the lazy bonus (bonus_mode "lazy"): a table after a STEP answered from
+    branches spends the answering branches' bonus forward before the run (its work less the stopping
+    places' forward), a table after a drafted STEP its work less the bonus; nothing waits behind a table."""
+    from draftrelay.worker.core import WorkerCore
+
+    tr = synthetic_trace(seed=2, n=1, length=40)
+    cost = CostTable({(1, 4, 256): 0.0}, prefetch={(1, 4, 4, 256): 0.010}, prefetch_stops={(1, 4, 4, 256): 0.004},
+                     prefetch_bonus={(1, 4, 4, 256): 0.003}, bonus_mode="lazy")
+    e = tr.entries[0]
+    core = WorkerCore(ReplayDrafter(tr, cost=cost, n_rows=2, max_ctx=len(e.sequence) + 64, vocab_size=VOCAB))
+    rounds = lockstep(core, e, 4, 4)
+    st = core.prefetcher.stats
+    tables = sum(1 for _, _, t in rounds if t is not None and t.entries)
+    after_hit, drafted = st["stops_from_branches"], st["stops_forwards"]
+    assert after_hit >= 1 and drafted >= 1 and after_hit + drafted == tables, st
+    spent = 1e-6 * st["run_us"]  # per table: 10 - 3 ms after a drafted STEP, 10 - 4 after a STEP answered from a branch
+    assert 0.007 * drafted + 0.006 * after_hit <= spent < 0.007 * drafted + 0.006 * after_hit + 0.02 * tables, st
+    assert core.prefetcher._busy_until == 0.0
+
+
 def test_cost_table_keeps_the_branch_work_and_takes_the_nearest_entry(tmp_path):
     t = CostTable({(1, 4, 256): 0.004, (4, 4, 256): 0.005}, "test",
                   prefetch={(1, 4, 4, 256): 0.006, (1, 8, 4, 256): 0.007, (4, 8, 4, 32768): 0.020})
@@ -335,6 +356,15 @@ def test_cost_table_keeps_the_branch_work_and_takes_the_nearest_entry(tmp_path):
     back = CostTable.load(path)
     assert back.lookup_prefetch_stops(1, 8, 4, 300) == 0.002 and back.lookup_prefetch_bonus(1, 8, 4, 300) == 0.001
     assert back.lookup_prefetch_stops(4, 8, 4, 30000) == 0.0
+    assert back.bonus_mode == "queued"  # the default
+    t.bonus_mode = "lazy"
+    t.save(path)
+    assert CostTable.load(path).bonus_mode == "lazy"
+    d = json.load(open(path))
+    d["bonus_mode"] = "soon"
+    (tmp_path / "mode.json").write_text(json.dumps(d))
+    with pytest.raises(TraceError, match="bonus_mode 'soon'"):
+        CostTable.load(str(tmp_path / "mode.json"))
     assert back.lookup_prefetch(1, 8, 4, 300) == 0.007 and back.lookup_prefetch(4, 8, 4, 30000) == 0.020
     assert back.lookup_prefetch(2, 5, 4, 200) == 0.006  # nearest: requests first, then F
     with pytest.raises(TraceError, match="no prefetch entries"):

@@ -573,7 +573,7 @@ def test_lean_drafter_branches_run_the_lean_forked_forward(monkeypatch, quant):
     t = TB.decode(branches_payload(core, session, blocks, res, F), 256)
     assert [e.n_branches for e in t.entries] == [F, F]  # a failed branch run would give an empty table
     pf = core.prefetcher
-    assert pf.fork._bonus is not None and pf.fork._bonus[3] is None  # not run yet
+    assert pf.fork._bonus is not None and pf.fork._bonus[3] == {}  # not run yet
     same = rows = 0
     for e, prompt in zip(t.entries, prompts, strict=True):
         for b in range(F):
@@ -674,3 +674,58 @@ def test_a_block_asking_no_drafts_beside_a_branch_hit_is_only_extended():
     assert e8 is not None and len(e8.drafts) == 0 and e8.kb == k
     rep = core.step(session, [P.Block(8, 1, e8.base, e8.prefix(0), k)])
     assert np.array_equal(rep.drafts[0, :k], e8.branch_drafts[0])
+
+
+def test_the_lazy_bonus_forward_runs_when_read_over_the_answering_branches_only(monkeypatch):
+    """BONUS "lazy": after a branch run no forward feeds the branches' last drafts until a
+    table reads a bonus place; then one forward over as many rows as requests (the branches asked, the
+    rest filled), whose candidates are the queued forward's over every branch (BONUS "queued")."""
+    from draftrelay.worker import prefetch
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.drafters import load_drafter
+    from draftrelay.worker.prefetch import branches_payload
+
+    k, F = 4, 6
+    prompts = [(np.arange(1, 30) * 53 % 256).astype(np.int32), (np.arange(1, 12) * 29 % 256).astype(np.int32)]
+    seen: list[tuple[int, int]] = []  # (rows, tokens) of each forked forward
+    real = prefetch.fork_forward
+
+    def counted(model, tokens, *a, **kw):
+        seen.append(tuple(tokens.shape))
+        return real(model, tokens, *a, **kw)
+
+    monkeypatch.setattr(prefetch, "fork_forward", counted)
+    got = {}
+    for mode in ("lazy", "queued"):
+        monkeypatch.setattr(prefetch, "BONUS", mode)
+        core = WorkerCore(load_drafter("tiny", n_rows=4, max_ctx=256, mode="eager"), max_requests=2)
+        session, _ = core.open_session(P.Hello(max_requests=2, n_out_max=8))
+        blocks = [P.Block(7, 1, 0, prompts[0], k), P.Block(8, 1, 0, prompts[1], k)]
+        res = core.step(session, blocks)
+        seen.clear()
+        t = TB.decode(branches_payload(core, session, blocks, res, F), 256)
+        assert [e.n_branches for e in t.entries] == [F, F]
+        rows = [r for r, _ in seen]
+        # the stopping places' forward (2 rows), the run's k forwards over 2F rows, and queued: the bonus over 2F
+        assert rows == [2] + [2 * F] * k + ([2 * F] if mode == "queued" else []), (mode, seen)
+        fork = core.prefetcher.fork
+        seen.clear()
+        qs = [F + 3]  # one branch of the second request
+        got[mode] = fork.bonus_tops(qs)
+        assert [r for r, _ in seen] == ([2] if mode == "lazy" else []), (mode, seen)  # one row a request
+        again = fork.bonus_tops(qs)  # read once
+        assert len(seen) == (1 if mode == "lazy" else 0) and np.array_equal(again[0], got[mode][0])
+        assert fork.bonus_tops([2 * F]) is None  # not a branch of the run
+    assert got["lazy"][0].shape == (1, 8)
+    assert set(got["lazy"][0][0].tolist()) == set(got["queued"][0][0].tolist())
+    np.testing.assert_allclose(np.sort(got["lazy"][1][0]), np.sort(got["queued"][1][0]), rtol=1e-4, atol=1e-6)
+
+
+def test_a_bad_bonus_setting_is_named(monkeypatch):
+    from draftrelay import SettingError
+    from draftrelay.worker import prefetch
+    from draftrelay.worker.drafters import load_drafter
+
+    monkeypatch.setattr(prefetch, "BONUS", "later")
+    with pytest.raises(SettingError, match="DRAFTRELAY_BRANCH_BONUS='later'.*queued, lazy"):
+        prefetch.ForkSteps(load_drafter("tiny", n_rows=2, max_ctx=64, mode="eager"))

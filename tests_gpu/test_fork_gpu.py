@@ -120,3 +120,50 @@ def test_branches_in_graph_mode_are_the_rounds_of_their_contexts():
     assert total == 2 * F, total
     assert all(m["near_tie"] for m in mism), mism
     assert agree >= 0.5 * total, (agree, total, mism)
+
+
+def test_lazy_bonus_in_graph_mode_gives_the_queued_bonus_candidates(monkeypatch):
+    """The lazy bonus place (worker.prefetch.BONUS "lazy": captured over one row a request, the branches
+    its input) against the queued one (every branch in one forward) after the same branch run, in graph
+    mode on the 0.5B shape: the same top candidate in at least 3 of 4 branches (the two run other row
+    buckets of the plan: at random weights near-ties flip), the same largest probability at every branch
+    and the probabilities of the candidates both give within a few per cent (bf16 logits)."""
+    import types
+
+    from draftrelay.speculation.table import Acceptance
+    from draftrelay.wire import protocol as P
+    from draftrelay.worker import prefetch
+    from draftrelay.worker.drafters import Job, load_drafter
+
+    d = load_drafter("random:qwen2.5-0.5b", device="cuda", n_rows=4, max_ctx=2048, n_out_max=8)
+    rng = np.random.default_rng(1)
+    k, F, L = 4, 8, 500
+    ctx = [rng.integers(0, d.vocab_size, L).astype(np.int32) for _ in range(2)]
+    for r in range(2):
+        d.run([Job(r, 0, ctx[r])], 0)
+    drafts, _ = d.run([Job(r, L - 3, ctx[r][L - 3:]) for r in range(2)], k)
+    blocks = [P.Block(r, 1, L - 3, ctx[r][L - 3:], k) for r in range(2)]
+    res = types.SimpleNamespace(drafts=drafts)
+    todo = [(r, types.SimpleNamespace(row=r, ctx_len=L), k) for r in range(2)]
+    got = {}
+    for mode in ("lazy", "queued"):
+        monkeypatch.setattr(prefetch, "BONUS", mode)
+        pf = prefetch.Prefetcher(d, max_fanout=F)
+        entries = pf._draft(blocks, res, todo, Acceptance(), F)
+        assert [e.n_branches for e in entries] == [F, F]
+        if mode == "lazy":
+            assert ("bonus_at", 2 * F, 2, k, 8) == next(key for key in pf.fork._steps if key[0] == "bonus_at")[:5]
+            assert pf.fork._steps[next(key for key in pf.fork._steps if key[0] == "bonus_at")].graph is not None
+        got[mode] = pf.fork.bonus_tops(list(range(2 * F)))
+    (lt, lp), (qt, qp) = got["lazy"], got["queued"]
+    assert lt.shape == qt.shape == (2 * F, 8)
+    same_top = 0
+    for q in range(2 * F):
+        same_top += int(lt[q, 0] == qt[q, 0])
+        # the largest probability is stable under rounding even where the top token flips at a near-tie
+        assert abs(lp[q, 0] / qp[q, 0] - 1) < 0.05, (q, lp[q], qp[q])
+        pq = {int(t): float(p) for t, p in zip(qt[q], qp[q], strict=True)}
+        for t, p in zip(lt[q], lp[q], strict=True):  # bf16 logits: probability ratios within a few per cent
+            if int(t) in pq:
+                assert abs(p / pq[int(t)] - 1) < 0.05, (q, int(t), p, pq[int(t)])
+    assert same_top >= 0.75 * 2 * F, same_top

@@ -280,8 +280,10 @@ class CostTable:
         requests with k drafts each (worker.prefetch.Prefetcher: the forward over the k + 1 stopping
         places and one batched run over requests x fanout branches); prefetch_stops[same key]: the part
         of it that is the forward over the stopping places, which the work after a STEP answered from
-        branches does not run; prefetch_bonus[same key]: the part that is the branch run's last forward
-        (the bonus place's candidates), which the worker runs on the device after the table is out.
+        branches does not run; prefetch_bonus[same key]: the part that is the bonus place's forward (a
+        forward feeding each branch's last draft). bonus_mode says when the measured worker ran it
+        (worker.prefetch.BONUS): "queued", over every branch right after the table is out; "lazy", over
+        one branch a request (the one that answered the STEP) when the next table reads it.
     Lookup takes the nearest measured key (jobs or requests first, then n_steps or fanout and k, then
     context), never extrapolating silently beyond the table (it takes the largest entry). In the file,
     a prefetch entry is {"kind": "prefetch", "jobs", "fanout", "k", "kv", "s"} (and "stops_s", "bonus_s");
@@ -292,6 +294,7 @@ class CostTable:
     prefetch: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
     prefetch_stops: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
     prefetch_bonus: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
+    bonus_mode: str = "queued"
 
     @classmethod
     def load(cls, path: str) -> CostTable:
@@ -311,7 +314,10 @@ class CostTable:
             raise TraceError(f"{path}: not a replay cost table: {exc}") from None
         if not sec:
             raise TraceError(f"{path}: the cost table has no STEP entries")
-        return cls(sec, str(d.get("source", "")), pre, stops, bonus)
+        mode = d.get("bonus_mode", "queued")  # files written before the lazy bonus measured the queued one
+        if mode not in ("queued", "lazy"):
+            raise TraceError(f"{path}: bonus_mode {mode!r}: expected queued or lazy")
+        return cls(sec, str(d.get("source", "")), pre, stops, bonus, mode)
 
     def save(self, path: str) -> None:
         steps = [{"jobs": j, "n_steps": n, "kv": kv, "s": s} for (j, n, kv), s in sorted(self.seconds.items())]
@@ -320,7 +326,7 @@ class CostTable:
                 "bonus_s": self.prefetch_bonus.get((j, f, k, kv), 0.0)}
                for (j, f, k, kv), s in sorted(self.prefetch.items())]
         with open(path, "w") as f:
-            json.dump({"source": self.source, "entries": steps + pre}, f)
+            json.dump({"source": self.source, "bonus_mode": self.bonus_mode, "entries": steps + pre}, f)
 
     @staticmethod
     def _nearest(table: dict, want: tuple, ctx: int):

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from draftrelay import SettingError
 from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
@@ -45,6 +46,16 @@ TOP_M = 8  # candidates per position considered for branches (F <= (k + 1) * TOP
 # BRANCHES payload). DEVICE_PIECES: what a drafter on an emulated device spends as wall time (CostTable)
 PIECES = ("observe", "stops", "choose", "run", "bonus", "entries", "encode")
 DEVICE_PIECES = ("stops", "run", "bonus")
+# When the bonus place's forward runs on a GPU (it feeds a branch's last draft d_k; only the table after a
+# STEP answered from that branch reads its candidates). "queued" (the default): over every branch of the
+# run, launched right behind the table, so it runs while the table travels and the engine's next STEP comes
+# back; "lazy": when that table reads it, over the answering branches only (one row a request). Queued is
+# the faster on the H200 with the drafter on an emulated second device (benchmarks/replay_headline.py, F = 8:
+# hit step 1.23 x the bound against 1.32 x lazy; docs/SPEC_CACHE.md): the device is idle during the trips
+# and the host pieces, about 1 ms a table, which hides the queued forward, while a lazy one (0.8 ms for one
+# row) lies on the way to the next table. The lean loop (a CPU) always reads it lazily, over those rows only.
+BONUS_MODES = ("queued", "lazy")
+BONUS = os.environ.get("DRAFTRELAY_BRANCH_BONUS", "queued")
 
 
 class Branch(NamedTuple):
@@ -69,10 +80,12 @@ class ForkSteps:
 
       stops(...)     the forward over (C[-1], f1..fk): top candidates at the k + 1 stopping places;
       branches(...)  every branch of every request in one batched run: the first forward (y, or f_k, y
-                     for a bonus branch), then k one-token steps feeding each greedy draft, the last
-                     one (d_k) giving the distribution at the bonus place: the drafts, confidences and the
-                     top candidates at the k + 1 places a verify of those drafts can stop, so a STEP
-                     answered from the branch needs no forward over its stopping places.
+                     for a bonus branch), then k one-token steps feeding each greedy draft: the drafts,
+                     confidences and the top candidates at the first k places a verify of those drafts
+                     can stop, so a STEP answered from the branch needs no forward over its stopping
+                     places but the last one's;
+      bonus_tops(qs) that last place's (after d_k: a forward feeding d_k) for branches qs of the run
+                     (BONUS: run when read, over those branches only, or queued behind the table).
 
     Static shapes per key ((rows, T or k, kv bucket)); in the drafter's graph mode each is one CUDA graph
     (captured in a pool of its own), else the same buffers run as they are."""
@@ -84,8 +97,12 @@ class ForkSteps:
         self.n_rows = 0  # usable scratch rows; row n_rows is the spare one for warm-up and capture
         self._steps: dict[tuple, object] = {}
         self._capture = None
-        self._bonus = None  # (the bonus step of the last branch run, B, m, its host copy once read)
+        # the last branch run's bonus place: (read(qs) -> top tokens [len(qs), m] and probabilities of its
+        # branches qs, B, m, {q: (tokens [m], probs [m]) read so far})
+        self._bonus = None
         self._graph_failed = False
+        if BONUS not in BONUS_MODES:
+            raise SettingError(f"DRAFTRELAY_BRANCH_BONUS={BONUS!r}: expected one of {', '.join(BONUS_MODES)}")
         self.last_bonus_s = 0.0  # the bonus forward's seconds when branches() waited for it
         self._lean_fork: LeanFork | None = None
 
@@ -221,8 +238,9 @@ class ForkSteps:
         n = R * T * m
         return out[:n].reshape(R, T, m).copy(), out[n:].view(np.float32).reshape(R, T, m).copy()
 
-    def _branch_steps(self, B: int, k: int, m: int, kv: int):
-        """The branch run's step and its bonus step (which reads the run's buffers) for one key."""
+    def _branch_steps(self, B: int, k: int, m: int, kv: int, R: int):
+        """The branch run's step and its bonus step (which reads the run's buffers) for one key: over all B
+        branches (BONUS "queued"), or over R of them, their indices its input ("lazy")."""
         torch, model = self.torch, self.d.model
         n_top = B * k * m
 
@@ -264,58 +282,95 @@ class ForkSteps:
         def bonus(gb, spare=None):  # feeds d_k (g's output) at its position: the bonus place's candidates
             start, at, parent, pivot, row = inputs(g, spare)
             dk = g.out[:B * k].view(B, k)[:, k - 1:].long()
+            if BONUS == "lazy":  # only branches gb.inbuf[:R] of the run (g's buffers hold it until the next)
+                idx = gb.inbuf[:R]
+                start, at, parent, pivot, row, dk = (x.index_select(0, idx) for x in (start, at, parent, pivot,
+                                                                                        row, dk))
+            n = dk.shape[0]
             lf = fork_forward(model, dk, start + at + k, self.cache, row, self.d.cache, parent, pivot, kv,
                               raw=True)[:, 0]
             _, _, tt, tp = self._pick_top(lf, m)
-            gb.out[:B * m].copy_(tt.reshape(-1).to(torch.int32))
-            gb.out[B * m:].view(torch.float32).copy_(tp.reshape(-1))
+            gb.out[:n * m].copy_(tt.reshape(-1).to(torch.int32))
+            gb.out[n * m:].view(torch.float32).copy_(tp.reshape(-1))
 
+        if BONUS == "lazy":
+            return g, self._step(("bonus_at", B, R, k, m, kv), R, 2 * R * m, bonus)
         return g, self._step(("bonus", B, k, m, kv), 1, 2 * B * m, bonus)
 
     def branches(self, first: np.ndarray, last: list[int], starts: list[int], parents: list[int],
-                 pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool = False):
+                 pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool = False,
+                 firsts: list[int] | None = None):
         """first [B, 2] (y, or f_k then y; right-padded) at positions starts[b].. of forked rows rows[b]
         (below pivots[b]: row parents[b] of the drafter's cache); last[b]: the index of y. -> drafts
         int32 [B, k], confidences [B, k], top tokens [B, k, m] and probabilities at the first k stopping
-        places of a verify of those drafts. The last place's (after d_k: one more forward, feeding d_k)
-        is launched behind them without waiting for it (on a GPU it runs while the table goes out):
-        `bonus_tops()` reads it; sync_bonus waits for it here (to time it)."""
+        places of a verify of those drafts. The last place's (after d_k: one more forward, feeding d_k):
+        `bonus_tops(qs)`, run when read (BONUS "lazy": over as many rows as `firsts`, the index of each
+        request's first branch) or launched behind the run without waiting for it ("queued": on a GPU it
+        runs while the table goes out). sync_bonus: the bonus forward of branches `firsts` here and now
+        (to time it: what a table after a STEP answered from a branch of each request runs)."""
         torch = self.torch
         B = first.shape[0]
+        firsts = list(firsts) if firsts else [0]
         if self._lean() is not None:
-            return self._lean_branches(first, last, starts, parents, pivots, rows, k, m, sync_bonus)
+            return self._lean_branches(first, last, starts, parents, pivots, rows, k, m, sync_bonus, firsts)
         n_top = B * k * m
+        R = len(firsts)
         host = np.concatenate([first.reshape(-1), starts, last, parents, pivots, rows]).astype(np.int64)
         with self.d._on_model_gpu():
             kvs = self._buckets(max(starts) + 2 + k)
             for kv in kvs[1:]:
-                self._branch_steps(B, k, m, kv)
-            g, gb = self._branch_steps(B, k, m, kvs[0])
+                self._branch_steps(B, k, m, kv, R)
+            g, gb = self._branch_steps(B, k, m, kvs[0], R)
             out = self._launch(g, host)
             d = out[:B * k].reshape(B, k).copy()
             c = out[B * k:2 * B * k].view(np.float32).reshape(B, k).copy()
             o = 2 * B * k
             tt = out[o:o + n_top].reshape(B, k, m).copy()
             tp = out[o + n_top:].view(np.float32).reshape(B, k, m).copy()
-            self._bonus = (gb, B, m, None)
             t_bonus = time.perf_counter()
-            with torch.inference_mode():
-                if gb.graph is not None:
-                    gb.graph.replay()
-                else:
-                    gb.run()
-                gb.host_out.copy_(gb.out, non_blocking=True)
+            if BONUS == "lazy":
+                self._bonus = (lambda qs: self._bonus_at(gb, B, R, m, qs), B, m, {})
+            else:
+                with torch.inference_mode():
+                    if gb.graph is not None:
+                        gb.graph.replay()
+                    else:
+                        gb.run()
+                    gb.host_out.copy_(gb.out, non_blocking=True)
+                self._bonus = (lambda qs: self._bonus_read(gb, B, m, qs), B, m, {})
             if sync_bonus:
-                self.bonus_tops()
+                self.bonus_tops(firsts)
                 self.last_bonus_s = time.perf_counter() - t_bonus
         return d, c, tt, tp
 
+    def _bonus_at(self, gb, B: int, R: int, m: int, qs: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The lazy bonus step gb (R rows) over branches qs of its run, R at a time; a short batch is
+        filled with other branches of the run (each branch its own scratch row: nothing read is touched)."""
+        tts, tps = [], []
+        with self.d._on_model_gpu():
+            for i in range(0, len(qs), R):
+                part = list(qs[i:i + R])
+                n = len(part)
+                part += [q for q in range(B) if q not in qs][:R - n]
+                out = self._launch(gb, np.asarray(part, np.int64))
+                tts.append(out[:R * m].reshape(R, m)[:n].astype(np.int64))
+                tps.append(out[R * m:].view(np.float32).reshape(R, m)[:n].copy())
+        return np.concatenate(tts), np.concatenate(tps)
+
+    def _bonus_read(self, gb, B: int, m: int, qs: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Branches qs of the queued bonus step gb (all B rows), waiting for it."""
+        if gb.out.device.type == "cuda":
+            self.torch.cuda.current_stream(gb.out.device).synchronize()
+        out = gb.host_out.numpy()
+        return (out[:B * m].reshape(B, m)[qs].astype(np.int64),
+                out[B * m:].view(np.float32).reshape(B, m)[qs].copy())
+
     def _lean_branches(self, first: np.ndarray, last: list[int], starts: list[int], parents: list[int],
-                       pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool):
+                       pivots: list[int], rows: list[int], k: int, m: int, sync_bonus: bool, firsts: list[int]):
         """branches() in the lean loop's forked forward (a CPU): the same drafts, confidences and
-        candidates. The bonus forward is not run here but by bonus_tops(), only when a next table reads
-        it (after a STEP answered from a bonus branch): on a CPU nothing runs behind the table, so a
-        forward run here would only delay it."""
+        candidates. The bonus forward is not run here but by bonus_tops(qs), over the branches a next
+        table reads it for (those that answered a STEP), whatever BONUS says: on a CPU nothing runs
+        behind the table, so a forward run here would only delay it."""
         torch = self.torch
         lf = self._lean()
         T = first.shape[1]
@@ -339,35 +394,37 @@ class ForkSteps:
             tp, tt = probs.topk(m, dim=-1)
         d_k, at_k = tok[:, k - 1:], (pos + k - 1)[:, None]
 
-        def bonus() -> tuple[np.ndarray, np.ndarray]:  # feeds d_k at its position: the bonus place's candidates
+        def bonus(qs: list[int]) -> tuple[np.ndarray, np.ndarray]:  # feeds d_k of branches qs at its position
+            sel = torch.tensor(qs, dtype=torch.int64)  # ascending: a parent's rows stay consecutive (ForkPlan)
+            sub = lf.plan([rows[q] for q in qs], [parents[q] for q in qs], [pivots[q] for q in qs])
             with torch.inference_mode():
-                _, bp, bt = self._top(lf.forward(d_k, at_k, plan)[:, 0], m)
+                _, bp, bt = self._top(lf.forward(d_k[sel], at_k[sel], sub)[:, 0], m)
             return bt.numpy().astype(np.int64), bp.numpy().copy()
 
-        self._bonus = (bonus, first.shape[0], m, None)
+        self._bonus = (bonus, first.shape[0], m, {})
         if sync_bonus:
             t_bonus = time.perf_counter()
-            self.bonus_tops()
+            self.bonus_tops(firsts)
             self.last_bonus_s = time.perf_counter() - t_bonus
         return (tok.numpy().astype(np.int32), conf.numpy().astype(np.float32), tt.numpy().astype(np.int32),
                 tp.numpy().astype(np.float32))
 
-    def bonus_tops(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The last branch run's candidates at the bonus place (top tokens [B, m], probabilities), waiting
-        for its forward if it has not finished (in the lean loop: running it); None before any run."""
+    def bonus_tops(self, qs: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The last branch run's candidates at the bonus place of its branches qs (top tokens [len(qs), m],
+        probabilities): those not read yet run now (BONUS "lazy", the lean loop) or are waited for
+        ("queued"). None before any run, or for a branch the run did not have."""
         if self._bonus is None:
             return None
-        gb, B, m, got = self._bonus
-        if got is None and callable(gb):
-            got = gb()
-            self._bonus = (gb, B, m, got)
-        elif got is None:
-            if gb.out.device.type == "cuda":
-                self.torch.cuda.current_stream(gb.out.device).synchronize()
-            out = gb.host_out.numpy()
-            got = (out[:B * m].reshape(B, m).copy(), out[B * m:].view(np.float32).reshape(B, m).copy())
-            self._bonus = (gb, B, m, got)
-        return got
+        read, B, m, got = self._bonus
+        if not all(0 <= q < B for q in qs):
+            return None
+        todo = sorted({int(q) for q in qs} - set(got))
+        if todo:
+            tt, tp = read(todo)
+            for j, q in enumerate(todo):
+                got[q] = (tt[j], tp[j])
+        return (np.stack([got[q][0] for q in qs]).reshape(len(qs), m),
+                np.stack([got[q][1] for q in qs]).reshape(len(qs), m))
 
 
 class Prefetcher:
@@ -507,14 +564,28 @@ class Prefetcher:
             return None
         if n < len(br.top_t):
             return br.top_t[:n + 1], br.top_p[:n + 1]
-        bonus = self.fork.bonus_tops() if br.q >= 0 else None
-        if bonus is None or n != len(br.top_t):
+        bonus = self.fork.bonus_tops([br.q]) if br.q >= 0 and n == len(br.top_t) else None
+        if bonus is None:
             return None
-        return (np.concatenate([br.top_t, bonus[0][br.q:br.q + 1]]),
-                np.concatenate([br.top_p, bonus[1][br.q:br.q + 1]]))
+        return np.concatenate([br.top_t, bonus[0]]), np.concatenate([br.top_p, bonus[1]])
+
+    def _bonus_first(self, result, todo, t: float) -> float:
+        """Before the table's step 1 (which may remake the scratch rows): the bonus places the table reads,
+        of the branches that answered the STEP just served with all their drafts (their candidates at the
+        other places are the run's own), in one batch, booked as "bonus". Returns the time it ended."""
+        qs = []
+        for i, st, k in todo:
+            f = result.drafts[i, :k].astype(np.int32)
+            if self._from_branch(st, f):
+                br = self.answered[st.row][2]
+                if br.top_t is not None and br.q >= 0 and len(f) == len(br.top_t):
+                    qs.append(br.q)
+        if qs and self.fork is not None and self.fork.bonus_tops(qs) is not None:
+            return self._lap("bonus", t)
+        return t
 
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
-        t = time.perf_counter()
+        t = self._bonus_first(result, todo, time.perf_counter())
         top_t, top_p, base_rows = self._stop_distributions(blocks, result, todo, fanout)
         t = self._lap("stops", t)
         choices = []
@@ -591,8 +662,10 @@ class Prefetcher:
             z = np.zeros((0, k_max), np.int32)
             return z, z.astype(np.float32), None, None, []
         m = min(TOP_M, self.drafter.model.cfg.vocab_size)
+        # each request's first branch (the lazy bonus step's rows: one a request)
+        firsts = sorted({int(x) for x in np.cumsum([0] + [len(c) for c in choices[:-1]]) if x < len(rows)})
         d, c, tt, tp = self.fork.branches(np.asarray(first, np.int64), last, starts, parents, pivots, rows, k_max, m,
-                                          sync_bonus=self.sync_bonus)
+                                          sync_bonus=self.sync_bonus, firsts=firsts)
         if self.sync_bonus:  # its own piece: in the worker it runs while the table goes out
             us = int(self.fork.last_bonus_s * 1e6)
             self.stats["run_us"] -= us
@@ -729,6 +802,7 @@ class ReplayPrefetcher(Prefetcher):
         base_rows = [-1] * len(todo)
         t = time.perf_counter()
         if self.real:  # the real step 1 (its distributions are the random model's: only its cost is used)
+            t = self._bonus_first(result, todo, t)
             _, _, base_rows = self._stop_distributions(blocks, result, todo, fanout)
             t = self._lap("stops", t)
         choices = []
@@ -747,15 +821,19 @@ class ReplayPrefetcher(Prefetcher):
             s, bonus = rd.cost.lookup_prefetch(*key), rd.cost.lookup_prefetch_bonus(*key)
             # after a STEP answered from branches for every request, the real work has no forward over the
             # stopping places (the branch run gave their candidates)
-            if all(self._from_branch(st, result.drafts[i, :k]) for i, st, k in todo):
+            answered = [self._from_branch(st, result.drafts[i, :k]) for i, st, k in todo]
+            if all(answered):
                 s -= rd.cost.lookup_prefetch_stops(*key)
                 self.stats["stops_from_branches"] += len(todo)
             else:
                 self.stats["stops_forwards"] += 1
             self.device_free()
-            spend(s - bonus)
-            # the bonus forward runs on the device after the table is out: the device's next work waits for it
-            self._busy_until = time.perf_counter() + bonus
+            if rd.cost.bonus_mode == "lazy":  # the answering branches' bonus forward first, none behind the table
+                spend(s if any(answered) else s - bonus)
+            else:
+                spend(s - bonus)
+                # the bonus forward runs on the device after the table is out: the device's next work waits for it
+                self._busy_until = time.perf_counter() + bonus
         t = self._lap("run", t)
         out_d = np.zeros((sum(len(c) for c in choices), k_max), np.int32)
         row = 0
