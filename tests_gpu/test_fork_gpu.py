@@ -70,26 +70,35 @@ def test_fused_rope_fork_kernel_equals_rope_then_fork_attention_in_bf16(kv, star
     assert torch.equal(cv, cv2)
 
 
-def test_branches_in_graph_mode_are_the_rounds_of_their_contexts():
+def _two_requests_after_a_step(seed: int, L: int, k: int):
+    """A 0.5B-shaped graph drafter (random weights) holding two random contexts of L tokens, after a STEP
+    that drafted k for both: (drafter, contexts, (blocks, result, todo) as Prefetcher._draft takes them)."""
     import types
 
-    from draftrelay.speculation.table import Acceptance
     from draftrelay.wire import protocol as P
     from draftrelay.worker.drafters import Job, load_drafter
-    from draftrelay.worker.prefetch import Prefetcher
 
     d = load_drafter("random:qwen2.5-0.5b", device="cuda", n_rows=4, max_ctx=2048, n_out_max=8)
-    assert d.mode == "graph"
-    pf = Prefetcher(d, max_fanout=8)
-    rng = np.random.default_rng(0)
-    k, F, L = 4, 8, 700
+    rng = np.random.default_rng(seed)
     ctx = [rng.integers(0, d.vocab_size, L).astype(np.int32) for _ in range(2)]
     for r in range(2):
         d.run([Job(r, 0, ctx[r])], 0)
     drafts, _ = d.run([Job(r, L - 3, ctx[r][L - 3:]) for r in range(2)], k)
     blocks = [P.Block(r, 1, L - 3, ctx[r][L - 3:], k) for r in range(2)]
-    res = types.SimpleNamespace(drafts=drafts)
     todo = [(r, types.SimpleNamespace(row=r, ctx_len=L), k) for r in range(2)]
+    return d, ctx, (blocks, types.SimpleNamespace(drafts=drafts), todo)
+
+
+def test_branches_in_graph_mode_are_the_rounds_of_their_contexts():
+
+    from draftrelay.speculation.table import Acceptance
+    from draftrelay.worker.drafters import Job
+    from draftrelay.worker.prefetch import Prefetcher
+
+    k, F = 4, 8
+    d, ctx, (blocks, res, todo) = _two_requests_after_a_step(seed=0, L=700, k=k)
+    assert d.mode == "graph"
+    pf = Prefetcher(d, max_fanout=8)
     entries = pf._draft(blocks, res, todo, Acceptance(), F)
     agree = total = 0
     spare = 3
@@ -128,23 +137,12 @@ def test_lazy_bonus_in_graph_mode_gives_the_queued_bonus_candidates(monkeypatch)
     mode on the 0.5B shape: the same top candidate in at least 3 of 4 branches (the two run other row
     buckets of the plan: at random weights near-ties flip), the same largest probability at every branch
     and the probabilities of the candidates both give within a few per cent (bf16 logits)."""
-    import types
 
     from draftrelay.speculation.table import Acceptance
-    from draftrelay.wire import protocol as P
     from draftrelay.worker import prefetch
-    from draftrelay.worker.drafters import Job, load_drafter
 
-    d = load_drafter("random:qwen2.5-0.5b", device="cuda", n_rows=4, max_ctx=2048, n_out_max=8)
-    rng = np.random.default_rng(1)
-    k, F, L = 4, 8, 500
-    ctx = [rng.integers(0, d.vocab_size, L).astype(np.int32) for _ in range(2)]
-    for r in range(2):
-        d.run([Job(r, 0, ctx[r])], 0)
-    drafts, _ = d.run([Job(r, L - 3, ctx[r][L - 3:]) for r in range(2)], k)
-    blocks = [P.Block(r, 1, L - 3, ctx[r][L - 3:], k) for r in range(2)]
-    res = types.SimpleNamespace(drafts=drafts)
-    todo = [(r, types.SimpleNamespace(row=r, ctx_len=L), k) for r in range(2)]
+    k, F = 4, 8
+    d, _, (blocks, res, todo) = _two_requests_after_a_step(seed=1, L=500, k=k)
     got = {}
     for mode in ("lazy", "queued"):
         monkeypatch.setattr(prefetch, "BONUS", mode)
