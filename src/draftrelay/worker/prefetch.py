@@ -51,9 +51,9 @@ DEVICE_PIECES = ("stops", "run", "bonus")
 # run, launched right behind the table, so it runs while the table travels and the engine's next STEP comes
 # back; "lazy": when that table reads it, over the answering branches only (one row a request). Queued is
 # the faster on the H200 with the drafter on an emulated second device (benchmarks/replay_headline.py, F = 8:
-# hit step 1.23 x the bound against 1.32 x lazy; docs/SPEC_CACHE.md): the device is idle during the trips
-# and the host pieces, about 1 ms a table, which hides the queued forward, while a lazy one (0.8 ms for one
-# row) lies on the way to the next table. The lean loop (a CPU) always reads it lazily, over those rows only.
+# hit step 1.23 x the bound against 1.32 x lazy; docs/SPEC_CACHE.md): the queued forward overlaps the trips
+# between the table and the next STEP (wire, proxy, host pieces), while a lazy one (0.8 ms for one row
+# against 1.0 for eight) waits for that STEP. The lean loop (a CPU) always reads it lazily, those rows only.
 BONUS_MODES = ("queued", "lazy")
 BONUS = os.environ.get("DRAFTRELAY_BRANCH_BONUS", "queued")
 
