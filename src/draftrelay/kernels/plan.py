@@ -113,6 +113,7 @@ def next_pow2(n: int) -> int:
 ROWS_DOT_PROGRAMS = 264  # the compact-rows dot tile's grid: at least this many programs (two per SM of an H200)
 SMALL_WEIGHT = 4096 * 1024  # weights of at most this many elements: the multiply-and-sum tiles still win at a few rows
 ROWS_DOT_MAX = 8 << 20  # weights of at most this many elements: the compact-rows dot tiles (they lost on larger ones)
+WHOLE_ROW_DOT_K = 1024  # rows of at most this many elements: the whole-row dot tiles of a norm's product
 
 
 def rows_dot(N: int, K: int, block_n: int, pre: bool = False) -> SkinnyConfig:
@@ -140,7 +141,11 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     (`rows_dot`, 32 and 64 columns a program, one K slice each; the SiLU or, for rows up to 1,024, the
     norm prologue on the real rows inside the kernel, tensor-core dots over the rows padded to 16),
     the pipelined dot tile of 64 columns (a norm or SiLU prologue then its own launch first) and for K
-    beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048). Up to SUM_MAX_ROWS rows the
+    beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048); for a norm's product on rows of at
+    most WHOLE_ROW_DOT_K elements (the 0.5B's) the whole-row dot tiles of 16 and 32 columns (the norm in
+    the kernel, as the one-row tiles hold it, where the pipelined tile runs add_rms_norm first: gate|up,
+    beyond ROWS_DOT_MAX, and the head had only that and cuBLAS, each with the norm's own launch). Up to
+    SUM_MAX_ROWS rows the
     multiply-and-sum tile of 4,096 elements stays for the small weights (at most SMALL_WEIGHT
     elements, latency-bound: each row one more pass over the loaded tile). Measured on the H200: at
     four or more rows the fp32 multiply-and-sum is bound by its instruction issue on the large weights
@@ -174,6 +179,8 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     if N * K <= ROWS_DOT_MAX:
         pre = pro == PRO_NORM and K > 1024  # every program reads its rows whole for the RMS: long rows normed first
         out += [rows_dot(N, K, 32, pre), rows_dot(N, K, 64, pre)]
+    if pro == PRO_NORM and next_pow2(K) <= WHOLE_ROW_DOT_K:  # the whole row a tile: the norm inside, no loop
+        out += [SkinnyConfig(bn, next_pow2(K), True, 8, 1) for bn in (16, 32)]
     out.append(SkinnyConfig(64, 128, True, 4, 4))
     if pro != PRO_NORM and K > 1024:
         out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
