@@ -187,6 +187,12 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     assert cands, (pro, rows, N, K)
             assert P.candidates(pro, 17, 896, 896) == [] and P.candidates(pro, 0, 896, 896) == []
     assert P.candidates(P.PRO_NORM, 1, 10, 5000) == []  # K beyond one tile: add_rms_norm + cuBLAS
+    whole = [P.SkinnyConfig(16, 1024, True, 8, 1), P.SkinnyConfig(32, 1024, True, 8, 1)]
+    for rows in (2, 4, 8, 16):  # a norm's product on rows of one tile: the whole-row dot tiles, the norm inside
+        assert all(c in P.candidates(P.PRO_NORM, rows, 9728, 896) for c in whole), rows
+        assert not any(c.dot and c.block_k >= 3584 for c in P.candidates(P.PRO_NORM, rows, 4608, 3584)), rows
+        assert not any(c in P.candidates(P.PRO_NONE, rows, 896, 896) for c in whole), rows
+    assert not any(c in P.candidates(P.PRO_NORM, 1, 9728, 896) for c in whole)  # one row: the sum tiles
 
 
 def test_planner_measures_each_key_once_and_keeps_cublas_unless_clearly_faster():
