@@ -564,22 +564,26 @@ class Prefetcher:
             return None
         if n < len(br.top_t):
             return br.top_t[:n + 1], br.top_p[:n + 1]
-        bonus = self.fork.bonus_tops([br.q]) if br.q >= 0 and n == len(br.top_t) else None
+        q = self._bonus_branch(st, f)
+        bonus = self.fork.bonus_tops([q]) if q is not None else None
         if bonus is None:
             return None
         return np.concatenate([br.top_t, bonus[0]]), np.concatenate([br.top_p, bonus[1]])
+
+    def _bonus_branch(self, st, f: np.ndarray) -> int | None:
+        """The run's branch whose bonus place the table after this STEP reads: the branch that answered it
+        with all its drafts f (its candidates at the other places are the run's own), else None."""
+        if not self._from_branch(st, f):
+            return None
+        br = self.answered[st.row][2]
+        return br.q if br.top_t is not None and br.q >= 0 and len(f) == len(br.top_t) else None
 
     def _bonus_first(self, result, todo, t: float) -> float:
         """Before the table's step 1 (which may remake the scratch rows): the bonus places the table reads,
         of the branches that answered the STEP just served with all their drafts (their candidates at the
         other places are the run's own), in one batch, booked as "bonus". Returns the time it ended."""
-        qs = []
-        for i, st, k in todo:
-            f = result.drafts[i, :k].astype(np.int32)
-            if self._from_branch(st, f):
-                br = self.answered[st.row][2]
-                if br.top_t is not None and br.q >= 0 and len(f) == len(br.top_t):
-                    qs.append(br.q)
+        found = (self._bonus_branch(st, result.drafts[i, :k].astype(np.int32)) for i, st, k in todo)
+        qs = [q for q in found if q is not None]
         if qs and self.fork is not None and self.fork.bonus_tops(qs) is not None:
             return self._lap("bonus", t)
         return t
