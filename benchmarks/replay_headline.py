@@ -310,8 +310,9 @@ def main() -> int:
                     help="branches per request of the cache mode; a list (4,8) runs one cache mode per F")
     ap.add_argument("--wait-rules", default="all",
                     help="the cache's wait rule(s) (all, the engine's default: a step waits when any row missed; "
-                         "rows: only when no row has drafts); with both, one cache mode per rule: cacheF for rows, "
-                         "cacheF-all for all")
+                         "rows: only when no row has drafts; early: the table looked up before the round is sent, "
+                         "a row that missed verifies without drafts); with several, one cache mode per rule: cacheF "
+                         "for rows, cacheF-all for all, cacheF-early for early")
     ap.add_argument("--guard", default="on", help="the cache's guard: on (default), off, or on,off (both)")
     ap.add_argument("--hit-curve", default="",
                     help="F values: first count the hit rate of each on the trace itself (CPU, no models)")
@@ -491,8 +492,8 @@ def main() -> int:
                         rounds[f"{m}@{p}"] = open_rounds(dataclasses.replace(h, park="host"))
                     elif m == "cache":  # async rounds on the host stream, the cache's table memfd to the proxy
                         for F, rule, gd in ((F, rule, gd) for F in fanouts for rule in wait_rules for gd in guards):
-                            name = (f"cache{F}" if len(fanouts) > 1 else "cache") + \
-                                   ("-all" if rule == "all" and len(wait_rules) > 1 else "") + \
+                            tag = {"all": "-all", "rows": ""}.get(rule, f"-{rule}") if len(wait_rules) > 1 else ""
+                            name = (f"cache{F}" if len(fanouts) > 1 else "cache") + tag + \
                                    ("-raw" if gd == "off" and len(guards) > 1 else "") + f"@{p}"
                             # shared_gpu: run on the shared GPU too (to measure the split; the guard starts
                             # there with plain rounds)
@@ -579,13 +580,32 @@ def cache_bound(res: dict, cost: CostTable, n: int, ctx: int, k: int) -> dict:
         behind = cost.lookup_prefetch_bonus(n, F, k, L) if cost.bonus_mode == "queued" else 0.0
         after_hit = (branch - 1e3 * (cost.lookup_prefetch_stops(n, F, k, L) + behind) if cost.prefetch else 0.0)
         bound = max(verify, step)
-        out[name] = {"hit_rate": p50([r["spec_cache"]["hit_rate"] for r in reps]),
+        out[name] = {**ceilings(reps, bound), "hit_rate": p50([r["spec_cache"]["hit_rate"] for r in reps]),
                      "fast_step_fraction": p50([r["spec_cache"]["fast_steps"] / max(1, r["timed_steps"])
                                                 for r in reps]),
                      "step_ms_on_hits": fast, "verify_ms": verify, "drafter_step_ms": step, "branch_work_ms": branch,
                      "branch_work_after_hit_ms": after_hit,
                      "bound_ms": bound, "hit_step_over_bound": fast / bound if bound else 0.0}
     return out
+
+
+def ceilings(reps: list[dict], bound_ms: float) -> dict:
+    """What a cache mode's tokens/s would be with faster steps, from its own repeats (median over them):
+    `ceiling_all_hits_tok_s`, every step a hit at the bound (its tokens per step, each step max(verify,
+    drafter STEP): what no hit rate or branch work can beat at this acceptance); `ceiling_hits_at_bound_tok_s`,
+    its own hits at the bound and its other steps as they ran (the run's time less, per hit, the p50 hit
+    step's excess over the bound: what meeting the hit-step goal would give at the measured hit rate)."""
+    every, at_bound = [], []
+    for r in reps:
+        tokens, steps, fast = r["timed_tokens"], r["timed_steps"], r["spec_cache"]["fast_steps"]
+        if not tokens or not steps or not r["tokens_per_s"] or bound_ms <= 0:
+            continue
+        run_s = tokens / r["tokens_per_s"]
+        every.append(tokens / (steps * bound_ms / 1e3))
+        excess = max(0.0, r["spec_cache"]["step_ms_p50_fast"] - bound_ms) / 1e3
+        at_bound.append(tokens / max(run_s - fast * excess, 1e-9))
+    return {"ceiling_all_hits_tok_s": p50(every) if every else 0.0,
+            "ceiling_hits_at_bound_tok_s": p50(at_bound) if at_bound else 0.0}
 
 
 def summary(w: dict, mode: str) -> tuple[float, float, float]:
@@ -610,6 +630,10 @@ def format_row(item: str, w: dict, modes: list[str]) -> str:
             n = sum(v for g in gt for c in g["chosen"].values() for v in c.values())
             plain = sum(c.get(0, 0) for g in gt for c in g["chosen"].values())
             hit += f" plain {plain / max(1, n):.0%} sw {sum(g['switches'] for g in gt)}"
+        cb = w.get("cache_bound", {}).get(m)
+        if cb and base and "ceiling_all_hits_tok_s" in cb:  # x off: every step a hit at the bound / hits at it
+            hit += (f" ceiling {cb['ceiling_all_hits_tok_s'] / base:.2f}x"
+                    f" / {cb['ceiling_hits_at_bound_tok_s'] / base:.2f}x")
         cells.append(f"{m} {med:.1f} ({lo:.1f}-{hi:.1f}){rel} acc {acc:.2f}{hit}{'' if ok else ' OUTPUT DIFFERS'}")
     return f"{item:<9} " + " | ".join(cells)
 
