@@ -267,12 +267,13 @@ def test_cache_on_replay_keeps_the_trace_count_and_hits_as_counted(tmp_path, inn
             continue
         e, f, new = by_id[rec["request"]], rec["drafts"], rec["new"]
         tok, prob = trace_candidates(e, rec["base"], f, min(TOP_M, tr.top_f))
-        chosen = TB.choose_branches(tok, prob, np.asarray(f, np.int32), acc.rates(len(f)), F)
+        confs = TB.draft_confs(tok, prob, np.asarray(f))
+        chosen = TB.choose_branches(tok, prob, np.asarray(f, np.int32), acc.rates(confs), F)
         a = len(new) - 1
         expect += new[:a] == f[:a] and any(ca == a and cy == new[a] for ca, cy, _ in chosen)
         mm = min(len(f), a)
         eq = np.asarray(new[:mm]) == np.asarray(f[:mm])
-        acc.update(len(f), mm if eq.all() else int(np.argmin(eq)))
+        acc.update(confs, mm if eq.all() else int(np.argmin(eq)))
     assert sc["hits"] == sum(rec["hit"] for rec in log) == expect > 5, (sc, expect)
     assert set(sc["misses"]) <= {"no_match", "no_entry", "no_table"}, sc["misses"]
 

@@ -109,12 +109,25 @@ def test_branch_choice_is_the_most_likely_outcomes():
     assert len(TB.choose_branches(top_t, top_p, f, accept, 3)) == 3
 
 
-def test_running_acceptance():
-    acc = TB.Acceptance(k_max=4, prior=0.5, weight=2)
-    for _ in range(20):
-        acc.update(4, 1)  # draft 1 kept, draft 2 rejected, drafts 3-4 never tried
-    r = acc.rates(4)
-    assert r[0] > 0.9 and r[1] < 0.1 and r[2] == pytest.approx(0.5) and r[3] == pytest.approx(0.5)
+def test_acceptance_by_confidence_opens_at_the_drafters_word_and_learns_the_outcomes():
+    acc = TB.Acceptance(bins=10, weight=2)
+    fresh = acc.rates([0.05, 0.55, 0.99])
+    assert fresh == pytest.approx([0.05, 0.55, 0.95])  # each bin opens at its mid confidence
+    for _ in range(40):  # a drafter sure and wrong at 0.9, unsure and right at 0.3
+        acc.update([0.3, 0.9, 0.5, 0.5], 1)  # the first kept, the second rejected, the rest never tried
+    r = acc.rates([0.31, 0.92, 0.5, 0.05])
+    assert r[0] > 0.9 and r[1] < 0.1  # learnt: kept at 0.3, rejected at 0.9
+    assert r[2] == pytest.approx(0.55) and r[3] == pytest.approx(0.05)  # never tried: as opened
+    assert acc.rates([1.0, 0.0, -0.1, 1.5]).shape == (4,)  # the edges and out-of-range values clip to a bin
+    with pytest.raises(ValueError, match="bins"):
+        TB.Acceptance(bins=0)
+
+
+def test_draft_confs_reads_each_drafts_probability_before_it():
+    top_t = np.array([[5, 1, 2], [6, 3, 4], [7, 8, 9]])
+    top_p = np.array([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1], [0.9, 0.05, 0.05]], np.float32)
+    assert TB.draft_confs(top_t, top_p, np.array([5, 3])) == pytest.approx([0.6, 0.4])
+    assert TB.draft_confs(top_t, top_p, np.array([9, 6])) == pytest.approx([0.0, 0.5])  # 9: not a candidate
 
 
 def test_shm_slots_stamps_epoch_and_crc():

@@ -30,7 +30,7 @@ import numpy as np
 from draftrelay import SettingError
 from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.replay import ReplayDrafter, spend
-from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, encode
+from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, draft_confs, encode
 from draftrelay.wire import protocol as P
 from draftrelay.worker.draft_stop import stop_counts
 from draftrelay.worker.drafters import Job, LlamaDrafter
@@ -438,7 +438,9 @@ class Prefetcher:
         self.fork = ForkSteps(drafter) if self.supported else None
         self._acc: dict[int, Acceptance] = {}  # session id -> running acceptance
         self.k_run = 0  # the deepest round of the frame being branched (a k = 0 entry's drafts per branch)
-        self._last: dict[tuple[int, int], tuple[int, int, np.ndarray]] = {}  # (session, req) -> gen, base, drafts
+        # (session, req) -> gen, base, drafts, their confidences (draft_confs; None until a table chose from them)
+        self._last: dict[tuple[int, int], tuple[int, int, np.ndarray, np.ndarray | None]] = {}
+        self._confs: dict[int, np.ndarray] = {}  # block index -> its drafts' confidences, in the table being made
         # request row -> (base L, round drafts f, [Branch]): what a next STEP that extends that row by a
         # branch's prefix can be answered with (HitDrafter), until the next prefetch reuses the scratch rows
         self.records: dict[int, tuple[int, np.ndarray, list[Branch]]] = {}
@@ -476,11 +478,13 @@ class Prefetcher:
             last = self._last.get((sid, b.request_id))
             if last is None or last[0] != b.generation or last[1] != b.position or len(b.tokens) == 0:
                 continue
-            f = last[2]
+            f, confs = last[2], last[3]
+            if confs is None:  # no table was chosen for that round: its drafts' confidences are not known
+                continue
             m = min(len(f), len(b.tokens) - 1)
             eq = np.asarray(b.tokens[:m]) == f[:m]
             kept = m if eq.all() else int(np.argmin(eq))
-            acc.update(len(f), kept)
+            acc.update(confs, kept)
             self.stats["observed"] += 1
         return acc
 
@@ -508,7 +512,8 @@ class Prefetcher:
                 self._last.pop((sid, b.request_id), None)
                 continue
             if k:
-                self._last[(sid, b.request_id)] = (b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32))
+                self._last[(sid, b.request_id)] = (b.generation, st.ctx_len, result.drafts[i, :k].astype(np.int32),
+                                                   None)
             else:
                 self._last.pop((sid, b.request_id), None)
             if (fanout and self.supported and st.ctx_len + max(k, k_run) + 1 <= self.drafter.max_ctx
@@ -518,7 +523,12 @@ class Prefetcher:
         self.records.clear()  # the scratch rows are about to be reused
         try:
             if todo:
+                self._confs = {}
                 entries = self._draft(blocks, result, todo, acc, fanout)
+                for i, confs in self._confs.items():  # what the next STEP's tokens calibrate (_observe)
+                    key = (sid, blocks[i].request_id)
+                    if key in self._last:
+                        self._last[key] = (*self._last[key][:3], confs)
         finally:
             self.answered.clear()
         self.stats["tables"] += 1
@@ -595,8 +605,9 @@ class Prefetcher:
         choices = []
         for n, (i, _st, k) in enumerate(todo):
             f = result.drafts[i, :k].astype(np.int32)
-            choices.append([(a, y) for a, y, _ in choose_branches(top_t[n, :k + 1], top_p[n, :k + 1], f, acc.rates(k),
-                                                                  fanout)])
+            confs = self._confs[i] = draft_confs(top_t[n], top_p[n], f)
+            choices.append([(a, y) for a, y, _ in choose_branches(top_t[n, :k + 1], top_p[n, :k + 1], f,
+                                                                  acc.rates(confs), fanout)])
         t = self._lap("choose", t)
         run = self._branch_run(result, todo, base_rows, choices)
         t = self._lap("run", t)
@@ -813,7 +824,8 @@ class ReplayPrefetcher(Prefetcher):
         for i, st, k in todo:
             f = result.drafts[i, :k].astype(np.int32)
             tok, prob = rd.stops(st.row, st.ctx_len, f, m)
-            choices.append([(a, y) for a, y, _ in choose_branches(tok, prob, f, acc.rates(k), fanout)])
+            confs = self._confs[i] = draft_confs(tok, prob, f)
+            choices.append([(a, y) for a, y, _ in choose_branches(tok, prob, f, acc.rates(confs), fanout)])
         k_max = max(max(k for _, _, k in todo), self.k_run)
         t = self._lap("choose", t)
         run = None
