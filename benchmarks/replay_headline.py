@@ -594,7 +594,9 @@ def ceilings(reps: list[dict], bound_ms: float) -> dict:
     `ceiling_all_hits_tok_s`, every step a hit at the bound (its tokens per step, each step max(verify,
     drafter STEP): what no hit rate or branch work can beat at this acceptance); `ceiling_hits_at_bound_tok_s`,
     its own hits at the bound and its other steps as they ran (the run's time less, per hit, the p50 hit
-    step's excess over the bound: what meeting the hit-step goal would give at the measured hit rate)."""
+    step's excess over the bound: what meeting the hit-step goal would give at the measured hit rate). Both
+    read a step that did not wait as a hit: right for the rules "all" and "early", not for "rows", whose
+    steps that verify a missed row without drafts also do not wait (and make fewer tokens)."""
     every, at_bound = [], []
     for r in reps:
         tokens, steps, fast = r["timed_tokens"], r["timed_steps"], r["spec_cache"]["fast_steps"]
