@@ -236,7 +236,7 @@ class Acceptance:
 
     Why by confidence and not by position: which drafts a verify keeps follows how sure the drafter was of
     each, and a round's outcomes differ most where it was unsure. Counted on the replay trace of the
-    reference pair (`benchmarks/replay_headline.py --hit-curve 4,8,16`, 265 lookups): hit rate at F = 4 /
+    reference pair (`benchmarks/hit_curve.py`, 265 lookups; docs/SPEC_CACHE.md): hit rate at F = 4 /
     8 / 16 with one running rate per position 73.2 / 83.0 / 89.4 %, by confidence 78.9 / 86.4 / 92.1 %
     (prose 54.7 / 70.8 / 81.8 -> 62.0 / 75.9 / 85.4 %). The calibration keeps a drafter that is sure and
     wrong (or unsure and right) from steering the branches by its word alone."""
