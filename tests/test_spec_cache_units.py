@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -128,6 +129,35 @@ def test_draft_confs_reads_each_drafts_probability_before_it():
     top_p = np.array([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1], [0.9, 0.05, 0.05]], np.float32)
     assert TB.draft_confs(top_t, top_p, np.array([5, 3])) == pytest.approx([0.6, 0.4])
     assert TB.draft_confs(top_t, top_p, np.array([9, 6])) == pytest.approx([0.0, 0.5])  # 9: not a candidate
+
+
+def test_a_table_write_wakes_a_waiter_at_once_and_a_missed_wake_cannot_happen():
+    import threading
+
+    shm = TableShm.create(4096)
+    try:
+        other = TableShm.open(shm.fd)  # the proxy's mapping
+        seen = shm.written
+        assert not shm.wait_written(seen, 0.01)  # nothing written: the timeout
+        body = TB.encode(TB.Table([entry()]))
+        woke: list[float] = []
+
+        def waiter():
+            t0 = time.perf_counter()
+            woke.append(shm.wait_written(seen, 5.0))
+            woke.append(time.perf_counter() - t0)
+
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.05)
+        assert other.write(3, body)
+        th.join(5)
+        assert woke[0] is True and woke[1] < 2.0, woke  # woken by the write, not by the 5 s timeout
+        assert shm.written == seen + 1 and shm.read(3) == (body, "")
+        assert shm.wait_written(seen, 5.0)  # written before the wait: no sleep at all
+        other.close()
+    finally:
+        shm.close()
 
 
 def test_shm_slots_stamps_epoch_and_crc():

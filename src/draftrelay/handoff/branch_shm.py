@@ -4,7 +4,9 @@ read the same bytes from a mapped copy, see engine/spec_cache.py).
 
     header line   magic u32, version u32, slot capacity u32, epoch u32 (engine-owned), fan-out word u32
                   (engine-owned: 0 = the round spec's fan-out; F + 1 = send the STEPs with fan-out F, so
-                  1 asks the proxy to send them without one: tables paused)
+                  1 asks the proxy to send them without one: tables paused), written u32 (proxy-owned:
+                  tables written so far, stored with a futex wake after each, so an engine waiting for
+                  a table sleeps in the kernel and wakes the moment it lands)
     slot[2]       seq u32, stamp u32, epoch u32, n_bytes u32, crc32 u32 (one line), body[capacity]
 
 The table that follows stream round t goes into slot t & 1, written as a seqlock: seq becomes odd,
@@ -32,6 +34,7 @@ VERSION = 1
 LINE = 64
 _HEAD = struct.Struct("<IIII")  # magic, version, capacity, epoch
 _SLOT = struct.Struct("<IIIII")  # seq, stamp, epoch, n_bytes, crc
+WRITTEN = 20  # header offset of the written word (after magic, version, capacity, epoch, fan-out)
 
 
 class ShmError(ValueError):
@@ -126,7 +129,22 @@ class TableShm:
         native.store32(a_seq + 12, len(body))
         native.store32(a_seq + 16, crc & 0xFFFFFFFF)
         native.store32(a_seq, (odd + 1) & 0xFFFFFFFF)  # even again: complete
+        # after the slot is complete: a waiter woken here finds it whole (one writer: the proxy)
+        native.store32_wake(self.base + WRITTEN, (native.load32(self.base + WRITTEN) + 1) & 0xFFFFFFFF)
         return True
+
+    # -- the written word (proxy stores, engine waits on it) --------------------------------------
+    @property
+    def written(self) -> int:
+        """Tables written so far (wraps at 2^32): read it before looking at a slot, then wait_written."""
+        return native.load32(self.base + WRITTEN)
+
+    def wait_written(self, seen: int, timeout_s: float) -> bool:
+        """Sleep until a table is written after `written` read `seen`, at most timeout_s: True if one was.
+        A kernel sleep (a futex on the word), not a poll: the write wakes it at once, and nothing is lost
+        between the read of `seen` and the sleep (the futex sleeps only while the word still holds it)."""
+        us = max(1, int(timeout_s * 1e6))
+        return native.wait_geq32_block(self.base + WRITTEN, seen + 1, 0, us, us) == native.WAIT_OK
 
     # -- engine side -------------------------------------------------------------------------------
     def read(self, stamp: int) -> tuple[bytes | None, str]:
