@@ -1,0 +1,43 @@
+"""benchmarks/hit_curve.py: the hit rate against F counted on a trace (CPU, no models)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftrelay.replay import synthetic_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import hit_curve  # noqa: E402
+
+
+def test_hit_rate_grows_with_the_fanout_and_the_json_says_so(tmp_path, capsys):
+    """The F branches of a table are the F most likely of one sorted list, and greedy outcomes do not
+    depend on F, so a larger F hits every lookup a smaller one does: the curve cannot fall."""
+    tr = synthetic_trace(512, n=3, length=48, hit=0.6, seed=4)
+    path = tmp_path / "trace.json"
+    tr.save(str(path))
+    out = tmp_path / "curve.json"
+    assert hit_curve.main(["--trace", str(path), "--fanout", "1,2,4,8", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    rates = [got["by_fanout"][f]["hit_rate"] for f in ("1", "2", "4", "8")]
+    assert all(0.0 <= r <= 1.0 for r in rates) and rates == sorted(rates), rates
+    assert rates[-1] > rates[0]  # more branches do hit more on a trace with rejections
+    assert got["by_fanout"]["8"]["lookups"] > 10 and got["k"] == 4
+    assert "F =  8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, msg", [(["--fanout", "0"], "--fanout"), (["--fanout", "x"], "--fanout"),
+                                       (["--k", "0"], "--k")])
+def test_bad_arguments_name_what_is_wrong(tmp_path, capsys, args, msg):
+    tr = synthetic_trace(512, n=1, length=24, seed=1)
+    path = tmp_path / "trace.json"
+    tr.save(str(path))
+    with pytest.raises(SystemExit):
+        hit_curve.main(["--trace", str(path), *args, "--out", str(tmp_path / "c.json")])
+    assert msg in capsys.readouterr().err
