@@ -436,7 +436,7 @@ class Prefetcher:
         self.max_fanout = max_fanout
         self.supported = isinstance(drafter, LlamaDrafter)
         self.fork = ForkSteps(drafter) if self.supported else None
-        self._acc: dict[int, Acceptance] = {}  # session id -> running acceptance
+        self._acc: dict[int, Acceptance] = {}  # session id -> acceptance by confidence (table.Acceptance)
         self.k_run = 0  # the deepest round of the frame being branched (a k = 0 entry's drafts per branch)
         # (session, req) -> gen, base, drafts, their confidences (draft_confs; None until a table chose from them)
         self._last: dict[tuple[int, int], tuple[int, int, np.ndarray, np.ndarray | None]] = {}
@@ -793,7 +793,7 @@ class HitDrafter:
 class ReplayPrefetcher(Prefetcher):
     """Branches for a ReplayDrafter (benchmarks: a real pair's acceptance replayed from a trace). The
     outcomes (a, y) are chosen with `choose_branches` from the trace's recorded top candidates at the k + 1
-    stopping places (ReplayDrafter.stops) and the session's running acceptance, as for a real drafter;
+    stopping places (ReplayDrafter.stops) and the session's acceptance by confidence, as for a real drafter;
     each branch's drafts are what the ReplayDrafter would draft after context + f1..fa, y. The cost is
     the real branch work: with a real inner drafter, Prefetcher's forward and batched run on scratch rows
     of the inner model (their tokens replaced by the trace's); for a drafter on an emulated second
