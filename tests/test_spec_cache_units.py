@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -132,8 +133,6 @@ def test_draft_confs_reads_each_drafts_probability_before_it():
 
 
 def test_a_table_write_wakes_a_waiter_at_once_and_a_missed_wake_cannot_happen():
-    import threading
-
     shm = TableShm.create(4096)
     try:
         other = TableShm.open(shm.fd)  # the proxy's mapping

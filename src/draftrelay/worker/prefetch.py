@@ -598,16 +598,21 @@ class Prefetcher:
             return self._lap("bonus", t)
         return t
 
+    def _choose(self, i: int, top_t: np.ndarray, top_p: np.ndarray, drafts: np.ndarray, acc: Acceptance,
+                fanout: int) -> list[tuple[int, int]]:
+        """The outcomes (a, y) to branch on for block i, whose round drafted `drafts`, from the candidates
+        [k + 1, m] at its stopping places; the drafts' confidences are kept (`_confs`) for the next STEP's
+        tokens to calibrate `acc` with (_observe)."""
+        f = np.asarray(drafts, np.int32)
+        confs = self._confs[i] = draft_confs(top_t, top_p, f)
+        return [(a, y) for a, y, _ in choose_branches(top_t, top_p, f, acc.rates(confs), fanout)]
+
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
         t = self._bonus_first(result, todo, time.perf_counter())
         top_t, top_p, base_rows = self._stop_distributions(blocks, result, todo, fanout)
         t = self._lap("stops", t)
-        choices = []
-        for n, (i, _st, k) in enumerate(todo):
-            f = result.drafts[i, :k].astype(np.int32)
-            confs = self._confs[i] = draft_confs(top_t[n], top_p[n], f)
-            choices.append([(a, y) for a, y, _ in choose_branches(top_t[n, :k + 1], top_p[n, :k + 1], f,
-                                                                  acc.rates(confs), fanout)])
+        choices = [self._choose(i, top_t[n, :k + 1], top_p[n, :k + 1], result.drafts[i, :k], acc, fanout)
+                   for n, (i, _st, k) in enumerate(todo)]
         t = self._lap("choose", t)
         run = self._branch_run(result, todo, base_rows, choices)
         t = self._lap("run", t)
@@ -824,8 +829,7 @@ class ReplayPrefetcher(Prefetcher):
         for i, st, k in todo:
             f = result.drafts[i, :k].astype(np.int32)
             tok, prob = rd.stops(st.row, st.ctx_len, f, m)
-            confs = self._confs[i] = draft_confs(tok, prob, f)
-            choices.append([(a, y) for a, y, _ in choose_branches(tok, prob, f, acc.rates(confs), fanout)])
+            choices.append(self._choose(i, tok, prob, f, acc, fanout))
         k_max = max(max(k for _, _, k in todo), self.k_run)
         t = self._lap("choose", t)
         run = None
