@@ -26,7 +26,10 @@ from draftrelay.worker.process import start_worker_process
 
 PROMPTS = [list(b"Hello, world"), list(b"The quick brown fox"), list(b"abc"), list(b"speculative decoding")]
 MAX_TOKENS = 24
-ENV = {"OMP_NUM_THREADS": "1"}
+# The workers of these tests always finish their tables (DRAFTRELAY_BRANCH_CUT=off): the tests are about hit
+# steps, which cutting branch work behind a waiting STEP would make depend on this machine's speed. The cut
+# has its own tests (test_branch_work_behind_a_waiting_step_is_cut_not_waited_for, test_spec_cache_units.py)
+ENV = {"OMP_NUM_THREADS": "1", "DRAFTRELAY_BRANCH_CUT": "off"}
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +249,29 @@ def test_worker_killed_mid_prefetch_and_replaced(pair, reference):
     assert t["rounds"]["failed"] > 0 and state["steps"] > 7
     assert max(q["generation"] for q in m["requests"]) > 1  # restarted on the new worker's session
     assert t["spec_cache"]["hits"] > 0
+
+
+def test_branch_work_behind_a_waiting_step_is_cut_not_waited_for(pair):
+    """A drafter whose branch work outlasts the round budget (every table 600 ms, rounds of 400 ms): with
+    the cut (the default) the proxy sends the next STEP as soon as the engine posts it, the worker cuts the
+    table it would come behind, and no round fails; with the cut off the same worker holds each next STEP
+    behind its table and rounds time out. Output is target-only's either way."""
+    ref, _, _ = run(pair[0], mode="off", prompts=PROMPTS[:2], max_tokens=12)
+    got = {}
+    for cut in ("on", "off"):
+        w = start_worker_process(["--model", "tiny", "--device", "cpu"],
+                                 env={**ENV, "DRAFTRELAY_BRANCH_CUT": cut, "DRAFTRELAY_PREFETCH_DELAY_MS": "600"})
+        try:
+            got[cut] = run(pair[0], spec_of(w), F=4, prompts=PROMPTS[:2], max_batch=2, max_tokens=12,
+                           deadline_ms=500, round_budget_ms=400)
+        finally:
+            w.stop()
+    for cut, (out, _m, _) in got.items():
+        assert out == ref, cut
+    on, off = got["on"][1]["total"], got["off"][1]["total"]
+    assert on["rounds"]["failed"] == 0 and on["rounds"]["watchdog"] == 0 and on["rounds"]["ok"] > 0, on["rounds"]
+    assert on["spec_cache"]["hits"] == 0  # every table was cut (empty): lookups miss, rounds answer
+    assert off["rounds"]["failed"] + off["rounds"]["watchdog"] > 0, off["rounds"]
 
 
 def test_proxy_killed_twice_cache_recovers(pair, reference, worker):

@@ -286,6 +286,83 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         assert c.stats["skipped_late_replies"] >= 1
 
 
+def test_a_waiting_step_is_seen_by_a_peek_that_leaves_it():
+    """The worker's look for a waiting STEP (worker/server.py): a PING is not one, a STEP is and stays
+    for the read that follows, a closed connection counts (nothing will read a table)."""
+    import socket
+
+    from draftrelay.worker.server import _step_waiting
+
+    a, b = socket.socketpair()
+    a.settimeout(5)  # timeout mode, as the server's sockets: the look must not wait it out
+    try:
+        t0 = time.monotonic()
+        assert not _step_waiting(a) and time.monotonic() - t0 < 1
+        b.sendall(P.header(P.PING, 0, 1))
+        assert not _step_waiting(a)
+        assert len(a.recv(64)) == P.HEADER_SIZE
+        b.sendall(P.header(P.STEP, 10, 2) + bytes(10))
+        assert _step_waiting(a) and _step_waiting(a)
+        assert len(a.recv(64)) == P.HEADER_SIZE + 10
+        b.close()
+        assert _step_waiting(a)
+    finally:
+        a.close()
+
+
+def test_a_table_left_pending_is_written_when_it_comes_and_cut_when_it_would_come_late(served):
+    """The proxy side (BranchRounds) over a real worker: the engine posts its next round before the table
+    came, so the next STEP goes out at once; the BRANCHES frame that arrives ahead of that STEP's reply is
+    still written for its round. With the cut on and a table slower than a STEP, the worker cuts the table
+    the waiting STEP would come behind: an empty table, and the STEP is not held up."""
+    from draftrelay.handoff.branch_push import BranchRounds
+    from draftrelay.wire.client import DrafterClient
+
+    core, host, port = served
+    prompt = (np.arange(1, 20) * 29 % 256).astype(np.int32)
+    shm = TableShm.create(1 << 16)
+    with DrafterClient(host, port, max_requests=1, n_out_max=8, timeout=10) as c:
+
+        class Inner:
+            client = c
+
+            def __call__(self, t, requests, budget_s):
+                return self.client.step(requests, budget_s)
+
+        br = BranchRounds(Inner(), {"fd": shm.fd, "fanout": 4, "branch_budget_s": 5}, 256)
+        rep = br(1, [P.Block(7, 1, 0, prompt, 4)], 10)  # the first table builds the prefetcher
+        br.after_release(1, lambda: False)
+        assert br.stats["tables"] == 1 and TB.decode(shm.read(1)[0], 256).entry(7) is not None
+        pf = core.prefetcher
+        pos = len(prompt)
+        try:
+            for t, cut in ((2, "off"), (3, "on")):
+                pf.cut_late, pf.delay_s = cut, 0.4
+                toks = np.asarray([rep.drafts[0, 0], 11], np.int32)
+                rep = br(t, [P.Block(7, 1, pos, toks, 4)], 10)
+                pos += len(toks)
+                br.after_release(t, lambda: True)  # the engine already waits: the STEP goes out at once
+                assert br.stats["left_pending"] == t - 1 and shm.read(t)[0] is None
+                preempted = pf.stats["preempted"]
+                t0 = time.monotonic()
+                toks = np.asarray([rep.drafts[0, 0], 12], np.int32)
+                rep = br(t + 10, [P.Block(7, 1, pos, toks, 4)], 10)  # (its own table is never read)
+                pos += len(toks)
+                took = time.monotonic() - t0
+                body, why = shm.read(t)
+                assert body is not None, why  # written when it came, ahead of the reply
+                entries = TB.decode(body, 256).entries
+                if cut == "off":
+                    assert took > 0.35 and len(entries) == 1 and pf.stats["preempted"] == preempted
+                else:
+                    assert took < 0.3 and entries == [] and pf.stats["preempted"] == preempted + 1
+                br._want = False  # (not waited for: its frame is written when the next STEP meets it)
+        finally:
+            pf.cut_late, pf.delay_s = "on", 0.0
+        assert br.stats["late_written"] == 3 and br.stats["bad"] == 0  # rounds 2, 12, 3
+    shm.close()
+
+
 def test_branches_under_the_confidence_stop_are_the_stopped_rounds(served):
     """The confidence stop (Block.min_conf): round N - 1 ends early (m < k drafts), its branches are still
     drafted k deep, and each offers what a stopped round of its context returns (drafts up to and including
@@ -508,6 +585,9 @@ def fanout_recorder():
     calls = []
 
     class Client:
+        last_seq = 0
+        on_late_branches = None
+
         def step(self, blocks, timeout=None, **kw):
             calls.append(kw.get("fanout", 0))
             return "reply"

@@ -2,13 +2,17 @@
 write of that table into the engine's table memory right after the round was released.
 
 `BranchRounds(inner, spec, vocab)` wraps the worker round function: its STEP asks for `fanout`
-branches, and `after_release(t)` (called by the proxy loop once round t is released, so the engine's
-verify is already running) reads the worker's BRANCHES frame within `branch_budget_s`, validates it
-(draftrelay.speculation.table.decode) and writes it into the table slot of round t. Any failure here
-(timeout, disconnect, bad bytes, no room) just leaves no table: the engine's next round is then an
-ordinary one. Fault injection for tests (`push_faults`): drop, late (written one round later),
-duplicate (the previous table again), reorder (the previous table after the current one), corrupt
-(bytes changed after the crc), forge (a wrong but well-formed, checksummed table).
+branches, and `after_release(t, next_round)` (called by the proxy loop once round t is released, so the
+engine's verify is already running) reads the worker's BRANCHES frame, validates it
+(draftrelay.speculation.table.decode) and writes it into the table slot of round t. It waits for the
+frame until `branch_budget_s` passes or the engine posts its next round (`next_round()`), whichever is
+first: then the proxy sends that round's STEP at once, so the worker finds it waiting and cuts branch
+work that would come too late (worker/prefetch.py), and a BRANCHES frame that still arrives ahead of that
+STEP's reply is written then (the client's on_late_branches): the engine waits for a table until its
+next round is answered. Any failure here (timeout, disconnect, bad bytes, no room) just leaves no table:
+the engine's next round is then an ordinary one. Fault injection for tests (`push_faults`): drop, late
+(written one round later), duplicate (the previous table again), reorder (the previous table after the
+current one), corrupt (bytes changed after the crc), forge (a wrong but well-formed, checksummed table).
 
 spec["spec_cache"]: {"fd": memfd of the table slots (inherited), "fanout": F, "branch_budget_s": s,
 "push_faults": {...}}. numpy + the wire client only.
@@ -16,7 +20,9 @@ spec["spec_cache"]: {"fd": memfd of the table slots (inherited), "fanout": F, "b
 
 from __future__ import annotations
 
+import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +30,7 @@ import numpy as np
 from draftrelay.handoff.branch_shm import TableShm
 from draftrelay.speculation import table as TB
 from draftrelay.wire import protocol as P
+from draftrelay.wire.client import WireTimeout
 
 
 @dataclass
@@ -46,6 +53,11 @@ class PushFaults:
         return ""
 
 
+# how often the wait for a BRANCHES frame looks whether the engine posted its next round: that round's STEP
+# then goes out at once (a table that comes later than a round would be no use; the worker cuts its work)
+SLICE_S = 0.0005
+
+
 class BranchRounds:
     def __init__(self, inner, spec: dict, vocab_size: int) -> None:
         self.inner = inner
@@ -56,9 +68,13 @@ class BranchRounds:
         self.shm = TableShm.open(int(spec["fd"]))
         self.faults = PushFaults(**spec["push_faults"]) if spec.get("push_faults") else None
         self._want = False
+        self._t = 0  # the round being answered (set by __call__)
+        self._pending: tuple[int, int] | None = None  # (round, STEP seq) whose BRANCHES frame is still due
         self._prev = b""
         self._held: tuple[int, bytes] | None = None
-        self.stats = {"tables": 0, "missing": 0, "bad": 0, "too_big": 0, "paused_steps": 0}
+        self.stats = {"tables": 0, "missing": 0, "bad": 0, "too_big": 0, "paused_steps": 0, "left_pending": 0,
+                      "late_written": 0}
+        self.client.on_late_branches = self._late
         step = self.client.step
         fanout = self.fanout
 
@@ -69,6 +85,7 @@ class BranchRounds:
                 return step(blocks, timeout)
             reply = step(blocks, timeout, fanout=min(f, P.MAX_FANOUT))
             self._want = True  # the STEP went through: its BRANCHES frame follows
+            self._pending = (self._t, self.client.last_seq)
             return reply
 
         self.client.step = step_with_branches  # the inner round function sends its STEP through this
@@ -88,20 +105,52 @@ class BranchRounds:
 
     def __call__(self, t, requests, budget_s):
         self._want = False
+        self._t = t
         return self.inner(t, requests, budget_s)
 
-    def after_release(self, t: int) -> None:
+    def after_release(self, t: int, next_round: Callable[[], bool] | None = None) -> None:
+        """Round t's table, read and written while the engine verifies round t. next_round() True: the
+        engine has posted its next round (its verify is done): stop waiting here, the frame is still
+        taken if it comes ahead of that round's reply."""
         if not self._want:
             return
         self._want = False
+        deadline = time.monotonic() + self.budget_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                body = bytes(self.client.recv_branches(min(left, SLICE_S) if next_round is not None else left))
+                break
+            except WireTimeout:
+                if left <= SLICE_S or next_round is None:
+                    self.stats["missing"] += 1
+                    return  # (still pending: a frame that comes later is taken as late as it is useful)
+                if next_round():
+                    self.stats["left_pending"] += 1
+                    return
+            except Exception:  # a disconnect or a bad frame: no table this round
+                self._pending = None
+                self.stats["missing"] += 1
+                return
+        self._pending = None
+        self._publish(t, body)
+
+    def _late(self, seq: int, payload: memoryview) -> None:
+        """The client met a BRANCHES frame while awaiting a later reply: round t's, if it is the one due."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[1] != seq:
+            return
         try:
-            body = bytes(self.client.recv_branches(self.budget_s))
+            self._publish(pending[0], bytes(payload))
+            self.stats["late_written"] += 1
+        except Exception:  # nothing here may fail the round it arrived in
+            self.stats["bad"] += 1
+
+    def _publish(self, t: int, body: bytes) -> None:
+        try:
             TB.decode(body, self.vocab)  # validate before it goes anywhere near the engine
         except TB.TableError:
             self.stats["bad"] += 1
-            return
-        except Exception:  # WireError of any kind: no table this round
-            self.stats["missing"] += 1
             return
         fault = self.faults.pick(t) if self.faults else ""
         prev, self._prev = self._prev, body

@@ -90,12 +90,13 @@ def copy_staged(L: Layout, private: np.ndarray, staged: np.ndarray) -> None:
 def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int = 20,
           round_budget_s: float = 0.15, faults: FaultPlan | None = None,
           parent_pid: int | None = None, wait: str = "poll", wait_slice_us: int = 2000,
-          after_release: Callable[[int], None] | None = None, wake_release: bool = False,
+          after_release: Callable[[int, Callable[[], bool]], None] | None = None, wake_release: bool = False,
           budget: RoundBudget | None = None, spin_window_us: int = 0) -> None:
     """The proxy's loop. wait "block": sleep on `gathered` (an emulated stream wakes it) and wake the
     stream with the release; "poll": spin_us, then nap_us naps (a GPU writes `gathered`, no wake).
     wake_release: wake the release word in poll mode too (an engine thread sleeps on it: the host park).
-    after_release(t): called after round t is released (the speculation cache's branch push).
+    after_release(t, next_round): called after round t is released (the speculation cache's branch push;
+    next_round() says whether the engine has posted round t + 1).
     budget: each parsed round's time beyond a steady round's goes to the watchdog's deadline.
     spin_window_us (wait "block"): sleep until that long before the next round is expected (the running
     average of release -> next announcement), then spin through twice that (stream.ExpectedWait)."""
@@ -183,7 +184,9 @@ def serve(region: Region, round_fn: RoundFn, *, spin_us: int = 50, nap_us: int =
         else:
             count(Counter.LATE_DISCARDED)
         if after_release is not None:  # the speculation cache: round t's branch table, written while the
-            after_release(t)  # engine verifies round t (off its critical path; branch_push.py)
+            # engine verifies round t (off its critical path; branch_push.py), waited for until the engine
+            # posts round t + 1
+            after_release(t, lambda nxt=t + 1: native.geq32(native.load32(a_gathered), nxt))
         t_wait = time.monotonic()
         reconnects = getattr(round_fn, "reconnects", 0)
         if reconnects != reported_reconnects:

@@ -23,7 +23,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -123,9 +123,18 @@ class DrafterClient:
         self._last_sent = 0.0  # monotonic time of the last frame sent (the worker's idle clock restarts)
         self.stats = {"steps": 0, "timeouts": 0, "disconnects": 0, "bad_replies": 0, "remote_errors": 0,
                       "breaker_rejects": 0, "connects": 0, "skipped_late_replies": 0, "keepalives": 0,
-                      "keepalive_failures": 0}
+                      "keepalive_failures": 0, "late_branches": 0}
+        # the speculation cache (handoff/branch_push.py): called with (seq, payload) for a BRANCHES frame
+        # that arrives while a later frame's reply is awaited, instead of skipping it (its table may still
+        # be in time: the engine waits for it until the next round is answered)
+        self.on_late_branches: Callable[[int, memoryview], None] | None = None
 
     # ---- public -----------------------------------------------------------------------------------
+
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the last frame sent (a STEP's BRANCHES frame carries it)."""
+        return self._seq
 
     @property
     def session_id(self) -> int:
@@ -375,6 +384,10 @@ class DrafterClient:
                     self._drop()
                 raise (WireRefused if refusal else WireRemoteError)(code, msg)
             if rseq != seq:
+                if rseq < seq and ftype == P.BRANCHES and self.on_late_branches is not None:
+                    self.stats["late_branches"] += 1
+                    self.on_late_branches(rseq, payload)  # (the callback keeps no view: payload is a copy)
+                    continue
                 if rseq < seq and ftype in (P.STEP_REPLY, P.PONG, P.HELLO_OK, P.BRANCHES):
                     self.stats["skipped_late_replies"] += 1
                     continue  # the late answer to a round that already timed out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -56,6 +57,16 @@ DEVICE_PIECES = ("stops", "run", "bonus")
 # against 1.0 for eight) waits for that STEP. The lean loop (a CPU) always reads it lazily, those rows only.
 BONUS_MODES = ("queued", "lazy")
 BONUS = os.environ.get("DRAFTRELAY_BRANCH_BONUS", "queued")
+# Whether branch work the client's next STEP waits behind is cut (Preempted) where what is left of it takes
+# longer than a STEP: "on" (the default) bounds that STEP's wait by one device step; "off" always finishes
+# the table (tests about hit steps, and A/B runs)
+CUT_MODES = ("on", "off")
+
+
+class Preempted(Exception):
+    """The client's next STEP is waiting (table(interrupt=...)) and the branch work left would take longer
+    than a STEP: the table would come later than that STEP's reply could, so it is of no use, and it holds
+    that STEP up. Raised between device steps; the table goes out empty."""
 
 
 class Branch(NamedTuple):
@@ -105,6 +116,7 @@ class ForkSteps:
             raise SettingError(f"DRAFTRELAY_BRANCH_BONUS={BONUS!r}: expected one of {', '.join(BONUS_MODES)}")
         self.last_bonus_s = 0.0  # the bonus forward's seconds when branches() waited for it
         self._lean_fork: LeanFork | None = None
+        self.cut = None  # (seconds of work left) -> None or Preempted: the lean loop's look between forwards
 
     @property
     def graph(self) -> bool:
@@ -382,11 +394,16 @@ class ForkSteps:
                                 start[:, None] + torch.arange(T)[None, :], first_plan, pick=at)
             pos = start + at + 1  # the first draft's position
             picked, toks = [], []
+            t_fwd = time.perf_counter()
             for s in range(k):
                 tok = logits.argmax(-1)  # ties go to the lower id, as the drafter's lean loop picks
                 picked.append(logits)
                 toks.append(tok)
                 if s < k - 1:
+                    if self.cut is not None:  # a CPU's forward is the longest a next STEP then waits
+                        now = time.perf_counter()
+                        self.cut((k - 1 - s) * (now - t_fwd))
+                        t_fwd = now
                     logits = lf.forward(tok[:, None], (pos + s)[:, None], plan)[:, 0]
             probs = torch.softmax(torch.stack(picked, 1), -1)  # [B, k, V]
             tok = torch.stack(toks, 1)
@@ -450,12 +467,19 @@ class Prefetcher:
         self.answered: dict[int, tuple[int, np.ndarray, Branch]] = {}
         self.sync_bonus = False  # wait for (and book) the bonus place's forward in each table (to time it)
         self.stats = {"tables": 0, "branches": 0, "prefetch_us": 0, "worker_side_hits": 0, "observed": 0,
-                      "hit_mismatches": 0, "stops_forwards": 0, "stops_from_branches": 0}
+                      "hit_mismatches": 0, "stops_forwards": 0, "stops_from_branches": 0, "preempted": 0}
+        self._interrupt: Callable[[], bool] | None = None  # table()'s, while it runs
+        self._step_s = 0.0  # the worker time of the last STEP not answered from a branch
+        self._took = {p: 0.0 for p in PIECES}  # each piece's seconds in the last table (the work left, _cut)
         # where the branch work goes, µs summed over tables (PIECES; device work included: every piece
         # ends in a host read of its results, so its wall time is the device's too)
         self.stats.update({f"{p}_us": 0 for p in PIECES})
-        # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch)
+        # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch, a
+        # drafter slower than the verify); cut like device work
         self.delay_s = float(os.environ.get("DRAFTRELAY_PREFETCH_DELAY_MS", "0") or 0) / 1000
+        self.cut_late = os.environ.get("DRAFTRELAY_BRANCH_CUT", "on")
+        if self.cut_late not in CUT_MODES:
+            raise SettingError(f"DRAFTRELAY_BRANCH_CUT={self.cut_late!r}: expected one of {', '.join(CUT_MODES)}")
 
     def device_free(self) -> None:
         """Wait for the drafter's device to finish work queued behind a table (the real device orders it
@@ -488,10 +512,14 @@ class Prefetcher:
             self.stats["observed"] += 1
         return acc
 
-    def table(self, session, blocks: list[P.Block], result, fanout: int) -> Table:
+    def table(self, session, blocks: list[P.Block], result, fanout: int,
+              interrupt: Callable[[], bool] | None = None) -> Table:
+        """The branch table for the STEP just answered. interrupt() True (the client's next STEP waits):
+        the work stops at its next device step and the table goes out empty (Preempted)."""
         t0 = time.perf_counter()
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        self._interrupt = interrupt if self.cut_late == "on" else None
+        if not self.answered:  # a drafted STEP: what the next one takes unless answered from a branch
+            self._step_s = int(result.worker_us) / 1e6
         sid = session.id
         acc = self._observe(sid, blocks)
         self._lap("observe", t0)
@@ -521,7 +549,10 @@ class Prefetcher:
                 todo.append((i, st, k))
         entries: list[Entry] = []
         self.records.clear()  # the scratch rows are about to be reused
+        if self.fork is not None:
+            self.fork.cut = self._cut if self._interrupt is not None else None
         try:
+            self._delay()
             if todo:
                 self._confs = {}
                 entries = self._draft(blocks, result, todo, acc, fanout)
@@ -529,8 +560,17 @@ class Prefetcher:
                     key = (sid, blocks[i].request_id)
                     if key in self._last:
                         self._last[key] = (*self._last[key][:3], confs)
+        except Preempted:
+            entries = []
+            self.records.clear()  # nothing of the cut run may answer a STEP
+            if self.fork is not None:
+                self.fork._bonus = None
+            self.stats["preempted"] += 1
         finally:
             self.answered.clear()
+            self._interrupt = None
+            if self.fork is not None:
+                self.fork.cut = None
         self.stats["tables"] += 1
         self.stats["branches"] += sum(e.n_branches for e in entries)
         us = int((time.perf_counter() - t0) * 1e6)
@@ -551,10 +591,25 @@ class Prefetcher:
         cache = getattr(self.drafter, "cache", None)
         return cache is None or int(cache.lengths[st.row]) >= st.ctx_len + max(k - 1, 0)
 
+    def _delay(self) -> None:
+        """The injected delay (delay_s), slept in slices that are cut as device work is."""
+        end = time.perf_counter() + self.delay_s
+        while (left := end - time.perf_counter()) > 0:
+            self._cut(left)
+            time.sleep(min(left, 0.005))
+
+    def _cut(self, left_s: float) -> None:
+        """Before each device step, with the seconds of work left (as the last table took them): stop if
+        that is longer than a STEP and the client's next STEP is already waiting (table's interrupt). A
+        shorter rest still gives a table no later than that STEP's reply, and a hit saves the STEP."""
+        if self._interrupt is not None and left_s > self._step_s and self._interrupt():
+            raise Preempted
+
     def _lap(self, piece: str, t0: float) -> float:
         """Book the time since t0 to `piece`; returns now."""
         now = time.perf_counter()
         self.stats[f"{piece}_us"] += int((now - t0) * 1e6)
+        self._took[piece] = now - t0
         return now
 
     def _from_branch(self, st, f: np.ndarray) -> bool:
@@ -609,11 +664,13 @@ class Prefetcher:
 
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
         t = self._bonus_first(result, todo, time.perf_counter())
+        self._cut(self._took["stops"] + self._took["run"])
         top_t, top_p, base_rows = self._stop_distributions(blocks, result, todo, fanout)
         t = self._lap("stops", t)
         choices = [self._choose(i, top_t[n, :k + 1], top_p[n, :k + 1], result.drafts[i, :k], acc, fanout)
                    for n, (i, _st, k) in enumerate(todo)]
         t = self._lap("choose", t)
+        self._cut(self._took["run"])
         run = self._branch_run(result, todo, base_rows, choices)
         t = self._lap("run", t)
         out = self._entries(blocks, result, todo, choices, base_rows, *run)
@@ -823,6 +880,7 @@ class ReplayPrefetcher(Prefetcher):
         t = time.perf_counter()
         if self.real:  # the real step 1 (its distributions are the random model's: only its cost is used)
             t = self._bonus_first(result, todo, t)
+            self._cut(self._took["stops"] + self._took["run"])
             _, _, base_rows = self._stop_distributions(blocks, result, todo, fanout)
             t = self._lap("stops", t)
         choices = []
@@ -832,6 +890,7 @@ class ReplayPrefetcher(Prefetcher):
             choices.append(self._choose(i, tok, prob, f, acc, fanout))
         k_max = max(max(k for _, _, k in todo), self.k_run)
         t = self._lap("choose", t)
+        self._cut(self._took["run"])  # (as a real device's: before its branch run, which is one launch)
         run = None
         if self.real:  # the real step 3 on the chosen outcomes
             run = self._branch_run(result, todo, base_rows, choices)
@@ -922,9 +981,11 @@ def _copy_row(src, src_row: int, dst, dst_row: int, n: int, lo: int = 0) -> None
     dst.lengths[dst_row] = n
 
 
-def branches_payload(core, session, blocks: list[P.Block], result, fanout: int) -> bytes:
+def branches_payload(core, session, blocks: list[P.Block], result, fanout: int,
+                     interrupt: Callable[[], bool] | None = None) -> bytes:
     """The BRANCHES frame's payload for the STEP just answered (an empty table when the drafter
-    cannot branch, so the client never waits for a frame that will not come)."""
+    cannot branch, so the client never waits for a frame that will not come; or when interrupt()
+    says the client's next STEP already waits: Prefetcher.table)."""
     with core.lock:
         pf = core.prefetcher
         if pf is None:
@@ -933,7 +994,7 @@ def branches_payload(core, session, blocks: list[P.Block], result, fanout: int) 
         if session.id not in core.sessions:
             return encode(Table([], 0, session.id))
         try:
-            table = pf.table(session, blocks, result, fanout)
+            table = pf.table(session, blocks, result, fanout, interrupt)
             t0 = time.perf_counter()
             out = encode(table)
             pf._lap("encode", t0)

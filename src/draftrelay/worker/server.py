@@ -14,6 +14,7 @@ connection is wrapped before its first frame. Connections are bounded in total a
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -73,6 +74,29 @@ class _Conn:
 
     def __str__(self) -> str:
         return f"{self.addr[0]}:{self.addr[1]}"
+
+
+def _step_waiting(sock: socket.socket) -> bool:
+    """Whether the client's next STEP (or its BYE, or the connection's end) is already waiting on `sock`:
+    branch work still running then comes too late to be used (worker/prefetch.py cuts it). A peek: the
+    frame stays for _read_frame; a PING does not count (the proxy pings while the engine's verify runs)."""
+    try:
+        if not select.select([sock], [], [], 0)[0]:  # (a recv would first wait out the socket's timeout)
+            return bool(isinstance(sock, ssl.SSLSocket) and sock.pending())
+        if isinstance(sock, ssl.SSLSocket):  # no peek through TLS: any bytes waiting count
+            return True
+        head = sock.recv(P.HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):
+        return True  # the connection failed: nothing will read the table
+    if len(head) < P.HEADER_SIZE:
+        return True  # closed (b""), or a frame has begun: a PING is too small to arrive in pieces
+    try:
+        ftype = P.check_header(head, 1 << 31)[1]
+    except P.FrameError:
+        return True  # the framing is lost: the table would not be read
+    return ftype != P.PING
 
 
 class WorkerServer:
@@ -345,7 +369,8 @@ class WorkerServer:
                         continue
                     self._send(conn, P.STEP_REPLY, reply, seq)
                     if fanout:  # drafted after the reply is out, so it never delays the reply
-                        self._send(conn, P.BRANCHES, branches_payload(self.core, session, blocks, r, fanout), seq)
+                        self._send(conn, P.BRANCHES, branches_payload(self.core, session, blocks, r, fanout,
+                                                                      lambda: _step_waiting(sock)), seq)
                 elif ftype == P.PING:
                     self._send(conn, P.PONG, b"", seq)
                 elif ftype == P.BYE:
