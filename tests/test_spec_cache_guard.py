@@ -112,6 +112,20 @@ def test_guard_books_neither_settling_nor_unsteady_steps():
     assert g.classes[1].best == 8 and g.classes[1].measured == {8: 2, 0: 2}
 
 
+def test_unsteady_steps_of_the_best_still_bring_the_next_probe():
+    """Plain rounds won; then every step is one the caller does not measure (the depth policy asks no
+    drafts on this text): the interval still runs out and the tables are probed again."""
+    g = CacheGuard(8, arms=[8], window=2, probe_every=4, settle=0)
+    drive(g, lambda f, b: 0.010 if f == 0 else 0.020, 6)
+    c = g.classes[1]
+    assert c.best == 0 and c.probe is None
+    seen = []
+    for _ in range(8):
+        seen.append(g.choose(1))
+        g.observe(1, 0.010, steady=False)
+    assert 8 in seen, seen
+
+
 def test_pooled_rates_use_the_class_tokens_own_rates_their_own():
     """Pooled: a choice measured on easy text (more tokens per step) is not credited with the text; each
     choice's rate is the class's tokens per step over its own seconds per step."""

@@ -193,6 +193,10 @@ class CacheGuard:
             self._settle_left -= 1
             return
         if not steady or seconds <= 0:
+            if arm == c.best and c.probe is None:
+                # not measured, but the best's step all the same: where the plain steps' policy asks no
+                # drafts for long (prose on a small CPU) the tables must still be probed again in time
+                self._count_best(c)
             return
         c.add(arm, tokens, seconds)
         if c.probe is not None and arm == c.probe:
@@ -200,11 +204,15 @@ class CacheGuard:
             if c.probe_left <= 0 or self._clearly_slower(c):
                 self._decide(c)
         elif arm == c.best:
-            c.since += 1
-            if c.full(c.best) and (c.todo or c.since >= c.interval):
-                c.probe = self._challenger(c)
-                c.probe_left = self.window
-                c.win.pop(c.probe, None)  # the probe decides on its own steps, not on ones measured long ago
+            self._count_best(c)
+
+    def _count_best(self, c: _Class) -> None:
+        """One more step of the best choice: the next probe starts once the interval has passed."""
+        c.since += 1
+        if c.full(c.best) and (c.todo or c.since >= c.interval):
+            c.probe = self._challenger(c)
+            c.probe_left = self.window
+            c.win.pop(c.probe, None)  # the probe decides on its own steps, not on ones measured long ago
 
     def _clearly_slower(self, c: _Class) -> bool:
         """Whether the probe has measured min_probe steps, all told slower than the best by abort_ratio."""
