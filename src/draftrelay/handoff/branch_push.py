@@ -108,7 +108,7 @@ class BranchRounds:
         self._t = t
         return self.inner(t, requests, budget_s)
 
-    def after_release(self, t: int, next_round: Callable[[], bool] | None = None) -> None:
+    def after_release(self, t: int, next_round: Callable[[], bool] = lambda: False) -> None:
         """Round t's table, read and written while the engine verifies round t. next_round() True: the
         engine has posted its next round (its verify is done): stop waiting here, the frame is still
         taken if it comes ahead of that round's reply."""
@@ -119,10 +119,10 @@ class BranchRounds:
         while True:
             left = deadline - time.monotonic()
             try:
-                body = bytes(self.client.recv_branches(min(left, SLICE_S) if next_round is not None else left))
+                body = bytes(self.client.recv_branches(min(left, SLICE_S)))
                 break
             except WireTimeout:
-                if left <= SLICE_S or next_round is None:
+                if left <= SLICE_S:
                     self.stats["missing"] += 1
                     return  # (still pending: a frame that comes later is taken as late as it is useful)
                 if next_round():

@@ -117,6 +117,7 @@ class ForkSteps:
         self.last_bonus_s = 0.0  # the bonus forward's seconds when branches() waited for it
         self._lean_fork: LeanFork | None = None
         self.cut = None  # (seconds of work left) -> None or Preempted: the lean loop's look between forwards
+        # (Prefetcher._cut)
 
     @property
     def graph(self) -> bool:
@@ -453,6 +454,8 @@ class Prefetcher:
         self.max_fanout = max_fanout
         self.supported = isinstance(drafter, LlamaDrafter)
         self.fork = ForkSteps(drafter) if self.supported else None
+        if self.fork is not None:
+            self.fork.cut = self._cut  # (a no-op outside table(), or without its interrupt)
         self._acc: dict[int, Acceptance] = {}  # session id -> acceptance by confidence (table.Acceptance)
         self.k_run = 0  # the deepest round of the frame being branched (a k = 0 entry's drafts per branch)
         # (session, req) -> gen, base, drafts, their confidences (draft_confs; None until a table chose from them)
@@ -517,7 +520,6 @@ class Prefetcher:
         """The branch table for the STEP just answered. interrupt() True (the client's next STEP waits):
         the work stops at its next device step and the table goes out empty (Preempted)."""
         t0 = time.perf_counter()
-        self._interrupt = interrupt if self.cut_late == "on" else None
         if not self.answered:  # a drafted STEP: what the next one takes unless answered from a branch
             self._step_s = int(result.worker_us) / 1e6
         sid = session.id
@@ -549,8 +551,7 @@ class Prefetcher:
                 todo.append((i, st, k))
         entries: list[Entry] = []
         self.records.clear()  # the scratch rows are about to be reused
-        if self.fork is not None:
-            self.fork.cut = self._cut if self._interrupt is not None else None
+        self._interrupt = interrupt if self.cut_late == "on" else None
         try:
             self._delay()
             if todo:
@@ -569,8 +570,6 @@ class Prefetcher:
         finally:
             self.answered.clear()
             self._interrupt = None
-            if self.fork is not None:
-                self.fork.cut = None
         self.stats["tables"] += 1
         self.stats["branches"] += sum(e.n_branches for e in entries)
         us = int((time.perf_counter() - t0) * 1e6)
