@@ -161,42 +161,65 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                      prefetch_bonus=pre_bonus, bonus_mode=BONUS)
 
 
-def hit_curve(trace: Trace, k: int, fanouts: list[int], max_tokens: int) -> dict:
-    """Hit rate against F counted on the trace alone: for each entry, a worker core with a cost-free
-    replay drafter, driven as the engine drives it at batch 1 (greedy; each round carries the accepted
-    drafts and the target's token), its branch table checked against the next round's tokens with the
-    engine's own selection. A request-round that has a table is a lookup; its first round has none."""
+def batch_groups(trace: Trace, batch: int) -> list[list]:
+    """The trace's entries in groups of `batch` (the last may be smaller), kinds taken in turn (code, prose,
+    code, ...) so a group mixes them as the engine's batches of several requests do."""
+    kinds: dict[str, list] = {}
+    for e in trace.entries:
+        kinds.setdefault(e.name.split(":")[0], []).append(e)
+    order, queues = [], [list(v) for v in kinds.values()]
+    while any(queues):
+        for q in queues:
+            if q:
+                order.append(q.pop(0))
+    return [order[i:i + batch] for i in range(0, len(order), batch)]
+
+
+def hit_curve(trace: Trace, k: int, fanouts: list[int], max_tokens: int, batch: int = 1) -> dict:
+    """Hit rate against F counted on the trace alone: for each group of `batch` entries (batch_groups), a
+    worker core with a cost-free replay drafter, driven as the engine drives it (greedy; each round carries
+    the accepted drafts and the target's token; the group's requests in one STEP), its branch table checked
+    against the next round's tokens with the engine's own selection. A request-round that has a table is
+    a lookup; its first round has none. With several requests a step goes without waiting for its round
+    only when every row hits (the engine's wait rule "all"): `all_hit_rate` counts those steps. A group runs
+    until its first request reaches the end of its trace (the engine's benchmark stops there too)."""
     out = {}
     for F in fanouts:
-        cost = CostTable({(1, k, 256): 0.0}, prefetch={(1, F, k, 256): 0.0})
+        cost = CostTable({(b, k, 256): 0.0 for b in range(1, batch + 1)},
+                         prefetch={(b, F, k, 256): 0.0 for b in range(1, batch + 1)})
         by_kind: dict[str, list[int]] = {}
-        for e in trace.entries:
-            rd = ReplayDrafter(trace, cost=cost, n_rows=2, max_ctx=len(e.sequence) + 64, vocab_size=trace.vocab_size)
-            core = WorkerCore(rd)
-            session, _ = core.open_session(P.Hello(max_requests=1, n_out_max=8))
-            seq, T = e.sequence, min(max_tokens, len(e.target))
-            held, n, pos, table = len(e.prompt) + 1, 1, 0, None
-            hits = lookups = 0
-            while n < T - 1:
-                offered = min(k, T - n - 1)
-                block = P.Block(1, 1, pos, np.asarray(seq[pos:held], np.int32), offered)
+        steps = all_hit = 0
+        for group in batch_groups(trace, batch):
+            rd = ReplayDrafter(trace, cost=cost, n_rows=len(group) + 1,
+                               max_ctx=max(len(e.sequence) for e in group) + 64, vocab_size=trace.vocab_size)
+            core = WorkerCore(rd, max_requests=len(group))
+            session, _ = core.open_session(P.Hello(max_requests=len(group), n_out_max=8))
+            ends = [min(max_tokens, len(e.target)) for e in group]
+            held = [len(e.prompt) + 1 for e in group]
+            n, pos, table = [1] * len(group), [0] * len(group), None
+            while all(n[r] < ends[r] - 1 for r in range(len(group))):
+                blocks = [P.Block(r + 1, 1, pos[r], np.asarray(e.sequence[pos[r]:held[r]], np.int32),
+                                  min(k, ends[r] - n[r] - 1)) for r, e in enumerate(group)]
                 if table is not None:
-                    lookups += 1
-                    hits += TB.select(table.entry(1), 1, 1, pos, block.tokens) >= 0
-                res = core.step(session, [block])
-                table = TB.decode(branches_payload(core, session, [block], res, F), rd.vocab_size)
-                f = res.drafts[0, :offered].tolist()
-                kept = 0
-                while kept < offered and f[kept] == seq[held + kept]:
-                    kept += 1
-                pos, held, n = held, held + kept + 1, n + kept + 1
-            kind = e.name.split(":")[0] or "all"
-            acc = by_kind.setdefault(kind, [0, 0])
-            acc[0] += hits
-            acc[1] += lookups
+                    hit = [TB.select(table.entry(r + 1), r + 1, 1, pos[r], b.tokens) >= 0 for r, b in enumerate(blocks)]
+                    for e, h in zip(group, hit, strict=True):
+                        acc = by_kind.setdefault(e.name.split(":")[0] or "all", [0, 0])
+                        acc[0] += h
+                        acc[1] += 1
+                    steps += 1
+                    all_hit += all(hit)
+                res = core.step(session, blocks)
+                table = TB.decode(branches_payload(core, session, blocks, res, F), rd.vocab_size)
+                for r, e in enumerate(group):
+                    f = res.drafts[r, :blocks[r].n_out].tolist()
+                    kept = 0
+                    while kept < len(f) and f[kept] == e.sequence[held[r] + kept]:
+                        kept += 1
+                    pos[r], held[r], n[r] = held[r], held[r] + kept + 1, n[r] + kept + 1
         tot = [sum(v[0] for v in by_kind.values()), sum(v[1] for v in by_kind.values())]
         out[F] = {"hit_rate": tot[0] / max(1, tot[1]), "lookups": tot[1],
-                  "by_kind": {kk: v[0] / max(1, v[1]) for kk, v in sorted(by_kind.items())}}
+                  "by_kind": {kk: v[0] / max(1, v[1]) for kk, v in sorted(by_kind.items())},
+                  "steps": steps, "all_hit_rate": all_hit / max(1, steps)}
     return out
 
 

@@ -41,3 +41,36 @@ def test_bad_arguments_name_what_is_wrong(tmp_path, capsys, args, msg):
     with pytest.raises(SystemExit):
         hit_curve.main(["--trace", str(path), *args, "--out", str(tmp_path / "c.json")])
     assert msg in capsys.readouterr().err
+
+
+def test_a_batch_counts_the_steps_where_every_row_hits(tmp_path, capsys):
+    """--batch 2: the entries two at a time, one STEP each round; a step counts as all-hit only when both
+    rows hit, so its rate is at most the per-lookup rate. One request gets its F whether the batch's
+    branches are shared or not, so at --batch 1 the two curves are the same."""
+    tr = synthetic_trace(512, n=4, length=48, hit=0.6, seed=5)
+    path = tmp_path / "trace.json"
+    tr.save(str(path))
+    out = tmp_path / "curve.json"
+    assert hit_curve.main(["--trace", str(path), "--fanout", "2,4", "--batch", "2", "--share", "on,off",
+                           "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["batch"] == 2 and set(got["by_share"]) == {"on", "off"}
+    for curve in got["by_share"].values():
+        for v in curve.values():
+            assert v["steps"] > 5 and 0.0 <= v["all_hit_rate"] <= v["hit_rate"] <= 1.0, v
+            assert v["lookups"] == 2 * v["steps"]
+    assert "all 2 rows hit in" in capsys.readouterr().out
+    one = tmp_path / "one.json"
+    assert hit_curve.main(["--trace", str(path), "--fanout", "2,4", "--share", "on,off", "--out", str(one)]) == 0
+    by = json.loads(one.read_text())["by_share"]
+    assert by["on"] == by["off"]
+
+
+@pytest.mark.parametrize("args, msg", [(["--batch", "0"], "--batch"), (["--share", "maybe"], "--share")])
+def test_bad_batch_and_share_name_what_is_wrong(tmp_path, capsys, args, msg):
+    tr = synthetic_trace(512, n=1, length=24, seed=1)
+    path = tmp_path / "trace.json"
+    tr.save(str(path))
+    with pytest.raises(SystemExit):
+        hit_curve.main(["--trace", str(path), *args, "--out", str(tmp_path / "c.json")])
+    assert msg in capsys.readouterr().err

@@ -80,7 +80,9 @@ def test_greedy_identical_with_the_cache(pair, reference, worker, max_batch, k):
     sc = t["spec_cache"]
     assert sc["active"] and sc["refusal"] == ""
     assert sc["hits"] > 0 and sc["fast_steps"] > 0  # verifies that did not wait for their round
-    assert sc["branches_per_round"] == pytest.approx(8.0)
+    # one request gets its F = 8; a batch's 8 a request are shared between them (Prefetcher._share)
+    bpr = sc["branches_per_round"]
+    assert bpr == pytest.approx(8.0) if max_batch == 1 else 1.0 <= bpr <= 16.0, bpr
     assert t["rounds"]["failed"] == 0 and t["rounds"]["watchdog"] == 0
     assert t["mean_accepted"] > 1.0
     # every round is accounted for once, waited for or settled after a fast step

@@ -98,7 +98,7 @@ def test_branches_in_graph_mode_are_the_rounds_of_their_contexts():
     k, F = 4, 8
     d, ctx, (blocks, res, todo) = _two_requests_after_a_step(seed=0, L=700, k=k)
     assert d.mode == "graph"
-    pf = Prefetcher(d, max_fanout=8)
+    pf = Prefetcher(d)  # max_fanout 16: the two requests' 2 F branches shared (Prefetcher._share), in 2 F rows
     entries = pf._draft(blocks, res, todo, Acceptance(), F)
     agree = total = 0
     spare = 3

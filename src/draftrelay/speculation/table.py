@@ -30,6 +30,7 @@ This module is numpy-only: the proxy imports it.
 
 from __future__ import annotations
 
+import heapq
 import struct
 from dataclasses import dataclass
 
@@ -216,6 +217,33 @@ def choose_branches(top_tokens: np.ndarray, top_probs: np.ndarray, drafts: np.nd
             reach *= float(accept[a])
     cands.sort(key=lambda c: (-c[0], c[1], c[2]))
     return [(a, y, p) for p, a, y in cands[:fanout]]
+
+
+def allot_branches(probs: list[list[float]], total: int) -> list[int]:
+    """How many of each request's candidate outcomes (each list most likely first, `choose_branches`'
+    estimates) to branch on, at most `total` in all.
+
+    Under the engine's wait rule a step goes without waiting for its round only when every request of
+    the batch hits, so the allotment maximises the estimated chance of that, prod_r (sum of request r's
+    chosen p), not each request's own hit rate: a request whose top few outcomes already cover it gives
+    its later branches to one that is unsure. Greedy on the gain in log: each added branch shrinks a
+    request's next gain (its candidates are sorted), so the greedy allotment is the best one. Ties go to
+    the earlier request, so it is deterministic."""
+    eps = 1e-12
+    n = [0] * len(probs)
+    s = [0.0] * len(probs)
+    heap = [(-np.log((ps[0] + eps) / eps), r) for r, ps in enumerate(probs) if ps]
+    heapq.heapify(heap)
+    left = max(0, int(total))
+    while left and heap:
+        _, r = heapq.heappop(heap)
+        s[r] += float(probs[r][n[r]])
+        n[r] += 1
+        left -= 1
+        if n[r] < len(probs[r]):
+            nxt = float(probs[r][n[r]])
+            heapq.heappush(heap, (-float(np.log((s[r] + nxt + eps) / (s[r] + eps))), r))
+    return n
 
 
 def draft_confs(top_tokens: np.ndarray, top_probs: np.ndarray, drafts: np.ndarray) -> np.ndarray:

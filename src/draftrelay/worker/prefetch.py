@@ -31,7 +31,7 @@ import numpy as np
 from draftrelay import SettingError
 from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.replay import ReplayDrafter, spend
-from draftrelay.speculation.table import Acceptance, Entry, Table, choose_branches, draft_confs, encode
+from draftrelay.speculation.table import Acceptance, Entry, Table, allot_branches, choose_branches, draft_confs, encode
 from draftrelay.wire import protocol as P
 from draftrelay.worker.draft_stop import stop_counts
 from draftrelay.worker.drafters import Job, LlamaDrafter
@@ -61,6 +61,13 @@ BONUS = os.environ.get("DRAFTRELAY_BRANCH_BONUS", "queued")
 # longer than a STEP: "on" (the default) bounds that STEP's wait by one device step; "off" always finishes
 # the table (tests about hit steps, and A/B runs)
 CUT_MODES = ("on", "off")
+# How a batch's branches are shared: "on" (the default), the batch's n x F branches go where they raise the
+# chance that every request hits (allot_branches), up to SHARE_CAP x F for one request; "off", F each. Under
+# the engine's wait rule a step goes without waiting only when all its rows hit, so at four requests the
+# chance that all four hit is the figure: counted on the replay trace (benchmarks/hit_curve.py --batch 4,
+# docs/SPEC_CACHE.md). One request gets its F either way.
+SHARE_MODES = ("on", "off")
+SHARE_CAP = 2
 
 
 class Preempted(Exception):
@@ -483,6 +490,9 @@ class Prefetcher:
         self.cut_late = os.environ.get("DRAFTRELAY_BRANCH_CUT", "on")
         if self.cut_late not in CUT_MODES:
             raise SettingError(f"DRAFTRELAY_BRANCH_CUT={self.cut_late!r}: expected one of {', '.join(CUT_MODES)}")
+        self.share = os.environ.get("DRAFTRELAY_BRANCH_SHARE", "on")
+        if self.share not in SHARE_MODES:
+            raise SettingError(f"DRAFTRELAY_BRANCH_SHARE={self.share!r}: expected one of {', '.join(SHARE_MODES)}")
 
     def device_free(self) -> None:
         """Wait for the drafter's device to finish work queued behind a table (the real device orders it
@@ -652,22 +662,44 @@ class Prefetcher:
             return self._lap("bonus", t)
         return t
 
+    def _cap(self, fanout: int, n_requests: int) -> int:
+        """The most branches one request of the batch may get: F for one request or with sharing off,
+        else up to SHARE_CAP x F (the batch's total stays n x F: _share)."""
+        if n_requests <= 1 or self.share == "off":
+            return fanout
+        return min(self.max_fanout, SHARE_CAP * fanout)
+
     def _choose(self, i: int, top_t: np.ndarray, top_p: np.ndarray, drafts: np.ndarray, acc: Acceptance,
-                fanout: int) -> list[tuple[int, int]]:
-        """The outcomes (a, y) to branch on for block i, whose round drafted `drafts`, from the candidates
-        [k + 1, m] at its stopping places; the drafts' confidences are kept (`_confs`) for the next STEP's
-        tokens to calibrate `acc` with (_observe)."""
+                cap: int) -> list[tuple[int, int, float]]:
+        """The `cap` most likely outcomes (a, y, p) for block i, whose round drafted `drafts`, from the
+        candidates [k + 1, m] at its stopping places; the drafts' confidences are kept (`_confs`) for the
+        next STEP's tokens to calibrate `acc` with (_observe)."""
         f = np.asarray(drafts, np.int32)
         confs = self._confs[i] = draft_confs(top_t, top_p, f)
-        return [(a, y) for a, y, _ in choose_branches(top_t, top_p, f, acc.rates(confs), fanout)]
+        return choose_branches(top_t, top_p, f, acc.rates(confs), cap)
+
+    @staticmethod
+    def _share(cands: list[list[tuple[int, int, float]]], fanout: int) -> list[list[tuple[int, int]]]:
+        """The outcomes (a, y) each request branches on: n x F in all, where they raise the chance that
+        every request hits (allot_branches; with at most F candidates each, F each)."""
+        counts = allot_branches([[p for _, _, p in c] for c in cands], len(cands) * fanout)
+        return [[(a, y) for a, y, _ in c[:n]] for c, n in zip(cands, counts, strict=True)]
+
+    @staticmethod
+    def _branch_rows(choices: list[list[tuple[int, int]]]) -> list[int]:
+        """Each request's first scratch row for its branches, which lie side by side (n x F rows in all:
+        the rows the stopping places' forward used are read out by then, and no branch reads them)."""
+        return [int(x) for x in np.cumsum([0] + [len(c) for c in choices[:-1]])]
 
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
         t = self._bonus_first(result, todo, time.perf_counter())
         self._cut(self._took["stops"] + self._took["run"])
-        top_t, top_p, base_rows = self._stop_distributions(blocks, result, todo, fanout)
+        top_t, top_p, _ = self._stop_distributions(blocks, result, todo, fanout)
         t = self._lap("stops", t)
-        choices = [self._choose(i, top_t[n, :k + 1], top_p[n, :k + 1], result.drafts[i, :k], acc, fanout)
-                   for n, (i, _st, k) in enumerate(todo)]
+        cap = self._cap(fanout, len(todo))
+        choices = self._share([self._choose(i, top_t[n, :k + 1], top_p[n, :k + 1], result.drafts[i, :k], acc, cap)
+                               for n, (i, _st, k) in enumerate(todo)], fanout)
+        base_rows = self._branch_rows(choices)
         t = self._lap("choose", t)
         self._cut(self._took["run"])
         run = self._branch_run(result, todo, base_rows, choices)
@@ -739,7 +771,7 @@ class Prefetcher:
             return z, z.astype(np.float32), None, None, []
         m = min(TOP_M, self.drafter.model.cfg.vocab_size)
         # each request's first branch (the lazy bonus step's rows: one a request)
-        firsts = sorted({int(x) for x in np.cumsum([0] + [len(c) for c in choices[:-1]]) if x < len(rows)})
+        firsts = sorted({x for x in self._branch_rows(choices) if x < len(rows)})
         d, c, tt, tp = self.fork.branches(np.asarray(first, np.int64), last, starts, parents, pivots, rows, k_max, m,
                                           sync_bonus=self.sync_bonus, firsts=firsts)
         if self.sync_bonus:  # its own piece: in the worker it runs while the table goes out
@@ -875,18 +907,20 @@ class ReplayPrefetcher(Prefetcher):
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
         rd = self.replay
         m = min(TOP_M, rd.trace.top_f)
-        base_rows = [-1] * len(todo)
         t = time.perf_counter()
         if self.real:  # the real step 1 (its distributions are the random model's: only its cost is used)
             t = self._bonus_first(result, todo, t)
             self._cut(self._took["stops"] + self._took["run"])
-            _, _, base_rows = self._stop_distributions(blocks, result, todo, fanout)
+            self._stop_distributions(blocks, result, todo, fanout)
             t = self._lap("stops", t)
-        choices = []
+        cap = self._cap(fanout, len(todo))
+        cands = []
         for i, st, k in todo:
             f = result.drafts[i, :k].astype(np.int32)
             tok, prob = rd.stops(st.row, st.ctx_len, f, m)
-            choices.append(self._choose(i, tok, prob, f, acc, fanout))
+            cands.append(self._choose(i, tok, prob, f, acc, cap))
+        choices = self._share(cands, fanout)
+        base_rows = self._branch_rows(choices) if self.real else [-1] * len(todo)
         k_max = max(max(k for _, _, k in todo), self.k_run)
         t = self._lap("choose", t)
         self._cut(self._took["run"])  # (as a real device's: before its branch run, which is one launch)
