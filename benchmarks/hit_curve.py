@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
     if not shares or any(x not in SHARE_MODES for x in shares):
         ap.error(f"--share: comma-separated modes of {', '.join(SHARE_MODES)}, not {args.share!r}")
     trace = Trace.load(args.trace)
+    logging.getLogger("draftrelay.replay").setLevel(logging.ERROR)  # each core's REPLAY label: the trace is named below
     max_tokens = args.max_tokens or min(len(e.target) for e in trace.entries)
     t0 = time.perf_counter()
     curves = {}
