@@ -33,7 +33,8 @@ def test_hit_rate_grows_with_the_fanout_and_the_json_says_so(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, msg", [(["--fanout", "0"], "--fanout"), (["--fanout", "x"], "--fanout"),
-                                       (["--k", "0"], "--k")])
+                                       (["--k", "0"], "--k"), (["--batch", "0"], "--batch"),
+                                       (["--share", "maybe"], "--share")])
 def test_bad_arguments_name_what_is_wrong(tmp_path, capsys, args, msg):
     tr = synthetic_trace(512, n=1, length=24, seed=1)
     path = tmp_path / "trace.json"
@@ -65,12 +66,3 @@ def test_a_batch_counts_the_steps_where_every_row_hits(tmp_path, capsys):
     by = json.loads(one.read_text())["by_share"]
     assert by["on"] == by["off"]
 
-
-@pytest.mark.parametrize("args, msg", [(["--batch", "0"], "--batch"), (["--share", "maybe"], "--share")])
-def test_bad_batch_and_share_name_what_is_wrong(tmp_path, capsys, args, msg):
-    tr = synthetic_trace(512, n=1, length=24, seed=1)
-    path = tmp_path / "trace.json"
-    tr.save(str(path))
-    with pytest.raises(SystemExit):
-        hit_curve.main(["--trace", str(path), *args, "--out", str(tmp_path / "c.json")])
-    assert msg in capsys.readouterr().err

@@ -683,7 +683,7 @@ def test_a_branch_run_gives_the_stopping_places_a_forward_over_them_gives(mode):
     got = pf._answered_top(st, f)
     assert got is not None and got[0].shape == (k + 1, 8)
     pf.answered.clear()  # now the table would run the forward over the stopping places
-    tt, tp, _ = pf._stop_distributions([block2], res2, [(0, st, k)], F)
+    tt, tp = pf._stop_distributions([block2], res2, [(0, st, k)], F)
     for j in range(k + 1):
         assert set(got[0][j].tolist()) == set(tt[0, j].tolist()), j
         np.testing.assert_allclose(np.sort(got[1][j]), np.sort(tp[0, j]), rtol=1e-4, atol=1e-6)

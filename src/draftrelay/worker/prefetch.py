@@ -694,7 +694,7 @@ class Prefetcher:
     def _draft(self, blocks, result, todo, acc: Acceptance, fanout: int) -> list[Entry]:
         t = self._bonus_first(result, todo, time.perf_counter())
         self._cut(self._took["stops"] + self._took["run"])
-        top_t, top_p, _ = self._stop_distributions(blocks, result, todo, fanout)
+        top_t, top_p = self._stop_distributions(blocks, result, todo, fanout)
         t = self._lap("stops", t)
         cap = self._cap(fanout, len(todo))
         choices = self._share([self._choose(i, top_t[n, :k + 1], top_p[n, :k + 1], result.drafts[i, :k], acc, cap)
@@ -712,14 +712,14 @@ class Prefetcher:
         """Step 1: the top TOP_M candidates (tokens [R, k+1, m], probs) at each request's k + 1 stopping
         places. A request whose STEP was answered from a branch has them from that branch's run; the others
         get one padded forward over (C[-1], f1..fk), each in the first of its `fanout` forked scratch rows
-        (pivot L - 1: nothing of the context is copied). Returns them and those base rows."""
+        (pivot L - 1: nothing of the context is copied; the branches use the rows afresh, _branch_rows)."""
         d = self.drafter
         self.fork.scratch(len(todo) * fanout)
         T = 1 + max(k for _, _, k in todo)
         m = min(TOP_M, d.model.cfg.vocab_size)
         top_t = np.zeros((len(todo), T, m), np.int64)
         top_p = np.zeros((len(todo), T, m), np.float32)
-        base_rows = [n * fanout for n in range(len(todo))]
+        stop_rows = [n * fanout for n in range(len(todo))]
         need = []
         for n, (i, st, k) in enumerate(todo):
             got = self._answered_top(st, result.drafts[i, :k].astype(np.int32))
@@ -737,11 +737,11 @@ class Prefetcher:
                 toks[r, 1:1 + k] = result.drafts[i, :k]
                 starts.append(st.ctx_len - 1)
                 parents.append(st.row)
-                rows.append(base_rows[n])
+                rows.append(stop_rows[n])
             tt, tp = self.fork.stops(toks, starts, parents, rows, m)
             top_t[need], top_p[need] = tt, tp
             self.stats["stops_forwards"] += 1
-        return top_t, top_p, base_rows
+        return top_t, top_p
 
     def _branch_run(self, result, todo, base_rows, choices):
         """Step 3: every branch (a, y) of every request gets a forked scratch row (pivot L + a, or L + k - 1
