@@ -65,4 +65,3 @@ def test_a_batch_counts_the_steps_where_every_row_hits(tmp_path, capsys):
     assert hit_curve.main(["--trace", str(path), "--fanout", "2,4", "--share", "on,off", "--out", str(one)]) == 0
     by = json.loads(one.read_text())["by_share"]
     assert by["on"] == by["off"]
-

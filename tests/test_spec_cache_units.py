@@ -880,3 +880,15 @@ def test_a_bad_bonus_setting_is_named(monkeypatch):
     monkeypatch.setattr(prefetch, "BONUS", "later")
     with pytest.raises(SettingError, match="DRAFTRELAY_BRANCH_BONUS='later'.*queued, lazy"):
         prefetch.ForkSteps(load_drafter("tiny", n_rows=2, max_ctx=64, mode="eager"))
+
+
+@pytest.mark.parametrize("name, value, modes", [("DRAFTRELAY_BRANCH_CUT", "sometimes", "on, off"),
+                                                ("DRAFTRELAY_BRANCH_SHARE", "half", "on, off")])
+def test_a_bad_cut_or_share_setting_is_named(monkeypatch, name, value, modes):
+    from draftrelay import SettingError
+    from draftrelay.worker import prefetch
+    from draftrelay.worker.drafters import load_drafter
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingError, match=f"{name}='{value}': expected one of {modes}"):
+        prefetch.Prefetcher(load_drafter("tiny", n_rows=2, max_ctx=64, mode="eager"))

@@ -1,5 +1,7 @@
 """draftrelay: remote speculative drafting for LLM serving."""
 
+import os
+
 __version__ = "0.1.0"
 
 
@@ -7,3 +9,12 @@ class SettingError(ValueError):
     """A DRAFTRELAY_* environment setting with a value it does not take. Raised where the setting is read
     (some at import); the message names the variable, the value and what it takes, and `draftrelay`'s
     command line prints it as one line and exits 2 instead of a traceback."""
+
+
+def env_choice(name: str, default: str, modes: tuple[str, ...]) -> str:
+    """The value of the environment setting `name` (`default` where unset), which must be one of `modes`
+    (SettingError naming the variable, the value and the modes otherwise)."""
+    value = os.environ.get(name, default)
+    if value not in modes:
+        raise SettingError(f"{name}={value!r}: expected one of {', '.join(modes)}")
+    return value

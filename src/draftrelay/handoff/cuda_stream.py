@@ -57,14 +57,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from draftrelay import SettingError
+from draftrelay import env_choice
 
 from . import cuda_caps, cuda_kernels
 from .cuda_driver import CudaError, CudaStreamRefused, bind_calls, err_name, import_driver
@@ -144,11 +143,9 @@ class CudaStream(StreamOps):
         super().__init__(region)
         self.drain_timeout_s = drain_timeout_s
         self.fast = fast
-        self.wait_mode = wait or os.environ.get("DRAFTRELAY_CUDA_WAIT", "auto")
-        if self.wait_mode not in WAIT_MODES:
-            if wait:
-                raise ValueError(f"CudaStream wait={wait!r}: expected one of {', '.join(WAIT_MODES)}")
-            raise SettingError(f"DRAFTRELAY_CUDA_WAIT={self.wait_mode!r}: expected one of {', '.join(WAIT_MODES)}")
+        if wait and wait not in WAIT_MODES:
+            raise ValueError(f"CudaStream wait={wait!r}: expected one of {', '.join(WAIT_MODES)}")
+        self.wait_mode = wait or env_choice("DRAFTRELAY_CUDA_WAIT", "auto", WAIT_MODES)
         self.batch = batch
         self._registered: list[int] = []  # host addresses currently registered by us
         self._scratch: mmap.mmap | None = None

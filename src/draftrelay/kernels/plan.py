@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from draftrelay import SettingError
+from draftrelay import env_choice
 
 MAX_ROWS = 16  # products with more rows (prefill chunks, large batches) stay on cuBLAS
 SUM_MAX_ROWS = 8  # the multiply-and-sum tile's rows (each row one more pass over the loaded weight tile)
@@ -73,9 +73,7 @@ MARGIN = 0.03  # a Triton configuration replaces cuBLAS only when it is at least
 # did not show it (docs/FAST_FORWARD.md).
 CHAIN_S = 2e-6
 MODES = ("auto", "off")
-MODE = os.environ.get("DRAFTRELAY_SKINNY", "auto")
-if MODE not in MODES:
-    raise SettingError(f"DRAFTRELAY_SKINNY={MODE!r}: expected one of {', '.join(MODES)}")
+MODE = env_choice("DRAFTRELAY_SKINNY", "auto", MODES)
 NORM_MAX_K = 4096  # the norm prologue holds the whole row in one tile (its RMS needs all of it)
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # a product is planned and compiled once per bucket, at its top row count
 

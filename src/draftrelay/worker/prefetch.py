@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from draftrelay import SettingError
+from draftrelay import SettingError, env_choice
 from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, allot_branches, choose_branches, draft_confs, encode
@@ -487,12 +487,8 @@ class Prefetcher:
         # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch, a
         # drafter slower than the verify); cut like device work
         self.delay_s = float(os.environ.get("DRAFTRELAY_PREFETCH_DELAY_MS", "0") or 0) / 1000
-        self.cut_late = os.environ.get("DRAFTRELAY_BRANCH_CUT", "on")
-        if self.cut_late not in CUT_MODES:
-            raise SettingError(f"DRAFTRELAY_BRANCH_CUT={self.cut_late!r}: expected one of {', '.join(CUT_MODES)}")
-        self.share = os.environ.get("DRAFTRELAY_BRANCH_SHARE", "on")
-        if self.share not in SHARE_MODES:
-            raise SettingError(f"DRAFTRELAY_BRANCH_SHARE={self.share!r}: expected one of {', '.join(SHARE_MODES)}")
+        self.cut_late = env_choice("DRAFTRELAY_BRANCH_CUT", "on", CUT_MODES)
+        self.share = env_choice("DRAFTRELAY_BRANCH_SHARE", "on", SHARE_MODES)
 
     def device_free(self) -> None:
         """Wait for the drafter's device to finish work queued behind a table (the real device orders it
