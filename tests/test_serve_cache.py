@@ -240,7 +240,8 @@ def test_serve_replay_cache_mode_cpu_dry_run(tmp_path):
            "--trace", "synthetic", "--modes", "sync,cache", "--placement", "emulated", "--concurrency", "2",
            "--requests", "4", "--max-tokens", "24", "--ttft-repeats", "1", "--long-len", "64", "--cost-iters", "2",
            "--cache-guard", "off", "--out", str(out)]  # every step a cache step (the guard would run plain ones here)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**ENV, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**ENV, "OMP_NUM_THREADS": "1",
+                                                                                      "DRAFTRELAY_BRANCH_CUT": "off"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["cost_table_ms"] and res["prefetch_cost_ms"]
