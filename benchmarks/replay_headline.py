@@ -11,11 +11,13 @@ announcing and parking every round and the proxy's short spin: HandoffConfig.hos
 the comparison for them), async-host (the host park: HandoffConfig.park = "host"), cache (the
 speculation cache: async rounds on the host stream, "host selection", with F pre-drafted branches per
 request; `--fanout 4,8` gives one cache mode per F, named cacheF). The cache runs with its guard
-(engine/cache_guard.py: per batch class, F, F/2 or plain sequential rounds, whichever measures faster;
-`--guard off` runs every step as a cache step, `--guard on,off` both, the unguarded modes named ...-raw).
+(engine/cache_guard.py: per batch class, F or F/2 at depth k or k - 1, or plain sequential rounds,
+whichever measures faster; `--guard fixed-k` chooses the fan-out only, at k; `--guard off` runs every step
+as a cache step; several, e.g. `--guard on,fixed-k,off`, one cache mode each, named ...-fixedk, ...-raw).
 The guard starts each workload afresh (what it learns carries over between the repeats of a workload) and
 starts with plain rounds where the worker shares the engine's GPU (`same`); the choices it made in each
-timed window (steps per F, 0 = plain rounds) and its switches are reported beside the figures.
+timed window (steps per choice: F, F@k for a shallower depth, 0 = plain rounds) and its switches are
+reported beside the figures.
 `--hit-curve F1,F2,..` first counts, on the CPU and without models, the hit rate of every F on the trace
 itself (a worker core with the replay drafter, driven like the engine at batch 1): the curve of hit rate
 against F.
@@ -94,13 +96,18 @@ def p50(xs) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+# the cache's guard per cache mode: fan-out and depth (SpecCache's default with n_draft), fan-out only, none
+GUARDS = ("on", "fixed-k", "off")
+
+
 def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: int, max_ctx: int,
-                  iters: int, fanouts: list[int]) -> CostTable:
+                  iters: int, fanouts: list[int], depths: list[int] | None = None) -> CostTable:
     """The real drafter's STEP seconds (median of `iters`) for every (jobs, n_steps <= k, context) the
     runs use, and the seconds of the device pieces of its speculation-cache branch work
     (worker.prefetch.Prefetcher, DEVICE_PIECES: the forward over the k + 1 stopping places, recorded
-    apart too, and one batched run over jobs x F forked rows) for every F of `fanouts`, in this
-    process on this GPU: the emulated second device spends them as wall time and does the host pieces
+    apart too, and one batched run over jobs x F forked rows) for every F of `fanouts` and every depth
+    of `depths` (default: k; the guard's cache steps may ask one shallower), in this process on this
+    GPU: the emulated second device spends them as wall time and does the host pieces
     (choose_branches, the entries, the encoding) itself."""
     d = load_drafter(ddir, device=dev, n_rows=max(jobs) + 1, max_ctx=max_ctx, n_out_max=max(8, k))
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
@@ -129,14 +136,15 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                     sync()
                     times.append(time.perf_counter() - t0)
                 out[(b, n, kv_bucket(L + 3 + n, d.cache.max_len))] = p50(times[2:])
-            for F in fanouts:  # the branch work after a STEP of b requests with k drafts each
+            for F, kk in ((F, kk) for F in fanouts for kk in depths or [k]):
+                # the branch work after a STEP of b requests with kk drafts each
                 times, stops, bonus = [], [], []
                 for _ in range(iters + 2) if not failed else ():
                     jb = [Job(r, L, rng.integers(0, d.vocab_size, 3).astype(np.int32)) for r in range(b)]
-                    drafts, _ = d.run(jb, k)
-                    blocks = [P.Block(r, 1, L, jb[r].tokens, k) for r in range(b)]
+                    drafts, _ = d.run(jb, kk)
+                    blocks = [P.Block(r, 1, L, jb[r].tokens, kk) for r in range(b)]
                     res = types.SimpleNamespace(drafts=drafts)
-                    todo = [(r, types.SimpleNamespace(row=r, ctx_len=L + 3), k) for r in range(b)]
+                    todo = [(r, types.SimpleNamespace(row=r, ctx_len=L + 3), kk) for r in range(b)]
                     sync()
                     before = sum(pf.stats[f"{p}_us"] for p in DEVICE_PIECES)
                     before_stops, before_bonus = pf.stats["stops_us"], pf.stats["bonus_us"]
@@ -144,7 +152,7 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                         pf._draft(blocks, res, todo, Acceptance(), F)
                     except Exception:  # no prefetch entries: the emulated worker then answers empty tables
                         traceback.print_exc()
-                        failed.append(f"{b}x{F}@{ctx}")
+                        failed.append(f"{b}x{F}xk{kk}@{ctx}")
                         break
                     # the device pieces only (each ends in a host read): the emulated worker spends these
                     # and runs the host pieces (choose, entries, encode) itself, for real
@@ -152,7 +160,7 @@ def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: 
                     stops.append(1e-6 * (pf.stats["stops_us"] - before_stops))
                     bonus.append(1e-6 * (pf.stats["bonus_us"] - before_bonus))
                 if len(times) > 2:
-                    key = (b, F, k, kv_bucket(L + 3 + k, d.cache.max_len))
+                    key = (b, F, kk, kv_bucket(L + 3 + kk, d.cache.max_len))
                     pre[key], pre_stops[key], pre_bonus[key] = p50(times[2:]), p50(stops[2:]), p50(bonus[2:])
     del d, pf
     if dev.startswith("cuda"):
@@ -231,7 +239,8 @@ def reset_cache_stats(sc: SpecCache) -> None:
 def guard_choices(sc: SpecCache) -> dict:
     """The guard's steps per choice so far, by batch class, and its switches."""
     g = sc.guard
-    return {"chosen": {b: dict(c.chosen) for b, c in g.classes.items()}, "switches": g.switches}
+    return {"chosen": {b: {a.label: n for a, n in c.chosen.items()} for b, c in g.classes.items()},
+            "switches": g.switches}
 
 
 def decode_modes(eng: Engine, prompts: list[list[int]], modes: dict, max_tokens: int, warmup: int,
@@ -336,7 +345,10 @@ def main() -> int:
                          "rows: only when no row has drafts; early: the table looked up before the round is sent, "
                          "a row that missed verifies without drafts); with several, one cache mode per rule: cacheF "
                          "for rows, cacheF-all for all, cacheF-early for early")
-    ap.add_argument("--guard", default="on", help="the cache's guard: on (default), off, or on,off (both)")
+    ap.add_argument("--guard", default="on",
+                    help="the cache's guard: on (default: fan-out and depth, k or k - 1, per batch class), "
+                         "fixed-k (fan-out only, cache steps at k), off; several comma-separated, one cache "
+                         "mode each")
     ap.add_argument("--hit-curve", default="",
                     help="F values: first count the hit rate of each on the trace itself (CPU, no models)")
     ap.add_argument("--placements", default="same,emulated",
@@ -357,8 +369,8 @@ def main() -> int:
     args = ap.parse_args()
     t_start = time.perf_counter()
     guards = [g for g in args.guard.split(",") if g]
-    if not guards or any(g not in ("on", "off") for g in guards):
-        ap.error("--guard: on, off or on,off")
+    if not guards or any(g not in GUARDS for g in guards):
+        ap.error(f"--guard: comma-separated values of {', '.join(GUARDS)}, got {args.guard!r}")
     trace = None if args.trace == "synthetic" else Trace.load(args.trace)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -476,9 +488,13 @@ def main() -> int:
         if "emulated" in placements:
             t0 = time.perf_counter()
             # the branch work of every F a cache mode may run: the guard's F / 2 too (CacheGuard's default arms)
-            cost_fanouts = sorted(set(fanouts) | ({f // 2 for f in fanouts if f >= 2} if "on" in guards else set()))
+            guarded = any(g != "off" for g in guards)
+            cost_fanouts = sorted(set(fanouts) | ({f // 2 for f in fanouts if f >= 2} if guarded else set()))
+            # and every depth it may ask: k and k - 1 (SpecCache's default depths, n_draft given)
+            cost_depths = [args.k, args.k - 1] if "on" in guards and args.k >= 2 else [args.k]
             cost = measure_costs(inner, wdev, sorted({max(c, 16) for _, c, _ in plan}), sorted({n for *_, n in plan}),
-                                 args.k, max_row + 64, args.cost_iters, cost_fanouts)
+                                 args.k, max_row + 64, args.cost_iters, cost_fanouts,
+                                 cost_depths)
             cpath = os.path.join(tmp, "cost.json")
             cost.save(cpath)
             result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}
@@ -517,10 +533,12 @@ def main() -> int:
                         for F, rule, gd in ((F, rule, gd) for F in fanouts for rule in wait_rules for gd in guards):
                             tag = {"all": "-all", "rows": ""}.get(rule, f"-{rule}") if len(wait_rules) > 1 else ""
                             name = (f"cache{F}" if len(fanouts) > 1 else "cache") + tag + \
-                                   ("-raw" if gd == "off" and len(guards) > 1 else "") + f"@{p}"
+                                   ({"off": "-raw", "fixed-k": "-fixedk"}.get(gd, "") if len(guards) > 1 else "") + \
+                                   f"@{p}"
                             # shared_gpu: run on the shared GPU too (to measure the split; the guard starts
                             # there with plain rounds)
-                            sc = caches[name] = SpecCache(F, wait_rule=rule, shared_gpu=True, guard=gd == "on")
+                            sc = caches[name] = SpecCache(F, wait_rule=rule, shared_gpu=True, guard=gd != "off",
+                                                          n_draft=args.k if gd == "on" else None)
                             hh = handoff_config(spec, dev, args.deadline_ms, p == "same", host_rounds=True,
                                                 vocab_size=V, max_drafts=max(8, args.k), max_requests=n_max,
                                                 max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),
@@ -653,7 +671,7 @@ def format_row(item: str, w: dict, modes: list[str]) -> str:
         gt = [x["guard_timed"] for x in sc if "guard_timed" in x]
         if gt:  # the guard's share of plain-round steps in the timed windows, and its switches
             n = sum(v for g in gt for c in g["chosen"].values() for v in c.values())
-            plain = sum(c.get(0, 0) for g in gt for c in g["chosen"].values())
+            plain = sum(c.get("0", 0) for g in gt for c in g["chosen"].values())
             hit += f" plain {plain / max(1, n):.0%} sw {sum(g['switches'] for g in gt)}"
         cb = w.get("cache_bound", {}).get(m)
         if cb and base and "ceiling_all_hits_tok_s" in cb:  # x off: every step a hit at the bound / hits at it

@@ -89,6 +89,22 @@ def test_greedy_identical_with_the_cache(pair, reference, worker, max_batch, k):
     assert sc["request_rounds"] == sum(r["rounds"]["ok"] for r in m["requests"])
 
 
+def test_guard_switching_fanout_and_depth_is_greedy_identical(pair, worker):
+    """The guard with short windows and probes moves between plain rounds, F = 8 at the engine's k = 4 and
+    F = 8 at k = 2 (CacheGuard depths): the tables drafted at one depth are looked up by steps that ask
+    another, and the output is still target-only's; every hit verified the settled round's own drafts."""
+    opts = {"arms": [8], "depths": [None, 2], "window": 2, "probe_every": 2, "max_interval": 4, "settle": 0,
+            "min_probe": 1, "abort_ratio": 100.0}
+    out, m, _ = run(pair[0], spec_of(worker), F=8, max_batch=1, k=4, max_tokens=48, guard=True,
+                    guard_options=opts)
+    ref48, _, _ = run(pair[0], mode="off", max_batch=1, max_tokens=48)
+    assert out == ref48
+    sc = m["total"]["spec_cache"]
+    chosen = sc["guard"]["by_batch"][1]["chosen"]
+    assert {"0", "8", "8@2"} <= set(chosen) and sc["guard"]["arms"] == ["0", "8", "8@2"], sc["guard"]
+    assert sc["hits"] > 0 and sc["hit_drafts_differ"] == 0 and m["total"]["rounds"]["failed"] == 0, sc
+
+
 @pytest.mark.parametrize("max_batch, rule", [(1, "all"), (4, "all"), (4, "early")])
 def test_confidence_stop_with_the_cache_is_greedy_identical(pair, reference, worker, max_batch, rule):
     """The worker's confidence stop (round spec draft_stop: a round's drafts end after the first unsure

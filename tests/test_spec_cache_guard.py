@@ -10,14 +10,15 @@ import time
 
 import pytest
 
-from draftrelay.engine.cache_guard import CacheGuard
+from draftrelay.engine.cache_guard import PLAIN, Arm, CacheGuard
 
 
 def drive(g: CacheGuard, cost, steps: int, batch: int = 1, tokens: float = 3.0) -> list[int]:
-    """`steps` steps of `batch` requests, each choice costing cost(choice, batch) seconds; the choices made."""
+    """`steps` steps of `batch` requests, each choice costing cost(its fan-out, batch) seconds; the fan-outs
+    chosen (these guards have one depth: the engine's)."""
     out = []
     for _ in range(steps):
-        f = g.choose(batch)
+        f = g.choose(batch).fanout
         out.append(f)
         g.observe(tokens, cost(f, batch))
     return out
@@ -32,10 +33,10 @@ def test_guard_goes_sequential_where_tables_are_slower_and_probes_rarely():
     assert seen[:4] == [8] * 4  # the start choice: F = 8 (1 x 8 rows within the budget), one window
     assert seen[4:9] == [0] * 5  # plain rounds: the settling step after the switch, then one window
     st = g.stats()["by_batch"][1]
-    assert st["best"] == 0 and st["decisions"][0] == 0
+    assert st["best"] == "0" and st["decisions"][0] == "0"
     assert sum(f != 0 for f in seen[10:]) <= 0.05 * 590, st
     assert st["interval"] == 256 and st["probes"] >= 3
-    assert set(st["chosen"]) <= {0, 4, 8}
+    assert set(st["chosen"]) <= {"0", "4", "8"}
 
 
 def test_guard_keeps_tables_where_they_pay_and_comes_back_when_they_pay_again():
@@ -45,13 +46,13 @@ def test_guard_keeps_tables_where_they_pay_and_comes_back_when_they_pay_again():
     g = CacheGuard(8, arms=[8], window=4, probe_every=8, max_interval=32, settle=1)
     fast = {0: 0.010, 8: 0.006}
     seen = drive(g, lambda f, b: fast[f], 120)
-    assert g.classes[1].best == 8 and sum(f == 8 for f in seen[-60:]) >= 50
+    assert g.classes[1].best == Arm(8) and sum(f == 8 for f in seen[-60:]) >= 50
     slow = {0: 0.010, 8: 0.030}
     drive(g, lambda f, b: slow[f], 120)
-    assert g.classes[1].best == 0
+    assert g.classes[1].best == PLAIN
     drive(g, lambda f, b: fast[f], 200)
-    assert g.classes[1].best == 8
-    assert g.switches >= 4 and 0 in g.classes[1].decisions and 8 in g.classes[1].decisions
+    assert g.classes[1].best == Arm(8)
+    assert g.switches >= 4 and PLAIN in g.classes[1].decisions and Arm(8) in g.classes[1].decisions
 
 
 def test_guard_decides_per_batch_class():
@@ -64,11 +65,11 @@ def test_guard_decides_per_batch_class():
 
     for _ in range(60):
         for b in (1, 4, 3):
-            f = g.choose(b)
+            f = g.choose(b).fanout
             g.observe(3.0, cost(f, b))
     by = g.stats()["by_batch"]
     assert set(by) == {1, 4}
-    assert by[1]["best"] == 8 and by[4]["best"] == 0, by
+    assert by[1]["best"] == "8" and by[4]["best"] == "0", by
 
 
 def test_guard_takes_a_lower_fanout_where_it_is_faster():
@@ -78,16 +79,39 @@ def test_guard_takes_a_lower_fanout_where_it_is_faster():
     cost = {0: 0.010, 8: 0.005, 16: 0.007}
     drive(g, lambda f, b: cost[f], 200)
     c = g.classes[1]
-    assert c.best == 8 and 16 in c.chosen and 0 in c.chosen, g.stats()
+    assert c.best == Arm(8) and Arm(16) in c.chosen and PLAIN in c.chosen, g.stats()
+
+
+def test_guard_takes_a_shallower_depth_where_it_is_faster_per_batch_class():
+    """Depths (the engine's k, 3): at one request the engine's k is the fastest (4 tokens a step in 10 ms
+    against 3.4 in 9 ms at k = 3); at four requests the branch work of 32 rows makes k = 3 the faster
+    (11 tokens in 22 ms against 12 in 30). Each class finds its own; pooled rates pool the tokens of
+    steps of the same depth only, so k = 3 is not credited with k = 4's longer steps."""
+    g = CacheGuard(8, arms=[8], depths=[None, 3], window=4, probe_every=8, max_interval=64, settle=0)
+    assert g.arms == [PLAIN, Arm(8), Arm(8, 3)] and [a.label for a in g.arms] == ["0", "8", "8@3"]
+    cost = {1: {PLAIN: (4.0, 0.014), Arm(8): (4.0, 0.010), Arm(8, 3): (3.4, 0.009)},
+            4: {PLAIN: (12.0, 0.028), Arm(8): (12.0, 0.030), Arm(8, 3): (11.0, 0.022)}}
+    for _ in range(150):
+        for b in (1, 4):
+            arm = g.choose(b)
+            g.observe(*cost[b][arm])
+    one, four = g.classes[1], g.classes[4]
+    assert one.best == Arm(8) and four.best == Arm(8, 3), g.stats()
+    assert Arm(8, 3) in one.chosen and PLAIN in four.chosen  # each was measured where it lost
+    assert g.rate(four, Arm(8, 3)) == pytest.approx(500.0) and g.rate(four, Arm(8)) == pytest.approx(400.0)
+    assert g.stats()["by_batch"][4]["best"] == "8@3"
 
 
 def test_guard_starts_within_the_row_budget_and_plain_on_a_shared_device():
     g = CacheGuard(16, max_rows=32)  # arms 8 and 16
-    assert g.arms == [0, 8, 16]
-    assert g.choose(1) == 16 and g.choose(2) == 16 and g.choose(4) == 8 and g.choose(8) == 8
+    assert g.arms == [PLAIN, Arm(8), Arm(16)]
+    assert [g.choose(b).fanout for b in (1, 2, 4, 8)] == [16, 16, 8, 8]
     s = CacheGuard(8, start_plain=True)
-    assert s.choose(1) == 0 and s.classes[1].todo == [8]
-    for bad in ({"arms": [0]}, {"window": 0}, {"max_interval": 4, "probe_every": 8}, {"margin": float("nan")}):
+    assert s.choose(1) == PLAIN and s.classes[1].todo == [Arm(8)]
+    d = CacheGuard(8, arms=[8], depths=[None, 3], start_plain=True)
+    assert d.choose(1) == PLAIN and d.classes[1].todo == [Arm(8), Arm(8, 3)]  # the start F, then each depth
+    for bad in ({"arms": [0]}, {"window": 0}, {"max_interval": 4, "probe_every": 8}, {"margin": float("nan")},
+                {"depths": [None, 0]}, {"depths": ["3"]}):
         with pytest.raises(ValueError, match="cache guard"):
             CacheGuard(8, **bad)
 
@@ -102,14 +126,14 @@ def test_guard_books_neither_settling_nor_unsteady_steps():
     g.observe(3, 9.0, steady=False)  # a catch-up: not booked
     g.choose(1)
     g.observe(3, 0.01)  # the window of F = 8 is full: plain rounds next
-    assert g.choose(1) == 0
+    assert g.choose(1) == PLAIN
     g.observe(3, 9.0)  # the settling step after the switch: not booked
-    assert g.classes[1].measured == {8: 2}
+    assert g.classes[1].measured == {Arm(8): 2}
     g.choose(1)
     g.observe(3, 0.02)
     g.choose(1)
     g.observe(3, 0.02)
-    assert g.classes[1].best == 8 and g.classes[1].measured == {8: 2, 0: 2}
+    assert g.classes[1].best == Arm(8) and g.classes[1].measured == {Arm(8): 2, PLAIN: 2}
 
 
 def test_unsteady_steps_of_the_best_still_bring_the_next_probe():
@@ -118,10 +142,10 @@ def test_unsteady_steps_of_the_best_still_bring_the_next_probe():
     g = CacheGuard(8, arms=[8], window=2, probe_every=4, settle=0)
     drive(g, lambda f, b: 0.010 if f == 0 else 0.020, 6)
     c = g.classes[1]
-    assert c.best == 0 and c.probe is None
+    assert c.best == PLAIN and c.probe is None
     seen = []
     for _ in range(8):
-        seen.append(g.choose(1))
+        seen.append(g.choose(1).fanout)
         g.observe(1, 0.010, steady=False)
     assert 8 in seen, seen
 
@@ -131,15 +155,16 @@ def test_pooled_rates_use_the_class_tokens_own_rates_their_own():
     choice's rate is the class's tokens per step over its own seconds per step."""
     g = CacheGuard(8, arms=[8], window=2, settle=0)
     for tok, f_want in ((5, 8), (5, 8), (1, 0), (1, 0)):
-        assert g.choose(1) == f_want
+        assert g.choose(1).fanout == f_want
         g.observe(tok, 0.01)
     c = g.classes[1]
-    assert g.rate(c, 0) == pytest.approx(g.rate(c, 8)) == pytest.approx(300.0)
+    assert g.rate(c, PLAIN) == pytest.approx(g.rate(c, Arm(8))) == pytest.approx(300.0)
     own = CacheGuard(8, arms=[8], window=2, settle=0, pooled=False)
     for tok in (5, 5, 1, 1):
         own.choose(1)
         own.observe(tok, 0.01)
-    assert own.rate(own.classes[1], 8) == pytest.approx(500.0) and own.rate(own.classes[1], 0) == pytest.approx(100.0)
+    assert own.rate(own.classes[1], Arm(8)) == pytest.approx(500.0)
+    assert own.rate(own.classes[1], PLAIN) == pytest.approx(100.0)
 
 
 # ---- the engine: an emulated drafter whose costs the test sets ------------------------------------------
@@ -214,8 +239,8 @@ def test_slow_branch_work_makes_the_guard_go_sequential(tmp_path):
     assert out == want
     sc = m["total"]["spec_cache"]
     g = sc["guard"]["by_batch"][1]
-    assert g["best"] == 0 and g["decisions"] and all(d == 0 for d in g["decisions"]), sc["guard"]
-    assert g["chosen"].get(0, 0) > 2 * sum(v for f, v in g["chosen"].items() if f), g
+    assert g["best"] == "0" and g["decisions"] and all(d == "0" for d in g["decisions"]), sc["guard"]
+    assert g["chosen"].get("0", 0) > 2 * sum(v for a, v in g["chosen"].items() if a != "0"), g
     assert sc["plain_steps"] > 0 and sc["guard"]["switches"] >= 1
     assert m["total"]["rounds"]["failed"] == 0
 
@@ -229,9 +254,9 @@ def test_cheap_branch_work_beside_a_slow_verify_keeps_the_cache(tmp_path):
     assert out == want
     sc = m["total"]["spec_cache"]
     g = sc["guard"]["by_batch"][1]
-    assert g["best"] != 0 and g["decisions"] and g["decisions"][0] != 0, sc["guard"]
-    assert g["chosen"].get(0, 0) > 0  # plain rounds were measured
-    assert sum(v for f, v in g["chosen"].items() if f) > 2 * g["chosen"][0], g
+    assert g["best"] != "0" and g["decisions"] and g["decisions"][0] != "0", sc["guard"]
+    assert g["chosen"].get("0", 0) > 0  # plain rounds were measured
+    assert sum(v for a, v in g["chosen"].items() if a != "0") > 2 * g["chosen"]["0"], g
     assert sc["hits"] > 0 and sc["fast_steps"] > 0
 
 
@@ -252,11 +277,19 @@ def test_a_cache_run_on_a_shared_gpu_starts_with_plain_rounds():
             h.round_spec = sc.round_spec(h.round_spec, h.round_budget_ms)
             sc.bind(AsyncRounds(h), 256, device_drafts=False)
             assert sc.active and sc.guard.start_plain is shares
-            assert sc.guard.choose(1) == first
+            assert sc.guard.choose(1).fanout == first
         finally:
             sc.shm.close()
     with pytest.raises(ValueError, match="cache guard"):
         SpecCache(8, guard_options={"window": 0})
+    # the engine's k and one shallower (the engine passes n_draft); none shallower than one draft; options win
+    for kw, depths in (({"n_draft": 4}, [None, 3]), ({"n_draft": 1}, [None]), ({}, [None]),
+                       ({"n_draft": 4, "guard_options": {"depths": [None]}}, [None])):
+        c = SpecCache(8, **kw)
+        try:
+            assert c.guard.depths == depths, kw
+        finally:
+            c.shm.close()
     off = SpecCache(8, guard=False)
     adapt = SpecCache(8, adapt=True)  # the older single probe replaces the guard
     try:
@@ -302,4 +335,4 @@ def test_a_clearly_slower_challenger_loses_without_a_full_window():
     h = CacheGuard(8, arms=[8], window=6, min_probe=2, abort_ratio=1.3, settle=1)
     seen = drive(h, lambda f, b: 0.011 if f == 0 else 0.010, 14)
     assert seen[6:13] == [0] * 7 and seen[13] == 8, seen
-    assert g.classes[1].best == 8 and h.classes[1].best == 8
+    assert g.classes[1].best == Arm(8) and h.classes[1].best == Arm(8)

@@ -6,18 +6,25 @@ runs on (a worker on the engine's GPU: the two time-slice it; a small CPU: they 
 memory bandwidth) or where the branch step grows too big (batch x F rows per drafter step), a cache
 step is slower than a sequential one. The guard measures that instead of assuming it.
 
-Choices ("arms") per step: a fan-out F from `arms` (the configured F and, by default, half of it) or 0,
-plain sequential rounds (the proxy then sends its STEPs without a fan-out, so the worker does no branch
-work). Each batch-size class (depth.batch_bucket: 1, 2, 4, 8, ...) keeps its own measurements, since
+Choices ("arms", `Arm`) per step: a fan-out F from `arms` (the configured F and, by default, half of it)
+at a depth from `depths` (the drafts a cache step asks: the engine's k and, where the engine passes them,
+shallower ones), or plain sequential rounds (fan-out 0: the proxy then sends its STEPs without a fan-out,
+so the worker does no branch work). The depth is a choice because a cache step's branch work grows with
+it (the worker drafts k places of each branch after a hit) while the verify it must hide behind does
+not grow as fast: on the H200 at four requests and F = 8, k = 3 gave 2.14 x target-only against 1.92 x
+at k = 4, while one request was faster at k = 4 (benchmarks/results/replay_headline_k3.json,
+replay_headline_k4.json).
+Each batch-size class (depth.batch_bucket: 1, 2, 4, 8, ...) keeps its own measurements, since
 the verify, the round and the branch step all grow with the batch:
 
   - a class starts at the largest F whose branch step stays within `max_rows` rows (batch class x F),
     or at 0 where the worker is known to share the engine's device (`start_plain`), and measures it
     for `window` steady steps; then the other of the two (0, or that F) for `window` steps: the first
-    decision;
+    decision; then that F at each other depth, a probe each;
   - afterwards it runs its best choice, and every `interval` steady steps it probes one challenger for
-    `window` steps: plain rounds (while the best is a fan-out) or a neighbouring F (the next F up or down
-    in `arms`; while the best is plain, the best-measured F), whichever was measured longest ago. A probe
+    `window` steps: plain rounds (while the best is a fan-out) or a neighbour (the next F up or down in
+    `arms` at the same depth, or the next depth at the same F; while the best is plain, the best-measured
+    cache choice), whichever was measured longest ago. A probe
     that confirms the best doubles the interval (up to `max_interval`); a probe that changes it resets
     the interval to `probe_every`. So exploration is bounded: one window per interval, and the
     interval grows while nothing changes. A probe ends early, after `min_probe` booked steps, when the
@@ -32,7 +39,8 @@ the end of its verify and acceptance, so a step that settles the round a previou
 pays for it). Which tokens: with `pooled` (the default), greedy acceptance does not depend on where the
 drafts come from (a hit's drafts are what the round would have returned), so every choice's rate is the
 class's tokens per step over all recent steps divided by that choice's seconds per step: the text's
-ups and downs then do not decide between choices measured a few steps apart. Without it (the engine's
+ups and downs then do not decide between choices measured a few steps apart (pooled over the choices
+of the same depth: a shallower step yields fewer tokens). Without it (the engine's
 depth policy chooses k on the plain steps, or the "early" wait rule verifies some rows without drafts,
 both of which change the tokens a step yields) each choice's own tokens count. Only steady steps count:
 the `settle` steps after the fan-out changed (the STEP already out, and the table that follows it, were
@@ -46,48 +54,70 @@ sequential rounds are the engine's ordinary ones); only speed does.
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import NamedTuple
 
 from .depth import batch_bucket
+
+
+class Arm(NamedTuple):
+    """One choice of the guard: a fan-out (0: plain sequential rounds) and the depth its cache steps ask
+    (None: the engine's k; plain rounds always None: the engine's own depth or its depth policy's)."""
+
+    fanout: int
+    depth: int | None = None
+
+    @property
+    def label(self) -> str:
+        """Its name in metrics: "8" (F = 8 at the engine's k), "8@3" (at k = 3), "0" (plain rounds)."""
+        return str(self.fanout) if self.depth is None else f"{self.fanout}@{self.depth}"
+
+
+PLAIN = Arm(0)
 
 
 class _Class:
     """One batch-size class's measurements and schedule."""
 
-    def __init__(self, start: int, todo: list[int], window: int, interval: int, fit: int) -> None:
+    def __init__(self, start: Arm, todo: list[Arm], window: int, interval: int, fit: Arm) -> None:
         self.best = start
-        self.fit = fit  # the largest fan-out within the row budget
+        self.fit = fit  # the largest fan-out within the row budget, at the first depth
         self.todo = todo  # choices still to measure before the first decision
-        self.win: dict[int, deque] = {}  # choice -> (tokens, seconds) of its last `window` booked steps
+        self.win: dict[Arm, deque] = {}  # choice -> (tokens, seconds) of its last `window` booked steps
         self.window = window
-        self.probe: int | None = None  # the challenger being measured
+        self.probe: Arm | None = None  # the challenger being measured
         self.probe_left = 0
         self.since = 0  # booked steps at the best since the last probe
         self.interval = interval
         self.booked = 0  # booked steps of the class
-        self.last: dict[int, int] = {}  # choice -> `booked` when it was last measured
+        self.last: dict[Arm, int] = {}  # choice -> `booked` when it was last measured
         self.chosen: Counter = Counter()  # choice -> steps (booked or not)
         self.measured: Counter = Counter()  # choice -> booked steps
         self.probes = 0
-        self.decisions: list[int] = []  # the best after each probe
+        self.decisions: list[Arm] = []  # the best after each probe
 
-    def add(self, arm: int, tokens: float, seconds: float) -> None:
+    def add(self, arm: Arm, tokens: float, seconds: float) -> None:
         self.win.setdefault(arm, deque(maxlen=self.window)).append((tokens, seconds))
         self.booked += 1
         self.last[arm] = self.booked
         self.measured[arm] += 1
 
-    def full(self, arm: int) -> bool:
+    def full(self, arm: Arm) -> bool:
         return len(self.win.get(arm, ())) >= self.window
 
 
 class CacheGuard:
-    def __init__(self, fanout: int, arms: list[int] | tuple[int, ...] | None = None, window: int = 6,
+    def __init__(self, fanout: int, arms: list[int] | tuple[int, ...] | None = None,
+                 depths: list[int | None] | tuple[int | None, ...] | None = None, window: int = 6,
                  probe_every: int = 32, max_interval: int = 512, margin: float = 0.03, settle: int = 1,
                  max_rows: int = 32, start_plain: bool = False, pooled: bool = True, min_probe: int = 2,
                  abort_ratio: float = 1.3) -> None:
-        cache_arms = sorted({int(a) for a in (arms if arms is not None else (fanout, fanout // 2)) if int(a) > 0})
-        if not cache_arms:
+        fans = sorted({int(a) for a in (arms if arms is not None else (fanout, fanout // 2)) if int(a) > 0})
+        if not fans:
             raise ValueError(f"cache guard: needs at least one fan-out > 0 among its choices, got {arms!r}")
+        # the depths a cache step may ask, the first one where a class starts (None: the engine's k)
+        self.depths: list[int | None] = list(dict.fromkeys(depths)) if depths else [None]
+        if any(d is not None and (not isinstance(d, int) or d < 1) for d in self.depths):
+            raise ValueError(f"cache guard: depths must be None (the engine's k) or ints >= 1, got {depths!r}")
         if window < 1 or probe_every < 1 or max_interval < probe_every or settle < 0 or max_rows < 1:
             raise ValueError(f"cache guard: window {window}, probe_every {probe_every}, max_interval {max_interval}, "
                              f"settle {settle}, max_rows {max_rows}: need window, probe_every, max_rows >= 1, "
@@ -97,37 +127,40 @@ class CacheGuard:
         if min_probe < 1 or not abort_ratio >= 1:
             raise ValueError(f"cache guard: min_probe {min_probe} must be >= 1 and abort_ratio {abort_ratio!r} >= 1")
         self.min_probe, self.abort_ratio = min_probe, abort_ratio
-        self.cache_arms = cache_arms  # ascending
+        self.fans = fans  # ascending
+        self.cache_arms = [Arm(f, d) for f in fans for d in self.depths]
         self.window, self.probe_every, self.max_interval = window, probe_every, max_interval
         self.margin, self.settle, self.max_rows = margin, settle, max_rows
         self.start_plain, self.pooled = start_plain, pooled
         self.classes: dict[int, _Class] = {}
-        self.last_arm: int | None = None  # the choice of the step just made
+        self.last_arm: Arm | None = None  # the choice of the step just made
         self._cls: _Class | None = None
         self._settle_left = 0
         self.switches = 0  # steps whose choice differs from the step before (the proxy's fan-out changed)
 
     @property
-    def arms(self) -> list[int]:
-        return [0] + self.cache_arms
+    def arms(self) -> list[Arm]:
+        return [PLAIN] + self.cache_arms
 
-    def _fit(self, bucket: int) -> int:
-        """The largest fan-out whose branch step (bucket x F rows) stays within max_rows (else the smallest)."""
-        fits = [f for f in self.cache_arms if bucket * f <= self.max_rows]
-        return fits[-1] if fits else self.cache_arms[0]
+    def _fit(self, bucket: int) -> Arm:
+        """The largest fan-out whose branch step (bucket x F rows) stays within max_rows (else the smallest),
+        at the first depth."""
+        fits = [f for f in self.fans if bucket * f <= self.max_rows]
+        return Arm(fits[-1] if fits else self.fans[0], self.depths[0])
 
     def _class(self, batch: int) -> _Class:
         b = batch_bucket(max(1, batch))
         c = self.classes.get(b)
         if c is None:
             f = self._fit(b)
-            start, todo = (0, [f]) if self.start_plain else (f, [0])
+            deeper = [Arm(f.fanout, d) for d in self.depths[1:]]  # its other depths, measured next
+            start, todo = (PLAIN, [f, *deeper]) if self.start_plain else (f, [PLAIN, *deeper])
             c = self.classes[b] = _Class(start, todo, self.window, self.probe_every, f)
         return c
 
     # -- the decision ---------------------------------------------------------------------------------
-    def choose(self, batch: int) -> int:
-        """The fan-out for this step of `batch` requests (0: a plain sequential step)."""
+    def choose(self, batch: int) -> Arm:
+        """The choice for this step of `batch` requests (fan-out 0: a plain sequential step)."""
         c = self._cls = self._class(batch)
         arm = c.probe if c.probe is not None else c.best
         if self.last_arm is not None and arm != self.last_arm:
@@ -137,7 +170,7 @@ class CacheGuard:
         c.chosen[arm] += 1
         return arm
 
-    def rate(self, c: _Class, arm: int) -> float | None:
+    def rate(self, c: _Class, arm: Arm) -> float | None:
         """Tokens per second of `arm` in class c (None: not measured)."""
         w = c.win.get(arm)
         if not w:
@@ -145,37 +178,37 @@ class CacheGuard:
         sec = sum(s for _, s in w) / len(w)
         if sec <= 0:
             return None
-        if self.pooled:  # the class's tokens per step, over every choice's recent steps
-            steps = [t for q in c.win.values() for t, _ in q]
+        if self.pooled:  # the class's tokens per step, over the recent steps of every choice of this depth
+            steps = [t for a, q in c.win.items() if a.depth == arm.depth for t, _ in q]
             return (sum(steps) / len(steps)) / sec
         return (sum(t for t, _ in w) / len(w)) / sec
 
-    def _beats(self, c: _Class, a: int, b: int) -> bool:
+    def _beats(self, c: _Class, a: Arm, b: Arm) -> bool:
         """Whether choice a measured faster than b by the margin (plain rounds win ties with a fan-out)."""
         ra, rb = self.rate(c, a), self.rate(c, b)
         if ra is None or rb is None:
             return False
         return ra > rb * (1 + self.margin)
 
-    def _challenger(self, c: _Class) -> int:
+    def _challenger(self, c: _Class) -> Arm:
         if c.todo:
             return c.todo.pop(0)
-        i = self.arms.index(c.best)
-        if c.best == 0:  # the best-measured fan-out (or the start one)
-            known = [f for f in self.cache_arms if self.rate(c, f) is not None]
-            return max(known, key=lambda f: self.rate(c, f)) if known else c.fit
-        near = [0] + [self.arms[j] for j in (i - 1, i + 1) if 1 <= j < len(self.arms)]
-        near = list(dict.fromkeys(near))
+        if c.best == PLAIN:  # the best-measured cache choice (or the start one)
+            known = [a for a in self.cache_arms if self.rate(c, a) is not None]
+            return max(known, key=lambda a: self.rate(c, a)) if known else c.fit
+        f, d = self.fans.index(c.best.fanout), self.depths.index(c.best.depth)
+        near = [PLAIN] + [Arm(self.fans[j], c.best.depth) for j in (f - 1, f + 1) if 0 <= j < len(self.fans)]
+        near += [Arm(c.best.fanout, self.depths[j]) for j in (d - 1, d + 1) if 0 <= j < len(self.depths)]
         return min(near, key=lambda a: c.last.get(a, -1))
 
     def _decide(self, c: _Class) -> None:
         """A probe ended: keep the best or switch to the challenger."""
         p, b = c.probe, c.best
         c.probe, c.since = None, 0
-        if p == 0:
-            new = b if self._beats(c, b, 0) else 0
-        elif b == 0:
-            new = p if self._beats(c, p, 0) else 0
+        if p == PLAIN:
+            new = b if self._beats(c, b, PLAIN) else PLAIN
+        elif b == PLAIN:
+            new = p if self._beats(c, p, PLAIN) else PLAIN
         else:
             new = p if self._beats(c, p, b) else b
         c.interval = self.probe_every if new != b else min(2 * c.interval, self.max_interval)
@@ -224,15 +257,19 @@ class CacheGuard:
     # -- metrics ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Per batch class: the current choice, steps per choice (all and booked), the measured rates,
-        probes and the decisions they led to; the switches of the proxy's fan-out overall."""
+        probes and the decisions they led to; the switches of the proxy's fan-out overall. Choices by their
+        labels (Arm.label)."""
         out = {}
         for b in sorted(self.classes):
             c = self.classes[b]
-            out[b] = {"best": c.best, "probing": c.probe, "chosen": dict(sorted(c.chosen.items())),
-                      "measured_steps": dict(sorted(c.measured.items())),
-                      "tok_s": {a: round(r, 2) for a in self.arms if (r := self.rate(c, a)) is not None},
-                      "probes": c.probes, "decisions": list(c.decisions[-16:]), "interval": c.interval}
-        return {"arms": self.arms, "by_batch": out, "switches": self.switches, "pooled": self.pooled,
+            out[b] = {"best": c.best.label, "probing": c.probe.label if c.probe is not None else None,
+                      "chosen": {a.label: c.chosen[a] for a in sorted(c.chosen, key=self.arms.index)},
+                      "measured_steps": {a.label: c.measured[a] for a in sorted(c.measured, key=self.arms.index)},
+                      "tok_s": {a.label: round(r, 2) for a in self.arms if (r := self.rate(c, a)) is not None},
+                      "probes": c.probes, "decisions": [a.label for a in c.decisions[-16:]],
+                      "interval": c.interval}
+        return {"arms": [a.label for a in self.arms], "by_batch": out, "switches": self.switches,
+                "pooled": self.pooled,
                 "window": self.window, "margin": self.margin, "abort_ratio": self.abort_ratio}
 
     def reset(self) -> None:

@@ -144,7 +144,7 @@ class SpecCache:
                  capacity: int = 1 << 20, log: bool = False, wait_rule: str = "all",
                  shared_gpu: bool = False, adapt: bool = False, probe_steps: int = 16,
                  adapt_margin: float = 0.02, reprobe_steps: int = 512, table_wait_ms: float | None = None,
-                 guard: bool = True, guard_options: dict | None = None) -> None:
+                 guard: bool = True, guard_options: dict | None = None, n_draft: int | None = None) -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
         if wait_rule not in WAIT_RULES:
@@ -163,6 +163,10 @@ class SpecCache:
         # the guard (engine/cache_guard.py): per batch class, the fan-out or plain rounds, whichever measures
         # faster; adapt=True (one probe of tables against none, for every batch alike) replaces it
         self._guard_options = dict(guard_options or {})
+        if n_draft is not None and n_draft >= 2:
+            # the engine's k and one shallower: where the branch work after a hit outlasts the verify (several
+            # requests x F rows), a shallower cache step can be the faster one (cache_guard.py)
+            self._guard_options.setdefault("depths", (None, n_draft - 1))
         self.guard: CacheGuard | None = None
         if guard and not adapt:
             self.guard = CacheGuard(fanout, **self._guard_options)  # options checked now, not at the first step
@@ -277,8 +281,9 @@ class SpecCache:
         res = self._result(eng.rounds, rid)
         out = eng.planner.settle(plan, res, eng.vocab)
         self._collected(res)
-        if res.ok:  # a branch's drafts are what the round returns for its outcome: count where they are not
-            self.c["hit_drafts_differ"] += sum(1 for i, d in used.items() if out[i] != d)
+        if res.ok:  # a branch's drafts are what the round returns for its outcome (their first ones where the
+            # branch was drafted shallower than the round asked: the guard changed the depth): count where not
+            self.c["hit_drafts_differ"] += sum(1 for i, d in used.items() if out[i][:len(d)] != d)
         for i in bare:  # rows that verified without drafts: keep the round's drafts for the next step
             r = plan.batch[i]
             if out[i]:
@@ -520,12 +525,15 @@ class SpecCache:
         if self.guard is not None:
             if "pooled" not in self._guard_options:  # own tokens where choices differ in what a step yields
                 self.guard.pooled = eng.depth is None and self.wait_rule != "early"
-            f = self.guard.choose(len(batch))
-            self._set_fanout(f)
-            if f == 0:
+            arm = self.guard.choose(len(batch))
+            self._set_fanout(arm.fanout)
+            if arm.fanout == 0:
                 return self._plain_step(eng, batch, clock, t_step, n_before)
+            depth = arm.depth
+        else:
+            depth = None
         stamp = self._stamp
-        plan = eng.planner.plan(batch, drafting=True)
+        plan = eng.planner.plan(batch, drafting=True, k=depth)  # (None: the engine's k)
         steady = self._steady(eng, plan)
         plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
         rule = self.wait_rule
