@@ -102,6 +102,35 @@ def test_guard_takes_a_shallower_depth_where_it_is_faster_per_batch_class():
     assert g.stats()["by_batch"][4]["best"] == "8@3"
 
 
+def test_a_depth_is_rated_on_every_steps_tokens_at_that_depth():
+    """Pooled rates at a shallower depth use what every recent step would have yielded there (by_depth), so
+    a probe of k = 3 that falls on a hard stretch of text is not judged on its own few steps; SpecCache
+    derives by_depth from each row's tokens: min(g, d + 1) at every depth d up to the step's own."""
+    import types
+
+    from draftrelay.engine.spec_cache import SpecCache
+
+    g = CacheGuard(8, arms=[8], depths=[None, 3], window=4, settle=0, abort_ratio=10.0)
+    seen = []
+    while (arm := g.choose(1)) != Arm(8, 3):  # easy text at k = 4: 5 tokens a step, 4 of them at k = 3
+        seen.append(arm)
+        g.observe(5, 0.010 if arm == Arm(8) else 0.014, by_depth={None: 5, 3: 4})
+    # the start F, plain rounds, one more step at the best, then F = 8 at k = 3
+    assert seen == [Arm(8)] * 4 + [PLAIN] * 4 + [Arm(8)]
+    g.observe(1, 0.009, by_depth={3: 1})  # its own step: hard text, 1 token
+    c = g.classes[1]
+    tokens3 = (8 * 4 + 1) / 9  # the steps' tokens at k = 3 in the windows (four a choice, one of its own)
+    assert g.rate(c, Arm(8, 3)) == pytest.approx(tokens3 / 0.009)
+    assert g.rate(c, Arm(8)) == pytest.approx(5 / 0.010) and g.rate(c, PLAIN) == pytest.approx(5 / 0.014)
+    sc = SpecCache(8, n_draft=4)
+    try:
+        eng = types.SimpleNamespace(cfg=types.SimpleNamespace(n_draft=4))
+        assert sc._tokens_by_depth(eng, [5, 2, 4], 4) == {None: 11, 3: 10}
+        assert sc._tokens_by_depth(eng, [4, 1], 3) == {3: 5}  # a step at k = 3 cannot tell k = 4's tokens
+    finally:
+        sc.shm.close()
+
+
 def test_guard_starts_within_the_row_budget_and_plain_on_a_shared_device():
     g = CacheGuard(16, max_rows=32)  # arms 8 and 16
     assert g.arms == [PLAIN, Arm(8), Arm(16)]

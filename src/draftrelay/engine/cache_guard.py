@@ -39,8 +39,10 @@ the end of its verify and acceptance, so a step that settles the round a previou
 pays for it). Which tokens: with `pooled` (the default), greedy acceptance does not depend on where the
 drafts come from (a hit's drafts are what the round would have returned), so every choice's rate is the
 class's tokens per step over all recent steps divided by that choice's seconds per step: the text's
-ups and downs then do not decide between choices measured a few steps apart (pooled over the choices
-of the same depth: a shallower step yields fewer tokens). Without it (the engine's
+ups and downs then do not decide between choices measured a few steps apart. A shallower step yields
+fewer tokens: the class's tokens per step at depth d are what each recent step would have yielded at d
+(the caller's `by_depth`: a row that took g tokens at depth k takes min(g, d + 1) at d <= k), so the
+depths too are compared on the same text, not on the few steps of a probe. Without it (the engine's
 depth policy chooses k on the plain steps, or the "early" wait rule verifies some rows without drafts,
 both of which change the tokens a step yields) each choice's own tokens count. Only steady steps count:
 the `settle` steps after the fan-out changed (the STEP already out, and the table that follows it, were
@@ -82,7 +84,9 @@ class _Class:
         self.best = start
         self.fit = fit  # the largest fan-out within the row budget, at the first depth
         self.todo = todo  # choices still to measure before the first decision
-        self.win: dict[Arm, deque] = {}  # choice -> (tokens, seconds) of its last `window` booked steps
+        # choice -> (tokens, {depth: tokens the step would have yielded at it}, seconds) of its last `window`
+        # booked steps
+        self.win: dict[Arm, deque] = {}
         self.window = window
         self.probe: Arm | None = None  # the challenger being measured
         self.probe_left = 0
@@ -95,8 +99,8 @@ class _Class:
         self.probes = 0
         self.decisions: list[Arm] = []  # the best after each probe
 
-    def add(self, arm: Arm, tokens: float, seconds: float) -> None:
-        self.win.setdefault(arm, deque(maxlen=self.window)).append((tokens, seconds))
+    def add(self, arm: Arm, tokens: float, by_depth: dict, seconds: float) -> None:
+        self.win.setdefault(arm, deque(maxlen=self.window)).append((tokens, by_depth, seconds))
         self.booked += 1
         self.last[arm] = self.booked
         self.measured[arm] += 1
@@ -175,13 +179,13 @@ class CacheGuard:
         w = c.win.get(arm)
         if not w:
             return None
-        sec = sum(s for _, s in w) / len(w)
+        sec = sum(s for *_, s in w) / len(w)
         if sec <= 0:
             return None
         if self.pooled:  # the class's tokens per step, over the recent steps of every choice of this depth
-            steps = [t for a, q in c.win.items() if a.depth == arm.depth for t, _ in q]
+            steps = [by[arm.depth] for q in c.win.values() for _, by, _ in q if arm.depth in by]
             return (sum(steps) / len(steps)) / sec
-        return (sum(t for t, _ in w) / len(w)) / sec
+        return (sum(t for t, *_ in w) / len(w)) / sec
 
     def _beats(self, c: _Class, a: Arm, b: Arm) -> bool:
         """Whether choice a measured faster than b by the margin (plain rounds win ties with a fan-out)."""
@@ -216,9 +220,10 @@ class CacheGuard:
         c.probes += 1
         c.decisions.append(new)
 
-    def observe(self, tokens: float, seconds: float, steady: bool = True) -> None:
+    def observe(self, tokens: float, seconds: float, steady: bool = True, by_depth: dict | None = None) -> None:
         """The step just chosen: the tokens it gave (all its rows) and its wall seconds; steady: whether it
-        is a step of the usual cost (see the module docstring)."""
+        is a step of the usual cost (see the module docstring); by_depth: {depth: the tokens it would have
+        yielded at that depth} for the depths it can tell (its own and shallower ones)."""
         c, arm = self._cls, self.last_arm
         if c is None or arm is None:
             return
@@ -231,7 +236,9 @@ class CacheGuard:
                 # drafts for long (prose on a small CPU) the tables must still be probed again in time
                 self._count_best(c)
             return
-        c.add(arm, tokens, seconds)
+        # the tokens at each depth: the caller's (a step at depth k also tells what a shallower one would
+        # have yielded, SpecCache._tokens_by_depth), else this step's own at its own depth
+        c.add(arm, tokens, dict(by_depth) if by_depth is not None else {arm.depth: tokens}, seconds)
         if c.probe is not None and arm == c.probe:
             c.probe_left -= 1
             if c.probe_left <= 0 or self._clearly_slower(c):

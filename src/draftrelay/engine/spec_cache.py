@@ -403,8 +403,8 @@ class SpecCache:
                 return None, why
             self.shm.wait_written(seen, min(left, self.poll_s))
 
-    def _decode_early(self, eng, batch: list, clock, t_step: float, n_before: int, plan, table, why: str,
-                      steady: bool = True) -> None:
+    def _decode_early(self, eng, batch: list, clock, t_step: float, before: list[int], plan, table, why: str,
+                      steady: bool, k_step: int) -> None:
         """Wait rule "early" (see WAIT_RULES) once the table that followed the settled round is there (or
         known to be a miss): look each request that asks for drafts up in it; if any hit, the rows that hit
         verify their branch drafts and the rows that missed verify none, and round N, asking the hit rows
@@ -437,7 +437,7 @@ class SpecCache:
             self.c["asking_rows"] += len(asking)
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
-        self._after_step(eng, batch, fast, n_before, t_step, steady)
+        self._after_step(eng, batch, fast, before, t_step, steady, k_step)
 
     def _go_fast(self, t, plan, bare: list[int], n_bare: int, t_wait: float, hits: dict) -> None:
         """A step that verifies without waiting: round t stays in flight (settled by the next step),
@@ -454,16 +454,32 @@ class SpecCache:
         self._collected(res)
         return res, drafts
 
-    def _after_step(self, eng, batch: list, fast: bool, n_before: int, t_step: float, steady: bool = True) -> None:
+    def _after_step(self, eng, batch: list, fast: bool, before: list[int], t_step: float, steady: bool,
+                    k_step: int) -> None:
+        """Book the step (its rows' output lengths were `before`; it asked k_step drafts a row)."""
         if fast and not eng.waiting and all(r.done for r in eng.running):
             self.settle(eng)  # no next step will: settle now, so the drafter's bookkeeping is complete
-        tokens, seconds = sum(len(r.output) for r in batch) - n_before, time.perf_counter() - t_step
+        gained = [len(r.output) - n for r, n in zip(batch, before, strict=True)]
+        tokens, seconds = sum(gained), time.perf_counter() - t_step
         if self.adapt is not None:
             paused = self.adapt.step(tokens, seconds)
             if paused != self.shm.paused:
                 self.shm.set_paused(paused)
         if self.guard is not None:
-            self.guard.observe(tokens, seconds, steady)
+            self.guard.observe(tokens, seconds, steady, self._tokens_by_depth(eng, gained, k_step))
+
+    def _tokens_by_depth(self, eng, gained: list[int], k_step: int) -> dict:
+        """What this step would have yielded at each of the guard's depths up to its own: a row that took
+        g tokens (accepted drafts + 1) at depth k_step takes min(g, d + 1) at depth d <= k_step, since the
+        first d drafts are accepted or rejected alike at either depth (greedy: the same tokens; sampled: the
+        same law). So every step measures the tokens of the shallower depths on the same text, and a depth
+        is not judged on the few steps of its own probe (the text's ups and downs would decide)."""
+        out = {}
+        for d in self.guard.depths:
+            kd = eng.cfg.n_draft if d is None else d
+            if kd <= k_step:
+                out[d] = sum(min(g, kd + 1) for g in gained)
+        return out
 
     def _set_fanout(self, f: int | None) -> None:
         """The fan-out the proxy's next STEP asks (None: the round spec's; 0: none)."""
@@ -487,7 +503,7 @@ class SpecCache:
         with clock.part("submit"):
             return eng.rounds.submit(eng.planner.blocks(plan, eng.rounds.capacity or eng.cfg.max_batch))
 
-    def _plain_step(self, eng, batch: list, clock, t_step: float, n_before: int) -> None:
+    def _plain_step(self, eng, batch: list, clock, t_step: float, before: list[int]) -> None:
         """The guard chose plain rounds: the engine's ordinary step (the depth policy's k where it has one),
         on this cache's rounds; the proxy sends its STEP without a fan-out."""
         self._tails.clear()
@@ -507,7 +523,7 @@ class SpecCache:
         used = eng._verify_and_accept(batch, inp, drafts, res, plan.wanted, clock, n_out=plan.n_out)
         if eng.depth is not None:
             eng._observe_depth(plan, k, used, clock)
-        self._after_step(eng, batch, False, n_before, t_step, steady)
+        self._after_step(eng, batch, False, before, t_step, steady, eng.cfg.n_draft if k is None else k)
 
     def decode(self, eng, batch: list) -> None:
         """One step (Engine._decode with the cache active): settle the round left in flight, submit
@@ -517,7 +533,7 @@ class SpecCache:
         flight; else the step waits for round N. Wait rule "early": where the table is there, `_decode_early`;
         else this step as under "all"."""
         clock = StepClock(eng.timing)
-        t_step, n_before = time.perf_counter(), sum(len(r.output) for r in batch)
+        t_step, before = time.perf_counter(), [len(r.output) for r in batch]
         rounds = eng.rounds
         self._check_generation(rounds)
         with clock.part("wait"):
@@ -528,12 +544,13 @@ class SpecCache:
             arm = self.guard.choose(len(batch))
             self._set_fanout(arm.fanout)
             if arm.fanout == 0:
-                return self._plain_step(eng, batch, clock, t_step, n_before)
+                return self._plain_step(eng, batch, clock, t_step, before)
             depth = arm.depth
         else:
             depth = None
         stamp = self._stamp
         plan = eng.planner.plan(batch, drafting=True, k=depth)  # (None: the engine's k)
+        k_step = eng.cfg.n_draft if depth is None else depth
         steady = self._steady(eng, plan)
         plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
         rule = self.wait_rule
@@ -543,7 +560,7 @@ class SpecCache:
                 with clock.part("wait"):
                     table, why = self._table_now(stamp, self.table_wait_s)
             if table is not None or why not in ("absent", "torn"):
-                return self._decode_early(eng, batch, clock, t_step, n_before, plan, table, why, steady)
+                return self._decode_early(eng, batch, clock, t_step, before, plan, table, why, steady, k_step)
             rule = "all"  # the table is not there yet: round N goes out now, as under "all"
         # rows with a round tail verify it, and round N asks each of them exactly that many drafts: then
         # round N's drafts are the tail itself (the drafter's continuation of the same context), so its
@@ -585,7 +602,7 @@ class SpecCache:
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
-        self._after_step(eng, batch, fast, n_before, t_step, steady)
+        self._after_step(eng, batch, fast, before, t_step, steady, k_step)
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict:
