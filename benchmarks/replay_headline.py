@@ -11,9 +11,9 @@ announcing and parking every round and the proxy's short spin: HandoffConfig.hos
 the comparison for them), async-host (the host park: HandoffConfig.park = "host"), cache (the
 speculation cache: async rounds on the host stream, "host selection", with F pre-drafted branches per
 request; `--fanout 4,8` gives one cache mode per F, named cacheF). The cache runs with its guard
-(engine/cache_guard.py: per batch class, F or F/2 at depth k or k - 1, or plain sequential rounds,
-whichever measures faster; `--guard fixed-k` chooses the fan-out only, at k; `--guard off` runs every step
-as a cache step; several, e.g. `--guard on,fixed-k,off`, one cache mode each, named ...-fixedk, ...-raw).
+(engine/cache_guard.py: per batch class, F, F/2 or plain sequential rounds, whichever measures faster;
+`--guard depth` also chooses the depth of cache steps, k or k - 1; `--guard off` runs every step as a cache
+step; several, e.g. `--guard on,depth,off`, one cache mode each, named ...-depth, ...-raw).
 The guard starts each workload afresh (what it learns carries over between the repeats of a workload) and
 starts with plain rounds where the worker shares the engine's GPU (`same`); the choices it made in each
 timed window (steps per choice: F, F@k for a shallower depth, 0 = plain rounds) and its switches are
@@ -96,8 +96,8 @@ def p50(xs) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-# the cache's guard per cache mode: fan-out and depth (SpecCache's default with n_draft), fan-out only, none
-GUARDS = ("on", "fixed-k", "off")
+# the cache's guard per cache mode: fan-out (the default), fan-out and depth (k or k - 1), none
+GUARDS = ("on", "depth", "off")
 
 
 def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: int, max_ctx: int,
@@ -346,9 +346,8 @@ def main() -> int:
                          "a row that missed verifies without drafts); with several, one cache mode per rule: cacheF "
                          "for rows, cacheF-all for all, cacheF-early for early")
     ap.add_argument("--guard", default="on",
-                    help="the cache's guard: on (default: fan-out and depth, k or k - 1, per batch class), "
-                         "fixed-k (fan-out only, cache steps at k), off; several comma-separated, one cache "
-                         "mode each")
+                    help="the cache's guard: on (default: the fan-out per batch class, cache steps at k), depth "
+                         "(fan-out and depth, k or k - 1), off; several comma-separated, one cache mode each")
     ap.add_argument("--hit-curve", default="",
                     help="F values: first count the hit rate of each on the trace itself (CPU, no models)")
     ap.add_argument("--placements", default="same,emulated",
@@ -490,8 +489,8 @@ def main() -> int:
             # the branch work of every F a cache mode may run: the guard's F / 2 too (CacheGuard's default arms)
             guarded = any(g != "off" for g in guards)
             cost_fanouts = sorted(set(fanouts) | ({f // 2 for f in fanouts if f >= 2} if guarded else set()))
-            # and every depth it may ask: k and k - 1 (SpecCache's default depths, n_draft given)
-            cost_depths = [args.k, args.k - 1] if "on" in guards and args.k >= 2 else [args.k]
+            # and every depth it may ask: k and k - 1 (--guard depth)
+            cost_depths = [args.k, args.k - 1] if "depth" in guards and args.k >= 2 else [args.k]
             cost = measure_costs(inner, wdev, sorted({max(c, 16) for _, c, _ in plan}), sorted({n for *_, n in plan}),
                                  args.k, max_row + 64, args.cost_iters, cost_fanouts,
                                  cost_depths)
@@ -533,12 +532,13 @@ def main() -> int:
                         for F, rule, gd in ((F, rule, gd) for F in fanouts for rule in wait_rules for gd in guards):
                             tag = {"all": "-all", "rows": ""}.get(rule, f"-{rule}") if len(wait_rules) > 1 else ""
                             name = (f"cache{F}" if len(fanouts) > 1 else "cache") + tag + \
-                                   ({"off": "-raw", "fixed-k": "-fixedk"}.get(gd, "") if len(guards) > 1 else "") + \
+                                   ({"off": "-raw", "depth": "-depth"}.get(gd, "") if len(guards) > 1 else "") + \
                                    f"@{p}"
                             # shared_gpu: run on the shared GPU too (to measure the split; the guard starts
                             # there with plain rounds)
+                            depths = {"depths": [None, args.k - 1]} if gd == "depth" and args.k >= 2 else {}
                             sc = caches[name] = SpecCache(F, wait_rule=rule, shared_gpu=True, guard=gd != "off",
-                                                          n_draft=args.k if gd == "on" else None)
+                                                          guard_options=depths)
                             hh = handoff_config(spec, dev, args.deadline_ms, p == "same", host_rounds=True,
                                                 vocab_size=V, max_drafts=max(8, args.k), max_requests=n_max,
                                                 max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),

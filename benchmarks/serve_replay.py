@@ -154,10 +154,7 @@ def emulated_worker(args, dev, inner: str, model_id: str, max_len: int, max_toke
     # few shapes (each one costs the drafter's planning and captures on a GPU): the nearest entry serves the rest
     jobs = sorted({1, min(4, args.max_batch), args.max_batch})
     contexts = [max(32, max_tokens + 64)]
-    # the guard's cache steps ask k or k - 1 (SpecCache's depths): the branch work of both
-    depths = [args.k, args.k - 1] if args.cache_guard == "on" and args.k >= 2 else [args.k]
-    cost = measure_costs(inner, str(dev), contexts, jobs, args.k, max_len + 64, args.cost_iters, [args.fanout],
-                         depths)
+    cost = measure_costs(inner, str(dev), contexts, jobs, args.k, max_len + 64, args.cost_iters, [args.fanout])
     cpath = os.path.join(tmp, "cost.json")
     cost.save(cpath)
     result["cost_measure_s"] = time.perf_counter() - t0

@@ -122,7 +122,7 @@ def test_a_depth_is_rated_on_every_steps_tokens_at_that_depth():
     tokens3 = (8 * 4 + 1) / 9  # the steps' tokens at k = 3 in the windows (four a choice, one of its own)
     assert g.rate(c, Arm(8, 3)) == pytest.approx(tokens3 / 0.009)
     assert g.rate(c, Arm(8)) == pytest.approx(5 / 0.010) and g.rate(c, PLAIN) == pytest.approx(5 / 0.014)
-    sc = SpecCache(8, n_draft=4)
+    sc = SpecCache(8, guard_options={"depths": [None, 3]})
     try:
         eng = types.SimpleNamespace(cfg=types.SimpleNamespace(n_draft=4))
         assert sc._tokens_by_depth(eng, [5, 2, 4], 4) == {None: 11, 3: 10}
@@ -311,9 +311,8 @@ def test_a_cache_run_on_a_shared_gpu_starts_with_plain_rounds():
             sc.shm.close()
     with pytest.raises(ValueError, match="cache guard"):
         SpecCache(8, guard_options={"window": 0})
-    # the engine's k and one shallower (the engine passes n_draft); none shallower than one draft; options win
-    for kw, depths in (({"n_draft": 4}, [None, 3]), ({"n_draft": 1}, [None]), ({}, [None]),
-                       ({"n_draft": 4, "guard_options": {"depths": [None]}}, [None])):
+    # the depth of cache steps is the engine's k unless guard_options give depths
+    for kw, depths in (({}, [None]), ({"guard_options": {"depths": [None, 3]}}, [None, 3])):
         c = SpecCache(8, **kw)
         try:
             assert c.guard.depths == depths, kw

@@ -7,13 +7,14 @@ memory bandwidth) or where the branch step grows too big (batch x F rows per dra
 step is slower than a sequential one. The guard measures that instead of assuming it.
 
 Choices ("arms", `Arm`) per step: a fan-out F from `arms` (the configured F and, by default, half of it)
-at a depth from `depths` (the drafts a cache step asks: the engine's k and, where the engine passes them,
-shallower ones), or plain sequential rounds (fan-out 0: the proxy then sends its STEPs without a fan-out,
-so the worker does no branch work). The depth is a choice because a cache step's branch work grows with
-it (the worker drafts k places of each branch after a hit) while the verify it must hide behind does
-not grow as fast: on the H200 at four requests and F = 8, k = 3 gave 2.14 x target-only against 1.92 x
-at k = 4, while one request was faster at k = 4 (benchmarks/results/replay_headline_k3.json,
-replay_headline_k4.json).
+at a depth from `depths` (the drafts a cache step asks: by default only the engine's k), or plain
+sequential rounds (fan-out 0: the proxy then sends its STEPs without a fan-out, so the worker does no
+branch work). Depths are a choice because a cache step's branch work grows with k (the worker drafts k
+places of every branch row after a hit) while the verify it hides behind grows less: on the H200 at four
+requests and F = 8, k = 3 ran 2.14 x target-only against 1.92 x at k = 4, one request faster at k = 4
+(benchmarks/results/replay_headline_k3.json, replay_headline_k4.json). They are opt-in (depths=[None,
+k - 1]): on that GPU's 128-token replay runs the extra probe cost more than a depth gained
+(benchmarks/results/replay_headline_guard_depth2.json, docs/SPEC_CACHE.md).
 Each batch-size class (depth.batch_bucket: 1, 2, 4, 8, ...) keeps its own measurements, since
 the verify, the round and the branch step all grow with the batch:
 

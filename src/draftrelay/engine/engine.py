@@ -130,8 +130,7 @@ class Engine:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the cache's zeroing
         self._own_rounds = cfg.mode != "off" and rounds is None
-        self.spec_cache = (SpecCache(cfg.spec_fanout, **{"n_draft": cfg.n_draft, **cfg.spec_options})
-                           if cfg.spec_fanout else None)
+        self.spec_cache = SpecCache(cfg.spec_fanout, **cfg.spec_options) if cfg.spec_fanout else None
         try:
             self.rounds: Rounds | None = self._open_rounds() if self._own_rounds else rounds
         except BaseException:

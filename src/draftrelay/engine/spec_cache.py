@@ -144,7 +144,7 @@ class SpecCache:
                  capacity: int = 1 << 20, log: bool = False, wait_rule: str = "all",
                  shared_gpu: bool = False, adapt: bool = False, probe_steps: int = 16,
                  adapt_margin: float = 0.02, reprobe_steps: int = 512, table_wait_ms: float | None = None,
-                 guard: bool = True, guard_options: dict | None = None, n_draft: int | None = None) -> None:
+                 guard: bool = True, guard_options: dict | None = None) -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
         if wait_rule not in WAIT_RULES:
@@ -162,11 +162,9 @@ class SpecCache:
         self.adapt = Adapt(probe_steps, adapt_margin, reprobe_steps) if adapt else None
         # the guard (engine/cache_guard.py): per batch class, the fan-out or plain rounds, whichever measures
         # faster; adapt=True (one probe of tables against none, for every batch alike) replaces it
+        # guard_options={"depths": [None, k - 1]} lets it choose the depth of cache steps too (opt-in: on the
+        # H200's short replay runs the extra probe cost more than the depth gained, docs/SPEC_CACHE.md)
         self._guard_options = dict(guard_options or {})
-        if n_draft is not None and n_draft >= 2:
-            # the engine's k and one shallower: where the branch work after a hit outlasts the verify (several
-            # requests x F rows), a shallower cache step can be the faster one (cache_guard.py)
-            self._guard_options.setdefault("depths", (None, n_draft - 1))
         self.guard: CacheGuard | None = None
         if guard and not adapt:
             self.guard = CacheGuard(fanout, **self._guard_options)  # options checked now, not at the first step
