@@ -15,6 +15,7 @@ requests and F = 8, k = 3 ran 2.14 x target-only against 1.92 x at k = 4, one re
 (benchmarks/results/replay_headline_k3.json, replay_headline_k4.json). They are opt-in (depths=[None,
 k - 1]): on that GPU's 128-token replay runs the extra probe cost more than a depth gained
 (benchmarks/results/replay_headline_guard_depth2.json, docs/SPEC_CACHE.md).
+
 Each batch-size class (depth.batch_bucket: 1, 2, 4, 8, ...) keeps its own measurements, since
 the verify, the round and the branch step all grow with the batch:
 
@@ -25,12 +26,12 @@ the verify, the round and the branch step all grow with the batch:
   - afterwards it runs its best choice, and every `interval` steady steps it probes one challenger for
     `window` steps: plain rounds (while the best is a fan-out) or a neighbour (the next F up or down in
     `arms` at the same depth, or the next depth at the same F; while the best is plain, the best-measured
-    cache choice), whichever was measured longest ago. A probe
-    that confirms the best doubles the interval (up to `max_interval`); a probe that changes it resets
-    the interval to `probe_every`. So exploration is bounded: one window per interval, and the
-    interval grows while nothing changes. A probe ends early, after `min_probe` booked steps, when the
-    challenger measures slower than the best by more than `abort_ratio` (a sequential step at 1.6 x a
-    cache step needs no full window to lose), so a clearly worse choice costs a few steps, not a window.
+    cache choice), whichever was measured longest ago. A probe that confirms the best doubles the
+    interval (up to `max_interval`); a probe that changes it resets the interval to `probe_every`. So
+    exploration is bounded: one window per interval, and the interval grows while nothing changes. A
+    probe ends early, after `min_probe` booked steps, when the challenger measures slower than the best
+    by more than `abort_ratio` (a sequential step at 1.6 x a cache step needs no full window to lose), so
+    a clearly worse choice costs a few steps, not a window.
 
 A fan-out must beat plain rounds by `margin` to be chosen (ties go to the sequential step, which costs the
 worker nothing); one F replaces another only when it beats it by `margin` too.
@@ -185,7 +186,8 @@ class CacheGuard:
             return None
         if self.pooled:  # the class's tokens per step, over the recent steps of every choice of this depth
             steps = [by[arm.depth] for q in c.win.values() for _, by, _ in q if arm.depth in by]
-            return (sum(steps) / len(steps)) / sec
+            if steps:  # (none where the caller told no step's tokens at this depth: its own then)
+                return (sum(steps) / len(steps)) / sec
         return (sum(t for t, *_ in w) / len(w)) / sec
 
     def _beats(self, c: _Class, a: Arm, b: Arm) -> bool:
