@@ -536,9 +536,9 @@ def main() -> int:
                                    f"@{p}"
                             # shared_gpu: run on the shared GPU too (to measure the split; the guard starts
                             # there with plain rounds)
-                            depths = {"depths": [None, args.k - 1]} if gd == "depth" and args.k >= 2 else {}
+                            opts = {"depths": [None, args.k - 1]} if gd == "depth" and args.k >= 2 else {}
                             sc = caches[name] = SpecCache(F, wait_rule=rule, shared_gpu=True, guard=gd != "off",
-                                                          guard_options=depths)
+                                                          guard_options=opts)
                             hh = handoff_config(spec, dev, args.deadline_ms, p == "same", host_rounds=True,
                                                 vocab_size=V, max_drafts=max(8, args.k), max_requests=n_max,
                                                 max_tokens=max(65536, n_max * (args.max_round_tokens + 64)),

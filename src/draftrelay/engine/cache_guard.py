@@ -184,7 +184,7 @@ class CacheGuard:
         sec = sum(s for *_, s in w) / len(w)
         if sec <= 0:
             return None
-        if self.pooled:  # the class's tokens per step, over the recent steps of every choice of this depth
+        if self.pooled:  # the class's tokens per step at this choice's depth, over every choice's recent steps
             steps = [by[arm.depth] for q in c.win.values() for _, by, _ in q if arm.depth in by]
             if steps:  # (none where the caller told no step's tokens at this depth: its own then)
                 return (sum(steps) / len(steps)) / sec

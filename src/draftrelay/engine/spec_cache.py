@@ -402,7 +402,7 @@ class SpecCache:
             self.shm.wait_written(seen, min(left, self.poll_s))
 
     def _decode_early(self, eng, batch: list, clock, t_step: float, before: list[int], plan, table, why: str,
-                      steady: bool, k_step: int) -> None:
+                      steady: bool, depth: int | None) -> None:
         """Wait rule "early" (see WAIT_RULES) once the table that followed the settled round is there (or
         known to be a miss): look each request that asks for drafts up in it; if any hit, the rows that hit
         verify their branch drafts and the rows that missed verify none, and round N, asking the hit rows
@@ -435,7 +435,7 @@ class SpecCache:
             self.c["asking_rows"] += len(asking)
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
-        self._after_step(eng, batch, fast, before, t_step, steady, k_step)
+        self._after_step(eng, batch, fast, before, t_step, steady, depth)
 
     def _go_fast(self, t, plan, bare: list[int], n_bare: int, t_wait: float, hits: dict) -> None:
         """A step that verifies without waiting: round t stays in flight (settled by the next step),
@@ -453,8 +453,9 @@ class SpecCache:
         return res, drafts
 
     def _after_step(self, eng, batch: list, fast: bool, before: list[int], t_step: float, steady: bool,
-                    k_step: int) -> None:
-        """Book the step (its rows' output lengths were `before`; it asked k_step drafts a row)."""
+                    depth: int | None) -> None:
+        """Book the step (its rows' output lengths were `before`; its plan's depth was `depth`, None: the
+        engine's k)."""
         if fast and not eng.waiting and all(r.done for r in eng.running):
             self.settle(eng)  # no next step will: settle now, so the drafter's bookkeeping is complete
         gained = [len(r.output) - n for r, n in zip(batch, before, strict=True)]
@@ -464,20 +465,19 @@ class SpecCache:
             if paused != self.shm.paused:
                 self.shm.set_paused(paused)
         if self.guard is not None:
-            self.guard.observe(tokens, seconds, steady, self._tokens_by_depth(eng, gained, k_step))
+            self.guard.observe(tokens, seconds, steady, self._tokens_by_depth(eng, gained, depth))
 
-    def _tokens_by_depth(self, eng, gained: list[int], k_step: int) -> dict:
-        """What this step would have yielded at each of the guard's depths up to its own: a row that took
-        g tokens (accepted drafts + 1) at depth k_step takes min(g, d + 1) at depth d <= k_step, since the
+    def _tokens_by_depth(self, eng, gained: list[int], depth: int | None) -> dict:
+        """What this step would have yielded at each of the guard's depths up to its own (None: the engine's
+        k): a row that took g tokens (accepted drafts + 1) at depth k takes min(g, d + 1) at d <= k, since the
         first d drafts are accepted or rejected alike at either depth (greedy: the same tokens; sampled: the
         same law). So every step measures the tokens of the shallower depths on the same text, and a depth
         is not judged on the few steps of its own probe (the text's ups and downs would decide)."""
-        out = {}
-        for d in self.guard.depths:
-            kd = eng.cfg.n_draft if d is None else d
-            if kd <= k_step:
-                out[d] = sum(min(g, kd + 1) for g in gained)
-        return out
+        def drafts(d: int | None) -> int:
+            return eng.cfg.n_draft if d is None else d
+
+        k = drafts(depth)
+        return {d: sum(min(g, drafts(d) + 1) for g in gained) for d in self.guard.depths if drafts(d) <= k}
 
     def _set_fanout(self, f: int | None) -> None:
         """The fan-out the proxy's next STEP asks (None: the round spec's; 0: none)."""
@@ -521,7 +521,7 @@ class SpecCache:
         used = eng._verify_and_accept(batch, inp, drafts, res, plan.wanted, clock, n_out=plan.n_out)
         if eng.depth is not None:
             eng._observe_depth(plan, k, used, clock)
-        self._after_step(eng, batch, False, before, t_step, steady, eng.cfg.n_draft if k is None else k)
+        self._after_step(eng, batch, False, before, t_step, steady, k)
 
     def decode(self, eng, batch: list) -> None:
         """One step (Engine._decode with the cache active): settle the round left in flight, submit
@@ -548,7 +548,6 @@ class SpecCache:
             depth = None
         stamp = self._stamp
         plan = eng.planner.plan(batch, drafting=True, k=depth)  # (None: the engine's k)
-        k_step = eng.cfg.n_draft if depth is None else depth
         steady = self._steady(eng, plan)
         plain = self.adapt is not None and self.adapt.plain  # tables paused: an ordinary step
         rule = self.wait_rule
@@ -558,7 +557,7 @@ class SpecCache:
                 with clock.part("wait"):
                     table, why = self._table_now(stamp, self.table_wait_s)
             if table is not None or why not in ("absent", "torn"):
-                return self._decode_early(eng, batch, clock, t_step, before, plan, table, why, steady, k_step)
+                return self._decode_early(eng, batch, clock, t_step, before, plan, table, why, steady, depth)
             rule = "all"  # the table is not there yet: round N goes out now, as under "all"
         # rows with a round tail verify it, and round N asks each of them exactly that many drafts: then
         # round N's drafts are the tail itself (the drafter's continuation of the same context), so its
@@ -600,7 +599,7 @@ class SpecCache:
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
         eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
-        self._after_step(eng, batch, fast, before, t_step, steady, k_step)
+        self._after_step(eng, batch, fast, before, t_step, steady, depth)
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict:
