@@ -32,6 +32,7 @@ import torch
 
 from draftrelay import model as M
 from draftrelay.capture import kv_bucket
+from draftrelay.draft_vocab import DraftVocab
 from draftrelay.engine.graphs import DecodeGraphs
 from draftrelay.handoff.procinfo import machine_info
 from draftrelay.kernels import plan as P
@@ -238,7 +239,7 @@ def kv_bytes_per_token(cfg: M.ModelConfig, dtype_size: int = 2) -> int:
     return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype_size
 
 
-def drafter_section(dev, ctxs, iters, out) -> None:
+def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
     cfg = M.ModelConfig(**{**SHAPES["qwen2.5-0.5b"], "max_position_embeddings": 131072}, name="qwen2.5-0.5b")
     model = M.Transformer.random(cfg, seed=0, device=dev, dtype=torch.bfloat16, draw_on="device")
     max_ctx = max(ctxs) + 64
@@ -248,7 +249,16 @@ def drafter_section(dev, ctxs, iters, out) -> None:
                 "graphs_fast_norows": ("graph", "norows"), "graphs_fast_nocublas": ("graph", "nocublas"),
                 "graphs_fast": ("graph", True),
                 "eager_fast": ("eager", True)}
-    drafters = {k: LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m) for k, (m, _) in variants.items()}
+    # the head restricted to a draft vocabulary (draft_vocab.py): the same forward, a head of N rows
+    vocabs = {}
+    if draft_vocab:
+        variants[f"graphs_fast_vocab{draft_vocab}"] = ("graph", True)
+        vocabs[f"graphs_fast_vocab{draft_vocab}"] = DraftVocab.top(draft_vocab, cfg.vocab_size)
+    drafters = {}
+    for k, (m, _) in variants.items():
+        model.draft_vocab = vocabs.get(k)  # LlamaDrafter's lean loop and graphs take the head as set now
+        drafters[k] = LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m)
+    model.draft_vocab = None
     wb = weight_bytes(model)
     res = out.setdefault("drafter_0p5b", {"weight_bytes": wb, "n_out": n_out, "rows": []})
     for ctx in ctxs:
@@ -261,14 +271,15 @@ def drafter_section(dev, ctxs, iters, out) -> None:
                 d.cache.k.copy_(base.cache.k)
                 d.cache.v.copy_(base.cache.v)
         for B in (1, 4):
-            def step(d, fast, B=B, ctx=ctx):
+            def step(d, fast, B=B, ctx=ctx, vocab=None):
                 def go():
                     fast_path(model, fast)
+                    model.draft_vocab = vocab  # read when a graph is captured (the first call) and eagerly
                     for r in range(B):
                         d.cache.lengths[r] = ctx
                     d.run([Job(r, ctx, np.array([17 + r], np.int32)) for r in range(B)], n_out)
                 return go
-            fns = {k: step(drafters[k], f) for k, (_, f) in variants.items()}
+            fns = {k: step(drafters[k], f, vocab=vocabs.get(k)) for k, (_, f) in variants.items()}
 
             def step_graph(d, B=B, ctx=ctx):  # the static step this STEP runs (one new token per request)
                 return d._static[B, 1, n_out, kv_bucket(ctx + 1 + n_out, d.cache.max_len)]
@@ -291,13 +302,17 @@ def drafter_section(dev, ctxs, iters, out) -> None:
                 finally:
                     g.graph = graph
             fns["graphs_fast_host_only"] = host_only
+            for k in vocabs:  # the restricted head's step graph replayed alone too
+                fns[f"{k}_replay_only"] = lambda d=drafters[k]: step_graph(d).graph.replay()
             t = interleaved(fns, iters)
             row = {"context": ctx, "requests": B, "step": t}
             kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)
             row["bytes_per_step"] = n_out * wb + kv_read
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
-            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast_cublas", "graphs_fast")}
+            row["kernels"] = {k: kernel_count(fns[k])
+                              for k in ("graphs", "graphs_fast_cublas", "graphs_fast", *vocabs)}
             fast_path(model, True)
+            model.draft_vocab = None
             res["rows"].append(row)
             print(f"drafter 0.5B ctx {ctx} B={B}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
                   + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}",
@@ -450,6 +465,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="skip the HF and compile sections past this many seconds")
     ap.add_argument("--sections", default="gemm,drafter,target,hf,compile")
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="also time the drafter with its head restricted to ids 0..N-1 (a draft vocabulary, "
+                         "draft_vocab.py; 0: not)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "fast_forward.json"))
     args = ap.parse_args(argv)
@@ -472,7 +490,7 @@ def main(argv=None) -> int:
     for sec in args.sections.split(","):
         try:
             if sec == "drafter":
-                drafter_section(dev, ctxs, args.iters, out)
+                drafter_section(dev, ctxs, args.iters, out, args.draft_vocab)
             elif sec == "gemm":
                 gemm_section(dev, out)
             elif sec == "attention":

@@ -101,15 +101,16 @@ GUARDS = ("on", "depth", "off")
 
 
 def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: int, max_ctx: int,
-                  iters: int, fanouts: list[int], depths: list[int] | None = None) -> CostTable:
+                  iters: int, fanouts: list[int], depths: list[int] | None = None, draft_vocab: str = "") -> CostTable:
     """The real drafter's STEP seconds (median of `iters`) for every (jobs, n_steps <= k, context) the
     runs use, and the seconds of the device pieces of its speculation-cache branch work
     (worker.prefetch.Prefetcher, DEVICE_PIECES: the forward over the k + 1 stopping places, recorded
     apart too, and one batched run over jobs x F forked rows) for every F of `fanouts` and every depth
     of `depths` (default: k; the guard's cache steps may ask one shallower), in this process on this
     GPU: the emulated second device spends them as wall time and does the host pieces
-    (choose_branches, the entries, the encoding) itself."""
-    d = load_drafter(ddir, device=dev, n_rows=max(jobs) + 1, max_ctx=max_ctx, n_out_max=max(8, k))
+    (choose_branches, the entries, the encoding) itself. draft_vocab: the drafter's head restricted so."""
+    d = load_drafter(ddir, device=dev, n_rows=max(jobs) + 1, max_ctx=max_ctx, n_out_max=max(8, k),
+                     draft_vocab=draft_vocab)
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     rng = np.random.default_rng(0)
     out: dict[tuple[int, int, int], float] = {}
@@ -354,6 +355,9 @@ def main() -> int:
                     help="same (worker on this GPU), emulated (drafter on an emulated second device) and/or "
                          "gpu1 (the worker on the next GPU, --worker-device: the real placement, two GPUs needed)")
     ap.add_argument("--worker-device", default="cuda:1", help="the gpu1 placement's worker device")
+    ap.add_argument("--draft-vocab", default="", metavar="N",
+                    help="the drafter's head restricted to a draft vocabulary, ids 0..N-1 (draft_vocab.py): "
+                         "its cost measured so, the trace's drafts restricted to those ids (replay.Trace.restricted)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default: the trace's length)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the drafter has caught up")
@@ -371,6 +375,18 @@ def main() -> int:
     if not guards or any(g not in GUARDS for g in guards):
         ap.error(f"--guard: comma-separated values of {', '.join(GUARDS)}, got {args.guard!r}")
     trace = None if args.trace == "synthetic" else Trace.load(args.trace)
+    vocab_flag = []
+    if args.draft_vocab and trace is not None:
+        from draftrelay.draft_vocab import DraftVocab, DraftVocabError
+
+        try:
+            vocab = DraftVocab.parse(args.draft_vocab, trace.vocab_size)
+        except DraftVocabError as exc:
+            ap.error(f"--draft-vocab: {exc}")
+        if vocab is not None:
+            trace, vocab_flag = trace.restricted(vocab.ids.numpy()), ["--draft-vocab", args.draft_vocab]
+    elif args.draft_vocab:
+        ap.error("--draft-vocab needs a real trace (the synthetic one has the tiny vocabulary)")
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     graphs = dev.type == "cuda" and not args.no_graphs
@@ -480,10 +496,10 @@ def main() -> int:
         env = {"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None
         if "same" in placements:
             workers["same"] = start_worker_process(["--model", f"replay:{big_path}:{inner}", "--device", wdev,
-                                                    *common], timeout=300, env=env)
+                                                    *common, *vocab_flag], timeout=300, env=env)
         if "gpu1" in placements:  # the product's placement: the drafter on its own GPU, loopback TCP
             workers["gpu1"] = start_worker_process(["--model", f"replay:{big_path}:{inner}", "--device",
-                                                    args.worker_device, *common], timeout=300, env=env)
+                                                    args.worker_device, *common, *vocab_flag], timeout=300, env=env)
         if "emulated" in placements:
             t0 = time.perf_counter()
             # the branch work of every F a cache mode may run: the guard's F / 2 too (CacheGuard's default arms)
@@ -493,7 +509,7 @@ def main() -> int:
             cost_depths = [args.k, args.k - 1] if "depth" in guards and args.k >= 2 else [args.k]
             cost = measure_costs(inner, wdev, sorted({max(c, 16) for _, c, _ in plan}), sorted({n for *_, n in plan}),
                                  args.k, max_row + 64, args.cost_iters, cost_fanouts,
-                                 cost_depths)
+                                 cost_depths, args.draft_vocab)
             cpath = os.path.join(tmp, "cost.json")
             cost.save(cpath)
             result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}

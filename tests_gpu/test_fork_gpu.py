@@ -70,7 +70,7 @@ def test_fused_rope_fork_kernel_equals_rope_then_fork_attention_in_bf16(kv, star
     assert torch.equal(cv, cv2)
 
 
-def _two_requests_after_a_step(seed: int, L: int, k: int):
+def _two_requests_after_a_step(seed: int, L: int, k: int, draft_vocab: str = ""):
     """A 0.5B-shaped graph drafter (random weights) holding two random contexts of L tokens, after a STEP
     that drafted k for both: (drafter, contexts, (blocks, result, todo) as Prefetcher._draft takes them)."""
     import types
@@ -78,7 +78,8 @@ def _two_requests_after_a_step(seed: int, L: int, k: int):
     from draftrelay.wire import protocol as P
     from draftrelay.worker.drafters import Job, load_drafter
 
-    d = load_drafter("random:qwen2.5-0.5b", device="cuda", n_rows=4, max_ctx=2048, n_out_max=8)
+    d = load_drafter("random:qwen2.5-0.5b", device="cuda", n_rows=4, max_ctx=2048, n_out_max=8,
+                     draft_vocab=draft_vocab)
     rng = np.random.default_rng(seed)
     ctx = [rng.integers(0, d.vocab_size, L).astype(np.int32) for _ in range(2)]
     for r in range(2):
@@ -89,14 +90,15 @@ def _two_requests_after_a_step(seed: int, L: int, k: int):
     return d, ctx, (blocks, types.SimpleNamespace(drafts=drafts), todo)
 
 
-def test_branches_in_graph_mode_are_the_rounds_of_their_contexts():
+@pytest.mark.parametrize("draft_vocab", ["", "32768"])
+def test_branches_in_graph_mode_are_the_rounds_of_their_contexts(draft_vocab):
 
     from draftrelay.speculation.table import Acceptance
     from draftrelay.worker.drafters import Job
     from draftrelay.worker.prefetch import Prefetcher
 
     k, F = 4, 8
-    d, ctx, (blocks, res, todo) = _two_requests_after_a_step(seed=0, L=700, k=k)
+    d, ctx, (blocks, res, todo) = _two_requests_after_a_step(seed=0, L=700, k=k, draft_vocab=draft_vocab)
     assert d.mode == "graph"
     pf = Prefetcher(d)  # max_fanout 16: the two requests' 2 F branches shared (Prefetcher._share), in 2 F rows
     entries = pf._draft(blocks, res, todo, Acceptance(), F)
@@ -109,6 +111,8 @@ def test_branches_in_graph_mode_are_the_rounds_of_their_contexts():
             d.run([Job(spare, 0, full[:-1])], 0)
             fresh, _ = d.run([Job(spare, len(full) - 1, full[-1:])], k)
             total += 1
+            if draft_vocab:  # a draft vocabulary's branches draft its ids only (raw columns mapped in the pick)
+                assert int(np.max(e.branch_drafts[b])) < int(draft_vocab), e.branch_drafts[b]
             if np.array_equal(fresh[0], e.branch_drafts[b]):
                 agree += 1
                 continue

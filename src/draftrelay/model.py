@@ -15,13 +15,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from draftrelay import cpu_linear
+
+if TYPE_CHECKING:
+    from draftrelay.draft_vocab import DraftVocab
 
 TINY_SEED = 0  # the built-in tiny pair's default seed: engine and worker must use the same one
 TINY_TOKENIZER_ID = "bytes-256"  # the tiny models' vocabulary is the 256 byte values
@@ -538,13 +541,19 @@ def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
 
 def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: torch.Tensor, head: torch.Tensor,
                 eps: float, last_only: bool = False, logits_at: torch.Tensor | None = None,
-                greedy: bool = False, argmax_only: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                greedy: bool = False, argmax_only: bool = False,
+                vocab: DraftVocab | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The last product added, the positions wanted picked, the final norm and the head -> fp32 logits
     [B, T, V] ([B, 1, V] with last_only or logits_at [B]). greedy (one position per row: last_only,
     logits_at or T = 1): (argmax [B], its softmax probability [B]) instead of the logits, computed from
     the head's output as the logits would give them (kernels.greedy_pick). argmax_only: the argmax of
     every position's logits instead, int64 [B, T] (or [B, 1]); on the plain CPU path screened through an
-    int8 copy of the head (greedy_head: a fraction of the head's bytes read, the same argmax)."""
+    int8 copy of the head (greedy_head: a fraction of the head's bytes read, the same argmax).
+    vocab: `head` holds only a draft vocabulary's rows (draft_vocab.py): picks map back to token ids,
+    logits come back at the vocabulary's width with -inf outside it."""
+    if vocab is not None and not greedy:
+        out = head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, argmax_only=argmax_only)
+        return vocab.token(out) if argmax_only else vocab.widen(out)
     K = st.kernels
     if argmax_only and K is None:
         x = x + red.to(x.dtype)
@@ -580,22 +589,25 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
         if out.shape[1] != 1:
             raise ValueError(f"greedy picks one position per row, got {out.shape[1]}")
         from draftrelay.kernels import reference
-        return (K or reference).greedy_pick(out[:, 0])
+        # a draft vocabulary's columns mapped to their ids inside the pick (no launch of its own)
+        return (K or reference).greedy_pick(out[:, 0], None if vocab is None else vocab.ids_on(out.device))
     return out.float()
 
 
 def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
             v: torch.Tensor, st: StepState, eps: float, final_norm: torch.Tensor, head: torch.Tensor,
             last_only: bool = False, logits_at: torch.Tensor | None = None,
-            greedy: bool = False, argmax_only: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            greedy: bool = False, argmax_only: bool = False,
+            vocab: DraftVocab | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The decoder stack on one card: embedding, the layers (k / v: caches [L, rows, n_kv, len, D]), the
-    head. `decoder_steps` is the same stack for a tensor-parallel rank."""
+    head (vocab: a draft vocabulary's rows only, see head_logits). `decoder_steps` is the same stack for
+    a tensor-parallel rank."""
     x, red = F.embedding(tokens, embed), None
     for i, w in enumerate(layers):
         x, o = attn_half(x, red, w, st, k[i], v[i], eps)
         red = out_product(o, w.wo, st)
         x, red = mlp_down(x, red, w, st, eps)
-    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy, argmax_only)
+    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy, argmax_only, vocab)
 
 
 def decoder_steps(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
@@ -642,6 +654,13 @@ class Transformer(nn.Module):
         # the fused-kernel forward (draftrelay.kernels): True, False, or None = on where Triton runs
         # (CUDA); on a CPU "on" runs the same structure with the kernels' plain-torch definitions
         self.fast: bool | None = None
+        # a drafter's head restricted to a draft vocabulary (draft_vocab.py); None: the whole head
+        self.draft_vocab: DraftVocab | None = None
+
+    def head_weight(self) -> torch.Tensor:
+        """The head the forward multiplies by: the (tied or untied) head, or its draft vocabulary's rows."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return w if self.draft_vocab is None else self.draft_vocab.head(w)
 
     def fast_path(self) -> bool:
         if self.fast is None:
@@ -714,10 +733,10 @@ class Transformer(nn.Module):
         if inv is None:
             inv = self._inv_freq[dev] = rope_inv_freq(self.cfg).to(dev)
         st = step_state(start_pos, T, kv_len, rows, self.cfg.n_rep, inv, self.dtype, self.fast_path())
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits_at = None if logits_at is None else to_device(logits_at, dev)
         logits = decoder(tokens, self.embed_tokens.weight, self.layer_weights(), cache.k, cache.v, st,
-                         self.cfg.rms_norm_eps, self.norm.weight, w, last_only, logits_at, greedy, argmax_only)
+                         self.cfg.rms_norm_eps, self.norm.weight, self.head_weight(), last_only, logits_at, greedy,
+                         argmax_only, self.draft_vocab)
         if eager:
             for s, r in zip(sp, rw, strict=True):
                 cache.lengths[r] = s + T

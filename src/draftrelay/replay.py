@@ -110,6 +110,32 @@ class Trace:
         with open(path, "w") as f:
             json.dump(d, f, separators=(",", ":"))
 
+    def restricted(self, ids) -> Trace:
+        """The trace a drafter with a draft vocabulary (draft_vocab.py) would have recorded: each position's
+        top tokens filtered to `ids`, in their recorded order (the restricted head's ranking is the full
+        head's ranking of the ids it keeps, so its top-1 is the first recorded token it keeps). Where none
+        of the recorded top-F is kept, the restricted drafter's choice is unknown; it is taken to be a
+        kept id other than the target's token (probability 0), so the position is never accepted: a
+        lower bound on the restricted drafter's acceptance. Probabilities stay as recorded (the full
+        softmax's, not renormalised over the kept ids)."""
+        keep = np.zeros(max(self.vocab_size, int(np.max(ids)) + 1, self.max_token() + 1), bool)
+        keep[np.asarray(ids, np.int64)] = True
+        spare = [int(t) for t in np.flatnonzero(keep)[:2]]
+        entries = []
+        for e in self.entries:
+            tops, probs = [], []
+            for j, row in enumerate(e.draft_top):
+                kept = [r for r, t in enumerate(row) if keep[t]]
+                if kept:
+                    tops.append([row[r] for r in kept])
+                    probs.append([e.draft_prob[j][r] for r in kept] if e.draft_prob else [])
+                else:
+                    tops.append([spare[0] if spare[0] != e.target[j] else spare[1]])
+                    probs.append([0.0])
+            entries.append(TraceEntry(e.prompt, e.target, tops, probs if e.draft_prob else [], e.name))
+        return Trace(f"{self.pair}, drafts restricted to {int(keep.sum())} ids", self.top_f, entries,
+                     self.vocab_size, {**self.meta, "draft_vocab": int(keep.sum())})
+
     def max_token(self) -> int:
         return max(max(*e.prompt, *e.target, *(t for r in e.draft_top for t in r)) for e in self.entries)
 
@@ -547,15 +573,23 @@ class ReplayDrafter:
 
 
 def load_replay_drafter(spec: str, load_inner, *, n_rows: int, max_ctx: int, n_out_max: int,
-                        model_id: str = "") -> ReplayDrafter:
+                        model_id: str = "", draft_vocab: str = "") -> ReplayDrafter:
     """`replay:TRACE.json:INNER` (INNER: any drafter spec, whose forward gives the cost) or
     `replay:TRACE.json:emulated=COST.json` (a drafter on an emulated second device: measured wall
-    time, no GPU work). `load_inner(spec)` loads INNER."""
+    time, no GPU work). `load_inner(spec)` loads INNER. draft_vocab (draft_vocab.DraftVocab.parse):
+    the trace's drafts restricted to those ids (Trace.restricted); the cost is then the restricted
+    drafter's (INNER loaded with it, or a cost table measured with it)."""
     body = spec[len("replay:"):]
     path, sep, inner = body.partition(":")
     if not sep or not path or not inner:
         raise TraceError(f"--model {spec!r}: expected replay:TRACE.json:INNER or replay:TRACE.json:emulated=COST.json")
     trace = Trace.load(path)
+    if draft_vocab:
+        from draftrelay.draft_vocab import DraftVocab
+
+        vocab = DraftVocab.parse(draft_vocab, trace.vocab_size or trace.max_token() + 1)
+        if vocab is not None:
+            trace = trace.restricted(vocab.ids.numpy())
     if inner.startswith("emulated="):
         cost = CostTable.load(inner[len("emulated="):])
         return ReplayDrafter(trace, cost=cost, n_rows=n_rows, max_ctx=max_ctx, n_out_max=n_out_max,

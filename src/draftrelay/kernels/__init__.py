@@ -9,8 +9,8 @@ plain-torch definitions: the same function, not faster). Both modules define
     use_norm_linear(rows, w) -> whether the forward takes norm_linear for that product
     linear(x, w, b) -> x @ w^T + b
     act_linear(gu, w, b) -> silu_mul(gu) @ w^T + b
-    greedy_pick(logits) -> (argmax, its softmax probability)
-    greedy_top(logits, m) -> greedy_pick's two and the m most likely ids with their probabilities
+    greedy_pick(logits, ids=None) -> (argmax, its softmax probability); ids: columns -> token ids
+    greedy_top(logits, m, ids=None) -> greedy_pick's two and the m most likely ids with their probabilities
     silu_mul(gu) -> silu(gate) * up
     rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows) -> q rotated (k, v into the cache)
     decode_attention(q, ck, cv, rows, start, kv_len) -> causal GQA attention over the cache rows

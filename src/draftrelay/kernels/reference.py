@@ -51,26 +51,32 @@ def act_linear(gu: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     return torch.nn.functional.linear(silu_mul(gu), w, b)
 
 
-def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype) -> (argmax int64 [B], its softmax probability float32 [B]):
     greedy drafting's token and confidence. Ties go to the lower id (torch.argmax); the probability is
-    computed in fp32 from the logits as given (softmax at the argmax: 1 / sum exp(l - max))."""
+    computed in fp32 from the logits as given (softmax at the argmax: 1 / sum exp(l - max)). ids (int64
+    [V], ascending: a draft vocabulary's, draft_vocab.py): column j is token ids[j], the token returned is
+    that id (ascending, so a tie still goes to the lower id)."""
     lf = logits.float()
     tok = lf.argmax(-1)
-    return tok, torch.softmax(lf, -1).gather(-1, tok[:, None])[:, 0]
+    conf = torch.softmax(lf, -1).gather(-1, tok[:, None])[:, 0]
+    return (tok if ids is None else ids[tok]), conf
 
 
-def greedy_top(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_top(logits: torch.Tensor, m: int,
+               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype), 1 <= m <= V -> (token int64 [B], confidence float32 [B], top ids
     int64 [B, m], their probabilities float32 [B, m]): greedy_pick's token and confidence, and the m most
     likely ids in descending order, ties to the lower id (a stable sort), each with its softmax probability
-    computed as exp(l - max) * confidence (ids[:, 0] is the token, probs[:, 0] its confidence)."""
+    computed as exp(l - max) * confidence (ids[:, 0] is the token, probs[:, 0] its confidence). ids: as
+    greedy_pick's, every id returned mapped through it."""
     if not 1 <= m <= logits.shape[-1]:
         raise ValueError(f"greedy_top: m={m} outside 1..{logits.shape[-1]} (the vocabulary)")
-    tok, conf = greedy_pick(logits)
+    tok, conf = greedy_pick(logits, ids)
     lf = logits.float()
     v, i = torch.sort(lf, dim=-1, descending=True, stable=True)
     v, i = v[:, :m], i[:, :m]
+    i = i if ids is None else ids[i]
     return tok, conf, i.contiguous(), (torch.exp(v - v[:, :1]) * conf[:, None]).contiguous()
 
 

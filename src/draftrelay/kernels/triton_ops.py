@@ -960,8 +960,8 @@ def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.const
 
 
 @triton.jit
-def _pick_merge_kernel(pm_ptr, pi_ptr, ps_ptr, tok_ptr, conf_ptr, V, n_chunk, NC: tl.constexpr,
-                       PDL: tl.constexpr):
+def _pick_merge_kernel(pm_ptr, pi_ptr, ps_ptr, tok_ptr, conf_ptr, ids_ptr, V, n_chunk, NC: tl.constexpr,
+                       IDS: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
@@ -974,13 +974,16 @@ def _pick_merge_kernel(pm_ptr, pi_ptr, ps_ptr, tok_ptr, conf_ptr, V, n_chunk, NC
     mx = tl.max(m, axis=0)
     idx = tl.min(tl.where(m == mx, i, V), axis=0)  # chunks in id order: the lowest id overall
     total = tl.sum(tl.where(cm, s * tl.exp(m - mx), 0.0), axis=0)
+    if IDS:  # a draft vocabulary's column -> its token id, here instead of a gather launch after the pick
+        idx = tl.load(ids_ptr + idx)
     tl.store(tok_ptr + b, idx.to(tl.int64))
     tl.store(conf_ptr + b, 1.0 / total)  # softmax at the argmax: exp(0) / sum exp(l - max)
 
 
-def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.greedy_pick (ids included) in two launches."""
     if P.MODE == "off":
-        return R.greedy_pick(logits)
+        return R.greedy_pick(logits, ids)
     logits = logits.contiguous()
     B, V = logits.shape
     nc = triton.cdiv(V, PICK_CHUNK)
@@ -991,7 +994,8 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _pick_part_kernel[(B, nc)](logits, pm, pi, ps, V, nc, CHUNK=PICK_CHUNK, PDL=pdl, num_warps=8, **_launch_kw(pdl))
     tok = torch.empty(B, device=logits.device, dtype=torch.int64)
     conf = torch.empty(B, device=logits.device, dtype=torch.float32)
-    _pick_merge_kernel[(B,)](pm, pi, ps, tok, conf, V, nc, NC=max(16, triton.next_power_of_2(nc)), PDL=pdl,
+    _pick_merge_kernel[(B,)](pm, pi, ps, tok, conf, pi if ids is None else ids, V, nc,
+                             NC=max(16, triton.next_power_of_2(nc)), IDS=ids is not None, PDL=pdl,
                              num_warps=1, **_launch_kw(pdl))
     return tok, conf
 
@@ -1026,8 +1030,8 @@ def _top_part_kernel(l_ptr, tv_ptr, ti_ptr, ps_ptr, V, n_chunk, M: tl.constexpr,
 
 
 @triton.jit
-def _top_merge_kernel(tv_ptr, ti_ptr, ps_ptr, tok_ptr, conf_ptr, oi_ptr, op_ptr, V, n_chunk, M: tl.constexpr,
-                      NC: tl.constexpr, NM: tl.constexpr, PDL: tl.constexpr):
+def _top_merge_kernel(tv_ptr, ti_ptr, ps_ptr, tok_ptr, conf_ptr, oi_ptr, op_ptr, ids_ptr, V, n_chunk,
+                      M: tl.constexpr, NC: tl.constexpr, NM: tl.constexpr, IDS: tl.constexpr, PDL: tl.constexpr):
     # one row: the m largest of the chunks' candidates (lowest id first among equals: ids are unique, so
     # taking by id is exact), the confidence from the chunk sums as _pick_merge_kernel forms it
     b = tl.program_id(0).to(tl.int64)
@@ -1051,19 +1055,23 @@ def _top_merge_kernel(tv_ptr, ti_ptr, ps_ptr, tok_ptr, conf_ptr, oi_ptr, op_ptr,
     for j in tl.static_range(M):
         vj = tl.max(tl.where(alive, v, float("-inf")), axis=0)
         ij = tl.min(tl.where(alive & (v == vj), i, V), axis=0)
+        tid = ij
+        if IDS:  # a draft vocabulary's column -> its token id (ascending ids: the order is the same)
+            tid = tl.load(ids_ptr + ij)
         if j == 0:
-            tl.store(tok_ptr + b, ij.to(tl.int64))
-        tl.store(oi_ptr + b * M + j, ij.to(tl.int64))
+            tl.store(tok_ptr + b, tid.to(tl.int64))
+        tl.store(oi_ptr + b * M + j, tid.to(tl.int64))
         tl.store(op_ptr + b * M + j, tl.exp(vj - pm) * conf)
         alive = alive & (i != ij)
 
 
-def greedy_top(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference.greedy_top in two launches: per (row, chunk of TOP_CHUNK) its m largest and sum of
-    exponentials, then per row the m largest of those. torch.topk over a [32, 151936] bf16 tensor took
+def greedy_top(logits: torch.Tensor, m: int,
+               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.greedy_top (ids included) in two launches: per (row, chunk of TOP_CHUNK) its m largest and
+    sum of exponentials, then per row the m largest of those. torch.topk over a [32, 151936] bf16 tensor took
     ~120 us on an H200 (one radix select per row), this ~10 (benchmarks/branch_work.py)."""
     if P.MODE == "off":
-        return R.greedy_top(logits, m)
+        return R.greedy_top(logits, m, ids)
     logits = logits.contiguous()
     B, V = logits.shape
     if not 1 <= m <= V:
@@ -1078,11 +1086,12 @@ def greedy_top(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor
                               **_launch_kw(pdl))
     tok = torch.empty(B, device=dev, dtype=torch.int64)
     conf = torch.empty(B, device=dev, dtype=torch.float32)
-    ids = torch.empty(B, m, device=dev, dtype=torch.int64)
+    top = torch.empty(B, m, device=dev, dtype=torch.int64)
     probs = torch.empty(B, m, device=dev, dtype=torch.float32)
-    _top_merge_kernel[(B,)](tv, ti, ps, tok, conf, ids, probs, V, nc, M=m, NC=max(16, triton.next_power_of_2(nc)),
-                            NM=max(16, triton.next_power_of_2(nc * m)), PDL=pdl, num_warps=4, **_launch_kw(pdl))
-    return tok, conf, ids, probs
+    _top_merge_kernel[(B,)](tv, ti, ps, tok, conf, top, probs, ti if ids is None else ids, V, nc, M=m,
+                            NC=max(16, triton.next_power_of_2(nc)), NM=max(16, triton.next_power_of_2(nc * m)),
+                            IDS=ids is not None, PDL=pdl, num_warps=4, **_launch_kw(pdl))
+    return tok, conf, top, probs
 
 
 @functools.lru_cache(maxsize=8)

@@ -521,12 +521,16 @@ def _planned() -> int:
 def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows: int = 16, max_ctx: int = 4096,
                  n_out_max: int = 8, seed: int | None = None, model_id: str = "", test_vocab: int = 1000,
                  slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1, mode: str = "auto",
-                 quant: str = "none") -> Drafter:
+                 quant: str = "none", draft_vocab: str = "") -> Drafter:
     """`tiny` (the drafter half of model.tiny_pair), `test` (TestDrafter), `random:SHAPE`
     (SHAPES at seeded random weights), a local HF model directory, a GGUF file, or (benchmarks only)
     `replay:TRACE.json:INNER` / `replay:TRACE.json:emulated=COST.json` (draftrelay.replay).
     quant "int8" / "int4": the layers' products on int8 / int4 weights (worker/quant.py; a CPU drafter in the
-    lean loop)."""
+    lean loop). draft_vocab: the head restricted to a draft vocabulary (draft_vocab.DraftVocab.parse: N
+    for ids 0..N-1, FILE.npy[:N] for a ranking file's first N; '' the whole head); a replay drafter
+    restricts its trace's drafts to the same ids (replay.Trace.restricted)."""
+    if draft_vocab and spec == "test":
+        raise ValueError(f"--draft-vocab {draft_vocab}: the 'test' drafter has no head to restrict")
     if quant != "none" and (spec == "test" or spec.startswith("replay:")):
         raise ValueError(f"--quant {quant}: the {spec.split(':')[0]!r} drafter has no weights to quantize")
     if spec == "test":
@@ -536,7 +540,8 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
 
         return load_replay_drafter(spec, lambda inner: load_drafter(
             inner, device=device, dtype=dtype, n_rows=n_rows, max_ctx=max_ctx, n_out_max=n_out_max, seed=seed,
-            model_id=model_id, mode=mode), n_rows=n_rows, max_ctx=max_ctx, n_out_max=n_out_max, model_id=model_id)
+            model_id=model_id, mode=mode, draft_vocab=draft_vocab), n_rows=n_rows, max_ctx=max_ctx,
+            n_out_max=n_out_max, model_id=model_id, draft_vocab=draft_vocab)
     import torch
 
     from draftrelay import model as M
@@ -552,6 +557,12 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
 
         return "graph" if dev.type == "cuda" else "lean" if lean.supports(net) else "eager"
 
+    def restricted(net):  # before LlamaDrafter: the lean loop and the graphs take the head as it is then
+        from draftrelay.draft_vocab import DraftVocab
+
+        net.draft_vocab = DraftVocab.parse(draft_vocab, net.cfg.vocab_size)
+        return net
+
     if dtype == "auto":
         tdtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     else:
@@ -559,6 +570,7 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     if spec == "tiny":
         s = M.TINY_SEED if seed is None else seed
         _, net = M.tiny_pair(s, device=dev, dtype=tdtype)
+        net = restricted(net)
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or M.tiny_model_id(s), M.TINY_TOKENIZER_ID,
                             mode_for(net), quant)
     if spec.startswith("random:"):
@@ -566,19 +578,19 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         if name not in SHAPES:
             raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
         cfg = M.ModelConfig(**SHAPES[name], name=name)
-        net = M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype, draw_on="device")
+        net = restricted(M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype, draw_on="device"))
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "",
                             mode_for(net), quant)
     if spec.lower().endswith(".gguf") and not os.path.isdir(spec):
         from draftrelay.checkpoint import gguf
 
         ck = gguf.read_gguf(spec)
-        net = gguf.load_gguf(spec, device=dev, dtype=None if dtype == "auto" else tdtype, checkpoint=ck)
+        net = restricted(gguf.load_gguf(spec, device=dev, dtype=None if dtype == "auto" else tdtype, checkpoint=ck))
         mid = model_id or os.path.basename(os.path.abspath(spec))
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, ck.vocab.digest(), mode_for(net), quant)
     if not os.path.isdir(spec):
         raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', an existing directory, "
                            "nor a .gguf file")
-    net = hf.load_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype)
+    net = restricted(hf.load_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype))
     mid = model_id or os.path.basename(os.path.abspath(spec))
     return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode_for(net), quant)

@@ -123,7 +123,8 @@ def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: 
                  logits_at: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
     """tokens [B, T] (device int64) at positions start[b].. of forked rows rows[b] of `cache` (their keys
     below pivot[b] in row parent[b] of `parent_cache`) -> fp32 logits [B, T, V] ([B, 1, V] with logits_at;
-    raw: the head's output in the model's dtype, the same values before the fp32 cast). Writes the T new
+    raw: the head's output in the model's dtype, the same values before the fp32 cast; with a draft
+    vocabulary only its columns, which the pick maps to token ids: model.draft_vocab.ids_on). Writes the T new
     K/V into the forked rows at their positions; kv_len >= every start + T (static)."""
     dev = model.device
     B, T = tokens.shape
@@ -145,9 +146,9 @@ def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: 
         red = M.out_product(o, w.wo, st)
         x, red = M.mlp_down(x, red, w, st, eps)
     st.kernels = base
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head, vocab = model.head_weight(), model.draft_vocab
     if not raw:
-        return M.head_logits(x, red, st, model.norm.weight, head, eps, logits_at=logits_at)
+        return M.head_logits(x, red, st, model.norm.weight, head, eps, logits_at=logits_at, vocab=vocab)
     _, x = base.add_rms_norm(x, red, model.norm.weight, eps)  # head_logits' steps, without its fp32 cast
     if logits_at is not None:
         x = x[torch.arange(B, device=x.device), logits_at][:, None]
@@ -260,6 +261,6 @@ class LeanFork:
             red = p_d(F.silu(gu[..., :m]) * gu[..., m:])
         x = x + red.to(x.dtype)
         if pick is None:
-            return M.linear(ln._norm(x, ln.final_norm), ln.head).float()
+            return ln.logits(ln._norm(x, ln.final_norm))
         x = x[torch.arange(B), pick][:, None]
-        return M.linear(ln._norm(x, ln.final_norm), ln.head).float()[:, 0]
+        return ln.logits(ln._norm(x, ln.final_norm))[:, 0]

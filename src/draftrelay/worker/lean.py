@@ -48,7 +48,8 @@ class LeanSteps:
         # (worker/quant.py: fewer bytes a draft, approximate drafts; the target's verify keeps the output)
         self.prods = Q.layer_products(self.layers, quant)
         self.embed = model.embed_tokens.weight
-        self.head = self.embed if model.lm_head is None else model.lm_head.weight
+        self.head = model.head_weight()  # the draft vocabulary's rows where the model has one
+        self.vocab = model.draft_vocab
         self.final_norm, self.eps = model.norm.weight, cfg.rms_norm_eps
         self.H, self.HK, self.D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.n_rep, self.d = cfg.n_rep, cfg.hidden_size
@@ -136,11 +137,19 @@ class LeanSteps:
             got = greedy_head.head_pick(hn[:, 0], self.head, None if min_conf is None else torch.from_numpy(min_conf))
             if got is not None:
                 self.screened += 1
-                return got[0], got[1].numpy()
+                return self._token(got[0]), got[1].numpy()
         self.full += 1
         logits = M.linear(hn, self.head).float()[:, 0]
         tok = logits.argmax(-1)
-        return tok, torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0].float().numpy()
+        return self._token(tok), torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0].float().numpy()
+
+    def _token(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.vocab is None else self.vocab.token(idx)
+
+    def logits(self, hn: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of normed hidden states at the vocabulary's width (-inf outside a draft vocabulary)."""
+        out = M.linear(hn, self.head).float()
+        return out if self.vocab is None else self.vocab.widen(out)
 
     def run(self, jobs, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         """LlamaDrafter.run for jobs whose extensions are all short: roll back, extend (right-padded, one

@@ -139,6 +139,10 @@ class ForkSteps:
             self.cache = None
             self._steps.clear()  # static steps read the old cache's tensors
             self._bonus = None
+            # and a fresh pool for the new steps: with every graph of the old one freed while a block of
+            # it is still held, a capture into it fails torch's check (use_count > 0, seen on the H200
+            # once the 32K table grew the rows), and the branch steps would run uncaptured from then on
+            self._capture = None
             self.cache = self.d.model.new_cache(n + 1, self.d.cache.max_len)
             self.n_rows = n
 
@@ -201,7 +205,8 @@ class ForkSteps:
         (kernels.greedy_top; a torch top-k over the vocabulary cost ~120 us on an H200)."""
         from draftrelay.kernels import backend
 
-        return backend(logits.device).greedy_top(logits, m)
+        vocab = self.d.model.draft_vocab  # raw outputs hold a draft vocabulary's columns only (fork_forward)
+        return backend(logits.device).greedy_top(logits, m, None if vocab is None else vocab.ids_on(logits.device))
 
     def _top(self, lf, m: int):
         probs = self.torch.softmax(lf, -1)

@@ -154,6 +154,9 @@ def shard_model(model: Transformer, world: int, rank: int, device: torch.device 
     """Rank `rank`'s weights: exact row / column slices of the full tensors (copied to `device`)."""
     cfg = model.cfg
     check_split(cfg, world)
+    if model.draft_vocab is not None:
+        raise ValueError(f"{cfg.name or 'model'}: a draft vocabulary ({model.draft_vocab}) runs on one card, not "
+                         f"split over tp {world}")
     dev = torch.device(device)
     hd, rep = cfg.head_dim, cfg.n_rep
     kv_r = cfg.n_kv_heads // world
