@@ -198,3 +198,34 @@ def test_pick_and_top_with_ids_are_the_widened_logits_pick():
     t2, c2, top, probs = R.greedy_top(sub, 6, dv.ids)
     w2, wc, wtop, wprobs = R.greedy_top(wide, 6)
     assert torch.equal(t2, w2) and torch.equal(top, wtop) and torch.allclose(probs, wprobs)
+
+
+def test_generate_with_a_restricted_local_drafter_is_the_target_only_output(capsys):
+    from draftrelay import cli, demo_pair
+
+    target, drafter = demo_pair.paths()  # a 2,048-id vocabulary: the drafter keeps its first 1,024
+    base = ["generate", "def add(a, b):", "--model", target, "--drafter", drafter, "--device", "cpu",
+            "--max-tokens", "24", "--k", "4"]
+    assert cli.main([*base, "--mode", "off"]) == 0
+    want = capsys.readouterr().out.split("\n")[0]
+    assert cli.main([*base, "--mode", "sync", "--drafter-vocab", "1024"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == want and want
+
+
+def test_generate_and_serve_name_a_bad_drafter_vocab(tmp_path, capsys):
+    import argparse
+
+    from draftrelay import cli
+    from draftrelay.serve import cli as serve_cli
+
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    for flags, words in [(["--drafter-vocab", "0"], "--drafter-vocab 0: must be a positive"),
+                         (["--drafter-vocab", "/no/such.npy:8"], "--drafter-vocab /no/such.npy:8: expected N"),
+                         (["--drafter-vocab", "64", "--worker", "h:1"], "--drafter-vocab 64: the local worker's")]:
+        assert serve_cli._check(p.parse_args(flags)).startswith(words)
+    ranking = tmp_path / "r.npy"
+    np.save(ranking, np.arange(10))
+    assert serve_cli._check(p.parse_args(["--drafter-vocab", f"{ranking}:4"])) == ""
+    assert cli.main(["generate", "x", "--drafter-vocab", "abc"]) == 2
+    assert "--drafter-vocab abc: expected N or FILE.npy[:N]" in capsys.readouterr().err

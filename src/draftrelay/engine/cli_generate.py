@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what the proxy allows one round (default: from the worker's measured STEP)")
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
     add_drafter_quant(p)
+    add_drafter_vocab(p)
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (async): the worker pre-drafts F branches per request during each "
                         "verify (no value: 8)")
@@ -106,6 +108,31 @@ def add_drafter_quant(p: argparse.ArgumentParser) -> None:
                         "approximate drafts; the output is the target's either way)")
 
 
+def add_drafter_vocab(p: argparse.ArgumentParser) -> None:
+    """--drafter-vocab, as `draftrelay generate` and `draftrelay serve` take it (checked by
+    local_vocab_problems): the local worker's --draft-vocab."""
+    p.add_argument("--drafter-vocab", default="", metavar="N|FILE.npy[:N]",
+                   help="the local worker's --draft-vocab: its drafter's head restricted to ids 0..N-1 (or a "
+                        "ranking file's first N); faster drafts on a GPU (32768 on Qwen2.5), tokens outside it "
+                        "never drafted; the output is the target's either way. Default: the whole head")
+
+
+def local_vocab_problems(vocab: str, worker: str) -> list[str]:
+    """Why --drafter-vocab cannot apply (none when it can): a remote worker takes --draft-vocab itself; the
+    value is N > 0 or an existing ranking file (the worker checks it against its vocabulary)."""
+    if not vocab:
+        return []
+    if worker:
+        return [f"--drafter-vocab {vocab}: the local worker's setting; a remote worker takes --draft-vocab itself"]
+    if vocab.isdigit():
+        return [] if int(vocab) > 0 else [f"--drafter-vocab {vocab}: must be a positive number of ids"]
+    head, _, tail = vocab.rpartition(":")
+    path = head if tail.isdigit() else vocab
+    if not os.path.exists(path):
+        return [f"--drafter-vocab {vocab}: expected N or FILE.npy[:N]; {path!r} does not exist"]
+    return []
+
+
 def local_quant_problems(quant: str, device: str, worker: str) -> list[str]:
     """Why --drafter-quant cannot apply (none when it can): it sets the local worker's --quant, which runs
     on a CPU drafter only; a remote worker (--worker) is started with its own. Shared with `draftrelay serve`."""
@@ -142,6 +169,7 @@ def check_flags(args: argparse.Namespace) -> list[str]:
         bad.append(f"--worker-threads {args.worker_threads}: must be 0 (all cores) or more")
     bad += local_quant_problems(getattr(args, "drafter_quant", "none"), getattr(args, "device", "cpu"),
                                 getattr(args, "worker", ""))
+    bad += local_vocab_problems(getattr(args, "drafter_vocab", ""), getattr(args, "worker", ""))
     if getattr(args, "metrics_port", 0) and not 0 < args.metrics_port < 65536:
         bad.append(f"--metrics-port {args.metrics_port}: must be 1-65535")
     spec_cache = getattr(args, "spec_cache", 0)
@@ -248,7 +276,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
             if not args.worker:
                 try:
                     worker = L.start_local_worker(args.drafter, dev, k_max, max_len + 64, 1, args.worker_threads,
-                                                  quant=args.drafter_quant)
+                                                  quant=args.drafter_quant, draft_vocab=args.drafter_vocab)
                     host, port = worker.host, worker.port
                 except RuntimeError as exc:
                     rc = _warn_target_only(args, f"the local worker did not start: {exc}")

@@ -112,7 +112,7 @@ def default_threads() -> int:
 
 def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int,
                        threads: int = 0, dtype: str = "", warm_batch: int = 0, warm_max_kv: int = 0,
-                       quant: str = "none"):
+                       quant: str = "none", draft_vocab: str = ""):
     """A `draftrelay worker` child process on a free loopback port.
 
     threads (CPU): the worker's torch threads; 0 = every core this process may use. The target and
@@ -124,13 +124,14 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
     size or context would otherwise wait for a capture, past its deadline); warm_max_kv > 0: only for
     contexts up to that many tokens (fewer graphs, a shorter start; longer contexts capture on first
     use). quant: the worker's --quant (int8 / int4: a CPU drafter's products on int8 / int4 weights,
-    worker/quant.py)."""
+    worker/quant.py). draft_vocab: the worker's --draft-vocab (its head restricted, draft_vocab.py)."""
     from draftrelay.worker.process import start_worker_process
 
     args = ["--model", drafter, "--device", str(device), "--n-out-max", str(max(8, n_draft)),
             *(["--dtype", dtype or "float32"] if drafter == "tiny" or dtype else []),
             "--max-ctx", str(max_ctx), "--rows", str(max(16, rows)), "--max-requests", str(max(16, rows)),
-            *(["--quant", quant] if quant != "none" else [])]
+            *(["--quant", quant] if quant != "none" else []),
+            *(["--draft-vocab", draft_vocab] if draft_vocab else [])]
     if warm_batch > 0 and device.type == "cuda" and n_draft > 0:
         args += ["--warm-graphs", str(n_draft), "--warm-batch", str(warm_batch)]
         if warm_max_kv > 0:

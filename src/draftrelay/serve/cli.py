@@ -19,7 +19,12 @@ import socket
 import sys
 import threading
 
-from draftrelay.engine.cli_generate import add_drafter_quant, local_quant_problems
+from draftrelay.engine.cli_generate import (
+    add_drafter_quant,
+    add_drafter_vocab,
+    local_quant_problems,
+    local_vocab_problems,
+)
 
 CPU_WARMUP_PROMPT = 8192  # the warm-up's longest prompt on a CPU unless --warmup-prompt-len says
 
@@ -31,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter of the local worker: 'tiny', a local HF directory or a .gguf file")
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
     add_drafter_quant(p)
+    add_drafter_vocab(p)
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
@@ -97,7 +103,8 @@ def _check(args: argparse.Namespace) -> str:
         return f"--threads must be 'auto' or a thread count (0: torch's own), got {args.threads!r}"
     if args.spec_cache and args.k < 1:
         return f"--spec-cache needs --k >= 1 (drafts to branch), got --k {args.k}"
-    return next(iter(local_quant_problems(args.drafter_quant, args.device, args.worker)), "")
+    return next(iter(local_quant_problems(args.drafter_quant, args.device, args.worker)
+                     + local_vocab_problems(args.drafter_vocab, args.worker)), "")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -275,7 +282,8 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch,
                                                   warm_batch=0 if args.no_warmup else args.max_batch,
-                                                  warm_max_kv=args.worker_warm_max_kv, quant=args.drafter_quant)
+                                                  warm_max_kv=args.worker_warm_max_kv, quant=args.drafter_quant,
+                                                  draft_vocab=args.drafter_vocab)
                 except RuntimeError as exc:
                     say(f"the local worker did not start: {exc}")
                     return 1
