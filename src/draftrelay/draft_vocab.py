@@ -98,7 +98,8 @@ class DraftVocab:
 
     def head(self, w: torch.Tensor) -> torch.Tensor:
         """The head's rows of the kept ids, made once per head tensor (a copy: row-contiguous for the
-        product; for the 0.5B at 32,768 ids 59 MB in bf16)."""
+        product; for the 0.5B at 32,768 ids 59 MB in bf16). Set the vocabulary once the weights are loaded:
+        a head written in place afterwards keeps its old copy here."""
         key = (w.data_ptr(), w.device, w.dtype, tuple(w.shape))
         h = self._heads.get(key)
         if h is None:

@@ -129,8 +129,8 @@ class Trace:
                 if kept:
                     tops.append([row[r] for r in kept])
                     probs.append([e.draft_prob[j][r] for r in kept] if e.draft_prob else [])
-                else:
-                    tops.append([spare[0] if spare[0] != e.target[j] else spare[1]])
+                else:  # (a vocabulary of the target's token alone drafts it: then that is right)
+                    tops.append([next((t for t in spare if t != e.target[j]), spare[0])])
                     probs.append([0.0])
             entries.append(TraceEntry(e.prompt, e.target, tops, probs if e.draft_prob else [], e.name))
         return Trace(f"{self.pair}, drafts restricted to {int(keep.sum())} ids", self.top_f, entries,
