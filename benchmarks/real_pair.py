@@ -30,6 +30,11 @@ Modes (`--modes`, comma-separated):
   cache-raw:K/F[/RULE]     the same without the guard: every step a cache step
   MODE@QUANT               a sync, async or cache mode with the drafter worker's --quant QUANT (none, int8,
                            int4) instead of --drafter-quant's: one worker per quant, every mode interleaved
+  MODE+vocabN              a sync, async or cache mode with the drafter worker's --draft-vocab N (its head
+                           restricted to ids 0..N-1, draft_vocab.py; e.g. sync:auto+vocab32768; N at least
+                           the drafter's vocabulary: the whole head); combines with @QUANT in either order
+                           (cache:auto4/8+vocab32768@int4): one worker per quant and draft vocabulary,
+                           every mode interleaved
   hf                       transformers' plain greedy generate
   hf-assisted:K            transformers' assisted generation, constant K drafts (confidence threshold off)
   hf-assisted:heuristic    transformers' assisted generation with its own defaults (heuristic schedule)
@@ -104,19 +109,65 @@ def engine_mode(m: str, k_max: int) -> tuple[str, bool, int, float]:
     return kind, auto, int(k), s
 
 
+SPEC_KINDS = ("sync", "async", "cache", "cache-raw")  # the modes that draft (a drafter worker's)
+VOCAB_SUFFIX = "+vocab"
+
+
+def mode_suffixes(m: str) -> tuple[str, str | None, str | None]:
+    """MODE[@QUANT][+vocabN] (either order) -> (MODE, QUANT or None, N's text or None); ValueError (naming
+    what is wrong) for a suffix given twice or an empty MODE. The values are checked by parse_modes."""
+    base, quant, vocab = "", None, None
+    rest = m
+    while rest:
+        cut = min((i for i in (rest.find("@", 1), rest.find(VOCAB_SUFFIX, 1)) if i > 0), default=len(rest))
+        part, rest = rest[:cut], rest[cut:]
+        if not base and not part.startswith(("@", VOCAB_SUFFIX)):
+            base = part
+        elif part.startswith("@") and quant is None:
+            quant = part[1:]
+        elif part.startswith(VOCAB_SUFFIX) and vocab is None:
+            vocab = part[len(VOCAB_SUFFIX):]
+        else:
+            raise ValueError(f"a second {'@QUANT' if part.startswith('@') else VOCAB_SUFFIX + 'N'} ({part!r})"
+                             if base else "no mode before its suffix")
+    if not base:
+        raise ValueError("no mode before its suffix")
+    return base, quant, vocab
+
+
 def mode_quant(m: str, default: str) -> tuple[str, str]:
-    """(the mode without its @QUANT suffix, the drafter quant it runs with: the suffix's, else default)."""
-    base, at, q = m.partition("@")
-    return base, (q if at else default)
+    """(the mode without its @QUANT and +vocabN suffixes, the drafter quant it runs with: the suffix's, else
+    default)."""
+    base, q, _ = mode_suffixes(m)
+    return base, (q if q is not None else default)
+
+
+def mode_worker(m: str, default_quant: str) -> tuple[str, str, int]:
+    """(the mode without its suffixes, its drafter worker's quant, its draft vocabulary N: 0 = the whole head)."""
+    base, q, v = mode_suffixes(m)
+    return base, (q if q is not None else default_quant), int(v) if v else 0
+
+
+def worker_key(quant: str, vocab: int) -> str:
+    """A drafter worker's name in the results (round_timing) and the log: its quant, +vocabN if it has one."""
+    return quant + (f"{VOCAB_SUFFIX}{vocab}" if vocab else "")
 
 
 def parse_modes(s: str, k_max: int = 6) -> list[str]:
     out = []
     for full in (x.strip() for x in s.split(",") if x.strip()):
-        m, at, q = full.partition("@")
-        if at and (q not in QUANTS or not m.startswith(("sync", "async", "cache"))):
+        try:
+            m, q, v = mode_suffixes(full)
+        except ValueError as exc:
+            raise SystemExit(f"real_pair: --modes: {full!r}: {exc}") from None
+        spec = m.partition(":")[0] in SPEC_KINDS
+        if q is not None and (q not in QUANTS or not spec):
             raise SystemExit(f"real_pair: --modes: {full!r}: @QUANT ({', '.join(QUANTS)}) follows a sync, async "
                              f"or cache mode")
+        if v is not None and not (spec and v.isdigit() and int(v) >= 1):
+            raise SystemExit(f"real_pair: --modes: {full!r}: +vocabN (N a whole number of token ids, at least 1: "
+                             f"the drafter worker's --draft-vocab N) follows a sync, async or cache mode"
+                             + (f"; got N = {v!r}" if spec else f", not {m!r}"))
         kind, _, arg = m.partition(":")
         ok = (kind == "hf" and not arg) or (kind == "off" and arg in ("full-head", "even-probes", "mkl")) \
             or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
@@ -131,7 +182,8 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
             raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, off:even-probes, off:mkl, hf, "
                              f"sync:D[/S], async:D[/S] "
                              f"(D: auto, autoN or K <= 16; S: a confidence stop in [0, 1]), "
-                             f"cache[-raw]:K/F[/all|rows|early], hf-assisted:K|heuristic")
+                             f"cache[-raw]:K/F[/all|rows|early], hf-assisted:K|heuristic "
+                             f"(a drafting mode may add @QUANT and +vocabN)")
         out.append(full)
     return out
 
@@ -149,6 +201,14 @@ def _cache_arg(arg: str) -> tuple[int, int, str, bool] | None:
 
 
 # -- draftrelay ---------------------------------------------------------------------------------------
+def start_worker(drafter: str, n_draft: int, max_ctx: int, threads: int, dtype: str, quant: str, vocab: int):
+    """loading.start_local_worker on the CPU (4 rows), with the worker's --draft-vocab N where vocab > 0."""
+    from draftrelay.engine import loading as L
+
+    return L.start_local_worker(drafter, torch.device("cpu"), n_draft, max_ctx, 4, threads, dtype=dtype,
+                                quant=quant, draft_vocab=str(vocab) if vocab else "")
+
+
 def round_settings_for(spec: dict, prompt: list[int], depths: list[int]):
     """calibrate.round_settings with the worker's STEP measured at depth 1 and every mode's k_max."""
     from draftrelay.engine import calibrate as C
@@ -448,9 +508,14 @@ def print_table(dtype: str, table: dict[str, dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    modes_doc = __doc__[__doc__.index("Modes (`--modes`"):__doc__.index("The transformers models")].rstrip()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=modes_doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", default=",".join(PROMPTS), help=f"subset of {','.join(PROMPTS)} (or 'code'/'prose')")
-    ap.add_argument("--modes", default=DEFAULT_MODES)
+    ap.add_argument("--modes", default=DEFAULT_MODES,
+                    help="comma-separated modes (listed below); a sync, async or cache mode may add @QUANT (the "
+                         "drafter worker's --quant) and +vocabN (its --draft-vocab N: the head restricted to ids "
+                         "0..N-1), e.g. sync:auto+vocab32768,cache:auto4/8+vocab32768@int4")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
@@ -477,7 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         if not group and p not in PROMPTS:
             raise SystemExit(f"real_pair: --prompts: unknown prompt {p!r} (known: {', '.join(PROMPTS)}, code, prose)")
         names += [n for n in group or [p] if n not in names]
-    modes = parse_modes(args.modes, args.k_max)
+    try:
+        modes = parse_modes(args.modes, args.k_max)
+    except SystemExit as exc:  # argparse's error (usage, exit status 2), the message naming the value
+        ap.error(str(exc).removeprefix("real_pair: "))
     if args.threads != "auto":
         if not args.threads.isdigit():
             raise SystemExit(f"real_pair: --threads: 'auto' or a count, got {args.threads!r}")
@@ -528,29 +596,32 @@ def main(argv: list[str] | None = None) -> int:
         runners: dict[str, object] = {}
         hf_threads = torch.get_num_threads()
         try:
-            spec_modes = [mode_quant(m, args.drafter_quant) for m in modes
-                          if m.split(":")[0] in ("sync", "async", "cache", "cache-raw")]
-            specs: dict[str, tuple] = {}  # quant -> (worker spec, round settings)
+            spec_modes = [mode_worker(m, args.drafter_quant) for m in modes
+                          if m.split(":")[0] in SPEC_KINDS]
+            specs: dict[tuple, tuple] = {}  # (quant, draft vocab) -> (worker spec, round settings)
             if spec_modes:
                 max_ctx = max(len(x) for x in ids.values()) + args.max_tokens + 64
-                k_all = max([args.k_max] + [engine_mode(m, args.k_max)[2] for m, _ in spec_modes
+                k_all = max([args.k_max] + [engine_mode(m, args.k_max)[2] for m, _, _ in spec_modes
                                             if m.startswith(("sync", "async"))]
-                            + [_cache_arg(m.partition(":")[2])[0] for m, _ in spec_modes
+                            + [_cache_arg(m.partition(":")[2])[0] for m, _, _ in spec_modes
                                if m.startswith(("cache:", "cache-raw:"))])
                 timing = {}
-                for quant in dict.fromkeys(q for _, q in spec_modes):  # one worker per drafter quant
-                    workers[quant] = w = L.start_local_worker(
-                        str(DRAFTER), torch.device("cpu"), k_all, max_ctx, 4, args.worker_threads,
-                        dtype="float32" if ddtype == torch.float32 else "bfloat16", quant=quant)
+                # one worker per drafter quant and draft vocabulary
+                for quant, vocab in dict.fromkeys((q, v) for _, q, v in spec_modes):
+                    key = worker_key(quant, vocab)
+                    workers[key] = w = start_worker(
+                        str(DRAFTER), k_all, max_ctx, args.worker_threads,
+                        "float32" if ddtype == torch.float32 else "bfloat16", quant, vocab)
                     spec = L.worker_spec(w.host, w.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash, k_all, 8)
                     # the round budget follows the deepest mode; each mode's policy starts from the round costs
                     # measured at its own k_max (calibrate.py measures every depth asked)
-                    depths = [engine_mode(m, args.k_max)[2] for m, q in spec_modes
-                              if q == quant and m.startswith(("sync", "async"))]
+                    depths = [engine_mode(m, args.k_max)[2] for m, q, v in spec_modes
+                              if (q, v) == (quant, vocab) and m.startswith(("sync", "async"))]
                     rs = round_settings_for(spec, max(ids.values(), key=len), depths)
-                    specs[quant] = (spec, rs)
-                    timing[quant] = rs.timing.as_dict() if rs.timing else None
-                    print(f"[{dname}] drafter quant {quant}: {rs.note}", flush=True)
+                    specs[quant, vocab] = (spec, rs)
+                    timing[key] = rs.timing.as_dict() if rs.timing else None
+                    print(f"[{dname}] drafter quant {quant}"
+                          f"{f', draft vocabulary {vocab}' if vocab else ''}: {rs.note}", flush=True)
                 if len(timing) == 1:
                     timing = next(iter(timing.values()))
             hf_modes = [m for m in modes if m.startswith("hf")]
@@ -566,8 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                 hf_drafter = hf_model(drafter) if drafter is not None else None
             for mode in modes:
                 runners[mode] = HFRunner(hf, hf_drafter, tok, mode, ids, args, hf_threads) if mode.startswith("hf") \
-                    else EngineRunner(model, tok, mode_quant(mode, "")[0], ids, args,
-                                      *specs.get(mode_quant(mode, args.drafter_quant)[1], (None, None)))
+                    else EngineRunner(model, tok, mode_worker(mode, "")[0], ids, args,
+                                      *specs.get(mode_worker(mode, args.drafter_quant)[1:], (None, None)))
             # interleaved: every prompt of every repeat runs each mode once, the order rotating, so a change of
             # the machine's load hits every mode alike
             t_all = time.perf_counter()
