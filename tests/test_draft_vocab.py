@@ -58,7 +58,7 @@ def test_parse_and_refusals(tmp_path):
     np.save(path, ranking)
     assert DraftVocab.parse(f"{path}:2", V).ids.tolist() == [3, 200]
     assert DraftVocab.parse(str(path), V).ids.tolist() == [3, 9, 77, 200]
-    with pytest.raises(DraftVocabError, match="between 1 and"):
+    with pytest.raises(DraftVocabError, match="draft vocabulary 0: must be at least 1"):
         DraftVocab.parse("0", V)
     with pytest.raises(DraftVocabError, match="between 1 and the ranking's 4"):
         DraftVocab.parse(f"{path}:5", V)
@@ -103,7 +103,7 @@ def test_load_drafter_restricts_and_refuses():
 
 @pytest.mark.parametrize("args,words", [
     (["--model", "test", "--draft-vocab", "64"], "'test' drafter has no head"),
-    (["--model", "tiny", "--draft-vocab", "0"], "draft vocabulary 0: must be between 1 and"),
+    (["--model", "tiny", "--draft-vocab", "0"], "draft vocabulary 0: must be at least 1"),
     (["--model", "tiny", "--tp", "2", "--tp-mode", "emulate", "--draft-vocab", "64"], "not with --tp"),
 ])
 def test_worker_cli_names_a_bad_draft_vocab(args, words):
@@ -220,12 +220,13 @@ def test_generate_and_serve_name_a_bad_drafter_vocab(tmp_path, capsys):
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
-    for flags, words in [(["--drafter-vocab", "0"], "--drafter-vocab 0: must be a positive"),
+    for flags, words in [(["--drafter-vocab", "0"], "--drafter-vocab 0: must be at least 1"),
                          (["--drafter-vocab", "/no/such.npy:8"], "--drafter-vocab /no/such.npy:8: expected N"),
                          (["--drafter-vocab", "64", "--worker", "h:1"], "--drafter-vocab 64: the local worker's")]:
         assert serve_cli._check(p.parse_args(flags)).startswith(words)
     ranking = tmp_path / "r.npy"
     np.save(ranking, np.arange(10))
     assert serve_cli._check(p.parse_args(["--drafter-vocab", f"{ranking}:4"])) == ""
+    assert serve_cli._check(p.parse_args(["--drafter-vocab", "off"])) == ""  # the whole head, as the worker reads it
     assert cli.main(["generate", "x", "--drafter-vocab", "abc"]) == 2
-    assert "--drafter-vocab abc: expected N or FILE.npy[:N]" in capsys.readouterr().err
+    assert "--drafter-vocab abc: expected N, FILE.npy or FILE.npy:N; 'abc' does not exist" in capsys.readouterr().err

@@ -35,6 +35,32 @@ class DraftVocabError(ValueError):
     """A draft vocabulary that cannot be used; the message names the value."""
 
 
+def split_spec(spec: str | int | None) -> tuple[str, int | None] | None:
+    """A --draft-vocab value: None for the whole head ('', 'off', 'full', 'none'), ('', N) for N, (path, N or
+    None) for FILE.npy[:N]."""
+    s = "" if spec is None else str(spec).strip()
+    if s.lower() in ("", "off", "full", "none"):
+        return None
+    if s.isdigit():
+        return "", int(s)
+    head, _, tail = s.rpartition(":")
+    return (head, int(tail)) if head and tail.isdigit() else (s, None)
+
+
+def spec_problem(spec: str | int | None) -> str:
+    """What is wrong with a --draft-vocab value before a vocabulary is known ('' when nothing is; the reason
+    alone, its caller names the value)."""
+    parts = split_spec(spec)
+    if parts is None:
+        return ""
+    path, n = parts
+    if n is not None and n < 1:
+        return "must be at least 1 id"
+    if path and not os.path.exists(path):
+        return f"expected N, FILE.npy or FILE.npy:N; {path!r} does not exist"
+    return ""
+
+
 class DraftVocab:
     """The ids a drafter's head keeps (sorted, unique, within [0, vocab_size))."""
 
@@ -71,22 +97,22 @@ class DraftVocab:
 
     @classmethod
     def parse(cls, spec: str | int | None, vocab_size: int) -> DraftVocab | None:
-        """A command line's value: '' / None / 'off' / 'full' -> None (the whole head); N -> ids 0..N-1
-        (N at least the vocabulary: the whole head); FILE.npy or FILE.npy:N -> a ranking file's (first N) ids."""
-        if spec is None or str(spec).strip().lower() in ("", "off", "full", "none"):
+        """A command line's value (split_spec): none -> None (the whole head); N -> ids 0..N-1 (N at least
+        the vocabulary: the whole head); FILE.npy or FILE.npy:N -> a ranking file's (first N) ids."""
+        problem = spec_problem(spec)
+        if problem:
+            raise DraftVocabError(f"draft vocabulary {spec}: {problem}")
+        parts = split_spec(spec)
+        if parts is None:
             return None
-        s = str(spec).strip()
-        if s.isdigit():
-            return None if int(s) >= vocab_size else cls.top(int(s), vocab_size)
-        path, _, n = s.rpartition(":") if s.rpartition(":")[2].isdigit() else (s, "", "")
-        if not os.path.exists(path):
-            raise DraftVocabError(f"draft vocabulary {spec!r}: expected N, FILE.npy or FILE.npy:N; "
-                                  f"{path!r} does not exist")
+        path, n = parts
+        if not path:
+            return None if n >= vocab_size else cls.top(n, vocab_size)
         try:
             ranking = np.load(path)
         except (OSError, ValueError) as exc:
             raise DraftVocabError(f"draft vocabulary {spec!r}: cannot read {path!r}: {exc}") from None
-        return cls.top(int(n) if n else len(ranking), vocab_size, ranking)
+        return cls.top(len(ranking) if n is None else n, vocab_size, ranking)
 
     # -- the forward's side ------------------------------------------------------------------------------------
 

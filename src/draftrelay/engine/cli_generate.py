@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 
@@ -120,17 +119,14 @@ def add_drafter_vocab(p: argparse.ArgumentParser) -> None:
 def local_vocab_problems(vocab: str, worker: str) -> list[str]:
     """Why --drafter-vocab cannot apply (none when it can): a remote worker takes --draft-vocab itself; the
     value is N > 0 or an existing ranking file (the worker checks it against its vocabulary)."""
+    from draftrelay.draft_vocab import spec_problem
+
     if not vocab:
         return []
     if worker:
         return [f"--drafter-vocab {vocab}: the local worker's setting; a remote worker takes --draft-vocab itself"]
-    if vocab.isdigit():
-        return [] if int(vocab) > 0 else [f"--drafter-vocab {vocab}: must be a positive number of ids"]
-    head, _, tail = vocab.rpartition(":")
-    path = head if tail.isdigit() else vocab
-    if not os.path.exists(path):
-        return [f"--drafter-vocab {vocab}: expected N or FILE.npy[:N]; {path!r} does not exist"]
-    return []
+    problem = spec_problem(vocab)
+    return [f"--drafter-vocab {vocab}: {problem}"] if problem else []
 
 
 def local_quant_problems(quant: str, device: str, worker: str) -> list[str]:
