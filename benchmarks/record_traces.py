@@ -7,6 +7,11 @@ hits of any branch guess can be reconstructed (replay.count_accepted).
 
     python benchmarks/record_traces.py --model /work/refpair/target.gguf --drafter /work/refpair/drafter.gguf \\
         --out benchmarks/data/trace_qwen2.5-coder_0.5b-1.5b.json --max-tokens 128
+
+A drafter with a draft vocabulary (`--draft-vocab N`, draft_vocab.py) records its own top-F over the kept
+ids: the exact trace of that drafter, where replay.Trace.restricted only bounds it from the whole head's
+top-F. `--targets-from TRACE` takes the prompts and the target's continuations from a trace recorded with
+the same target (greedy: the same tokens) instead of decoding them again; only the drafter runs.
 """
 
 from __future__ import annotations
@@ -48,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-f", type=int, default=8, help="drafter tokens kept per position (default 8)")
     ap.add_argument("--pair", default="", help="the pair's name in the trace (default: from the files)")
     ap.add_argument("--only", default="", help="comma-separated prompt names (default: all)")
+    ap.add_argument("--draft-vocab", default="", metavar="N|FILE.npy[:N]",
+                    help="the drafter's head restricted to a draft vocabulary (draft_vocab.py): its top-F over "
+                         "those ids")
+    ap.add_argument("--targets-from", default="", metavar="TRACE",
+                    help="prompts and target continuations from this trace (recorded with the same target); "
+                         "the target is not run")
     args = ap.parse_args(argv)
     if args.max_tokens < 2:
         ap.error(f"--max-tokens {args.max_tokens}: at least 2")
@@ -56,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     dev = torch.device("cpu")
     t0 = time.perf_counter()
+    known = Trace.load(args.targets_from) if args.targets_from else None
     target = load_target(args.model, dev)
     drafter = load_target(args.drafter, dev)
     print(f"loaded {target.name} and {drafter.name} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -63,15 +75,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vocabularies differ: target {target.model.cfg.vocab_size}, drafter {drafter.model.cfg.vocab_size}",
               file=sys.stderr)
         return 2
+    if args.draft_vocab:
+        from draftrelay.draft_vocab import DraftVocab, DraftVocabError
+
+        try:
+            drafter.model.draft_vocab = DraftVocab.parse(args.draft_vocab, drafter.model.cfg.vocab_size)
+        except DraftVocabError as exc:
+            ap.error(f"--draft-vocab: {exc}")
     prompts = [p for p in PROMPTS if not args.only or p[0] in args.only.split(",")]
+    given = {e.name: e for e in known.entries} if known else {}
     entries = []
     for name, kind, text in prompts:
         ids = target.tokenizer.encode(text)
         t1 = time.perf_counter()
-        cfg = EngineConfig(mode="off", max_batch=1, max_len=len(ids) + args.max_tokens + 8)
-        with Engine(target.model, cfg) as eng:
-            (req,) = eng.generate([ids], SamplingParams(max_tokens=args.max_tokens, stop_token_ids=target.stop_ids))
-        out = req.output
+        if known:
+            e0 = given.get(f"{kind}:{name}")
+            if e0 is None or e0.prompt != ids:
+                print(f"--targets-from {args.targets_from}: no entry {kind}:{name} with this prompt", file=sys.stderr)
+                return 2
+            out = e0.target
+        else:
+            cfg = EngineConfig(mode="off", max_batch=1, max_len=len(ids) + args.max_tokens + 8)
+            with Engine(target.model, cfg) as eng:
+                (req,) = eng.generate([ids], SamplingParams(max_tokens=args.max_tokens,
+                                                            stop_token_ids=target.stop_ids))
+            out = req.output
         seq = torch.tensor([ids + out])
         with torch.inference_mode():
             cache = drafter.model.new_cache(1, seq.shape[1] + 1)
@@ -86,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:16s} {len(ids):4d} prompt + {len(out):4d} tokens in {time.perf_counter() - t1:6.1f} s; "
               f"k=4 accepted {per_round:.2f}/round: {target.tokenizer.decode(out)[:60]!r}", flush=True)
     pair = args.pair or f"{drafter.name} -> {target.name}, greedy"
+    if drafter.model.draft_vocab is not None:
+        pair += f", the drafter's head restricted to {len(drafter.model.draft_vocab)} ids"
     tr = Trace(pair=pair, top_f=args.top_f, entries=entries, vocab_size=target.model.cfg.vocab_size,
                meta={"model": os.path.basename(args.model), "drafter": os.path.basename(args.drafter),
-                     "dtype": str(target.model.dtype), "max_tokens": args.max_tokens})
+                     "dtype": str(target.model.dtype), "max_tokens": args.max_tokens,
+                     **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
+                     **({"targets_from": os.path.basename(args.targets_from)} if known else {})})
     tr.validate(args.out)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tr.save(args.out)

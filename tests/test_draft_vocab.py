@@ -230,3 +230,30 @@ def test_generate_and_serve_name_a_bad_drafter_vocab(tmp_path, capsys):
     assert serve_cli._check(p.parse_args(["--drafter-vocab", "off"])) == ""  # the whole head, as the worker reads it
     assert cli.main(["generate", "x", "--drafter-vocab", "abc"]) == 2
     assert "--drafter-vocab abc: expected N, FILE.npy or FILE.npy:N; 'abc' does not exist" in capsys.readouterr().err
+
+
+def test_record_traces_with_a_draft_vocab_reuses_the_targets_and_drafts_kept_ids(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from draftrelay import demo_pair
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "record_traces.py"
+    spec = importlib.util.spec_from_file_location("record_traces", path)
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    target, drafter = demo_pair.paths()
+    full, cut = str(tmp_path / "full.json"), str(tmp_path / "cut.json")
+    base = ["--model", target, "--drafter", drafter, "--only", "quicksort,prose_rivers", "--max-tokens", "12"]
+    assert rt.main([*base, "--out", full]) == 0
+    assert rt.main([*base, "--out", cut, "--targets-from", full, "--draft-vocab", "300"]) == 0
+    a, b = Trace.load(full), Trace.load(cut)
+    assert [e.target for e in a.entries] == [e.target for e in b.entries]  # the target not run again
+    assert all(t < 300 for e in b.entries for row in e.draft_top for t in row)
+    assert b.meta["draft_vocab"] == "300" and "restricted to 300 ids" in b.pair
+    # the restricted drafter's own top-1 is the whole head's first kept token wherever the top 8 holds one
+    bound = a.restricted(np.arange(300))
+    for ea, eb, ec in zip(a.entries, bound.entries, b.entries, strict=True):
+        for j, row in enumerate(ea.draft_top):
+            if any(t < 300 for t in row):
+                assert eb.draft_top[j][0] == ec.draft_top[j][0], (ea.name, j)
