@@ -361,3 +361,28 @@ def test_cost_table_keeps_the_branch_work_and_takes_the_nearest_entry(tmp_path):
                                                                  "k": 4, "kv": 256, "s": 0.1}]}))
     with pytest.raises(TraceError, match="no STEP entries"):
         CostTable.load(str(tmp_path / "bad.json"))
+
+
+def test_worker_metrics_report_the_branch_work_by_piece():
+    """`draftrelay worker --metrics-port`: the prefetcher's tables, branches and seconds by piece, as its
+    stats count them (the emulated device's run spent as measured)."""
+    import types
+
+    from draftrelay.worker.core import WorkerCore
+    from draftrelay.worker.metrics import WorkerCollector
+    from draftrelay.worker.prefetch import PIECES
+
+    tr = synthetic_trace(seed=2, n=1, length=40)
+    cost = CostTable({(1, 4, 256): 0.0}, prefetch={(1, 4, 4, 256): 0.002})
+    e = tr.entries[0]
+    core = WorkerCore(ReplayDrafter(tr, cost=cost, n_rows=2, max_ctx=len(e.sequence) + 64, vocab_size=VOCAB))
+    lockstep(core, e, 4, 4)
+    srv = types.SimpleNamespace(core=core, refusals={}, stats={}, active_connections=lambda: 0)
+    fams = {f.name: f for f in WorkerCollector(srv).collect()}
+    st = core.prefetcher.stats
+    assert fams["draftrelay_worker_branch_tables"].samples[0].value == st["tables"] >= 3
+    assert fams["draftrelay_worker_branch_branches"].samples[0].value == st["branches"] > 0
+    work = {s.labels["piece"]: s.value for s in fams["draftrelay_worker_branch_work_seconds"].samples}
+    assert set(work) == set(PIECES)
+    assert work["run"] == pytest.approx(st["run_us"] / 1e6) and work["run"] >= 0.002 * 3
+    assert work["choose"] > 0 and work["encode"] > 0

@@ -1,6 +1,7 @@
 """The worker's counters as Prometheus metrics (`draftrelay worker --metrics-port PORT`).
 
-Read at scrape time from WorkerCore.stats / WorkerServer.stats and the refusal counts by ERROR code;
+Read at scrape time from WorkerCore.stats / WorkerServer.stats, the refusal counts by ERROR code and, with
+the speculation cache, the prefetcher's tables and where their branch work went (its pieces);
 prometheus_client renders them and runs the HTTP server (a daemon thread).
 """
 
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from draftrelay.wire import protocol as P
+from draftrelay.worker.prefetch import PIECES
 
 
 class WorkerCollector:
@@ -41,6 +43,18 @@ class WorkerCollector:
                          ("bad_frames", "Frames that did not parse"), ("expired", "Sessions expired or reclaimed"),
                          ("auth_failures", "Handshakes with a wrong shared secret")):
             yield CounterMetricFamily(f"draftrelay_worker_{key}", doc, value=srv.stats.get(key, 0))
+        pf = getattr(core, "prefetcher", None)
+        if pf is not None:  # the speculation cache's branch work (worker/prefetch.py)
+            for key, doc in (("tables", "Branch tables built"), ("branches", "Branches drafted into tables"),
+                             ("preempted", "Tables cut because the next STEP waited behind them"),
+                             ("worker_side_hits", "STEPs answered from a prefetched branch")):
+                yield CounterMetricFamily(f"draftrelay_worker_branch_{key}", doc, value=pf.stats.get(key, 0))
+            work = CounterMetricFamily("draftrelay_worker_branch_work_seconds",
+                                       "Seconds of branch work by piece (device pieces: their wall time)",
+                                       labels=["piece"])
+            for piece in PIECES:
+                work.add_metric([piece], pf.stats.get(f"{piece}_us", 0) / 1e6)
+            yield work
 
 
 def serve(server, port: int, host: str = "127.0.0.1"):
