@@ -135,13 +135,6 @@ def mode_suffixes(m: str) -> tuple[str, str | None, str | None]:
     return base, quant, vocab
 
 
-def mode_quant(m: str, default: str) -> tuple[str, str]:
-    """(the mode without its @QUANT and +vocabN suffixes, the drafter quant it runs with: the suffix's, else
-    default)."""
-    base, q, _ = mode_suffixes(m)
-    return base, (q if q is not None else default)
-
-
 def mode_worker(m: str, default_quant: str) -> tuple[str, str, int]:
     """(the mode without its suffixes, its drafter worker's quant, its draft vocabulary N: 0 = the whole head)."""
     base, q, v = mode_suffixes(m)

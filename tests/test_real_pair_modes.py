@@ -25,7 +25,6 @@ import real_pair as RP  # noqa: E402
 def test_mode_suffixes(mode, want):
     assert RP.parse_modes(mode) == [mode]
     assert RP.mode_worker(mode, "none") == want
-    assert RP.mode_quant(mode, "none") == want[:2]
 
 
 @pytest.mark.parametrize("mode, says", [
