@@ -11,7 +11,10 @@ import torch
 def near_tie(la: torch.Tensor, lb: torch.Tensor, ta: int, tb: int) -> dict:
     """la, lb: one position's logits on the two paths; ta, tb: the tokens each picked. tol = max(largest
     |la - lb|, 4 bf16 ulps of the top logit); a numeric near-tie when both paths' margins between the two
-    tokens are <= 2 tol and tol is <= 5 % of the logits' spread."""
+    tokens are <= 2 tol and tol is <= 5 % of the logits' spread. Over the ids both paths can pick: a
+    drafter with a draft vocabulary gives -inf outside it (draft_vocab.widen), which would make tol NaN."""
+    kept = torch.isfinite(la) & torch.isfinite(lb)
+    la, lb = la.where(kept, la[kept].min()), lb.where(kept, lb[kept].min())  # outside: the kept ones' floor
     diff = float((la - lb).abs().max())
     ulp = float(la.abs().max()) * 2 ** -7
     tol = max(diff, 4 * ulp)
