@@ -18,6 +18,8 @@ Modes (`--modes`, comma-separated):
   off:even-probes          target only with the thread policy probing one thread as often as all of them
   off:mkl                  target only with its fp32 products on MKL whatever cpu_linear's probe chose
                            (probe_cost_fewer = probe_cost, engine/threads.py)
+  off:whole                target only on every CPU the run started with, under the thread policy, whatever
+                           --engine-cpus pins the other modes to (the whole machine for the target alone)
   sync:D / async:D         rounds to a local drafter worker process (loopback), D = auto (the depth
                            policy, engine/depth.py, up to --k-max), autoN (the same up to N) or a fixed k
   sync:D/S / async:D/S     the same with the worker's confidence stop at S (e.g. sync:auto12/0.4): a round's
@@ -27,6 +29,8 @@ Modes (`--modes`, comma-separated):
                            its guard (engine/cache_guard.py: F, F/2 or plain rounds, whichever measures faster)
   cache:autoK/F[/RULE]     the same with the depth policy (up to K) choosing k on the guard's plain steps, as
                            `draftrelay generate --spec-cache` runs it (cache steps draft K)
+  cache:...[/dD[.D]]       the guard may also run cache steps at depth D < K, where they measure faster
+                           (cache_guard.py's depths; e.g. cache:auto4/4/d2)
   cache-raw:K/F[/RULE]     the same without the guard: every step a cache step
   MODE@QUANT               a sync, async or cache mode with the drafter worker's --quant QUANT (none, int8,
                            int4) instead of --drafter-quant's: one worker per quant, every mode interleaved
@@ -44,6 +48,11 @@ The transformers models are Qwen2ForCausalLM built in memory from draftrelay's d
 (the very tensors, not copies): transformers' own GGUF loading needs accelerate, which is not a
 dependency. So the peer runs the same numbers through transformers' code; its greedy output is
 compared token for token with the engine's.
+
+Placement (`--engine-cpus`, `--worker-cpus`): by default the engine, its proxy and the drafter worker
+share every core, as a laptop runs them. `--engine-cpus 0 --worker-cpus 1` gives each side a core of
+its own (cpus.py), the CPU form of the product's placement (the drafter off the target's hardware): the
+target-only baseline then runs on the target's core alone, and `off:whole` beside it on every core.
 
 Per mode: tokens/s (output tokens over decode wall time, all prompts), the same by prompt kind, step
 p50, TTFT, drafts accepted per round and by position, the depth policy's choices, rounds ok/failed,
@@ -162,9 +171,10 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
                              f"the drafter worker's --draft-vocab N) follows a sync, async or cache mode"
                              + (f"; got N = {v!r}" if spec else f", not {m!r}"))
         kind, _, arg = m.partition(":")
-        ok = (kind == "hf" and not arg) or (kind == "off" and arg in ("full-head", "even-probes", "mkl")) \
+        ok = (kind == "hf" and not arg) or (kind == "off" and arg in ("full-head", "even-probes", "mkl", "whole")) \
             or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
-            or (kind in ("cache", "cache-raw") and _cache_arg(arg) is not None)
+            or (kind == "cache" and _cache_arg(arg) is not None) \
+            or (kind == "cache-raw" and _cache_arg(arg) is not None and not _cache_arg_depths(arg)[4])
         if not ok:
             try:
                 engine_mode(m, k_max)
@@ -172,10 +182,11 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
             except ValueError:
                 pass
         if not ok:
-            raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, off:even-probes, off:mkl, hf, "
+            raise SystemExit(f"real_pair: --modes: {m!r} is not off, off:full-head, off:even-probes, off:mkl, "
+                             f"off:whole, hf, "
                              f"sync:D[/S], async:D[/S] "
                              f"(D: auto, autoN or K <= 16; S: a confidence stop in [0, 1]), "
-                             f"cache[-raw]:K/F[/all|rows|early], hf-assisted:K|heuristic "
+                             f"cache[-raw]:K/F[/all|rows|early][/dD], hf-assisted:K|heuristic "
                              f"(a drafting mode may add @QUANT and +vocabN)")
         out.append(full)
     return out
@@ -183,23 +194,43 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
 
 def _cache_arg(arg: str) -> tuple[int, int, str, bool] | None:
     """cache:[auto]K/F[/RULE] -> (K, F, RULE, depth policy on the plain steps), or None if malformed."""
+    parsed = _cache_arg_depths(arg)
+    return parsed[:4] if parsed else None
+
+
+def _cache_arg_depths(arg: str) -> tuple[int, int, str, bool, list[int]] | None:
+    """cache:[auto]K/F[/RULE][/dD[.D...]] -> (K, F, RULE, depth policy on the plain steps, the guard's other
+    depths for cache steps, each below K: `d2` lets it run cache steps at k = 2 where they measure faster),
+    or None if malformed."""
     parts = arg.split("/")
+    extra: list[int] = []
+    if len(parts) > 2 and parts[-1].startswith("d"):
+        ds = parts.pop()[1:].split(".")
+        if not all(x.isdigit() for x in ds):
+            return None
+        extra = [int(x) for x in ds]
     auto = parts[0].startswith("auto")
     if auto:
         parts[0] = parts[0][4:]
     if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts[:2]):
         return None
     k, f, rule = int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "all"
-    return (k, f, rule, auto) if 1 <= k <= 16 and 1 <= f <= 64 and rule in ("all", "rows", "early") else None
+    if not (1 <= k <= 16 and 1 <= f <= 64 and rule in ("all", "rows", "early")):
+        return None
+    if any(not 1 <= d < k for d in extra) or len(set(extra)) != len(extra):
+        return None
+    return k, f, rule, auto, extra
 
 
 # -- draftrelay ---------------------------------------------------------------------------------------
-def start_worker(drafter: str, n_draft: int, max_ctx: int, threads: int, dtype: str, quant: str, vocab: int):
-    """loading.start_local_worker on the CPU (4 rows), with the worker's --draft-vocab N where vocab > 0."""
+def start_worker(drafter: str, n_draft: int, max_ctx: int, threads: int, dtype: str, quant: str, vocab: int,
+                 cpus: str = ""):
+    """loading.start_local_worker on the CPU (4 rows), with the worker's --draft-vocab N where vocab > 0 and
+    its --cpus where given."""
     from draftrelay.engine import loading as L
 
     return L.start_local_worker(drafter, torch.device("cpu"), n_draft, max_ctx, 4, threads, dtype=dtype,
-                                quant=quant, draft_vocab=str(vocab) if vocab else "")
+                                quant=quant, draft_vocab=str(vocab) if vocab else "", cpus=cpus)
 
 
 def round_settings_for(spec: dict, prompt: list[int], depths: list[int]):
@@ -241,22 +272,29 @@ class EngineRunner:
         kind, _, arg = mode.partition(":")
         self.full_head, self.mkl = arg == "full-head", arg == "mkl"
         even = arg == "even-probes"
+        # off:whole: every CPU the run started with, whatever --engine-cpus pins the other modes to
+        self.whole = set(args.all_cpus) if arg == "whole" else None
         fanout, options = 0, {}
         if kind in ("cache", "cache-raw"):  # async rounds with the speculation cache at depth k_max
-            k_max, fanout, rule, auto = _cache_arg(arg)  # auto: the depth policy on the guard's plain steps
+            k_max, fanout, rule, auto, depths = _cache_arg_depths(arg)  # auto: the depth policy on plain steps
             kind, stop, options = "async", 0.0, {"wait_rule": rule, "guard": kind == "cache"}
+            if depths:  # the guard also tries cache steps at these depths (cache_guard.py; None: k_max)
+                options["guard_options"] = {"depths": [None, *depths]}
         else:
-            kind, auto, k_max, stop = engine_mode("off" if self.full_head or even or self.mkl else mode, args.k_max)
+            kind, auto, k_max, stop = engine_mode("off" if self.full_head or even or self.mkl or self.whole else mode,
+                                                  args.k_max)
         max_len = max(len(x) for x in ids.values()) + args.max_tokens + 16 + 8
         h = None
         if kind != "off":
             h = L.handoff_config(spec, torch.device("cpu"), rs.deadline_ms, True, round_budget_ms=rs.budget_ms)
         cfg = EngineConfig(mode=kind, n_draft=k_max if kind != "off" else 0, max_batch=1, max_len=max_len,
                            handoff=h, depth="auto" if auto else "fixed", draft_stop=stop,
-                           round_costs_s=rs.round_costs_s if h else None, threads=args.threads,
+                           round_costs_s=rs.round_costs_s if h else None,
+                           threads="auto" if self.whole else args.threads,
                            spec_fanout=fanout, spec_options=options)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
-        self.eng = Engine(model, cfg)
+        with self.head():  # off:whole's thread policy counts the CPUs it may use as it starts
+            self.eng = Engine(model, cfg)
         if even and self.eng.threads is not None:  # the policy as it probed before the asymmetric costs
             self.eng.threads.probe_cost_fewer = self.eng.threads.probe_cost
         with self.head():  # warm-up (and the policy's start)
@@ -265,16 +303,22 @@ class EngineRunner:
     @contextlib.contextmanager
     def head(self):
         """off:full-head: the screen of greedy_head.py off for this engine's steps; off:mkl: its products on
-        MKL (cpu_linear's choice for the others is put back after each call)."""
-        from draftrelay import cpu_linear, greedy_head
+        MKL (cpu_linear's choice for the others is put back after each call); off:whole: every CPU (the
+        --engine-cpus mask put back after)."""
+        from draftrelay import cpu_linear, cpus, greedy_head
 
         saved, library = greedy_head.SCREEN_MIN_BYTES, cpu_linear.chosen()
         if self.full_head:
             greedy_head.SCREEN_MIN_BYTES = 1 << 62
         if self.mkl:
             cpu_linear.choose("mkl")
+        whole = cpus.pinned(self.whole) if self.whole else contextlib.nullcontext()
+        n = self.eng.cfg.threads if hasattr(self, "eng") else 0
+        if isinstance(n, int) and n and torch.get_num_threads() != n:  # another mode's thread policy left its count
+            torch.set_num_threads(n)
         try:
-            yield
+            with whole:
+                yield
         finally:
             greedy_head.SCREEN_MIN_BYTES = saved
             if self.mkl:
@@ -522,7 +566,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the worker's --quant: int8 / int4 run the drafter's layer products on int8 / int4 weights "
                          "(worker/quant.py; transformers' assistant stays as loaded). A mode's own @QUANT suffix "
                          "(sync:auto@int4) overrides it: each quant gets its own worker, all modes interleaved")
-    ap.add_argument("--threads", default="auto", help="the engine's CPU threads: auto (engine/threads.py) or N")
+    ap.add_argument("--threads", default="auto",
+                    help="the engine's CPU threads: auto (engine/threads.py) or N (default with --engine-cpus: one a "
+                         "CPU there)")
+    ap.add_argument("--engine-cpus", default="", metavar="LIST",
+                    help="the engine and its proxy on these CPUs only (e.g. 0); default: every CPU (cpus.py)")
+    ap.add_argument("--worker-cpus", default="", metavar="LIST",
+                    help="the drafter worker on these CPUs only (its --cpus, e.g. 1); default: every CPU")
     ap.add_argument("--hf-weights", default="shared", choices=["shared", "own"],
                     help="transformers' weights: our tensors (shared: in our huge pages, hugepages.py), or its own "
                          "copy in torch's plain allocations, as its own loader gives it (own: the target's size "
@@ -539,6 +589,19 @@ def main(argv: list[str] | None = None) -> int:
         modes = parse_modes(args.modes, args.k_max)
     except SystemExit as exc:  # argparse's error (usage, exit status 2), the message naming the value
         ap.error(str(exc).removeprefix("real_pair: "))
+    from draftrelay import cpus
+
+    args.all_cpus = sorted(cpus.available())
+    for name in ("engine_cpus", "worker_cpus"):
+        if getattr(args, name):
+            try:
+                setattr(args, name, cpus.format_list(cpus.parse(getattr(args, name))))
+            except ValueError as exc:
+                ap.error(f"--{name.replace('_', '-')}: {exc}")
+    if args.engine_cpus:
+        cpus.pin(cpus.parse(args.engine_cpus))  # the proxy and threads started later inherit it
+        if args.threads == "auto":
+            args.threads = str(len(cpus.parse(args.engine_cpus)))
     if args.threads != "auto":
         if not args.threads.isdigit():
             raise SystemExit(f"real_pair: --threads: 'auto' or a count, got {args.threads!r}")
@@ -570,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "target": TARGET.name, "drafter": DRAFTER.name, "drafter_dtype": args.drafter_dtype,
            "drafter_quant": args.drafter_quant,
+           "placement": {"engine_cpus": args.engine_cpus or cpus.format_list(args.all_cpus),
+                         "worker_cpus": args.worker_cpus or cpus.format_list(args.all_cpus),
+                         "engine_threads": args.threads},
            "max_tokens": args.max_tokens, "repeats": args.repeats,
            "prompts": {n: PROMPTS[n] for n in names}, "results": {}}
     from draftrelay import hugepages
@@ -604,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                     key = worker_key(quant, vocab)
                     workers[key] = w = start_worker(
                         str(DRAFTER), k_all, max_ctx, args.worker_threads,
-                        "float32" if ddtype == torch.float32 else "bfloat16", quant, vocab)
+                        "float32" if ddtype == torch.float32 else "bfloat16", quant, vocab, args.worker_cpus)
                     spec = L.worker_spec(w.host, w.port, L.drafter_model_id(str(DRAFTER)), tok.vocab_hash, k_all, 8)
                     # the round budget follows the deepest mode; each mode's policy starts from the round costs
                     # measured at its own k_max (calibrate.py measures every depth asked)

@@ -62,3 +62,31 @@ def test_start_worker_appends_draft_vocab(monkeypatch):
     assert with_vocab[with_vocab.index("--draft-vocab") + 1] == "32768"
     assert with_vocab[with_vocab.index("--quant") + 1] == "int4"
     assert "--draft-vocab" not in plain and "--quant" not in plain
+
+
+@pytest.mark.parametrize("arg, want", [
+    ("auto4/4", (4, 4, "all", True, [])),
+    ("4/8/rows", (4, 8, "rows", False, [])),
+    ("auto4/4/d2", (4, 4, "all", True, [2])),
+    ("auto6/4/early/d2.4", (6, 4, "early", True, [2, 4])),
+])
+def test_cache_guard_depths_suffix(arg, want):
+    assert RP._cache_arg_depths(arg) == want and RP._cache_arg(arg) == want[:4]
+    assert RP.parse_modes(f"cache:{arg}@int4") == [f"cache:{arg}@int4"]
+
+
+@pytest.mark.parametrize("mode", ["cache:4/4/d4", "cache:4/4/d0", "cache:4/4/dx", "cache:4/4/d2.2",
+                                  "cache-raw:4/4/d2", "off:nope"])
+def test_bad_cache_depths_and_off_variants_are_refused(mode, capsys):
+    with pytest.raises(SystemExit) as exc:
+        RP.main(["--modes", f"off,{mode}"])
+    assert exc.value.code == 2 and f"--modes: {mode!r}" in capsys.readouterr().err
+
+
+def test_placement_flags_name_a_bad_cpu_list(capsys):
+    with pytest.raises(SystemExit) as exc:
+        RP.main(["--modes", "off,off:whole", "--engine-cpus", "0-"])
+    assert exc.value.code == 2 and "--engine-cpus: CPU list '0-'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        RP.main(["--modes", "off", "--worker-cpus", "4096"])
+    assert exc.value.code == 2 and "--worker-cpus: CPU list '4096': CPU 4096 is not on" in capsys.readouterr().err

@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
     add_drafter_quant(p)
     add_drafter_vocab(p)
+    add_cpu_placement(p)
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (async): the worker pre-drafts F branches per request during each "
                         "verify (no value: 8)")
@@ -129,6 +130,49 @@ def local_vocab_problems(vocab: str, worker: str) -> list[str]:
     return [f"--drafter-vocab {vocab}: {problem}"] if problem else []
 
 
+def add_cpu_placement(p: argparse.ArgumentParser) -> None:
+    """--cpus and --drafter-cpus, as `draftrelay generate` and `draftrelay serve` take them (checked by
+    cpu_placement_problems, applied by apply_cpu_placement)."""
+    p.add_argument("--cpus", default="", metavar="LIST",
+                   help="run the target (and its proxy) on these CPUs only, one thread a CPU (e.g. 0 or 0-3); "
+                        "with --drafter-cpus on the others, the drafter works during a verify without slowing it")
+    p.add_argument("--drafter-cpus", default="", metavar="LIST",
+                   help="the local worker's --cpus: its drafter on these CPUs only (e.g. 1), one thread a CPU")
+
+
+def cpu_placement_problems(args: argparse.Namespace) -> list[str]:
+    """Why --cpus / --drafter-cpus cannot apply (none when they can): each a list of this machine's CPUs;
+    --drafter-cpus sets the local worker's --cpus (a remote worker takes --cpus itself)."""
+    from draftrelay import cpus
+
+    bad = []
+    for flag, value in (("--cpus", args.cpus), ("--drafter-cpus", args.drafter_cpus)):
+        if value:
+            try:
+                cpus.parse(value)
+            except ValueError as exc:
+                bad.append(f"{flag}: {exc}")
+    if args.drafter_cpus and getattr(args, "worker", ""):
+        bad.append(f"--drafter-cpus {args.drafter_cpus}: the local worker's setting; a remote worker takes "
+                   f"--cpus itself")
+    return bad
+
+
+def apply_cpu_placement(args: argparse.Namespace) -> int:
+    """Pin this process to --cpus (before the target loads and the proxy starts: they inherit it); returns
+    the thread count it implies (0: no --cpus, torch's own). ValueError where the kernel refuses them."""
+    from draftrelay import cpus
+
+    if not args.cpus:
+        return 0
+    chosen = cpus.parse(args.cpus)
+    cpus.pin(chosen)
+    import torch
+
+    torch.set_num_threads(len(chosen))
+    return len(chosen)
+
+
 def local_quant_problems(quant: str, device: str, worker: str) -> list[str]:
     """Why --drafter-quant cannot apply (none when it can): it sets the local worker's --quant, which runs
     on a CPU drafter only; a remote worker (--worker) is started with its own. Shared with `draftrelay serve`."""
@@ -166,6 +210,8 @@ def check_flags(args: argparse.Namespace) -> list[str]:
     bad += local_quant_problems(getattr(args, "drafter_quant", "none"), getattr(args, "device", "cpu"),
                                 getattr(args, "worker", ""))
     bad += local_vocab_problems(getattr(args, "drafter_vocab", ""), getattr(args, "worker", ""))
+    if hasattr(args, "drafter_cpus"):  # generate's (demo has no placement flags)
+        bad += cpu_placement_problems(args)
     if getattr(args, "metrics_port", 0) and not 0 < args.metrics_port < 65536:
         bad.append(f"--metrics-port {args.metrics_port}: must be 1-65535")
     spec_cache = getattr(args, "spec_cache", 0)
@@ -248,6 +294,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
         if args.graphs and dev.type != "cuda":
             raise ValueError("--graphs needs a CUDA device")
         host, port = L.parse_hostport(args.worker) if args.worker else ("", 0)
+        apply_cpu_placement(args)
         target = L.load_target(args.model, dev)
     except (ValueError, ModelError, OSError) as exc:
         print(f"draftrelay generate: {exc}", file=sys.stderr)
@@ -272,7 +319,8 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
             if not args.worker:
                 try:
                     worker = L.start_local_worker(args.drafter, dev, k_max, max_len + 64, 1, args.worker_threads,
-                                                  quant=args.drafter_quant, draft_vocab=args.drafter_vocab)
+                                                  quant=args.drafter_quant, draft_vocab=args.drafter_vocab,
+                                                  cpus=args.drafter_cpus)
                     host, port = worker.host, worker.port
                 except RuntimeError as exc:
                     rc = _warn_target_only(args, f"the local worker did not start: {exc}")

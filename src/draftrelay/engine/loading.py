@@ -112,7 +112,7 @@ def default_threads() -> int:
 
 def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int,
                        threads: int = 0, dtype: str = "", warm_batch: int = 0, warm_max_kv: int = 0,
-                       quant: str = "none", draft_vocab: str = ""):
+                       quant: str = "none", draft_vocab: str = "", cpus: str = ""):
     """A `draftrelay worker` child process on a free loopback port.
 
     threads (CPU): the worker's torch threads; 0 = every core this process may use. The target and
@@ -124,7 +124,8 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
     size or context would otherwise wait for a capture, past its deadline); warm_max_kv > 0: only for
     contexts up to that many tokens (fewer graphs, a shorter start; longer contexts capture on first
     use). quant: the worker's --quant (int8 / int4: a CPU drafter's products on int8 / int4 weights,
-    worker/quant.py). draft_vocab: the worker's --draft-vocab (its head restricted, draft_vocab.py)."""
+    worker/quant.py). draft_vocab: the worker's --draft-vocab (its head restricted, draft_vocab.py).
+    cpus (CPU): the worker's --cpus, its own cores (cpus.py); its threads default to one a CPU there."""
     from draftrelay.worker.process import start_worker_process
 
     args = ["--model", drafter, "--device", str(device), "--n-out-max", str(max(8, n_draft)),
@@ -138,8 +139,10 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
             args += ["--warm-max-kv", str(warm_max_kv)]
     env = None
     if device.type == "cpu":
-        n = threads or (1 if drafter == "tiny" else default_threads())
-        args += ["--threads", str(n)]
+        from draftrelay import cpus as C
+
+        n = threads or (1 if drafter == "tiny" else len(C.parse(cpus)) if cpus else default_threads())
+        args += ["--threads", str(n), *(["--cpus", cpus] if cpus else [])]
         env = {"OMP_NUM_THREADS": str(n), **{k: v for k, v in CPU_WORKER_OMP_ENV.items() if k not in os.environ}}
     return start_worker_process(args, env=env)
 

@@ -20,8 +20,11 @@ import sys
 import threading
 
 from draftrelay.engine.cli_generate import (
+    add_cpu_placement,
     add_drafter_quant,
     add_drafter_vocab,
+    apply_cpu_placement,
+    cpu_placement_problems,
     local_quant_problems,
     local_vocab_problems,
 )
@@ -37,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
     add_drafter_quant(p)
     add_drafter_vocab(p)
+    add_cpu_placement(p)
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
@@ -104,7 +108,7 @@ def _check(args: argparse.Namespace) -> str:
     if args.spec_cache and args.k < 1:
         return f"--spec-cache needs --k >= 1 (drafts to branch), got --k {args.k}"
     return next(iter(local_quant_problems(args.drafter_quant, args.device, args.worker)
-                     + local_vocab_problems(args.drafter_vocab, args.worker)), "")
+                     + local_vocab_problems(args.drafter_vocab, args.worker) + cpu_placement_problems(args)), "")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -260,6 +264,9 @@ def run(args: argparse.Namespace) -> int:
         if args.graphs and dev.type != "cuda":
             raise ValueError("--graphs needs a CUDA device")
         host, port = L.parse_hostport(args.worker) if args.worker else ("", 0)
+        pinned = apply_cpu_placement(args)
+        if pinned and args.threads == "0":  # one thread a CPU of --cpus
+            args.threads = str(pinned)
         target = L.load_target(args.model, dev)
         ctx = target.model.cfg.max_position_embeddings
         if args.max_model_len > ctx:
@@ -283,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
                     worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch,
                                                   warm_batch=0 if args.no_warmup else args.max_batch,
                                                   warm_max_kv=args.worker_warm_max_kv, quant=args.drafter_quant,
-                                                  draft_vocab=args.drafter_vocab)
+                                                  draft_vocab=args.drafter_vocab, cpus=args.drafter_cpus)
                 except RuntimeError as exc:
                     say(f"the local worker did not start: {exc}")
                     return 1

@@ -97,7 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="capture the --warm-graphs only for contexts up to N tokens (0: up to --max-ctx); "
                         "longer contexts are captured on first use")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0: 1 for 'tiny', which runs fastest single-threaded; torch's default else)")
+                   help="torch CPU threads (0: 1 for 'tiny', which runs fastest single-threaded; one a CPU of --cpus "
+                        "where given; torch's default else)")
+    p.add_argument("--cpus", default="", metavar="LIST",
+                   help="run on these CPUs only (e.g. 1 or 2-3 or 0,2): the drafter on cores of its own, beside a "
+                        "target on the others, so its work during a verify does not slow the verify (cpus.py)")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--log-every", type=float, default=5.0,
                    help="seconds between WARNING lines of one kind (refusals, malformed frames, expiry)")
@@ -131,6 +135,13 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--slow-step-ms {args.slow_step_ms}: must be 0 (never) or a positive number"
     if args.threads < 0:
         return f"--threads {args.threads}: must be 0 or more"
+    if args.cpus:
+        from draftrelay import cpus
+
+        try:
+            cpus.parse(args.cpus)
+        except ValueError as exc:
+            return f"--cpus: {exc}"
     if not 1 <= args.tp <= 8:
         return f"--tp {args.tp}: must be 1-8"
     if (args.tp > 1 or args.tp_mode != "auto") and args.model == "test":
@@ -178,12 +189,22 @@ def run(args: argparse.Namespace) -> int:
     from draftrelay.worker.server import WorkerServer
 
     device = args.device
+    pinned: list[int] = []
+    if args.cpus:  # before torch starts its thread pool, so every thread inherits the mask
+        from draftrelay import cpus
+
+        pinned = cpus.parse(args.cpus)
+        try:
+            cpus.pin(pinned)
+        except ValueError as exc:
+            print(f"draftrelay worker: --cpus: {exc}", file=sys.stderr)
+            return 2
     if args.model != "test":
         import torch
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        threads = args.threads or (1 if args.model == "tiny" else 0)
+        threads = args.threads or (1 if args.model == "tiny" else len(pinned))
         if threads:
             torch.set_num_threads(threads)
     elif device == "auto":
