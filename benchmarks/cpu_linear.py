@@ -4,7 +4,7 @@ Random fp32 weights of the 1.5B reference target's shapes (q|k|v 2048 x 1536 wit
 gate|up 17920 x 1536, down 1536 x 8960), --layers of them (8: 1.5 GB, far above any cache, so every
 product reads its weight from memory as a decode does), and its 151,936 x 1536 head. Each repeat runs
 every (library, rows, threads) variant once in rotated order, so a load change lands on all alike.
-MKL is `F.linear` (with model.linear's row blocks where they apply), oneDNN `cpu_linear.onednn_linear`
+MKL is `F.linear` (with cpu_linear.mkl_linear's row blocks where they apply), oneDNN `cpu_linear.onednn_linear`
 on the same plain weights. Also prints what cpu_linear's own probe chose here.
 
     python benchmarks/cpu_linear.py                       # rows 1,2,3,4,5,7,8,16, 1 and all threads

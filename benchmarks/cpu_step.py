@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import draftrelay.model as M  # noqa: E402
 import real_pair as RP  # noqa: E402  (the pair's files and loaders)
+from draftrelay import cpu_linear  # noqa: E402
 from interleave import interleaved  # noqa: E402
 from machine import write_json  # noqa: E402
 
@@ -49,15 +49,15 @@ def main(argv: list[str] | None = None) -> int:
 
         def step(self) -> None:
             torch.set_num_threads(self.threads)
-            saved = M.CPU_BLOCK_MIN, M.CPU_BLOCK_MIN_THREADED
+            saved = cpu_linear.CPU_BLOCK_MIN, cpu_linear.CPU_BLOCK_MIN_THREADED
             if not self.blocks:
-                M.CPU_BLOCK_MIN = M.CPU_BLOCK_MIN_THREADED = 1 << 62
+                cpu_linear.CPU_BLOCK_MIN = cpu_linear.CPU_BLOCK_MIN_THREADED = 1 << 62
             try:
                 toks = torch.tensor([[self.nxt] * self.width])
                 with torch.inference_mode():
                     lg = model(toks, torch.tensor([self.pos]), self.cache, torch.tensor([0]))
             finally:
-                M.CPU_BLOCK_MIN, M.CPU_BLOCK_MIN_THREADED = saved
+                cpu_linear.CPU_BLOCK_MIN, cpu_linear.CPU_BLOCK_MIN_THREADED = saved
             self.nxt = int(lg[0, 0].argmax())
             self.out.append(self.nxt)
             self.pos += 1

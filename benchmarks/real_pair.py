@@ -31,6 +31,8 @@ Modes (`--modes`, comma-separated):
                            `draftrelay generate --spec-cache` runs it (cache steps draft K)
   cache:...[/dD[.D]]       the guard may also run cache steps at depth D < K, where they measure faster
                            (cache_guard.py's depths; e.g. cache:auto4/4/d2)
+  cache:autoK/F/dauto      cache steps at the depth policy's choice with the round hidden (up to K: tokens
+                           per verify second, SpecCache(depth="policy"))
   cache-raw:K/F[/RULE]     the same without the guard: every step a cache step
   MODE@QUANT               a sync, async or cache mode with the drafter worker's --quant QUANT (none, int8,
                            int4) instead of --drafter-quant's: one worker per quant, every mode interleaved
@@ -186,7 +188,7 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
                              f"off:whole, hf, "
                              f"sync:D[/S], async:D[/S] "
                              f"(D: auto, autoN or K <= 16; S: a confidence stop in [0, 1]), "
-                             f"cache[-raw]:K/F[/all|rows|early][/dD], hf-assisted:K|heuristic "
+                             f"cache[-raw]:K/F[/all|rows|early][/dD|/dauto], hf-assisted:K|heuristic "
                              f"(a drafting mode may add @QUANT and +vocabN)")
         out.append(full)
     return out
@@ -198,13 +200,19 @@ def _cache_arg(arg: str) -> tuple[int, int, str, bool] | None:
     return parsed[:4] if parsed else None
 
 
-def _cache_arg_depths(arg: str) -> tuple[int, int, str, bool, list[int]] | None:
-    """cache:[auto]K/F[/RULE][/dD[.D...]] -> (K, F, RULE, depth policy on the plain steps, the guard's other
-    depths for cache steps, each below K: `d2` lets it run cache steps at k = 2 where they measure faster),
-    or None if malformed."""
+def _cache_arg_depths(arg: str) -> tuple[int, int, str, bool, list[int] | str] | None:
+    """cache:[auto]K/F[/RULE][/dD[.D...]|/dauto] -> (K, F, RULE, depth policy on the plain steps, the guard's
+    other depths for cache steps, each below K: `d2` lets it run cache steps at k = 2 where they measure
+    faster; or "auto": `dauto`, cache steps at the depth policy's choice with the round hidden, which needs
+    autoK), or None if malformed."""
     parts = arg.split("/")
-    extra: list[int] = []
-    if len(parts) > 2 and parts[-1].startswith("d"):
+    extra: list[int] | str = []
+    if len(parts) > 2 and parts[-1] == "dauto":
+        parts.pop()
+        extra = "auto"
+        if not parts[0].startswith("auto"):
+            return None
+    elif len(parts) > 2 and parts[-1].startswith("d"):
         ds = parts.pop()[1:].split(".")
         if not all(x.isdigit() for x in ds):
             return None
@@ -217,7 +225,7 @@ def _cache_arg_depths(arg: str) -> tuple[int, int, str, bool, list[int]] | None:
     k, f, rule = int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "all"
     if not (1 <= k <= 16 and 1 <= f <= 64 and rule in ("all", "rows", "early")):
         return None
-    if any(not 1 <= d < k for d in extra) or len(set(extra)) != len(extra):
+    if extra != "auto" and (any(not 1 <= d < k for d in extra) or len(set(extra)) != len(extra)):
         return None
     return k, f, rule, auto, extra
 
@@ -278,7 +286,9 @@ class EngineRunner:
         if kind in ("cache", "cache-raw"):  # async rounds with the speculation cache at depth k_max
             k_max, fanout, rule, auto, depths = _cache_arg_depths(arg)  # auto: the depth policy on plain steps
             kind, stop, options = "async", 0.0, {"wait_rule": rule, "guard": kind == "cache"}
-            if depths:  # the guard also tries cache steps at these depths (cache_guard.py; None: k_max)
+            if depths == "auto":  # cache steps at the depth policy's choice, the round hidden (spec_cache.py)
+                options["depth"] = "policy"
+            elif depths:  # the guard also tries cache steps at these depths (cache_guard.py; None: k_max)
                 options["guard_options"] = {"depths": [None, *depths]}
         else:
             kind, auto, k_max, stop = engine_mode("off" if self.full_head or even or self.mkl or self.whole else mode,
@@ -602,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
         cpus.pin(cpus.parse(args.engine_cpus))  # the proxy and threads started later inherit it
         if args.threads == "auto":
             args.threads = str(len(cpus.parse(args.engine_cpus)))
+        # now, before cpu_linear's probe: OpenMP threads beyond the pinned CPUs would share them (a blocked
+        # 4-row MKL product then took 235 ms against 4.6 on one thread)
+        torch.set_num_threads(int(args.threads) if args.threads.isdigit() else len(cpus.parse(args.engine_cpus)))
     if args.threads != "auto":
         if not args.threads.isdigit():
             raise SystemExit(f"real_pair: --threads: 'auto' or a count, got {args.threads!r}")
@@ -623,9 +636,6 @@ def main(argv: list[str] | None = None) -> int:
     from draftrelay import cpu_linear
     from draftrelay.engine import loading as L
 
-    if cpu_linear.chosen() == "auto":  # decide once, before any mode runs (off:mkl switches around its calls)
-        cpu_linear.probe()
-    print(f"CPU fp32 products: {cpu_linear.chosen()} {cpu_linear.probe_times() or '(fixed)'}", flush=True)
     out = {"machine": {"platform": platform.platform(), "cpu": cpu_name(), "cpus": L.default_threads(),
                        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                        "python": sys.version.split()[0], "cpu_linear": cpu_linear.chosen(),
@@ -648,6 +658,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         model, tok = load_pair_target(dtype)
         print(f"[{dname}] target loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        if cpu_linear.chosen() == "auto":  # decide once, on the target's own weights, before any mode runs
+            cpu_linear.prepare(model)  # (off:mkl switches around its calls)
+            print(f"CPU fp32 products: {cpu_linear.chosen()} {cpu_linear.probe_times() or '(fixed)'}", flush=True)
+            out["machine"].update(cpu_linear=cpu_linear.chosen(), cpu_linear_probe_ms=cpu_linear.probe_times())
         ids = {n: tok.encode(PROMPTS[n][1]) for n in names}
         res: dict[str, dict] = {m: {"prompts": {n: {"runs": []} for n in ids}} for m in modes}
         timing = None

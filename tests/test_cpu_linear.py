@@ -86,7 +86,7 @@ def test_small_bf16_and_strided_weights_stay_on_mkl(counted):
 
 def test_only_a_large_weight_triggers_the_probe(monkeypatch):
     ran = []
-    monkeypatch.setattr(C, "probe", lambda: ran.append(1) or C.choose("mkl"))
+    monkeypatch.setattr(C, "probe", lambda *a: ran.append(1) or C.choose("mkl"))
     M.linear(torch.randn(2, 512), torch.randn(1536, 512))  # 3 MB: below PROBE_MIN_BYTES
     assert ran == [] and C.chosen() == "auto"
     M.linear(torch.randn(2, 512), torch.randn(2048, 512))  # 4 MB
@@ -118,6 +118,50 @@ def test_probe_keeps_the_faster_library(monkeypatch):
     timings = C.probe_times()
     assert C.choose("mkl") == "mkl" and C.probe_times() == timings  # a fixed choice keeps what was measured
     assert C.choose("auto") == "auto" and C.probe_times() == {}  # a new probe will run: nothing stale kept
+
+
+def _slow_narrow(f, delay_s: float):
+    """f made delay_s slower on products of fewer than WIDE_ROWS rows only."""
+    def run(x, *a):
+        if x.numel() // x.shape[-1] < C.WIDE_ROWS:
+            time.sleep(delay_s)
+        return f(x, *a)
+    return run
+
+
+@needs_onednn
+def test_probe_decides_narrow_and_wide_products_apart(monkeypatch):
+    """oneDNN slow at one row only: MKL keeps the narrow products and oneDNN takes the wide ones (MKL made
+    slow there), and model.linear routes each width to its library."""
+    monkeypatch.setattr(C, "PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(C, "_onednn", _slow_narrow(C._onednn, 0.05))
+    real = F.linear
+    monkeypatch.setattr(C.F, "linear", lambda x, *a: time.sleep(0.05 * (x.numel() // x.shape[-1] >= C.WIDE_ROWS))
+                        or real(x, *a))
+    assert C.probe() == "mkl+onednn" and C.chosen() == "mkl+onednn"
+    t = C.probe_times()
+    assert t["onednn_1"] >= 50 and t["mkl_4"] >= 50 and max(t["mkl_1"], t["onednn_4"]) < 50
+
+
+@needs_onednn
+@pytest.mark.parametrize("library, narrow, wide", [("mkl+onednn", False, True), ("onednn+mkl", True, False),
+                                                   ("onednn", True, True), ("mkl", False, False)])
+def test_each_width_runs_on_its_library(counted, library, narrow, wide):
+    assert C.choose(library) == library
+    w = torch.randn(2048, 1024)  # 8 MB: above the oneDNN floor
+    for rows, on in ((1, narrow), (3, narrow), (C.WIDE_ROWS, wide), (9, wide)):
+        counted.clear()
+        x = torch.randn(rows, 1024)
+        torch.testing.assert_close(M.linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+        assert counted == ([(2048, 1024)] if on else []), (library, rows)
+
+
+def test_choose_reads_narrow_plus_wide_and_refuses_other_pairs(monkeypatch):
+    with pytest.raises(ValueError, match="'mkl\\+blas'"):
+        C.choose("mkl+blas")
+    monkeypatch.setenv(C.ENV, "onednn+onednn")
+    with pytest.raises(Exception, match="onednn\\+onednn"):
+        C._from_env()
 
 
 @needs_onednn
@@ -158,13 +202,15 @@ def test_engine_metrics_name_the_library_in_force():
     with Engine(target, EngineConfig(mode="off", max_batch=1, max_len=64)) as eng:
         eng.generate([list(b"hello")], SamplingParams(max_tokens=4))
         assert eng.metrics()["total"]["cpu_linear"] == "mkl"
-        C._chosen = "onednn"
+        C._chosen = ("onednn", "onednn")
         assert eng.metrics()["total"]["cpu_linear"] == "onednn"
+        C._chosen = ("mkl", "onednn")
+        assert eng.metrics()["total"]["cpu_linear"] == "mkl+onednn"
 
 
 def test_prepare_probes_only_models_with_a_large_fp32_cpu_weight(monkeypatch):
     ran = []
-    monkeypatch.setattr(C, "probe", lambda: ran.append(1) or C.choose("mkl"))
+    monkeypatch.setattr(C, "probe", lambda *a: ran.append(1) or C.choose("mkl"))
     small = torch.nn.Linear(512, 512)  # 1 MB
     assert C.prepare(small) == "auto" and ran == []
     assert C.prepare(torch.nn.Linear(1024, 1024).bfloat16()) == "auto" and ran == []  # bf16: not ours to choose
@@ -172,3 +218,16 @@ def test_prepare_probes_only_models_with_a_large_fp32_cpu_weight(monkeypatch):
     assert ran == [1] and C.chosen() != "auto"
     C.prepare(torch.nn.Linear(1024, 1024))
     assert ran == [1]  # decided once
+
+
+def test_prepare_probes_on_the_models_own_weights(monkeypatch):
+    """prepare() hands the probe the model's large 2-D fp32 weights, in order, up to PROBE_MODEL_BYTES."""
+    seen = []
+    monkeypatch.setattr(C, "probe", lambda weights=None: seen.append(weights) or C.choose("mkl"))
+    monkeypatch.setattr(C, "PROBE_MIN_BYTES", 1 << 16)
+    monkeypatch.setattr(C, "PROBE_MODEL_BYTES", 3 << 18)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 512), torch.nn.Linear(512, 256),
+                                torch.nn.Linear(256, 512))  # 128 KB, 256 KB, 512 KB, 512 KB weights
+    assert C.prepare(model) == "mkl"
+    (ring,) = seen
+    assert [tuple(w.shape) for w in ring] == [(128, 256), (512, 128), (256, 512)]  # stops once 768 KB is reached

@@ -386,3 +386,33 @@ def test_fixed_depth_is_the_default_and_unchanged(pair):
     assert m["total"]["speculation_warning"] == ""
     with pytest.raises(ValueError, match="depth must be"):
         EngineConfig(depth="sometimes").validate()
+
+
+def _cpu_like_policy(accept: float) -> DepthPolicy:
+    """A policy that has timed verifies of widths 1..7 with a CPU's shape (flat to 3, then steep, as one
+    core of the Intel VM measured the 1.5B target) and seen rounds whose drafts are each kept with
+    probability `accept`, given the one before was."""
+    p = DepthPolicy(6)
+    for w, s in {1: 0.39, 2: 0.41, 3: 0.44, 4: 0.62, 5: 0.76, 6: 0.77, 7: 0.77}.items():
+        for _ in range(3):
+            p.observe_verify(w, s)
+    rng = random.Random(0)
+    for _ in range(400):
+        kept = 0
+        while kept < 6 and rng.random() < accept:
+            kept += 1
+        p.observe_accept(6, 6, kept)
+    return p
+
+
+def test_best_hidden_depth_follows_acceptance_per_verify_second():
+    """With the round hidden a cache step's depth is worth (1 + E[kept]) / verify(k + 1): shallow where the
+    drafter is often wrong (prose), deep where it is mostly right (code); never above the cap, and only
+    among widths timed (the cap where none is)."""
+    assert _cpu_like_policy(0.45).best_hidden(6) == 2
+    assert _cpu_like_policy(0.95).best_hidden(6) == 6
+    assert _cpu_like_policy(0.95).best_hidden(4) == 4
+    assert DepthPolicy(6).best_hidden(5) == 5  # nothing timed yet
+    p = DepthPolicy(6)
+    p.observe_verify(3, 0.44)
+    assert p.best_hidden(6) == 2  # the only timed width

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import draftrelay.model as M
+from draftrelay import cpu_linear
 from draftrelay.checkpoint import hf
 from draftrelay.model import (
     KVCache,
@@ -356,9 +357,9 @@ def counted_linear(monkeypatch):
 def test_blocked_cpu_linear_with_threads_blocks_only_large_weights(monkeypatch, counted_linear):
     """With several threads a block holds a share per thread, and only weights of at least
     CPU_BLOCK_MIN_THREADED are blocked; the values are the one GEMM's."""
-    monkeypatch.setattr(M, "CPU_BLOCK_BYTES", 16384)
-    monkeypatch.setattr(M, "CPU_BLOCK_MIN", 1 << 16)
-    monkeypatch.setattr(M, "CPU_BLOCK_MIN_THREADED", 1 << 19)
+    monkeypatch.setattr(cpu_linear, "CPU_BLOCK_BYTES", 16384)
+    monkeypatch.setattr(cpu_linear, "CPU_BLOCK_MIN", 1 << 16)
+    monkeypatch.setattr(cpu_linear, "CPU_BLOCK_MIN_THREADED", 1 << 19)
     g = torch.Generator().manual_seed(4)
     big, small = torch.randn(1000, 256, generator=g), torch.randn(400, 256, generator=g)  # 1 MB, 0.4 MB
     calls, real = counted_linear
@@ -377,8 +378,8 @@ def test_blocked_cpu_linear_equals_one_gemm(monkeypatch, counted_linear, dtype):
     """A few-row single-threaded product in row blocks of the weight gives the one GEMM's values within
     fp32 summation order (each block computes whole output columns); other shapes and thread counts are
     the one GEMM."""
-    monkeypatch.setattr(M, "CPU_BLOCK_BYTES", 4096)
-    monkeypatch.setattr(M, "CPU_BLOCK_MIN", 1 << 16)
+    monkeypatch.setattr(cpu_linear, "CPU_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(cpu_linear, "CPU_BLOCK_MIN", 1 << 16)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(1000, 256, generator=g).to(dtype)  # 4096-byte blocks would be 4 rows: 16 at least
     b = torch.randn(1000, generator=g).to(dtype)

@@ -490,3 +490,40 @@ def test_prometheus_metrics_of_the_cache():
     assert 'draftrelay_spec_cache_misses_total{reason="late"} 1.0' in text
     assert "draftrelay_spec_cache_hit_rate 0.7" in text
     assert "draftrelay_spec_cache" not in metrics.render({"mode": "async"})
+
+
+def test_cache_steps_at_the_policy_depth_are_greedy_identical(pair, worker, monkeypatch):
+    """SpecCache(depth="policy"): each cache step asks the depth the depth policy rates best with the round
+    hidden (made to cycle 4, 1, 3, 2 here, so tables drafted at one depth are looked up by steps asking
+    another), the output stays target-only's, hits still verify their round's own drafts, and the policy
+    learns from the cache steps: their acceptance and their verify widths."""
+    from draftrelay.engine.depth import DepthPolicy
+
+    asked = []
+
+    def cycling(self, k_cap):
+        d = (4, 1, 3, 2)[len(asked) % 4]
+        asked.append(d)
+        return min(d, k_cap)
+
+    monkeypatch.setattr(DepthPolicy, "best_hidden", cycling)
+    h = HandoffConfig(round_spec=spec_of(worker), deadline_ms=3000, round_budget_ms=2500)
+    cfg = EngineConfig(mode="async", n_draft=4, max_batch=1, max_len=256, handoff=h, spec_fanout=8, depth="auto",
+                       spec_options={"guard": False, "depth": "policy"})
+    with Engine(pair[0], cfg) as eng:
+        reqs = eng.generate(PROMPTS[:2], SamplingParams(max_tokens=40))
+        m = eng.metrics()
+        widths = set(eng.depth.verify.mean)
+        tries = float(eng.depth.acc.tries.sum())  # drafts offered, booked by the cache steps alone (no guard)
+        if isinstance(eng.rounds, AsyncRounds):
+            eng.rounds.wait_settled()
+    ref, _, _ = run(pair[0], mode="off", max_batch=1, prompts=PROMPTS[:2], max_tokens=40)
+    assert [r.output for r in reqs] == ref
+    sc = m["total"]["spec_cache"]
+    assert sc["hits"] > 0 and sc["hit_drafts_differ"] == 0 and m["total"]["rounds"]["failed"] == 0, sc
+    # verifies of several widths timed for the policy (a hit verifies its branch, as deep as the round before
+    # asked: after a step of 1 draft, a step asking 3 verifies 1)
+    assert len(asked) >= 8 and len(widths - {1}) >= 3, widths
+    assert tries > 0
+    with pytest.raises(ValueError, match="'deep'"):
+        run(pair[0], spec_of(worker), F=8, max_batch=1, depth="deep")

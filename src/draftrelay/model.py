@@ -279,37 +279,11 @@ def attend(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, blocked: to
     return out.to(vals.dtype)
 
 
-# A single-threaded CPU product with a few rows (a verify of 4..16 positions) runs over row blocks of
-# the weight that fit in the core's L2: MKL's small-M GEMM re-streams a large weight for every few
-# rows instead, so a 7-wide verify of the 1.5B reference target cost 2.7x a 1-wide one on one thread
-# (in blocks: 1.5-1.8x). Each block's GEMM computes whole output columns (the same dot products).
-# With n threads a block holds n x CPU_BLOCK_BYTES (one share per thread), and only weights of
-# CPU_BLOCK_MIN_THREADED or more are blocked: each block is a parallel region that waits for every
-# thread. On two threads of the 2-core machine the 1.5B reference target's 7-wide verify takes 534 ms
-# in blocks against 709 ms as one GEMM per weight (benchmarks/cpu_step.py); under load the thread policy
-# runs one thread anyway.
-CPU_BLOCK_ROWS = (4, 16)
-CPU_BLOCK_BYTES = 1 << 20  # weight bytes per block and thread
-CPU_BLOCK_MIN = 4 << 20  # smaller weights run as one GEMM (a block costs ~10 us of Python)
-CPU_BLOCK_MIN_THREADED = 8 << 20  # the same with several threads
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on a CPU, through oneDNN where cpu_linear measured it faster, else in row blocks of w for
-    MKL products of CPU_BLOCK_ROWS rows (above)."""
+    """F.linear; on a CPU, the library and row blocks cpu_linear chose for a product of x's rows."""
     if x.device.type != "cpu" or x.dim() < 2:
         return F.linear(x, w, b)
-    if cpu_linear.use_onednn(w) and x.dtype == w.dtype:
-        return cpu_linear.onednn_linear(x, w, b)
-    if CPU_BLOCK_ROWS[0] <= x.numel() // x.shape[-1] <= CPU_BLOCK_ROWS[1]:
-        per_row = w.shape[1] * w.element_size()
-        size = w.shape[0] * per_row
-        n = torch.get_num_threads() if size >= CPU_BLOCK_MIN else 0  # small weights: no call at all
-        if n == 1 or n > 1 and size >= CPU_BLOCK_MIN_THREADED:
-            rows = max(16, n * CPU_BLOCK_BYTES // per_row)
-            return torch.cat([F.linear(x, w[i:i + rows], None if b is None else b[i:i + rows])
-                              for i in range(0, w.shape[0], rows)], dim=-1)
-    return F.linear(x, w, b)
+    return cpu_linear.linear(x, w, b)
 
 
 class Proj(NamedTuple):

@@ -337,6 +337,24 @@ class DepthPolicy:
             out.append(0.0 if cost is None else (1.0 + self.acc.expected_kept(k, co)) / (cost + h))
         return out
 
+    def best_hidden(self, k_cap: int) -> int:
+        """The depth 1..k_cap with the most expected tokens per second where the round costs nothing (a
+        speculation-cache step: its round was drafted during the last verify), among the depths whose verify
+        width has been timed; k_cap where none has. On a CPU a verify's cost grows with its width (on one
+        core of the Intel VM a 7-wide verify of the 1.5B target cost 2.2x a 3-wide one), so on text the
+        drafter predicts poorly a cache step of k_cap drafts verifies many positions for few tokens."""
+        h = self.host(0) or 0.0
+        co = self.acc.cond() * self.acc.offer()
+        best, rate = k_cap, -1.0
+        for k in range(1, min(k_cap, self.k_max) + 1):
+            v = self.verify(k + 1)
+            if v is None:
+                continue
+            r = (1.0 + self.acc.expected_kept(k, co)) / (v + h)
+            if r > rate:
+                best, rate = k, r
+        return best
+
     def _cost(self, m: int) -> float | None:
         r, v = self.round(m), self.verify(m + 1)
         return None if r is None or v is None else r + v

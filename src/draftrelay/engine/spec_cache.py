@@ -144,7 +144,7 @@ class SpecCache:
                  capacity: int = 1 << 20, log: bool = False, wait_rule: str = "all",
                  shared_gpu: bool = False, adapt: bool = False, probe_steps: int = 16,
                  adapt_margin: float = 0.02, reprobe_steps: int = 512, table_wait_ms: float | None = None,
-                 guard: bool = True, guard_options: dict | None = None) -> None:
+                 guard: bool = True, guard_options: dict | None = None, depth: str = "fixed") -> None:
         if not 1 <= fanout <= TB.MAX_BRANCHES:
             raise ValueError(f"spec-cache fan-out must be within [1, {TB.MAX_BRANCHES}], got {fanout}")
         if wait_rule not in WAIT_RULES:
@@ -165,6 +165,13 @@ class SpecCache:
         # guard_options={"depths": [None, k - 1]} lets it choose the depth of cache steps too (opt-in: on the
         # H200's short replay runs the extra probe cost more than the depth gained, docs/SPEC_CACHE.md)
         self._guard_options = dict(guard_options or {})
+        # depth "policy": a cache step drafts the depth the engine's depth policy rates best with the round
+        # hidden (DepthPolicy.best_hidden: tokens per verify second), at most the engine's k, and the policy
+        # learns from cache steps too (their acceptance and verify widths); "fixed": the engine's k (or the
+        # guard's depth). On a CPU a deep verify of text the drafter predicts poorly costs more than it gains
+        if depth not in ("fixed", "policy"):
+            raise ValueError(f"spec-cache depth must be 'fixed' or 'policy', got {depth!r}")
+        self.depth = depth
         self.guard: CacheGuard | None = None
         if guard and not adapt:
             self.guard = CacheGuard(fanout, **self._guard_options)  # options checked now, not at the first step
@@ -546,6 +553,9 @@ class SpecCache:
             depth = arm.depth
         else:
             depth = None
+        learn = self.depth == "policy" and eng.depth is not None
+        if learn and depth is None:
+            depth = eng.depth.best_hidden(eng.cfg.n_draft)
         stamp = self._stamp
         plan = eng.planner.plan(batch, drafting=True, k=depth)  # (None: the engine's k)
         steady = self._steady(eng, plan)
@@ -598,7 +608,10 @@ class SpecCache:
             self.c["asking_rows"] += len(asking)
             self.c["rows_with_drafts"] += sum(1 for i in asking if drafts[i])
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
-        eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock)
+        verified = eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock,
+                                          n_out=plan.n_out if learn else None)
+        if learn and any(verified) and (eng.threads is None or not eng.threads.probing):
+            eng.depth.observe_verify(1 + max(len(d) for d in verified), clock.parts["verify"])
         self._after_step(eng, batch, fast, before, t_step, steady, depth)
 
     # -- state ------------------------------------------------------------------------------------
