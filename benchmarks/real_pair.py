@@ -176,7 +176,7 @@ def parse_modes(s: str, k_max: int = 6) -> list[str]:
         ok = (kind == "hf" and not arg) or (kind == "off" and arg in ("full-head", "even-probes", "mkl", "whole")) \
             or (kind == "hf-assisted" and (arg == "heuristic" or arg.isdigit() and 1 <= int(arg) <= 16)) \
             or (kind == "cache" and _cache_arg(arg) is not None) \
-            or (kind == "cache-raw" and _cache_arg(arg) is not None and not _cache_arg_depths(arg)[4])
+            or (kind == "cache-raw" and _cache_arg(arg) is not None and _cache_arg_depths(arg)[4] in ([], "auto"))
         if not ok:
             try:
                 engine_mode(m, k_max)

@@ -356,7 +356,11 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                            graphs=args.graphs, slot_ring=args.slot_ring,
                            depth="fixed" if args.k is not None else "auto",
                            round_costs_s=rs.round_costs_s if h else None, draft_stop=args.draft_stop,
-                           spec_fanout=args.spec_cache if mode == "async" else 0)
+                           spec_fanout=args.spec_cache if mode == "async" else 0,
+                           # on a CPU a cache step drafts the depth policy's choice with the round hidden: a
+                           # verify's cost grows with its width there (docs/SPEC_CACHE.md, the drafter on a core
+                           # of its own); on a GPU it barely does, and this was not measured there
+                           spec_options={"depth": "policy"} if dev.type == "cpu" and args.k is None else {})
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 seed=args.seed, stop_token_ids=target.stop_ids)
         with Engine(target.model, cfg) as eng:
