@@ -303,6 +303,7 @@ class EngineRunner:
                            threads="auto" if self.whole else args.threads,
                            spec_fanout=fanout, spec_options=options)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=tok.stop_ids)
+        self.fixed_threads = cfg.threads if isinstance(cfg.threads, int) else 0  # head() sets it before each run
         with self.head():  # off:whole's thread policy counts the CPUs it may use as it starts
             self.eng = Engine(model, cfg)
         if even and self.eng.threads is not None:  # the policy as it probed before the asymmetric costs
@@ -323,8 +324,8 @@ class EngineRunner:
         if self.mkl:
             cpu_linear.choose("mkl")
         whole = cpus.pinned(self.whole) if self.whole else contextlib.nullcontext()
-        n = self.eng.cfg.threads if hasattr(self, "eng") else 0
-        if isinstance(n, int) and n and torch.get_num_threads() != n:  # another mode's thread policy left its count
+        n = self.fixed_threads
+        if n and torch.get_num_threads() != n:  # another mode's thread policy left its count
             torch.set_num_threads(n)
         try:
             with whole:
@@ -609,12 +610,13 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 ap.error(f"--{name.replace('_', '-')}: {exc}")
     if args.engine_cpus:
-        cpus.pin(cpus.parse(args.engine_cpus))  # the proxy and threads started later inherit it
+        engine_cpus = cpus.parse(args.engine_cpus)
+        cpus.pin(engine_cpus)  # the proxy and threads started later inherit it
         if args.threads == "auto":
-            args.threads = str(len(cpus.parse(args.engine_cpus)))
+            args.threads = str(len(engine_cpus))
         # now, before cpu_linear's probe: OpenMP threads beyond the pinned CPUs would share them (a blocked
         # 4-row MKL product then took 235 ms against 4.6 on one thread)
-        torch.set_num_threads(int(args.threads) if args.threads.isdigit() else len(cpus.parse(args.engine_cpus)))
+        torch.set_num_threads(int(args.threads) if args.threads.isdigit() else len(engine_cpus))
     if args.threads != "auto":
         if not args.threads.isdigit():
             raise SystemExit(f"real_pair: --threads: 'auto' or a count, got {args.threads!r}")

@@ -202,7 +202,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """A CPU product x [..., K] @ w [N, K].T (+ b): on oneDNN where the choice for its width says so, else
     mkl_linear."""
     if use_onednn(w, x.numel() // x.shape[-1]) and x.dtype == w.dtype:
-        return _onednn(x, w, b)
+        return onednn_linear(x, w, b)
     return mkl_linear(x, w, b)
 
 
@@ -212,15 +212,15 @@ def prepare(model: torch.nn.Module) -> str:
     size (the first ones, up to PROBE_MODEL_BYTES: larger than a last-level cache, so it reads memory as a
     forward does). Returns the choice."""
     if _chosen is None:
-        big = [p.detach() for p in model.parameters()
-               if p.dim() == 2 and p.is_contiguous() and _fp32_cpu_bytes(p) >= PROBE_MIN_BYTES]
-        if big:
-            ring, total = [], 0
-            for w in big:
-                if total >= PROBE_MODEL_BYTES:
-                    break
-                ring.append(w)
-                total += _fp32_cpu_bytes(w)
+        ring: list[torch.Tensor] = []
+        total = 0
+        for p in model.parameters():
+            if total >= PROBE_MODEL_BYTES:
+                break
+            if p.dim() == 2 and p.is_contiguous() and _fp32_cpu_bytes(p) >= PROBE_MIN_BYTES:
+                ring.append(p.detach())
+                total += _fp32_cpu_bytes(p)
+        if ring:
             probe(ring)
     return chosen()
 

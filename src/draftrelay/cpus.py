@@ -16,6 +16,7 @@ starts later inherit it. Uses only `os`: no torch, no CUDA.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Iterator
 
@@ -30,7 +31,7 @@ def online() -> set[int]:
     a worker started by a pinned engine inherits the engine's mask and leaves it)."""
     try:
         with open("/sys/devices/system/cpu/online") as f:
-            return set(_numbers(f.read().strip(), "online CPUs"))
+            return _numbers(f.read().strip(), "online CPUs")
     except (OSError, ValueError):
         return set(range(os.cpu_count() or 1))
 
@@ -65,18 +66,8 @@ def _numbers(spec: str, what: str) -> set[int]:
 
 def format_list(cpus: set[int] | list[int]) -> str:
     """The shortest N-M,K form of a set of CPU numbers (the form `parse` reads)."""
-    out: list[str] = []
-    run: list[int] = []
-    for c in sorted(cpus):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+    runs = [[c for _, c in g] for _, g in itertools.groupby(enumerate(sorted(cpus)), lambda t: t[1] - t[0])]
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def threads_of_this_process() -> list[int]:

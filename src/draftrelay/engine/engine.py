@@ -414,9 +414,13 @@ class Engine:
         if plan.asks:  # timed at the drafts the round drafted (fewer than k where the confidence stop ended it)
             self.depth.observe_round(k, p["submit"] + p["wait"], max(len(x) for x in plan.send),
                                      drafted=max(len(d) for d in drafts))
-        if self.threads is None or not self.threads.probing:  # a thread probe's verify is not the usual cost
-            self.depth.observe_verify(1 + max(len(d) for d in drafts), p["verify"])
+        self._observe_verify_width(drafts, clock)
         self.depth.observe_host(self.timing["host"][-1])
+
+    def _observe_verify_width(self, drafts: list[list[int]], clock: StepClock) -> None:
+        """The depth policy's verify cost at this step's width (drafts: what the verify took)."""
+        if self.threads is None or not self.threads.probing:  # a thread probe's verify is not the usual cost
+            self.depth.observe_verify(1 + max(len(d) for d in drafts), clock.parts["verify"])
 
     # -- metrics ---------------------------------------------------------------------------------------
     def metrics(self, requests: list[Request] | None = None) -> dict:

@@ -610,8 +610,8 @@ class SpecCache:
         # a fast step's round is booked when it is settled; the drafts it verified are the branch's
         verified = eng._verify_and_accept(batch, inp, drafts, res, [0] * len(batch) if fast else plan.wanted, clock,
                                           n_out=plan.n_out if learn else None)
-        if learn and any(verified) and (eng.threads is None or not eng.threads.probing):
-            eng.depth.observe_verify(1 + max(len(d) for d in verified), clock.parts["verify"])
+        if learn and any(verified):
+            eng._observe_verify_width(verified, clock)
         self._after_step(eng, batch, fast, before, t_step, steady, depth)
 
     # -- state ------------------------------------------------------------------------------------
