@@ -186,3 +186,33 @@ def test_generate_with_target_and_drafter_on_their_own_cpus_is_the_target_only_o
         assert out.returncode == 0, out.stderr
         outs.append(out.stdout.split("\n")[0])
     assert outs[0] and outs[1] == outs[0] and outs[2] == outs[0]
+
+
+def test_generate_cache_guard_auto_is_off_where_the_drafter_has_cpus_of_its_own():
+    """--cache-guard auto: no guard where --drafter-cpus gives the drafter cores of its own (its branch work
+    takes nothing from the target's), the guard otherwise; on / off as said. The depth policy's cache steps
+    on a CPU with the depth not fixed, not on a GPU or with --k."""
+    import argparse
+
+    from draftrelay.engine import cli_generate as G
+    from draftrelay.engine.spec_cache import SpecCache
+
+    p = argparse.ArgumentParser()
+    G.add_arguments(p)
+
+    def opts(*flags: str, dev: str = "cpu") -> dict:
+        return G.spec_options(p.parse_args(["x", "--spec-cache", "4", *flags]), dev)
+
+    assert opts("--cpus", "0", "--drafter-cpus", "1") == {"depth": "policy", "guard": False}
+    assert opts() == {"depth": "policy"}
+    assert opts("--drafter-cpus", "1", "--cache-guard", "on") == {"depth": "policy"}
+    assert opts("--cache-guard", "off", "--k", "4") == {"guard": False}
+    assert opts(dev="cuda") == {}
+    with pytest.raises(SystemExit):
+        p.parse_args(["x", "--cache-guard", "maybe"])
+    guarded, bare = (SpecCache(4, **opts(*f)) for f in ((), ("--drafter-cpus", "1")))
+    try:
+        assert guarded.guard is not None and bare.guard is None
+    finally:
+        guarded.shm.close()
+        bare.shm.close()

@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (async): the worker pre-drafts F branches per request during each "
                         "verify (no value: 8)")
+    p.add_argument("--cache-guard", default="auto", choices=["auto", "on", "off"],
+                   help="with --spec-cache: on, the guard measures cache steps against plain rounds and runs "
+                        "whichever is faster; off, every step a cache step; auto (default): off where the "
+                        "drafter has cores of its own (--drafter-cpus), on otherwise")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--deadline-ms", type=float, default=None,
                    help="watchdog deadline of an async round (default: round budget + 50 ms)")
@@ -222,6 +226,26 @@ def check_flags(args: argparse.Namespace) -> list[str]:
     return bad
 
 
+def spec_options(args: argparse.Namespace, device_type: str) -> dict:
+    """SpecCache's options for generate's --spec-cache on this device.
+
+    On a CPU a cache step drafts the depth policy's choice with the round hidden: a verify's cost grows with
+    its width there (docs/SPEC_CACHE.md, the drafter on a core of its own); on a GPU it barely does, and this
+    was not measured there. --cache-guard auto turns the guard off where the drafter has cores of its own:
+    its branch work then takes nothing from the target's cores, so the probes have little to protect, and
+    on the 2-core VM they were most of the spread between runs (a guarded pass ran plain rounds on 58 steps
+    of two code prompts and came out level with sync; unguarded the cache ran 1.07 x sync)."""
+    opts: dict = {}
+    if device_type == "cpu" and args.k is None:
+        opts["depth"] = "policy"
+    guard = getattr(args, "cache_guard", "auto")
+    if guard == "auto":
+        guard = "off" if getattr(args, "drafter_cpus", "") else "on"
+    if guard == "off":
+        opts["guard"] = False
+    return opts
+
+
 def k_max_of(args: argparse.Namespace) -> int:
     """The deepest draft: --k when it fixes the depth, else the policy's --k-max."""
     return args.k if args.k is not None else args.k_max
@@ -357,10 +381,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                            depth="fixed" if args.k is not None else "auto",
                            round_costs_s=rs.round_costs_s if h else None, draft_stop=args.draft_stop,
                            spec_fanout=args.spec_cache if mode == "async" else 0,
-                           # on a CPU a cache step drafts the depth policy's choice with the round hidden: a
-                           # verify's cost grows with its width there (docs/SPEC_CACHE.md, the drafter on a core
-                           # of its own); on a GPU it barely does, and this was not measured there
-                           spec_options={"depth": "policy"} if dev.type == "cpu" and args.k is None else {})
+                           spec_options=spec_options(args, dev.type))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 seed=args.seed, stop_token_ids=target.stop_ids)
         with Engine(target.model, cfg) as eng:
