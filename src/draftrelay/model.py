@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftrelay import cpu_linear
+from draftrelay.memory import check_fits
 
 if TYPE_CHECKING:
     from draftrelay.draft_vocab import DraftVocab
@@ -155,6 +156,11 @@ class KVCache:
         if max_batch <= 0 or max_len <= 0:
             raise ValueError(f"KVCache needs max_batch > 0 and max_len > 0, got {max_batch}, {max_len}")
         shape = (cfg.n_layers, max_batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        # before the zero fill touches its pages: a CPU cache beyond the free memory would swap the host
+        # or wake the OOM killer rather than fail (draftrelay/memory.py)
+        check_fits(max_batch * max_len * self.position_bytes(cfg, dtype), torch.device(device),
+                   f"KV cache of {max_batch} rows x {max_len} positions ({cfg.name or 'model'})",
+                   "fewer rows or positions: serve --max-batch / --max-model-len, worker --rows / --max-ctx")
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(max_batch, dtype=torch.int64)
@@ -163,6 +169,11 @@ class KVCache:
         # 1-2 us here and several times that on a slow host, per job and per round
         self.lens = self.lengths.numpy()
         self.max_batch, self.max_len = max_batch, max_len
+
+    @staticmethod
+    def position_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of K and V one position of one row holds."""
+        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
     def truncate(self, row: int, length: int) -> None:
         cur = int(self.lens[row])

@@ -28,6 +28,7 @@ from draftrelay.engine.cli_generate import (
     local_quant_problems,
     local_vocab_problems,
 )
+from draftrelay.memory import KVMemoryError
 
 CPU_WARMUP_PROMPT = 8192  # the warm-up's longest prompt on a CPU unless --warmup-prompt-len says
 
@@ -109,6 +110,37 @@ def _check(args: argparse.Namespace) -> str:
         return f"--spec-cache needs --k >= 1 (drafts to branch), got --k {args.k}"
     return next(iter(local_quant_problems(args.drafter_quant, args.device, args.worker)
                      + local_vocab_problems(args.drafter_vocab, args.worker) + cpu_placement_problems(args)), "")
+
+
+def fit_context(model, dev, args: argparse.Namespace, say) -> int:
+    """--max-model-len 0: the model's context, or the longest whose K/V for --max-batch rows fits the memory
+    available now (draftrelay/memory.py), a multiple of 256, said when it is shorter. A local worker on the
+    same host takes its own cache beside it (its rows at least 16), so the target's may take half. Raises
+    KVMemoryError where not even 256 positions a row fit."""
+    from draftrelay.memory import HEADROOM, available_bytes, fit_positions, size
+    from draftrelay.model import KVCache
+
+    ctx = model.cfg.max_position_embeddings
+    avail = available_bytes(dev)
+    if avail is None:
+        return ctx
+    local_worker = args.mode != "off" and not args.worker
+    budget = HEADROOM * avail * (0.5 if local_worker else 1.0)
+    per_position = KVCache.position_bytes(model.cfg, model.dtype)
+    extra = args.k + 1  # a row also holds the last verify's drafts
+    n = fit_positions(per_position, args.max_batch, budget, ctx + extra, multiple=1) - extra
+    if n >= ctx:
+        return ctx
+    whole = per_position * args.max_batch * (ctx + extra)
+    if n < 256:
+        raise KVMemoryError(f"--max-batch {args.max_batch}: the K/V of even 256 positions a row does not fit "
+                            f"the {size(budget)} the target's cache may take of the {size(avail)} available on "
+                            f"{dev}; fewer rows (--max-batch) or a smaller model")
+    n = n // 256 * 256
+    say(f"context capped to {n} tokens: {args.max_batch} rows of the model's {ctx} would take {size(whole)} of "
+        f"K/V, {size(avail)} is available{' (half of it kept for the local worker)' if local_worker else ''}; "
+        f"--max-model-len sets it, --max-batch fewer rows allow more")
+    return n
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -271,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         ctx = target.model.cfg.max_position_embeddings
         if args.max_model_len > ctx:
             raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context of {ctx}")
-        max_model_len = args.max_model_len or ctx
+        max_model_len = args.max_model_len or fit_context(target.model, dev, args, say)
         render_chat, template_from = _chat_encoder(target, args.model)
     except (ValueError, ModelError, OSError, TemplateError) as exc:
         say(str(exc))
@@ -316,7 +348,12 @@ def run(args: argparse.Namespace) -> int:
             say(f"cannot listen on {args.host}:{args.port}: {exc.strerror}")
             return 1
         bound = sock.getsockname()[1]
-        with Engine(target.model, cfg) as eng:
+        try:
+            engine = Engine(target.model, cfg)
+        except KVMemoryError as exc:
+            say(str(exc))
+            return 2
+        with engine as eng:
             use_batch_depth(eng, args.depth == "auto")
             if eng.rounds is not None and eng.rounds.refusal:
                 say(f"async refused, serving sync rounds: {eng.rounds.refusal}")

@@ -1,0 +1,95 @@
+"""The KV caches' memory check (draftrelay/memory.py): a cache beyond the memory available is refused before
+its pages are touched, with its size, the memory and the settings named; serve fits its context to it."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from draftrelay import memory
+from draftrelay import model as M
+from draftrelay.memory import KVMemoryError
+
+GIB = 1 << 30
+
+
+def test_check_fits_names_the_sizes_and_lets_what_fits_through():
+    memory.check_fits(GIB, "cpu", "cache", avail=2 * GIB)  # within 90 % of 2 GiB
+    memory.check_fits(memory.CHECK_FROM_BYTES - 1, "cpu", "cache", avail=0)  # small: never checked
+    with pytest.raises(KVMemoryError) as e:
+        memory.check_fits(3 * GIB, "cpu", "KV cache of 8 rows", "fewer rows", avail=2 * GIB)
+    msg = str(e.value)
+    assert "KV cache of 8 rows needs 3.0 GiB" in msg and "1.8 GiB" in msg and "2.0 GiB available on cpu" in msg
+    assert msg.endswith("; fewer rows")
+    assert isinstance(e.value, ValueError)  # the CLIs' existing refusal paths catch it
+
+
+def test_available_bytes_reads_this_host():
+    n = memory.available_bytes("cpu")
+    assert n is not None and 0 < n < 1 << 50
+    assert memory.available_bytes(torch.device("meta")) is None
+
+
+def test_fit_positions():
+    assert memory.fit_positions(1000, 4, 1e12, 4096) == 4096  # everything fits: the limit
+    assert memory.fit_positions(1000, 4, 4000 * 1000, 4096) == 768  # 1000 positions -> a multiple of 256
+    assert memory.fit_positions(1000, 4, 200 * 4000, 4096) == 0
+    assert memory.fit_positions(1000, 4, 4000 * 1000, 4096, multiple=1) == 1000
+    assert memory.size(3 * GIB) == "3.0 GiB" and memory.size(5 << 20) == "5.0 MiB"
+    with pytest.raises(ValueError, match="positive sizes"):
+        memory.fit_positions(0, 4, 1e9, 4096)
+
+
+def test_a_cache_beyond_the_memory_is_refused_before_it_is_allocated(monkeypatch):
+    """With 1 GiB said to be available, a 100 GiB CPU cache is refused at once (allocating and zeroing it
+    would take the host down, not raise); a small one is still made."""
+    monkeypatch.setattr(memory, "available_bytes", lambda device: GIB)
+    cfg = M.ModelConfig(vocab_size=100, hidden_size=64, n_layers=32, n_heads=8, n_kv_heads=8, head_dim=128,
+                        intermediate_size=128, max_position_embeddings=1 << 20, name="big")
+    per = M.KVCache.position_bytes(cfg, torch.float32)
+    assert per == 2 * 32 * 8 * 128 * 4
+    with pytest.raises(KVMemoryError, match=r"KV cache of 8 rows x 51200 positions \(big\) needs 100.0 GiB.*"
+                                            r"serve --max-batch / --max-model-len"):
+        M.KVCache(cfg, 8, 51200)
+    assert M.KVCache(cfg, 1, 16).k.shape == (32, 1, 8, 16, 128)
+
+
+def _serve_args(**kw) -> argparse.Namespace:
+    base = {"mode": "async", "worker": "", "k": 4, "max_batch": 8}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_serve_fits_its_context_to_the_memory(monkeypatch):
+    model = M.tiny_pair(seed=0)[0]
+    cfg = model.cfg
+    per = M.KVCache.position_bytes(cfg, model.dtype)
+    said: list[str] = []
+    from draftrelay.serve.cli import fit_context
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10**15)
+    assert fit_context(model, "cpu", _serve_args(), said.append) == cfg.max_position_embeddings and not said
+    # room for 1,000 positions of 8 rows in the target's half: capped to 768, and said
+    avail = int(1000 * 8 * per * 2 / memory.HEADROOM) + 1
+    monkeypatch.setattr(memory, "available_bytes", lambda device: avail)
+    assert fit_context(model, "cpu", _serve_args(), said.append) == 768
+    assert said and said[-1].startswith("context capped to 768 tokens: 8 rows of the model's 4096") \
+        and "half of it kept for the local worker" in said[-1]
+    # without a local worker (a remote one, or target-only) the whole budget: 2,000 positions -> 1,792
+    assert fit_context(model, "cpu", _serve_args(worker="h:1"), said.append) == 1792
+    assert fit_context(model, "cpu", _serve_args(mode="off"), said.append) == 1792
+    with pytest.raises(KVMemoryError, match="--max-batch 64: the K/V of even 256 positions a row does not fit"):
+        fit_context(model, "cpu", _serve_args(max_batch=64), said.append)
+
+
+def test_serve_refuses_a_batch_the_memory_cannot_hold(monkeypatch, capsys):
+    """The whole command: the refusal is said and serve exits 2 before it starts a worker or listens."""
+    from draftrelay.serve import cli as serve_cli
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    args = p.parse_args(["--model", "tiny", "--drafter", "tiny", "--device", "cpu", "--max-batch", "4"])
+    assert serve_cli.run(args) == 2
+    assert "--max-batch 4: the K/V of even 256 positions a row does not fit" in capsys.readouterr().err
