@@ -57,30 +57,40 @@ def test_a_cache_beyond_the_memory_is_refused_before_it_is_allocated(monkeypatch
 
 
 def _serve_args(**kw) -> argparse.Namespace:
-    base = {"mode": "async", "worker": "", "k": 4, "max_batch": 8}
+    base = {"mode": "async", "worker": "", "drafter": "tiny", "k": 4, "max_batch": 8, "spec_cache": 0}
     return argparse.Namespace(**{**base, **kw})
 
 
 def test_serve_fits_its_context_to_the_memory(monkeypatch):
-    model = M.tiny_pair(seed=0)[0]
-    cfg = model.cfg
-    per = M.KVCache.position_bytes(cfg, model.dtype)
+    """Per position: the target's 8 rows and its scratch row, and a local worker's 16 rows of the drafter's
+    shape, after the worker's weights; a remote worker or target-only counts the target's rows alone."""
+    target, drafter = M.tiny_pair(seed=0)
+    cfg = target.cfg
+    t_pp = M.KVCache.position_bytes(cfg, torch.float32)
+    d_pp = M.KVCache.position_bytes(drafter.cfg, torch.float32)
+    weights = drafter.cfg.n_params() * 4
     said: list[str] = []
     from draftrelay.serve.cli import fit_context
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: 10**15)
-    assert fit_context(model, "cpu", _serve_args(), said.append) == cfg.max_position_embeddings and not said
-    # room for 1,000 positions of 8 rows in the target's half: capped to 768, and said
-    avail = int(1000 * 8 * per * 2 / memory.HEADROOM) + 1
+    assert fit_context(target, "cpu", _serve_args(), said.append) == cfg.max_position_embeddings and not said
+    # room for 1,000 positions with the local worker: 1000 - (k + 1 + 64) = 931 -> 768, and said
+    avail = int((1000 * (9 * t_pp + 16 * d_pp) + weights) / memory.FIT_SHARE) + 1
     monkeypatch.setattr(memory, "available_bytes", lambda device: avail)
-    assert fit_context(model, "cpu", _serve_args(), said.append) == 768
-    assert said and said[-1].startswith("context capped to 768 tokens: 8 rows of the model's 4096") \
-        and "half of it kept for the local worker" in said[-1]
-    # without a local worker (a remote one, or target-only) the whole budget: 2,000 positions -> 1,792
-    assert fit_context(model, "cpu", _serve_args(worker="h:1"), said.append) == 1792
-    assert fit_context(model, "cpu", _serve_args(mode="off"), said.append) == 1792
+    assert fit_context(target, "cpu", _serve_args(), said.append) == 768
+    assert said and said[-1].startswith("context capped to 768 tokens: the model's 4096 at --max-batch 8") \
+        and "the local worker's weights" in said[-1]
+    # without a local worker the target's 9 rows alone take the memory: more positions fit
+    alone = int((1000 * (9 * t_pp + 16 * d_pp) + weights) // (9 * t_pp)) - 69
+    for args in (_serve_args(worker="h:1"), _serve_args(mode="off")):
+        assert fit_context(target, "cpu", args, said.append) == min(4096, alone // 256 * 256) > 768
+    # the speculation cache's branch rows at F = 3: 8 x 3 = 24 -> 32 rows and a spare beside the worker's 16
+    branchy = int((1000 * (9 * t_pp + (16 + 33) * d_pp) + weights) / memory.FIT_SHARE) + 1
+    monkeypatch.setattr(memory, "available_bytes", lambda device: branchy)
+    assert fit_context(target, "cpu", _serve_args(spec_cache=3), said.append) == 768
+    assert fit_context(target, "cpu", _serve_args(), said.append) > 768
     with pytest.raises(KVMemoryError, match="--max-batch 64: the K/V of even 256 positions a row does not fit"):
-        fit_context(model, "cpu", _serve_args(max_batch=64), said.append)
+        fit_context(target, "cpu", _serve_args(max_batch=64), said.append)
 
 
 def test_serve_refuses_a_batch_the_memory_cannot_hold(monkeypatch, capsys):
@@ -93,3 +103,28 @@ def test_serve_refuses_a_batch_the_memory_cannot_hold(monkeypatch, capsys):
     args = p.parse_args(["--model", "tiny", "--drafter", "tiny", "--device", "cpu", "--max-batch", "4"])
     assert serve_cli.run(args) == 2
     assert "--max-batch 4: the K/V of even 256 positions a row does not fit" in capsys.readouterr().err
+
+
+def test_drafter_config_reads_the_shape_without_the_weights(tmp_path):
+    """serve counts its local worker's K/V from the drafter's shape: 'tiny', a GGUF file, a model directory;
+    None where there is none to read (the worker then says why when it loads)."""
+    import sys
+    from pathlib import Path
+
+    from draftrelay.checkpoint import hf
+    from draftrelay.engine import loading as L
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_files import byte_vocab, write_gguf
+
+    drafter = M.tiny_pair(seed=M.TINY_SEED)[1]
+    assert L.drafter_config("tiny") == drafter.cfg
+    write_gguf(drafter, str(tmp_path / "d.gguf"), "llama", vocab=byte_vocab())
+    hf.save_hf_dir(drafter, tmp_path / "dir")
+    for spec in (str(tmp_path / "d.gguf"), str(tmp_path / "dir")):
+        got = L.drafter_config(spec)
+        assert got is not None and M.KVCache.position_bytes(got, torch.float32) == \
+            M.KVCache.position_bytes(drafter.cfg, torch.float32) and got.n_params() == drafter.cfg.n_params()
+    (tmp_path / "bad.gguf").write_bytes(b"not gguf")
+    assert L.drafter_config(str(tmp_path / "bad.gguf")) is None
+    assert L.drafter_config("test") is None and L.drafter_config(str(tmp_path / "missing")) is None

@@ -17,6 +17,11 @@ import os
 # of the memory available, what the caches may take: the rest for activations, the allocator's slack and
 # what the other processes of the host touch meanwhile
 HEADROOM = 0.9
+# of the memory available, what a server sizing its context itself (serve --max-model-len 0) lets the KV
+# caches take: a long prompt's prefill activations, the worker's working set and the pages of the files its
+# models were read from need the rest. At 0.9 the 1.5B reference target beside its worker (8 rows, F = 4)
+# left the 24 GB host 1.4 GB free during its warm-up, and it stalled in I/O wait on the evicted file pages
+FIT_SHARE = 0.6
 # caches below this are not checked (tests and small models make many; none of them matters)
 CHECK_FROM_BYTES = 256 << 20
 

@@ -102,6 +102,26 @@ def drafter_model_id(spec: str) -> str:
     return os.path.basename(os.path.abspath(spec)) if os.path.isdir(spec) or is_gguf(spec) else ""
 
 
+def drafter_config(spec: str) -> M.ModelConfig | None:
+    """The shape of the drafter `spec` names, read without its weights ('tiny', a GGUF file's metadata, a
+    model directory's config.json); None for the test and replay drafters or a spec that cannot be read
+    (the worker then says why when it loads it)."""
+    try:
+        if spec == "tiny":
+            return M.tiny_pair(M.TINY_SEED)[1].cfg
+        if is_gguf(spec):
+            from draftrelay.checkpoint.gguf import read_gguf
+
+            return read_gguf(spec).config
+        if os.path.isdir(spec):
+            from draftrelay.checkpoint.hf import read_config
+
+            return read_config(spec)
+    except (M.ModelError, OSError, ValueError):
+        return None
+    return None
+
+
 def default_threads() -> int:
     """The CPU threads this process may use (its affinity mask, not the machine's core count)."""
     try:

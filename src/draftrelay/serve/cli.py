@@ -113,32 +113,46 @@ def _check(args: argparse.Namespace) -> str:
 
 
 def fit_context(model, dev, args: argparse.Namespace, say) -> int:
-    """--max-model-len 0: the model's context, or the longest whose K/V for --max-batch rows fits the memory
-    available now (draftrelay/memory.py), a multiple of 256, said when it is shorter. A local worker on the
-    same host takes its own cache beside it (its rows at least 16), so the target's may take half. Raises
-    KVMemoryError where not even 256 positions a row fit."""
-    from draftrelay.memory import HEADROOM, available_bytes, fit_positions, size
+    """--max-model-len 0: the model's context, or the longest whose K/V fits FIT_SHARE of the memory
+    available now (draftrelay/memory.py), a multiple of 256, said when it is shorter. Counted per position: the target's
+    --max-batch rows and its scratch row, and a local worker's own (its rows, at least 16, and with
+    --spec-cache F its branch rows, max-batch x F rounded up to a power of two and a spare, all of the
+    drafter's shape: drafter_config) with its weights set aside first. Raises KVMemoryError where not even 256
+    positions a row fit."""
+    from draftrelay.engine import loading as L
+    from draftrelay.memory import FIT_SHARE, available_bytes, fit_positions, size
     from draftrelay.model import KVCache
 
     ctx = model.cfg.max_position_embeddings
     avail = available_bytes(dev)
     if avail is None:
         return ctx
-    local_worker = args.mode != "off" and not args.worker
-    budget = HEADROOM * avail * (0.5 if local_worker else 1.0)
-    per_position = KVCache.position_bytes(model.cfg, model.dtype)
-    extra = args.k + 1  # a row also holds the last verify's drafts
-    n = fit_positions(per_position, args.max_batch, budget, ctx + extra, multiple=1) - extra
+    per_position = KVCache.position_bytes(model.cfg, model.dtype) * (args.max_batch + 1)
+    reserve, worker_note = 0, ""
+    drafter = L.drafter_config(args.drafter) if args.mode != "off" and not args.worker else None
+    if drafter is not None:  # the local worker: its weights and its cache, in its default dtype
+        import torch
+
+        dtype = torch.bfloat16 if getattr(dev, "type", str(dev)) == "cuda" else torch.float32
+        rows = max(16, args.max_batch)
+        if args.spec_cache:  # its branch rows (worker/prefetch.py scratch): written at their true positions
+            rows += 1 << max(0, args.max_batch * args.spec_cache - 1).bit_length()
+            rows += 1
+        per_position += KVCache.position_bytes(drafter, dtype) * rows
+        reserve = drafter.n_params() * torch.empty((), dtype=dtype).element_size()
+        worker_note = f", the local worker's weights ({size(reserve)}) and K/V counted"
+    extra = args.k + 1 + 64  # a row also holds the last verify's drafts; the worker's rows 64 more
+    budget = FIT_SHARE * avail - reserve
+    n = (fit_positions(per_position, 1, budget, ctx + extra, multiple=1) if budget > 0 else 0) - extra
     if n >= ctx:
         return ctx
-    whole = per_position * args.max_batch * (ctx + extra)
     if n < 256:
         raise KVMemoryError(f"--max-batch {args.max_batch}: the K/V of even 256 positions a row does not fit "
-                            f"the {size(budget)} the target's cache may take of the {size(avail)} available on "
-                            f"{dev}; fewer rows (--max-batch) or a smaller model")
+                            f"the {size(max(budget, 0))} the caches may take of the {size(avail)} available on "
+                            f"{dev}{worker_note}; fewer rows (--max-batch) or a smaller model")
     n = n // 256 * 256
-    say(f"context capped to {n} tokens: {args.max_batch} rows of the model's {ctx} would take {size(whole)} of "
-        f"K/V, {size(avail)} is available{' (half of it kept for the local worker)' if local_worker else ''}; "
+    say(f"context capped to {n} tokens: the model's {ctx} at --max-batch {args.max_batch} would take "
+        f"{size(per_position * (ctx + extra))} of K/V, {size(avail)} is available{worker_note}; "
         f"--max-model-len sets it, --max-batch fewer rows allow more")
     return n
 
@@ -369,6 +383,9 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     # a CPU's prefill of a whole long context can take minutes: capped there by default
                     cap = args.warmup_prompt_len or (0 if dev.type == "cuda" else CPU_WARMUP_PROMPT)
+                    say(f"warming up: prompts up to {min(cap or max_model_len, max_model_len)} tokens and every "
+                        f"batch size to {args.max_batch} before the first client (--no-warmup skips it; on a "
+                        "CPU this can take minutes)")
                     w = sched.start(lambda: warm_up(eng, max_model_len, long_prompt=cap))
                     say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
                         f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''}"
