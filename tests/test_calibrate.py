@@ -123,3 +123,16 @@ def test_cpu_hand_off_blocks_and_its_watchdog_polls_at_a_share_of_the_deadline()
     assert (cpu.wait_slice_us, cpu.supervise_ms, cpu.heartbeat_ms) == (20_000, 50.0, 100.0)
     assert cpu.heartbeat_ms < cpu.supervise_ms * 4 < 1000 * AsyncRounds(cpu).loss_limit_s
     assert (gpu.wait_slice_us, gpu.supervise_ms, gpu.heartbeat_ms) == (2000, 10.0, 20.0)
+
+
+def test_a_round_of_several_requests_is_timed_whole(slow_worker):
+    """serve on a CPU measures its budget over a full batch: each request of the round carries the prompt, and
+    the test drafter sleeps once per request whose tokens hold the slow one, so three take three sleeps."""
+    prompt = [3, SLOW, 11, 12]
+    timing = C.measure_rounds(spec_of(slow_worker), prompt, [1, 2], repeats=1, requests=3)
+    assert timing.prefill_s >= 3 * 0.3 and max(timing.by_k.values()) < 0.3
+    rs = C.round_settings(spec_of(slow_worker), prompt, 2, requests=3)
+    assert rs.budget_ms >= 2 * 900 + 100 and "(3 requests a round)" in rs.note
+    assert L.check_worker({**spec_of(slow_worker), "max_requests": 8}) == ""  # every probe row freed
+    with pytest.raises(ValueError, match="requests must be >= 1"):
+        C.measure_rounds(spec_of(slow_worker), prompt, [1], requests=0)

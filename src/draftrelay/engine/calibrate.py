@@ -57,16 +57,20 @@ def deadline_for(budget_ms: float) -> float:
 
 
 def measure_rounds(spec: dict, prompt: list[int], ks: list[int], repeats: int = 3,
-                   timeout_s: float = 120.0) -> RoundTiming:
-    """Time STEP rounds against the worker `spec` names (see the module docstring). Raises
-    wire.client.WireError when the worker cannot be reached or refuses."""
+                   timeout_s: float = 120.0, requests: int = 1) -> RoundTiming:
+    """Time STEP rounds against the worker `spec` names (see the module docstring); `requests` requests in
+    each round, all with the same tokens (a server's full batch: on a CPU a round of eight costs several
+    times a round of one). Raises wire.client.WireError when the worker cannot be reached or refuses."""
     from draftrelay.wire import protocol as P
     from draftrelay.wire.roundfn import client_from_spec
 
     ks = sorted({int(k) for k in ks if k > 0})
     if not ks or not prompt:
         raise ValueError("measure_rounds: need a prompt and at least one depth > 0")
-    client = client_from_spec({**spec, "n_out_max": max(ks), "max_requests": 1, "client_name": "draftrelay-calibrate"})
+    if requests < 1:
+        raise ValueError(f"measure_rounds: requests must be >= 1, got {requests}")
+    client = client_from_spec({**spec, "n_out_max": max(ks), "max_requests": requests,
+                               "client_name": "draftrelay-calibrate"})
     try:
         client.connect(timeout=timeout_s)
         toks = np.asarray(prompt, np.int32)
@@ -75,7 +79,8 @@ def measure_rounds(spec: dict, prompt: list[int], ks: list[int], repeats: int = 
         def step(tokens: np.ndarray, n_out: int, flags: int = 0) -> tuple[float, np.ndarray]:
             nonlocal pos
             t0 = time.perf_counter()
-            reply = client.step([P.Block(_PROBE_ID, 1, pos, tokens, n_out, flags)], timeout=timeout_s)
+            reply = client.step([P.Block(_PROBE_ID + r, 1, pos, tokens, n_out, flags) for r in range(requests)],
+                                timeout=timeout_s)
             dt = time.perf_counter() - t0
             pos += len(tokens)
             return dt, reply.drafts[0, :int(reply.counts[0])]
@@ -110,7 +115,7 @@ class RoundSettings:
 
 
 def round_settings(spec: dict, prompt: list[int], k_max: int, budget_ms: float | None = None,
-                   deadline_ms: float | None = None) -> RoundSettings:
+                   deadline_ms: float | None = None, requests: int = 1) -> RoundSettings:
     """The round budget and watchdog deadline for rounds to `spec`: each one given wins; what is not
     given follows a measurement (measure_rounds at depths 1 and k_max); a worker that cannot be measured
     leaves the fixed defaults (150 ms, 200 ms), said in the note."""
@@ -119,7 +124,7 @@ def round_settings(spec: dict, prompt: list[int], k_max: int, budget_ms: float |
     timing, failed = None, ""
     if budget_ms is None or deadline_ms is None:
         try:
-            timing = measure_rounds(spec, prompt, [1, max(1, k_max)])
+            timing = measure_rounds(spec, prompt, [1, max(1, k_max)], requests=requests)
         except WireError as exc:
             failed = f" (not measured: {exc}; the fixed default)"
     if budget_ms is None:
@@ -127,6 +132,8 @@ def round_settings(spec: dict, prompt: list[int], k_max: int, budget_ms: float |
     if deadline_ms is None:
         deadline_ms = deadline_for(budget_ms)
     note = f"round budget {budget_ms:.0f} ms, deadline {deadline_ms:.0f} ms{failed}"
+    if timing is not None and requests > 1:
+        note += f" ({requests} requests a round)"
     if timing is not None:
         steady = ", ".join(f"k={k} {1e3 * v:.1f} ms" for k, v in sorted(timing.by_k.items()))
         note += f" (measured STEP: {steady}; prompt of {timing.prompt_tokens} tokens {1e3 * timing.prefill_s:.1f} ms)"

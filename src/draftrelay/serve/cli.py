@@ -30,6 +30,11 @@ from draftrelay.engine.cli_generate import (
 )
 from draftrelay.memory import KVMemoryError
 
+# prompt tokens a round carries to the drafter by default: on a CPU a 0.5B drafter's round of 4,096 takes
+# tens of seconds on one core, past any budget a steady round gives (serve then measured every round of the
+# reference pair as a timeout and ran target-only); 256 keep a catch-up round within the measured budget
+GPU_ROUND_TOKENS, CPU_ROUND_TOKENS = 4096, 256
+DEFAULT_DEADLINE_MS = 200.0  # a GPU's: its worker's STEP is a few ms
 CPU_WARMUP_PROMPT = 8192  # the warm-up's longest prompt on a CPU unless --warmup-prompt-len says
 
 
@@ -60,15 +65,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", default="0", metavar="N|auto",
                    help="CPU: torch threads of the target's forward (0: torch's own count; auto: one or all, "
                         "whichever the engine measures faster, per step)")
-    p.add_argument("--deadline-ms", type=float, default=200.0, help="watchdog deadline of an async round")
+    p.add_argument("--deadline-ms", type=float, default=None,
+                   help="watchdog deadline of an async round (default: on a GPU 200 ms; on a CPU from the worker's "
+                        "STEP measured at start over a full batch, as generate measures it)")
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (--mode async): the worker pre-drafts F branches per request during "
                         "each verify (no value: 8); every step then asks --k drafts (--depth is not used)")
     p.add_argument("--cache-guard", default="on", choices=["on", "off"],
                    help="with --spec-cache: the guard measures cache steps against plain rounds per batch size "
                         "and runs whichever is faster (on); off: every step a cache step")
-    p.add_argument("--max-round-tokens", type=int, default=4096,
-                   help="prompt tokens one round sends the drafter (a longer prompt catches up over several)")
+    p.add_argument("--max-round-tokens", type=int, default=None,
+                   help="prompt tokens one round sends the drafter (a longer prompt catches up over several; "
+                        f"default {GPU_ROUND_TOKENS} on a GPU, {CPU_ROUND_TOKENS} on a CPU, where a round of more "
+                        "would outlast the measured round budget)")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for the verify forward (GPU)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up (first requests are then slower)")
     p.add_argument("--warmup-prompt-len", type=int, default=0, metavar="N",
@@ -94,11 +103,11 @@ def _check(args: argparse.Namespace) -> str:
         return f"--k must be within [0, 16], got {args.k}"
     if args.warmup_prompt_len < 0:
         return f"--warmup-prompt-len must be >= 0, got {args.warmup_prompt_len}"
-    if args.max_round_tokens < 1:
+    if args.max_round_tokens is not None and args.max_round_tokens < 1:
         return f"--max-round-tokens must be >= 1, got {args.max_round_tokens}"
     if args.worker_warm_max_kv < 0:
         return f"--worker-warm-max-kv must be >= 0, got {args.worker_warm_max_kv}"
-    if not args.deadline_ms > 0:
+    if args.deadline_ms is not None and not args.deadline_ms > 0:
         return f"--deadline-ms must be > 0, got {args.deadline_ms}"
     if not 0 <= args.spec_cache <= 64:
         return f"--spec-cache must be 0-64 branches per request (0: off), got {args.spec_cache}"
@@ -310,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
         if args.graphs and dev.type != "cuda":
             raise ValueError("--graphs needs a CUDA device")
         host, port = L.parse_hostport(args.worker) if args.worker else ("", 0)
+        if args.max_round_tokens is None:
+            args.max_round_tokens = GPU_ROUND_TOKENS if dev.type == "cuda" else CPU_ROUND_TOKENS
         pinned = apply_cpu_placement(args)
         if pinned and args.threads == "0":  # one thread a CPU of --cpus
             args.threads = str(pinned)
@@ -349,8 +360,20 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             # the speculation cache selects its branches on the host: on a GPU its rounds run on the host
             # stream (loading.handoff_config host_rounds)
-            h = L.handoff_config(spec, dev, args.deadline_ms, not args.worker, host_rounds=bool(args.spec_cache),
-                                 max_tokens=round_tokens(args.max_batch, args.max_round_tokens, args.k))
+            deadline, timed = args.deadline_ms, {}
+            if deadline is None and dev.type != "cuda":
+                # a CPU drafter's round takes hundreds of ms to seconds, and several times longer over a full
+                # batch: measured here as generate measures it, over --max-batch requests each sending a
+                # catch-up round's tokens (with the GPU's fixed 200 ms every round of the reference pair timed
+                # out and the server ran target-only)
+                vocab = target.model.cfg.vocab_size
+                probe = [(i * 7919 + 13) % vocab for i in range(args.max_round_tokens)]
+                rs = L.round_settings(spec, probe, args.k, requests=args.max_batch)
+                say(rs.note)
+                deadline, timed = rs.deadline_ms, {"round_budget_ms": rs.budget_ms}
+            h = L.handoff_config(spec, dev, deadline or DEFAULT_DEADLINE_MS, not args.worker,
+                                 host_rounds=bool(args.spec_cache),
+                                 max_tokens=round_tokens(args.max_batch, args.max_round_tokens, args.k), **timed)
         cfg = EngineConfig(mode=args.mode, n_draft=args.k, max_batch=args.max_batch, max_len=max_len, handoff=h,
                            graphs=args.graphs, max_round_tokens=args.max_round_tokens,
                            spec_fanout=args.spec_cache,
