@@ -162,8 +162,8 @@ def test_cpu_servers_measure_their_round_budget_over_a_full_batch(servers):
     round's tokens (256 there) and says the budget it took; off has no rounds to time."""
     for name, batch in (("async", 16), ("sync", 2)):
         log = servers[name].log()
-        assert re.search(r"round budget \d+ ms, deadline \d+ ms \(%d requests a round\) \(measured STEP: "
-                         r"k=1 [\d.]+ ms, k=4 [\d.]+ ms; prompt of 256 tokens" % batch, log), log
+        assert re.search(rf"round budget \d+ ms, deadline \d+ ms \({batch} requests a round\) \(measured STEP: "
+                         r"k=1 [\d.]+ ms, k=4 [\d.]+ ms; prompt of 256 tokens", log), log
     assert "round budget" not in servers["off"].log()
 
 
