@@ -293,7 +293,10 @@ def test_warm_up_runs_on_the_engine_thread_up_to_the_longest_prompt(monkeypatch)
         assert seen == [sched._thread] and seen[0] is not threading.current_thread()
         assert {1, 2, 3, 4, 5} <= sizes  # decode steps at every batch size up to max_batch
         assert w["long_prompt"] == 511 and 512 - 16 <= w["long_decoded"] < 511 and w["rounds_healthy"]
-        assert warm_up(eng, 512, long_prompt=100)["long_prompt"] == 100
+        lines: list[str] = []
+        assert warm_up(eng, 512, long_prompt=100, progress=lines.append)["long_prompt"] == 100
+        assert [x.split()[0] for x in lines] == ["1/5", "2/5", "3/5", "4/5", "5/5"]
+        assert "a prefill of 100 tokens" in lines[2] and "every batch size from 5 to 1" in lines[4]
         assert "kernel_plan" not in w  # a CPU: the Triton kernels never loaded, nothing planned
         stats = P.PlanStats(measured=35, candidates=170, seconds=41.5, from_cache=2)
         monkeypatch.setitem(sys.modules, "draftrelay.kernels.triton_ops",

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from draftrelay.engine.cli_generate import (
     add_cpu_placement,
@@ -409,7 +410,10 @@ def run(args: argparse.Namespace) -> int:
                     say(f"warming up: prompts up to {min(cap or max_model_len, max_model_len)} tokens and every "
                         f"batch size to {args.max_batch} before the first client (--no-warmup skips it; on a "
                         "CPU this can take minutes)")
-                    w = sched.start(lambda: warm_up(eng, max_model_len, long_prompt=cap))
+                    t_warm = time.monotonic()
+                    w = sched.start(lambda: warm_up(
+                        eng, max_model_len, long_prompt=cap,
+                        progress=lambda line: say(f"warm-up {line} ({time.monotonic() - t_warm:.0f} s so far)")))
                     say(f"warmed up in {w['seconds']:.1f} s (prompts up to {w['long_prompt']} tokens"
                         f"{', drafter catch-up rounds' if w['catch_up_rounds'] else ''}"
                         + (f", speculation cache: {cache_line(w['spec_cache'])}" if "spec_cache" in w else "") + ")"

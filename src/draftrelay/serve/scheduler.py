@@ -410,7 +410,8 @@ def prefill_sweep(engine: Engine, prompt: Callable, params: Callable) -> dict:
                         for (t, n), a in zip(slow, again, strict=True)]}
 
 
-def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_prompt: int = 0) -> dict:
+def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_prompt: int = 0,
+            progress: Callable[[str], None] | None = None) -> dict:
     """Run every path a first request can take before the server accepts one: prefill of a short
     and of a long prompt (several chunks), decode steps of width 1 and verify steps of width k+1 at
     every batch size from 1 to max_batch, the drafter's catch-up rounds on a prompt longer than one
@@ -421,7 +422,10 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
     tokens): one of max_model_len - 1 tokens, prefilled only, so the largest activations, attention
     masks and KV reads a request can need have been allocated once; one a few tokens shorter whose
     decode and verify steps run over that long a context while the drafter catches up on it. A first
-    request of any length then pays no first-use cost, only its own work."""
+    request of any length then pays no first-use cost, only its own work.
+
+    progress: called with a line as each part starts (serve prints it: on a CPU the warm-up of a
+    reference model's few-thousand-token context takes minutes, 605 s at 8 rows)."""
     cfg, V = engine.cfg, engine.vocab
     k = cfg.n_draft
 
@@ -440,18 +444,23 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
     cache = engine.spec_cache if engine.spec_cache is not None and engine.spec_cache.active else None
     cache0 = _cache_counts(cache)
     t0 = time.perf_counter()
+    say = progress or (lambda line: None)
     lone = prompt(8, 1)
+    say("1/5 a lone request")
     engine.generate([lone], params(lone, 2 * k + 4))  # batch of one: what a first lone request does
     a, b, c = prompt(24, 2), prompt(16, 3), prompt(long_len, 4)
     batch = [(a, params(a, 2 * k + 4)),
              (b, params(b, 2 * k + 4, temperature=0.8, top_k=20, top_p=0.9, seed=1)),
              (c, params(c, rounds_to_sync + 2 * k + 2))]
+    say(f"2/5 a batch of three, one of a {long_len}-token prompt decoded")
     engine.generate([p for p, _ in batch], [s for _, s in batch])
     # The longest prompt a request may have (one output token fits): its prefill makes the largest
     # allocations a prefill can (a host allocator hands a size it has not had back as fresh pages,
     # which cost faults on first touch; a GPU's caching allocator grows a segment)
     full = prompt(min(max_model_len - 1, long_prompt) if long_prompt > 0 else max_model_len - 1, 5)
+    say(f"3/5 a prefill of {len(full)} tokens")
     engine.generate([full], params(full, 1))
+    say("4/5 prefills of short prompt lengths")
     sweep = prefill_sweep(engine, prompt, params)
     # Every batch size from max_batch down to 1: as many short requests as there are rows, each
     # ending at least k + 2 tokens after the one before, so one leaves the batch at a time. The
@@ -460,6 +469,7 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
     # drafts of requests near their end), and the engine has decoded at each padded size.
     n = cfg.max_batch
     stagger = [prompt(5 + 3 * i, 10 + i) for i in range(n)]
+    say(f"5/5 every batch size from {n} to 1" + (", then the speculation cache's paths" if cache is not None else ""))
     engine.generate(stagger, [params(p, 2 * k + 4 + i * (k + 2)) for i, p in enumerate(stagger)])
     cancelled = _warm_cache(engine, cache, prompt, params, settle_s) if cache is not None else 0
     # A slow drafter (a loaded CPU) may have missed deadlines on the long prompt and opened the
