@@ -425,7 +425,7 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
     request of any length then pays no first-use cost, only its own work.
 
     progress: called with a line as each part starts (serve prints it: on a CPU the warm-up of a
-    reference model's few-thousand-token context takes minutes, 605 s at 8 rows)."""
+    reference model's few-thousand-token context takes minutes, 651 s at 8 rows)."""
     cfg, V = engine.cfg, engine.vocab
     k = cfg.n_draft
 
