@@ -128,3 +128,35 @@ def test_drafter_config_reads_the_shape_without_the_weights(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"not gguf")
     assert L.drafter_config(str(tmp_path / "bad.gguf")) is None
     assert L.drafter_config("test") is None and L.drafter_config(str(tmp_path / "missing")) is None
+
+
+def test_branch_rows_the_memory_refuses_are_refused_once(monkeypatch, caplog):
+    """The worker's branch scratch (prefetch.ForkSteps.scratch) beyond the memory: refused with the reason,
+    logged once; as many rows or more are refused again without a new allocation or log line (each round's
+    table is then empty: hits lost, no token); fewer rows are still tried."""
+    import logging
+
+    from draftrelay.worker import prefetch
+    from draftrelay.worker.drafters import load_drafter
+
+    d = load_drafter("tiny", n_rows=2, max_ctx=64, mode="eager")
+    fs = prefetch.ForkSteps(d)
+    made: list[int] = []
+    new_cache = d.model.new_cache
+
+    def counted(rows: int, max_len: int):
+        made.append(rows)
+        return new_cache(rows, max_len)
+
+    monkeypatch.setattr(d.model, "new_cache", counted)
+    monkeypatch.setattr(memory, "CHECK_FROM_BYTES", 0)
+    per_row = M.KVCache.position_bytes(d.model.cfg, d.model.dtype) * d.cache.max_len
+    monkeypatch.setattr(memory, "available_bytes", lambda device: int(4 * per_row / memory.HEADROOM))
+    with caplog.at_level(logging.WARNING, logger=prefetch.log.name):
+        for _ in range(3):
+            with pytest.raises(KVMemoryError, match="branch rows: KV cache of 9 rows"):
+                fs.scratch(8)  # 8 rows and the spare: 9 > 4
+    assert made == [9] and fs.cache is None and fs.refused[0] == 8
+    assert sum("tables of 8 branch rows or more stay empty" in r.getMessage() for r in caplog.records) == 1
+    fs.scratch(2)  # 2 rows and the spare fit
+    assert made == [9, 3] and fs.cache is not None and fs.n_rows == 2

@@ -30,6 +30,7 @@ import numpy as np
 
 from draftrelay import SettingError, env_choice
 from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
+from draftrelay.memory import KVMemoryError
 from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import Acceptance, Entry, Table, allot_branches, choose_branches, draft_confs, encode
 from draftrelay.wire import protocol as P
@@ -113,6 +114,9 @@ class ForkSteps:
         self.torch = drafter.torch
         self.cache = None  # the scratch KVCache (its rows are forked rows)
         self.n_rows = 0  # usable scratch rows; row n_rows is the spare one for warm-up and capture
+        # the scratch the memory refused (draftrelay/memory.py): (rows, why); as many rows or more are refused
+        # again at once, not tried and logged every round (each round's table is then empty: hits lost only)
+        self.refused: tuple[int, str] | None = None
         self._steps: dict[tuple, object] = {}
         self._capture = None
         # the last branch run's bonus place: (read(qs) -> top tokens [len(qs), m] and probabilities of its
@@ -133,6 +137,8 @@ class ForkSteps:
     def scratch(self, rows: int) -> None:
         if self.cache is None or self.n_rows < rows:
             n = 1 << max(0, rows - 1).bit_length()
+            if self.refused is not None and n >= self.refused[0]:
+                raise KVMemoryError(self.refused[1])
             if self.cache is not None and self.cache.k.device.type == "cuda":
                 # a bonus forward may still run on the old rows: its graph's memory must not be reused under it
                 self.torch.cuda.synchronize(self.cache.k.device)
@@ -143,7 +149,12 @@ class ForkSteps:
             # it is still held, a capture into it fails torch's check (use_count > 0, seen on the H200
             # once the 32K table grew the rows), and the branch steps would run uncaptured from then on
             self._capture = None
-            self.cache = self.d.model.new_cache(n + 1, self.d.cache.max_len)
+            try:
+                self.cache = self.d.model.new_cache(n + 1, self.d.cache.max_len)
+            except KVMemoryError as exc:
+                self.refused = (n, f"branch rows: {exc}")
+                log.warning("prefetch: %s; tables of %d branch rows or more stay empty", exc, n)
+                raise KVMemoryError(self.refused[1]) from None
             self.n_rows = n
 
     def _lean(self) -> LeanFork | None:
@@ -1033,6 +1044,8 @@ def branches_payload(core, session, blocks: list[P.Block], result, fanout: int,
             out = encode(table)
             pf._lap("encode", t0)
             return out
+        except KVMemoryError:  # branch rows the memory refused: said once, where they were refused (scratch)
+            return encode(Table([], 0, session.id))
         except Exception:  # prefetching is an optimisation: its failure costs the next round's hit only
             log.exception("prefetch failed in session %016x", session.id)
             return encode(Table([], 0, session.id))
