@@ -173,7 +173,7 @@ class KVCache:
     @staticmethod
     def position_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
         """Bytes of K and V one position of one row holds."""
-        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
 
     def truncate(self, row: int, length: int) -> None:
         cur = int(self.lens[row])

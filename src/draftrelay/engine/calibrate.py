@@ -132,9 +132,9 @@ def round_settings(spec: dict, prompt: list[int], k_max: int, budget_ms: float |
     if deadline_ms is None:
         deadline_ms = deadline_for(budget_ms)
     note = f"round budget {budget_ms:.0f} ms, deadline {deadline_ms:.0f} ms{failed}"
-    if timing is not None and requests > 1:
-        note += f" ({requests} requests a round)"
     if timing is not None:
+        if requests > 1:
+            note += f" ({requests} requests a round)"
         steady = ", ".join(f"k={k} {1e3 * v:.1f} ms" for k, v in sorted(timing.by_k.items()))
         note += f" (measured STEP: {steady}; prompt of {timing.prompt_tokens} tokens {1e3 * timing.prefill_s:.1f} ms)"
     return RoundSettings(float(budget_ms), float(deadline_ms), timing, note)

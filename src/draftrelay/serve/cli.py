@@ -141,26 +141,26 @@ def fit_context(model, dev, args: argparse.Namespace, say) -> int:
     reserve, worker_note = 0, ""
     drafter = L.drafter_config(args.drafter) if args.mode != "off" and not args.worker else None
     if drafter is not None:  # the local worker: its weights and its cache, in its default dtype
-        import torch
+        from draftrelay.checkpoint.hf import default_dtype
+        from draftrelay.worker.prefetch import scratch_size
 
-        dtype = torch.bfloat16 if getattr(dev, "type", str(dev)) == "cuda" else torch.float32
+        dtype = default_dtype(dev)
         rows = max(16, args.max_batch)
-        if args.spec_cache:  # its branch rows (worker/prefetch.py scratch): written at their true positions
-            rows += 1 << max(0, args.max_batch * args.spec_cache - 1).bit_length()
-            rows += 1
+        if args.spec_cache:  # its branch rows and their spare (ForkSteps.scratch): written at their true positions
+            rows += scratch_size(args.max_batch * args.spec_cache) + 1
         per_position += KVCache.position_bytes(drafter, dtype) * rows
-        reserve = drafter.n_params() * torch.empty((), dtype=dtype).element_size()
+        reserve = drafter.n_params() * dtype.itemsize
         worker_note = f", the local worker's weights ({size(reserve)}) and K/V counted"
     extra = args.k + 1 + 64  # a row also holds the last verify's drafts; the worker's rows 64 more
     budget = FIT_SHARE * avail - reserve
-    n = (fit_positions(per_position, 1, budget, ctx + extra, multiple=1) if budget > 0 else 0) - extra
+    # the positions beyond the context come off the budget first: what is left is the context, in 256s
+    n = fit_positions(per_position, 1, budget - extra * per_position, ctx)
     if n >= ctx:
         return ctx
     if n < 256:
         raise KVMemoryError(f"--max-batch {args.max_batch}: the K/V of even 256 positions a row does not fit "
                             f"the {size(max(budget, 0))} the caches may take of the {size(avail)} available on "
                             f"{dev}{worker_note}; fewer rows (--max-batch) or a smaller model")
-    n = n // 256 * 256
     say(f"context capped to {n} tokens: the model's {ctx} at --max-batch {args.max_batch} would take "
         f"{size(per_position * (ctx + extra))} of K/V, {size(avail)} is available{worker_note}; "
         f"--max-model-len sets it, --max-batch fewer rows allow more")

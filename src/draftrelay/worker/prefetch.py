@@ -93,6 +93,12 @@ class Branch(NamedTuple):
     q: int = -1
 
 
+def scratch_size(rows: int) -> int:
+    """The usable branch rows ForkSteps.scratch makes for `rows`: the next power of two, so the scratch is
+    made afresh only at each doubling (it holds one spare row beyond them)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
 class ForkSteps:
     """The branch work's two device steps on forked rows (worker.fork): scratch rows that hold only their
     own positions and read the request's row below a pivot, so no step copies a context.
@@ -136,7 +142,7 @@ class ForkSteps:
 
     def scratch(self, rows: int) -> None:
         if self.cache is None or self.n_rows < rows:
-            n = 1 << max(0, rows - 1).bit_length()
+            n = scratch_size(rows)
             if self.refused is not None and n >= self.refused[0]:
                 raise KVMemoryError(self.refused[1])
             if self.cache is not None and self.cache.k.device.type == "cuda":
