@@ -344,6 +344,53 @@ print("checked", n)
 '''
 
 
+WEIGHT_PREFETCH_CHECK = r'''
+import os, sys, numpy as np, torch
+os.environ["TRITON_INTERPRET"] = "1"
+from draftrelay.kernels import reference as R, triton_ops as T
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+seen = []
+
+
+def record(ptrs, mask):  # the interpreter runs jit functions as Python: the addresses instead of the PTX hint
+    seen.extend(np.asarray(ptrs.handle.data)[np.asarray(mask.handle.data).astype(bool)].ravel().tolist())
+
+
+T._prefetch_l2 = record
+T.weight_prefetch = lambda device, ws, dtype: tuple(ws) if ws else None  # taken on the CPU too
+n = 0
+for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400]), (1, 1, 1300, [1290])):
+    q = torch.randn(B, Tq, 4, 16, generator=g)
+    ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)
+    rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
+    ws = (torch.randn(40, 96, generator=g), torch.randn(7, 32, generator=g), torch.randn(3, 8, generator=g))
+    lines = sorted(w.data_ptr() + 128 * i for w in ws for i in range(w.numel() * 4 // 128))
+    seen.clear()
+    torch.testing.assert_close(T.decode_attention(q, ck, cv, rows, st, kv, prefetch=ws),
+                               R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
+    assert sorted(seen) == lines, (len(seen), len(lines))  # each whole line once (the 96-byte tail: none)
+    qkv = torch.randn(B, Tq, 8 * 16, generator=g)
+    inv = 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16))
+    ck2, cv2 = ck.clone(), cv.clone()
+    seen.clear()
+    got = T.rope_attention(qkv, st, inv, 4, 2, ck, cv, rows, kv, prefetch=ws[:2])
+    torch.testing.assert_close(got, R.rope_attention(qkv, st, inv, 4, 2, ck2, cv2, rows, kv), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ck, ck2, atol=1e-6, rtol=1e-6)
+    assert sorted(seen) == sorted(w.data_ptr() + 128 * i for w in ws[:2] for i in range(w.numel() * 4 // 128))
+    n += 1
+print("checked", n)
+'''
+
+
+def test_weight_prefetch_programs_cover_each_line_once_and_change_nothing(tmp_path):
+    """The attention's extra programs (triton_ops.WEIGHT_PREFETCH) under Triton's interpreter, the PTX hint
+    replaced by a recorder: every whole 128-byte line of the weights offered is prefetched exactly once,
+    over one chunk and a split with its combine, two and three weights; the attention's output and the
+    cache writes are the definition's."""
+    out = run_interpreted(tmp_path, WEIGHT_PREFETCH_CHECK)
+    assert "checked 3" in out, out[-3000:]
+
+
 def test_triton_kernels_under_the_interpreter_equal_their_definitions(tmp_path):
     """The skinny GEMM (every candidate configuration of a few shapes, each prologue), greedy_pick and
     the attention at each one-program tile size run by Triton's interpreter in fp32 (its bf16 emulation
