@@ -60,7 +60,7 @@ def is_gguf(spec: str) -> bool:
 def load_target(spec: str, device: torch.device) -> Target:
     """'tiny' (the target half of the built-in pair), a local HF directory or a GGUF file. The tokenizer
     keeps the checkpoint's chat template (`target.tokenizer.chat_template`) for a serving front."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = hf.default_dtype(device)
     if spec == "tiny":  # fp32 everywhere: tiny, and greedy outputs then match across modes bit for bit
         target, _ = M.tiny_pair(M.TINY_SEED, device=device, dtype=torch.float32)
         return Target(target, ByteTokenizer(), (), M.TINY_TOKENIZER_ID, "tiny-target")

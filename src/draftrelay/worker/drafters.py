@@ -572,7 +572,9 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         return net
 
     if dtype == "auto":
-        tdtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        from draftrelay.checkpoint.hf import default_dtype
+
+        tdtype = default_dtype(dev)
     else:
         tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if spec == "tiny":
