@@ -268,6 +268,7 @@ def test_weight_prefetch_changes_no_value_and_is_taken_where_the_layer_fits_l2(m
                                  dtype=torch.bfloat16, draw_on="device")
     model.fast = True
     w = model.layers[0].weights()
+    monkeypatch.setattr(TO, "WEIGHT_PREFETCH", True)
     assert TO.weight_prefetch(DEV, (w.wo, w.wgu, w.wd), torch.bfloat16) is not None
     assert TO.weight_prefetch(DEV, (w.wo, w.wgu, w.wd), torch.float32) is None
     big = torch.empty(37888, 3584, device=DEV, dtype=torch.bfloat16)  # the 7B's gate|up alone: 272 MB
