@@ -131,8 +131,9 @@ def fast_path(model: M.Transformer, fast) -> None:
     """True: the fused kernels with the products chosen per shape (kernels.plan, skinny GEMM or cuBLAS)
     and the fused greedy pick, launched with programmatic dependent launch where the card has it;
     "nopdl": the same launched plainly (triton_ops.PDL off); "noprefetch": the same without the
-    attention's L2 prefetch of its first key tile (triton_ops.ATTN_PREFETCH off); "nowpf": the same without
-    the attention's prefetch of the layer's next weights into L2 (triton_ops.WEIGHT_PREFETCH off); "norows": the same
+    attention's L2 prefetch of its first key tile (triton_ops.ATTN_PREFETCH off); "wpf" / "wpfbulk": the same
+    with the attention's prefetch of the layer's next weights into L2 (triton_ops.WEIGHT_PREFETCH lines /
+    bulk; off otherwise); "norows": the same
     planned without the compact-rows dot tiles (a plan of its own over the other candidates);
     "nocublas": planned over the Triton candidates only (cuBLAS never chosen where one runs);
     "cublas": the same fused kernels with cuBLAS for every product and the separate norm / SiLU / pick
@@ -141,7 +142,7 @@ def fast_path(model: M.Transformer, fast) -> None:
     P.MODE = "off" if fast == "cublas" else "auto"
     triton_ops.PDL = fast != "nopdl"
     triton_ops.ATTN_PREFETCH = fast != "noprefetch"
-    triton_ops.WEIGHT_PREFETCH = fast != "nowpf"
+    triton_ops.WEIGHT_PREFETCH = {"wpf": "lines", "wpfbulk": "bulk"}.get(fast, "off")
     norows = fast == "norows"
     triton_ops.PLANNER = NOROWS_PLANNER if norows else NOCUBLAS_PLANNER if fast == "nocublas" else MAIN_PLANNER
     P.plan_key = _plan_key_norows if norows else PLAN_KEY
@@ -249,7 +250,7 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
     variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast_cublas": ("graph", "cublas"),
                 "graphs_fast_nopdl": ("graph", "nopdl"), "graphs_fast_noprefetch": ("graph", "noprefetch"),
                 "graphs_fast_norows": ("graph", "norows"), "graphs_fast_nocublas": ("graph", "nocublas"),
-                "graphs_fast_nowpf": ("graph", "nowpf"),
+                "graphs_fast_wpf": ("graph", "wpf"), "graphs_fast_wpfbulk": ("graph", "wpfbulk"),
                 "graphs_fast": ("graph", True),
                 "eager_fast": ("eager", True)}
     # the head restricted to a draft vocabulary (draft_vocab.py): the same forward, a head of N rows

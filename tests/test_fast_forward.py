@@ -358,6 +358,7 @@ def record(ptrs, mask):  # the interpreter runs jit functions as Python: the add
 
 T._prefetch_l2 = record
 T.weight_prefetch = lambda device, ws, dtype: tuple(ws) if ws else None  # taken on the CPU too
+T.WEIGHT_PREFETCH = "lines"
 n = 0
 for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400]), (1, 1, 1300, [1290])):
     q = torch.randn(B, Tq, 4, 16, generator=g)

@@ -268,16 +268,16 @@ def test_weight_prefetch_changes_no_value_and_is_taken_where_the_layer_fits_l2(m
                                  dtype=torch.bfloat16, draw_on="device")
     model.fast = True
     w = model.layers[0].weights()
-    monkeypatch.setattr(TO, "WEIGHT_PREFETCH", True)
-    assert TO.weight_prefetch(DEV, (w.wo, w.wgu, w.wd), torch.bfloat16) is not None
-    assert TO.weight_prefetch(DEV, (w.wo, w.wgu, w.wd), torch.float32) is None
+    monkeypatch.setattr(TO, "WEIGHT_PREFETCH", "lines")
+    assert TO.weight_prefetch(DEV, (w.wo, w.wgu, w.wd), torch.bfloat16) is not None  # "cuda" is cuda:0
+    assert TO.weight_prefetch(model.device, (w.wo, w.wgu, w.wd), torch.float32) is None
     big = torch.empty(37888, 3584, device=DEV, dtype=torch.bfloat16)  # the 7B's gate|up alone: 272 MB
-    assert TO.weight_prefetch(DEV, (big,), torch.bfloat16) is None
+    assert TO.weight_prefetch(model.device, (big,), torch.bfloat16) is None
     toks = torch.randint(0, cfg.vocab_size, (2, 1), device=DEV)
     start = torch.tensor([37, 90], device=DEV)
     rows = torch.tensor([0, 1], device=DEV)
     out = {}
-    for on in (False, True):
+    for on in ("off", "lines", "bulk"):
         monkeypatch.setattr(TO, "WEIGHT_PREFETCH", on)
         cache = model.new_cache(2, 256)
         with torch.no_grad():
@@ -291,8 +291,9 @@ def test_weight_prefetch_changes_no_value_and_is_taken_where_the_layer_fits_l2(m
             g.replay()
             torch.cuda.synchronize()
         out[on] = (eager, static.clone())
-    assert torch.equal(out[True][0], out[False][0])
-    assert torch.equal(out[True][1], out[False][1])
+    for on in ("lines", "bulk"):
+        assert torch.equal(out[on][0], out["off"][0]), on
+        assert torch.equal(out[on][1], out["off"][1]), on
 
 
 def teardown_module(module):

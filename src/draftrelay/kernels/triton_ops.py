@@ -76,13 +76,16 @@ ATTN_PREFETCH = os.environ.get("DRAFTRELAY_ATTN_PREFETCH", "on") != "off"
 # The layer's next weights towards L2 during its attention: a small model's products are latency-bound
 # (the 0.5B's gate|up reads 17 MB in 6.2 us, 2.8 TB/s, its down 9 MB in 6.0), and the attention and the
 # small products before them leave the HBM idle. The attention kernel gets WEIGHT_PREFETCH_PROGRAMS extra
-# programs that issue prefetch.global.L2 for o_proj, gate|up and down (model.attention passes them) and end
-# at once; the products then read L2. Only where the three fit WEIGHT_PREFETCH_L2_SHARE of the L2 (a 7B's
-# layer is ten times a Hopper's L2: its weights would evict each other before they are read).
-# DRAFTRELAY_WEIGHT_PREFETCH=on takes it, with a number that many programs (default 64); off until measured.
-_WPF_ENV = os.environ.get("DRAFTRELAY_WEIGHT_PREFETCH", "off")
-WEIGHT_PREFETCH = _WPF_ENV != "off"
-WEIGHT_PREFETCH_PROGRAMS = int(_WPF_ENV) if _WPF_ENV.isdigit() and int(_WPF_ENV) > 0 else 64
+# programs that prefetch o_proj, gate|up and down (model.attention passes them) and end; the products then
+# read L2. Only where the three fit WEIGHT_PREFETCH_L2_SHARE of the L2 (a 7B's layer is ten times a
+# Hopper's L2: its weights would evict each other before they are read). DRAFTRELAY_WEIGHT_PREFETCH:
+# "off" (the default: measured slower, docs/FAST_FORWARD.md), "lines" (prefetch.global.L2 per 128-byte
+# line: the programs end only when the HBM has taken their requests, and the next kernel waits for them),
+# "bulk" (cp.async.bulk.prefetch.L2, Hopper's TMA: one instruction per thread for its share, nothing
+# waits for the transfer); ":N" after either sets the programs (default 64).
+_WPF_MODE, _, _WPF_N = os.environ.get("DRAFTRELAY_WEIGHT_PREFETCH", "off").partition(":")
+WEIGHT_PREFETCH = _WPF_MODE if _WPF_MODE in ("lines", "bulk") else "off"
+WEIGHT_PREFETCH_PROGRAMS = int(_WPF_N) if _WPF_N.isdigit() and int(_WPF_N) > 0 else 64
 WEIGHT_PREFETCH_L2_SHARE = 0.6
 
 
@@ -292,14 +295,26 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _prefetch_span(ptr, n_lines, pid, n_pf, LINE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program pid of n_pf prefetches its share of n_lines 128-byte lines from ptr (LINE elements a line)."""
-    per = tl.cdiv(n_lines, n_pf)
+def _prefetch_span(ptr, n_units, pid, n_pf, MODE: tl.constexpr, LINE: tl.constexpr, BLOCK: tl.constexpr,
+                   NT: tl.constexpr):
+    """Program pid of n_pf prefetches its share of ptr's n_units into L2. MODE 1: units are 128-byte lines
+    (LINE elements each), one prefetch.global.L2 per line; MODE 2: units are 16 bytes (LINE // 8
+    elements), and each of the NT threads issues one cp.async.bulk.prefetch.L2 for its part."""
+    per = tl.cdiv(n_units, n_pf)
     lo = pid * per
-    hi = tl.minimum(lo + per, n_lines)
-    for i in range(lo, hi, BLOCK):
-        ln = i + tl.arange(0, BLOCK)
-        _prefetch_l2(ptr + ln.to(tl.int64) * LINE, ln < hi)
+    hi = tl.minimum(lo + per, n_units)
+    if MODE == 1:
+        for i in range(lo, hi, BLOCK):
+            ln = i + tl.arange(0, BLOCK)
+            _prefetch_l2(ptr + ln.to(tl.int64) * LINE, ln < hi)
+    else:
+        cs = tl.cdiv(per, NT)
+        a = lo + tl.arange(0, NT) * cs
+        n = tl.maximum(tl.minimum(a + cs, hi) - a, 0)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr + a.to(tl.int64) * (LINE // 8), (n * 16).to(tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1)
 
 
 @triton.jit
@@ -309,13 +324,15 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
                  REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                  SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
                  PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                 WPF: tl.constexpr = False, WPF_LINE: tl.constexpr = 64, WPF_BLOCK: tl.constexpr = 1024):
+                 WPF: tl.constexpr = 0, WPF_LINE: tl.constexpr = 64, WPF_BLOCK: tl.constexpr = 1024,
+                 WPF_NT: tl.constexpr = 128):
     """ROPE (one token per row, one chunk): q_ptr is the q|k|v product [B, 1, (H + 2 n_kv) * D]; the
     program rotates its kv head's q rows and the new key, stores the new key and value into the cache
     rows, attends over the cache's earlier keys and takes the new key from its registers (rope_kv_write
     and decode_attention in one launch; the same values).
-    WPF: the programs past the first n_att along axis 0 do no attention: they prefetch the layer's next
-    weights (w0..w2, w*_lines 128-byte lines each) into L2 and end, before any PDL wait: they read and
+    WPF (1 lines, 2 bulk: WEIGHT_PREFETCH): the programs past the first n_att along axis 0 do no
+    attention: they prefetch the layer's next weights (w0..w2, w*_lines units each) into L2 and end, before
+    any PDL wait: they read and
     write nothing, so the kernel after this one (which waits for this whole grid) still follows the
     attention programs, and those waited for the kernel before."""
     bg = tl.program_id(0)
@@ -326,9 +343,9 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
         if bg >= n_att:
             pid = (bg - n_att) * n_split + sp
             n_pf = (tl.num_programs(0) - n_att) * n_split
-            _prefetch_span(w0_ptr, w0_lines, pid, n_pf, WPF_LINE, WPF_BLOCK)
-            _prefetch_span(w1_ptr, w1_lines, pid, n_pf, WPF_LINE, WPF_BLOCK)
-            _prefetch_span(w2_ptr, w2_lines, pid, n_pf, WPF_LINE, WPF_BLOCK)
+            _prefetch_span(w0_ptr, w0_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
+            _prefetch_span(w1_ptr, w1_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
+            _prefetch_span(w2_ptr, w2_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
         else:
             _attn_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp,
                        T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
@@ -1233,29 +1250,35 @@ def _l2_bytes(device: torch.device) -> int:
 
 def weight_prefetch(device: torch.device, weights, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
     """The weights the attention's extra programs prefetch into L2 (WEIGHT_PREFETCH), or None: off,
-    Triton's interpreter (no inline PTX), more than three tensors, a tensor not contiguous or not of the
-    activations' dtype (the kernel steps through them in lines of that dtype's elements), or together
-    more than WEIGHT_PREFETCH_L2_SHARE of the card's L2 (the 0.5B's o_proj, gate|up and down, 28 MB, fit
-    a Hopper's 50 MB; the 7B's 466 MB would only evict each other)."""
-    if not WEIGHT_PREFETCH or not weights or _INTERPRETED or device.type != "cuda" or len(weights) > 3:
+    Triton's interpreter (no inline PTX), more than three tensors, a tensor not contiguous, not on this
+    card, not 16-byte aligned (the bulk prefetch's rule) or not of the activations' dtype (the kernel steps
+    through them in that dtype's elements), or together more than WEIGHT_PREFETCH_L2_SHARE of the card's
+    L2 (the 0.5B's o_proj, gate|up and down, 28 MB, fit a Hopper's 50 MB; the 7B's 466 MB would only
+    evict each other)."""
+    if WEIGHT_PREFETCH == "off" or not weights or _INTERPRETED or device.type != "cuda" or len(weights) > 3:
         return None
-    if any(not w.is_contiguous() or w.device != device or w.dtype != dtype for w in weights):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if any(not w.is_contiguous() or w.device.type != "cuda" or w.device.index != index or w.dtype != dtype
+           or w.data_ptr() % 16 for w in weights):
         return None
     total = sum(w.numel() * w.element_size() for w in weights)
     return tuple(weights) if total <= WEIGHT_PREFETCH_L2_SHARE * _l2_bytes(device) else None
 
 
-def weight_prefetch_launch(q: torch.Tensor, a: AttnLaunch, prefetch) -> tuple[tuple, tuple, bool]:
-    """(grid, the kernel's w0..w2 pointers and line counts, WPF) of an attention launch: a.B * a.n_kv
+def weight_prefetch_launch(q: torch.Tensor, a: AttnLaunch, prefetch) -> tuple[tuple, tuple, int]:
+    """(grid, the kernel's w0..w2 pointers and unit counts, WPF) of an attention launch: a.B * a.n_kv
     attention programs per key chunk, and WEIGHT_PREFETCH_PROGRAMS more where weight_prefetch takes the
-    weights (unused slots: the last weight again with no lines)."""
+    weights (WPF 1: units of 128-byte lines, 2: of 16 bytes for the bulk prefetch; unused slots: the last
+    weight again with no units)."""
     n_att = a.B * a.n_kv
     ws = weight_prefetch(q.device, prefetch, q.dtype)
     if ws is None:
-        return (n_att, a.n_split), (q, q, q, 0, 0, 0), False
-    lines = [w.numel() * w.element_size() // 128 for w in ws] + [0] * (3 - len(ws))
+        return (n_att, a.n_split), (q, q, q, 0, 0, 0), 0
+    mode = 1 if WEIGHT_PREFETCH == "lines" else 2
+    unit = 128 if mode == 1 else 16
+    units = [w.numel() * w.element_size() // unit for w in ws] + [0] * (3 - len(ws))
     ws = ws + (ws[-1],) * (3 - len(ws))
-    return (n_att + triton.cdiv(WEIGHT_PREFETCH_PROGRAMS, a.n_split), a.n_split), (*ws, *lines), True
+    return (n_att + triton.cdiv(WEIGHT_PREFETCH_PROGRAMS, a.n_split), a.n_split), (*ws, *units), mode
 
 
 def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
@@ -1274,7 +1297,8 @@ def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.
         a.chunk, a.n_split, a.D ** -0.5, a.B * a.n_kv, *wargs, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block,
         SINGLE=a.single, IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if _INTERPRETED else 0,
         ROPE=rope is not None, PDL=pdl, PREFETCH=ATTN_PREFETCH and not _INTERPRETED,
-        WPF=ws, WPF_LINE=128 // q.element_size(), num_warps=a.warps, num_stages=2, **_launch_kw(pdl))
+        WPF=ws, WPF_LINE=128 // q.element_size(), WPF_NT=32 * a.warps, num_warps=a.warps, num_stages=2,
+        **_launch_kw(pdl))
     attn_combine(a, pdl)
     return a.out
 

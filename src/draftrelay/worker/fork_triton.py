@@ -33,7 +33,8 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
                       REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                       SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                      WPF: tl.constexpr = False, WPF_LINE: tl.constexpr = 64, WPF_BLOCK: tl.constexpr = 1024):
+                      WPF: tl.constexpr = 0, WPF_LINE: tl.constexpr = 64, WPF_BLOCK: tl.constexpr = 1024,
+                      WPF_NT: tl.constexpr = 128):
     """ROPE (one token per row, one chunk): q_ptr is the q|k|v product and the program rotates its kv
     head's query rows and the new key, stores the new key and value into the forked row at its position
     (start >= pivot: a forked row's own positions) and takes the new key from registers, as the fast
@@ -48,9 +49,9 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
         if bg >= n_att:
             pid = (bg - n_att) * n_split + sp
             n_pf = (tl.num_programs(0) - n_att) * n_split
-            _prefetch_span(w0_ptr, w0_lines, pid, n_pf, WPF_LINE, WPF_BLOCK)
-            _prefetch_span(w1_ptr, w1_lines, pid, n_pf, WPF_LINE, WPF_BLOCK)
-            _prefetch_span(w2_ptr, w2_lines, pid, n_pf, WPF_LINE, WPF_BLOCK)
+            _prefetch_span(w0_ptr, w0_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
+            _prefetch_span(w1_ptr, w1_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
+            _prefetch_span(w2_ptr, w2_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
         else:
             _fork_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr,
                        o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead,
@@ -157,6 +158,7 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
         a.chunk, a.n_split, a.D ** -0.5, a.B * a.n_kv, *wargs, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block,
         SINGLE=a.single, IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if TO._INTERPRETED else 0,
         ROPE=rope is not None, PDL=pdl, PREFETCH=rope is not None and TO.ATTN_PREFETCH and not TO._INTERPRETED,
-        WPF=ws, WPF_LINE=128 // q.element_size(), num_warps=a.warps, num_stages=2, **TO._launch_kw(pdl))
+        WPF=ws, WPF_LINE=128 // q.element_size(), WPF_NT=32 * a.warps, num_warps=a.warps, num_stages=2,
+        **TO._launch_kw(pdl))
     TO.attn_combine(a, pdl)
     return a.out
