@@ -501,7 +501,7 @@ def _sum_rows(acc, w, x_ptr, d_ptr, xo_ptr, nw, m, M, k0, k_hi, K, eps, store,
     km = kk < k_hi
     wf = w.to(tl.float32)
     for i in tl.static_range(M_ROWS):
-        msk = km & (i < M)
+        msk = km & (kk * 0 + i < M)  # a tensor compare: i is static and M may be too (a 1 is specialised)
         if PRO == 2:
             xv = _silu_up(x_ptr, i * (2 * K) + kk, msk, K)
         else:
