@@ -71,7 +71,7 @@ def exact_law(target, prompt: list[int], vocab: int, n_tokens: int, keep: int):
 def run_interpreted(tmp_path, source: str) -> str:
     """Run a check script under Triton's interpreter (TRITON_INTERPRET=1) in a child process with this
     tree's src first on the path, a random seed as its argument; its stdout (the assertion carries the
-    tails of both streams when it fails). Skips where Triton is not installed (CPU-only CI)."""
+    tails of both streams when it fails). Skips where Triton is not installed (the test extra installs it)."""
     import importlib.util
     import os
     import subprocess
@@ -79,7 +79,7 @@ def run_interpreted(tmp_path, source: str) -> str:
     import torch
 
     if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (CPU-only CI)")
+        pytest.skip("Triton is not installed (pip install -e .[test] brings it)")
     script = tmp_path / "check.py"
     script.write_text(source)
     env = {**os.environ, "TRITON_INTERPRET": "1",

@@ -41,7 +41,7 @@ __all__ = ["backend", "plan_stats", "triton_available", "reference"]
 def _triton_module() -> ModuleType | None:
     try:
         from draftrelay.kernels import triton_ops
-    except ImportError:  # no Triton on this machine (the CPU-only CI has none)
+    except ImportError:  # no Triton on this machine (a machine without the gpu or test extras)
         return None
     return triton_ops
 
