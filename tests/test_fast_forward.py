@@ -356,20 +356,51 @@ def record(ptrs, mask):  # the interpreter runs jit functions as Python: the add
     seen.extend(np.asarray(ptrs.handle.data)[np.asarray(mask.handle.data).astype(bool)].ravel().tolist())
 
 
+def record_bulk(ptrs, nbytes):  # the bulk way: the (address, bytes) ranges
+    p, nb = np.asarray(ptrs.handle.data).ravel().tolist(), np.asarray(nbytes.handle.data).ravel().tolist()
+    assert all(a % 16 == 0 for a in p) and all(b % 16 == 0 and b >= 0 for b in nb), (p, nb)
+    ranges.extend((a, a + b) for a, b in zip(p, nb) if b)
+
+
+def tiles(ws) -> bool:
+    """The ranges cover each weight's whole 16-byte units once: sorted, they meet end to start and run from
+    one weight's start to the end of its last whole unit."""
+    def merge(rs):
+        out = []
+        for a, b in sorted(rs):
+            if out and a < out[-1][1]:
+                return None  # an overlap: a unit prefetched twice
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        return out
+    got = merge(ranges)
+    return got is not None and got == merge((w.data_ptr(), w.data_ptr() + w.numel() * 4 // 16 * 16) for w in ws)
+
+
+ranges = []
 T._prefetch_l2 = record
+T._bulk_prefetch_l2 = record_bulk
 T.weight_prefetch = lambda device, ws, dtype: tuple(ws) if ws else None  # taken on the CPU too
-T.WEIGHT_PREFETCH = "lines"
 n = 0
-for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400]), (1, 1, 1300, [1290])):
+for mode, B, Tq, kv, starts in (("lines", 2, 1, 256, [100, 3]), ("lines", 1, 5, 512, [400]),
+                                ("lines", 1, 1, 1300, [1290]), ("bulk", 2, 1, 256, [100, 3]),
+                                ("bulk", 1, 1, 1300, [1290])):
+    T.WEIGHT_PREFETCH = mode
     q = torch.randn(B, Tq, 4, 16, generator=g)
     ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)
     rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
     ws = (torch.randn(40, 96, generator=g), torch.randn(7, 32, generator=g), torch.randn(3, 8, generator=g))
     lines = sorted(w.data_ptr() + 128 * i for w in ws for i in range(w.numel() * 4 // 128))
     seen.clear()
+    ranges.clear()
     torch.testing.assert_close(T.decode_attention(q, ck, cv, rows, st, kv, prefetch=ws),
                                R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
-    assert sorted(seen) == lines, (len(seen), len(lines))  # each whole line once (the 96-byte tail: none)
+    if mode == "lines":  # each whole line once (the 96-byte tail of a 3 x 8 fp32 weight: none)
+        assert sorted(seen) == lines and not ranges, (len(seen), len(lines))
+    else:
+        assert tiles(ws) and not seen, sorted(ranges)
     qkv = torch.randn(B, Tq, 8 * 16, generator=g)
     inv = 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16))
     ck2, cv2 = ck.clone(), cv.clone()
@@ -377,7 +408,8 @@ for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400]), (1, 1, 1300
     got = T.rope_attention(qkv, st, inv, 4, 2, ck, cv, rows, kv, prefetch=ws[:2])
     torch.testing.assert_close(got, R.rope_attention(qkv, st, inv, 4, 2, ck2, cv2, rows, kv), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ck, ck2, atol=1e-6, rtol=1e-6)
-    assert sorted(seen) == sorted(w.data_ptr() + 128 * i for w in ws[:2] for i in range(w.numel() * 4 // 128))
+    if mode == "lines":
+        assert sorted(seen) == sorted(w.data_ptr() + 128 * i for w in ws[:2] for i in range(w.numel() * 4 // 128))
     n += 1
 print("checked", n)
 '''
@@ -385,11 +417,12 @@ print("checked", n)
 
 def test_weight_prefetch_programs_cover_each_line_once_and_change_nothing(tmp_path):
     """The attention's extra programs (triton_ops.WEIGHT_PREFETCH) under Triton's interpreter, the PTX hint
-    replaced by a recorder: every whole 128-byte line of the weights offered is prefetched exactly once,
-    over one chunk and a split with its combine, two and three weights; the attention's output and the
-    cache writes are the definition's."""
+    replaced by a recorder: every whole 128-byte line of the weights offered is prefetched exactly once
+    (`lines`), or the bulk prefetches' ranges (`bulk`: 16-byte aligned, multiples of 16) cover each
+    weight's 16-byte units exactly once; over one chunk and a split with its combine, two and three
+    weights; the attention's output and the cache writes are the definition's."""
     out = run_interpreted(tmp_path, WEIGHT_PREFETCH_CHECK)
-    assert "checked 3" in out, out[-3000:]
+    assert "checked 5" in out, out[-3000:]
 
 
 def test_triton_kernels_under_the_interpreter_equal_their_definitions(tmp_path):

@@ -311,10 +311,16 @@ def _prefetch_span(ptr, n_units, pid, n_pf, MODE: tl.constexpr, LINE: tl.constex
         cs = tl.cdiv(per, NT)
         a = lo + tl.arange(0, NT) * cs
         n = tl.maximum(tl.minimum(a + cs, hi) - a, 0)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr + a.to(tl.int64) * (LINE // 8), (n * 16).to(tl.int32)], dtype=tl.int32,
-            is_pure=False, pack=1)
+        _bulk_prefetch_l2(ptr + a.to(tl.int64) * (LINE // 8), (n * 16).to(tl.int32))
+
+
+@triton.jit
+def _bulk_prefetch_l2(ptrs, nbytes):
+    """Hopper's bulk L2 prefetch (the TMA) of nbytes (a multiple of 16, 16-byte aligned) from each pointer
+    where nbytes > 0: one instruction per element, nothing waits for the transfer."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
