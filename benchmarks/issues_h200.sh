@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One bounded call on a one-GPU H200 for the open fast-forward and speculation-cache figures (docs/FAST_FORWARD.md,
+# docs/SPEC_CACHE.md), each part under its own timeout so a slow part costs only itself; results under $OUT:
+#   1. the weight prefetch's GPU test and the skinny kernels' (tests_gpu/test_fast_forward_gpu.py)
+#   2. fast_forward.py drafter,target at 128 and 32K (every variant side by side, the prefetch ways included)
+#   3. step_host.py: where the worker's host time of the STEP goes on this host
+#   4. replay_headline.py: off / sync / cache F = 8 (guard off) at replayed acceptance, code, prose, four requests
+#   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
+# TESTS_S / FF_S / HOST_S / REPLAY_S bound the parts (seconds; the defaults sum to 560).
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export DRAFTRELAY_PLAN_CACHE=off
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+echo "== 1. GPU tests: weight prefetch, skinny kernels"
+timeout "${TESTS_S:-100}" python3 -m pytest -q -p no:cacheprovider tests_gpu/test_fast_forward_gpu.py \
+    -k "weight_prefetch or skinny" --out "$OUT" 2>&1 | grep -v "^\[W" | tail -4
+echo "== 2. fast_forward.py ($(( $(date +%s) - T0 )) s so far)"
+timeout "${FF_S:-200}" python3 benchmarks/fast_forward.py --sections drafter,target --contexts 128,32768 --iters 12 \
+    --out "$OUT/fast_forward.json" 2>&1 | grep -v "^\[W" | tee "$OUT/fast_forward.log" | grep "^drafter\|^target"
+echo "== 3. step_host.py ($(( $(date +%s) - T0 )) s so far)"
+timeout "${HOST_S:-40}" python3 benchmarks/step_host.py --requests 1,4 --out "$OUT/step_host.json" 2>&1 \
+    | grep -v "^\[W" | tail -6
+echo "== 4. replay_headline.py ($(( $(date +%s) - T0 )) s so far)"
+timeout "${REPLAY_S:-220}" python3 benchmarks/replay_headline.py --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json \
+    --repeats 2 --workloads short:1,short:1@1,short:4 --placements emulated --modes off,sync,cache --fanout 8 \
+    --guard off --out "$OUT/replay_headline.json" --plot "$OUT/replay_headline.png" 2>&1 | grep -v "^\[W" | tail -20
+echo "done in $(( $(date +%s) - T0 )) s"
