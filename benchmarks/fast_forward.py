@@ -4,7 +4,8 @@ cuBLAS for every product ("graphs_fast_cublas"), graphs with the fused kernels a
 per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"; "graphs_fast_nopdl" the same launched
 without programmatic dependent launch, "graphs_fast_noprefetch" without the attention's L2 prefetch,
 "graphs_fast_norows" planned without the compact-rows dot tiles, "graphs_fast_nocublas" planned over the
-Triton candidates only; for the drafter also its graph replayed alone,
+Triton candidates only; for the drafter also "graphs_fast_wpf" / "graphs_fast_wpfbulk" with the layer's
+weights prefetched into L2 during the attention (lines / bulk), its graph replayed alone,
 "graphs_fast_replay_only", and the worker's host work of the step with the replay left out,
 "graphs_fast_host_only"), plain torch.compile of the same model
 (7B decode), and Hugging Face transformers (target decode). The "gemm" section and "plans" list each
