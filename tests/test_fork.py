@@ -188,3 +188,15 @@ def test_lean_fork_forward_equals_the_forward_over_a_copied_row():
     for b in range(5):  # the forked rows hold only their own positions
         assert not scratch.k[:, rows[b], :, :pivot[b]].any()
         assert scratch.k[:, rows[b], :, pivot[b]:pivot[b] + T + 1].abs().sum() > 0
+    # compact rows (the lean loop's scratch, ForkSteps.scratch): position p at slot p - pivot, rows as long
+    # as a branch's own positions; the same logits, the same K/V at the shifted slots
+    compact = net.new_cache(7, T + 1)
+    cf = fork.LeanFork(lean.LeanSteps(net, parent_cache), compact, parent_cache, compact=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(cf.forward(toks, pos, cf.plan(rows, parent, pivot, T)), got, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cf.forward(nxt, pos[:, -1:] + 1, cf.plan(rows, parent, pivot),
+                                              pick=torch.zeros(5, dtype=torch.long)), got2, rtol=1e-5, atol=1e-5)
+        for b in range(5):
+            torch.testing.assert_close(compact.k[:, rows[b]], scratch.k[:, rows[b], :, pivot[b]:pivot[b] + T + 1])
+        with pytest.raises(ValueError, match="outside the forked rows' 3 slots"):  # never past a row's slots
+            cf.forward(nxt, pos[:, -1:] + 2, cf.plan(rows, parent, pivot))

@@ -84,11 +84,22 @@ def test_serve_fits_its_context_to_the_memory(monkeypatch):
     alone = int((1000 * (9 * t_pp + 16 * d_pp) + weights) // (9 * t_pp)) - 69
     for args in (_serve_args(worker="h:1"), _serve_args(mode="off")):
         assert fit_context(target, "cpu", args, said.append) == min(4096, alone // 256 * 256) > 768
-    # the speculation cache's branch rows at F = 3: 8 x 3 = 24 -> 32 rows and a spare beside the worker's 16
-    branchy = int((1000 * (9 * t_pp + (16 + 33) * d_pp) + weights) / memory.FIT_SHARE) + 1
+    # the speculation cache's branch rows at F = 3: 8 x 3 = 24 -> 32 rows and a spare. On a CPU the worker
+    # drafts in the lean loop, whose rows hold a branch's own positions (COMPACT_POSITIONS each, whatever
+    # the context): set aside with the weights
+    from draftrelay.worker.prefetch import COMPACT_POSITIONS
+
+    compact = 33 * COMPACT_POSITIONS * d_pp
+    branchy = int((1000 * (9 * t_pp + 16 * d_pp) + weights + compact) / memory.FIT_SHARE) + 1
     monkeypatch.setattr(memory, "available_bytes", lambda device: branchy)
     assert fit_context(target, "cpu", _serve_args(spec_cache=3), said.append) == 768
-    assert fit_context(target, "cpu", _serve_args(), said.append) > 768
+    assert f"the local worker's weights and branch rows ({memory.size(weights + compact)})" in said[-1]
+    # on a GPU (the worker's fast forward, bf16) every branch row spans the context, beside the worker's 16
+    d16 = M.KVCache.position_bytes(drafter.cfg, torch.bfloat16)
+    gpu = int((1000 * (9 * t_pp + (16 + 33) * d16) + drafter.cfg.n_params() * 2) / memory.FIT_SHARE) + 1
+    monkeypatch.setattr(memory, "available_bytes", lambda device: gpu)
+    assert fit_context(target, "cuda", _serve_args(spec_cache=3), said.append) == 768
+    assert fit_context(target, "cpu", _serve_args(spec_cache=3), said.append) > 768
     with pytest.raises(KVMemoryError, match="--max-batch 64: the K/V of even 256 positions a row does not fit"):
         fit_context(target, "cpu", _serve_args(max_batch=64), said.append)
 

@@ -285,8 +285,14 @@ def test_each_branch_is_the_round_its_outcome_would_get(served):
         # two drafted STEPs: one forward over their stopping places; forked rows copy nothing of a context
         # (the scratch rows hold nothing below the earliest place a branch of this table forks at)
         assert st["stops_forwards"] == 1 and st["stops_from_branches"] == 0, st
-        fork = core.prefetcher.fork.cache
-        assert not fork.k[:, :, :, :8].any() and not fork.v[:, :, :, :8].any()
+        from draftrelay.worker.prefetch import COMPACT_POSITIONS
+
+        fork = core.prefetcher.fork
+        if fork.compact:  # the lean loop's rows hold their own positions only: a branch's slots, not a context
+            assert fork.cache.max_len == COMPACT_POSITIONS < fork.d.cache.max_len
+        else:
+            assert not fork.cache.k[:, :, :, :8].any() and not fork.cache.v[:, :, :, :8].any()
+        assert fork.compact == (fork.d.mode == "lean")
         assert all(st[f"{p}_us"] > 0 for p in ("stops", "choose", "run", "entries", "encode")), st
         assert sum(st[f"{p}_us"] for p in PIECES if p != "encode") <= st["prefetch_us"] + len(PIECES), st
         for b in range(e.n_branches):  # batched over all branches, each equals a fresh round of its context

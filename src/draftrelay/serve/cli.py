@@ -125,10 +125,11 @@ def _check(args: argparse.Namespace) -> str:
 def fit_context(model, dev, args: argparse.Namespace, say) -> int:
     """--max-model-len 0: the model's context, or the longest whose K/V fits FIT_SHARE of the memory
     available now (draftrelay/memory.py), a multiple of 256, said when it is shorter. Counted per position: the target's
-    --max-batch rows and its scratch row, and a local worker's own (its rows, at least 16, and with
-    --spec-cache F its branch rows, max-batch x F rounded up to a power of two and a spare, all of the
-    drafter's shape: drafter_config) with its weights set aside first. Raises KVMemoryError where not even 256
-    positions a row fit."""
+    --max-batch rows and its scratch row, and a local worker's own (its rows, at least 16, all of the
+    drafter's shape: drafter_config) with its weights set aside first, and with --spec-cache F its branch
+    rows, max-batch x F rounded up to a power of two and a spare: per position too on a GPU, a fixed
+    COMPACT_POSITIONS each where the worker drafts in the lean loop (a CPU), whose rows hold a branch's
+    own positions only. Raises KVMemoryError where not even 256 positions a row fit."""
     from draftrelay.engine import loading as L
     from draftrelay.memory import FIT_SHARE, available_bytes, fit_positions, size
     from draftrelay.model import KVCache
@@ -142,15 +143,22 @@ def fit_context(model, dev, args: argparse.Namespace, say) -> int:
     drafter = L.drafter_config(args.drafter) if args.mode != "off" and not args.worker else None
     if drafter is not None:  # the local worker: its weights and its cache, in its default dtype
         from draftrelay.checkpoint.hf import default_dtype
-        from draftrelay.worker.prefetch import scratch_size
+        from draftrelay.worker.lean import supports_shape
+        from draftrelay.worker.prefetch import COMPACT_POSITIONS, scratch_size
 
         dtype = default_dtype(dev)
         rows = max(16, args.max_batch)
-        if args.spec_cache:  # its branch rows and their spare (ForkSteps.scratch): written at their true positions
-            rows += scratch_size(args.max_batch * args.spec_cache) + 1
-        per_position += KVCache.position_bytes(drafter, dtype) * rows
         reserve = drafter.n_params() * dtype.itemsize
-        worker_note = f", the local worker's weights ({size(reserve)}) and K/V counted"
+        what = "weights"
+        if args.spec_cache:  # its branch rows and their spare (ForkSteps.scratch)
+            branch = scratch_size(args.max_batch * args.spec_cache) + 1
+            if supports_shape(drafter, dev):  # compact: COMPACT_POSITIONS a row, whatever the context
+                reserve += KVCache.position_bytes(drafter, dtype) * branch * COMPACT_POSITIONS
+                what = "weights and branch rows"
+            else:  # written at their true positions: a context each
+                rows += branch
+        per_position += KVCache.position_bytes(drafter, dtype) * rows
+        worker_note = f", the local worker's {what} ({size(reserve)}) and K/V counted"
     extra = args.k + 1 + 64  # a row also holds the last verify's drafts; the worker's rows 64 more
     budget = FIT_SHARE * avail - reserve
     # the positions beyond the context come off the budget first: what is left is the context, in 256s

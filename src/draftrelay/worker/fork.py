@@ -17,7 +17,9 @@ static shapes (a CUDA graph captures it) and needs the fast attention's shapes (
 `fork_attention_reference` is the plain-torch definition; `fork_attention_triton` the CUDA kernel:
 draftrelay.kernels.triton_ops' flash-decoding kernel with the key loop split at the pivot.
 
-`LeanFork` is the CPU's forked forward, for a drafter in its lean loop (worker/lean.py): the lean loop's
+`LeanFork` is the CPU's forked forward, for a drafter in its lean loop (worker/lean.py), on compact rows
+(a row stores its position p at p - pivot: rows of a branch's own few positions, not of the context, so the
+speculation cache's branch rows cost a CPU a few MB instead of a context each): the lean loop's
 ops with the attention in two parts, the parent's keys below the pivot read in place (one GEMM per kv
 head over all branches of one parent) and the row's own few positions, one softmax over both. It has no
 per-call host work beyond building the step's mask, and no forked row's attention copies a context (the
@@ -188,8 +190,10 @@ class LeanFork:
     positions from its pivot on. Logits equal the forward over a row holding a copy up to the order of
     sums (tests/test_fork.py); greedy drafts from them are what the drafter's own loop drafts."""
 
-    def __init__(self, lean, cache: M.KVCache, parent_cache: M.KVCache) -> None:
-        self.lean, self.cache, self.parent_cache = lean, cache, parent_cache
+    def __init__(self, lean, cache: M.KVCache, parent_cache: M.KVCache, compact: bool = False) -> None:
+        """compact: a forked row stores its own position p at p - pivot (the scratch rows are then as long as
+        a branch's own positions, COMPACT_POSITIONS, instead of the context); else at p."""
+        self.lean, self.cache, self.parent_cache, self.compact = lean, cache, parent_cache, compact
 
     def plan(self, rows: list[int], parent: list[int], pivot: list[int], T: int = 1) -> ForkPlan:
         """The plan of forwards over forked rows rows[b] (parent rows parent[b] below pivot[b]) with T
@@ -209,15 +213,26 @@ class LeanFork:
         cache, pc = self.cache, self.parent_cache
         hi = (pos[:, -1] + 1).tolist()
         qpos = pos.repeat(1, n_rep)[:, :, None]  # [B, R, 1]: grouped query row r is token t = r % T
+        n = cache.max_len
+        # where a row stores position p: at p, or (compact) at p - its pivot
+        slot = pos - torch.tensor(plan.pivot)[:, None] if self.compact else pos
+        if int(slot.min()) < 0 or int(slot.max()) >= n:
+            raise ValueError(f"LeanFork: positions {pos.tolist()} of pivots {plan.pivot} fall outside the "
+                             f"forked rows' {n} slots")
         segs = []
         for b0, b1, p, P, lo, own, piv, par in plan.segs:
-            W = max(hi[b0:b1]) - lo
-            kpos = torch.arange(lo, lo + W)[None, None, :]
-            blocked = (kpos < piv) | (kpos > qpos[b0:b1])  # own keys below the pivot or after the query
+            if self.compact:  # the rows' slots 0 .. W - 1 hold positions pivot .. pivot + W - 1
+                W = max(h - v for h, v in zip(hi[b0:b1], plan.pivot[b0:b1], strict=True))
+                kpos = piv + torch.arange(W)[None, None, :]
+                blocked = kpos > qpos[b0:b1]  # every slot is at or above the row's pivot
+                lo = 0
+            else:
+                W = max(hi[b0:b1]) - lo
+                kpos = torch.arange(lo, lo + W)[None, None, :]
+                blocked = (kpos < piv) | (kpos > qpos[b0:b1])  # own keys below the pivot or after the query
             segs.append((b0, b1, p, P, lo, W, own, torch.cat((par, blocked), -1) if P else blocked))
         cos, sin = ln.cos[pos][:, :, None, :], ln.sin[pos][:, :, None, :]
-        n = cache.max_len
-        widx = ((plan.rows_t[:, None, None] * HK + ln.t_pos[:HK][None, None, :]) * n + pos[:, :, None]).reshape(-1)
+        widx = ((plan.rows_t[:, None, None] * HK + ln.t_pos[:HK][None, None, :]) * n + slot[:, :, None]).reshape(-1)
         half = D // 2
         scale = ln.scale
         x, red = F.embedding(tokens, ln.embed), None

@@ -36,7 +36,13 @@ from draftrelay.worker.draft_stop import all_stopped
 
 def supports(model: M.Transformer) -> bool:
     """Whether the lean loop runs this model exactly as the plain path does."""
-    return model.device.type == "cpu" and not model.cfg.qk_norm and not model.fast_path()
+    return supports_shape(model.cfg, model.device) and not model.fast_path()
+
+
+def supports_shape(cfg: M.ModelConfig, device: torch.device | str) -> bool:
+    """supports() from the shape and the device alone (before any weights are loaded): a model of this
+    shape on this device runs lean unless its fused-kernel path is forced on."""
+    return torch.device(device).type == "cpu" and not cfg.qk_norm
 
 
 class LeanSteps:

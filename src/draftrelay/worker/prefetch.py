@@ -32,7 +32,16 @@ from draftrelay import SettingError, env_choice
 from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.memory import KVMemoryError
 from draftrelay.replay import ReplayDrafter, spend
-from draftrelay.speculation.table import Acceptance, Entry, Table, allot_branches, choose_branches, draft_confs, encode
+from draftrelay.speculation.table import (
+    MAX_K,
+    Acceptance,
+    Entry,
+    Table,
+    allot_branches,
+    choose_branches,
+    draft_confs,
+    encode,
+)
 from draftrelay.wire import protocol as P
 from draftrelay.worker.draft_stop import stop_counts
 from draftrelay.worker.drafters import Job, LlamaDrafter
@@ -93,6 +102,12 @@ class Branch(NamedTuple):
     q: int = -1
 
 
+# A forked row's own positions in the lean loop's compact scratch (LeanFork(compact=True)): a branch writes
+# at most k + 2 positions from its pivot (the first forward's two tokens, then k - 1 drafts and the bonus
+# place; the stopping places' forward k + 1), and k is at most the wire's MAX_K
+COMPACT_POSITIONS = MAX_K + 2
+
+
 def scratch_size(rows: int) -> int:
     """The usable branch rows ForkSteps.scratch makes for `rows`: the next power of two, so the scratch is
     made afresh only at each doubling (it holds one spare row beyond them)."""
@@ -119,6 +134,7 @@ class ForkSteps:
         self.d = drafter
         self.torch = drafter.torch
         self.cache = None  # the scratch KVCache (its rows are forked rows)
+        self.compact = False  # its rows hold position p at p - pivot (the lean loop's LeanFork), else at p
         self.n_rows = 0  # usable scratch rows; row n_rows is the spare one for warm-up and capture
         # the scratch the memory refused (draftrelay/memory.py): (rows, why); as many rows or more are refused
         # again at once, not tried and logged every round (each round's table is then empty: hits lost only)
@@ -155,8 +171,13 @@ class ForkSteps:
             # it is still held, a capture into it fails torch's check (use_count > 0, seen on the H200
             # once the 32K table grew the rows), and the branch steps would run uncaptured from then on
             self._capture = None
+            # the lean loop (a CPU) stores a forked row's positions from its pivot on: COMPACT_POSITIONS a
+            # row instead of the context (on the reference pair at a 4,352-token context, 33 branch rows
+            # took 3.5 GB where 53 MB now do); the fast forward's kernels index the rows by position
+            self.compact = getattr(self.d, "_lean", None) is not None
             try:
-                self.cache = self.d.model.new_cache(n + 1, self.d.cache.max_len)
+                self.cache = self.d.model.new_cache(n + 1, COMPACT_POSITIONS if self.compact
+                                                    else self.d.cache.max_len)
             except KVMemoryError as exc:
                 self.refused = (n, f"branch rows: {exc}")
                 log.warning("prefetch: %s; tables of %d branch rows or more stay empty", exc, n)
@@ -170,7 +191,7 @@ class ForkSteps:
             return None
         lf = self._lean_fork
         if lf is None or lf.cache is not self.cache or lf.parent_cache is not self.d.cache:
-            lf = self._lean_fork = LeanFork(steps, self.cache, self.d.cache)
+            lf = self._lean_fork = LeanFork(steps, self.cache, self.d.cache, compact=self.compact)
         return lf
 
     def _step(self, key: tuple, n_in: int, n_out: int, body):
@@ -897,7 +918,8 @@ class HitDrafter:
         for i, br in hits.items():
             j = jobs[i]
             # the same row length the drafter leaves: context + the first n_steps - 1 drafts
-            _copy_row(sc, br.row, self._d.cache, j.row, j.keep + len(j.tokens) + n_steps - 1, lo=br.lo)
+            _copy_row(sc, br.row, self._d.cache, j.row, j.keep + len(j.tokens) + n_steps - 1, lo=br.lo,
+                      compact=self._pf.fork.compact)
             drafts[i], confs[i] = br.drafts[:n_steps], br.confs[:n_steps]
 
 
@@ -1005,7 +1027,7 @@ class ReplayHitDrafter(HitDrafter):
             if pf.real:
                 j = jobs[i]
                 _copy_row(pf.fork.cache, br.row, self._d.inner.cache, j.row, j.keep + len(j.tokens) + n_steps - 1,
-                          lo=br.lo)
+                          lo=br.lo, compact=pf.fork.compact)
 
 
 def make_prefetcher(drafter) -> tuple[Prefetcher, object]:
@@ -1023,12 +1045,16 @@ def _asked(block) -> int:
     return int(getattr(block, "n_out", 0))
 
 
-def _copy_row(src, src_row: int, dst, dst_row: int, n: int, lo: int = 0) -> None:
+def _copy_row(src, src_row: int, dst, dst_row: int, n: int, lo: int = 0, compact: bool = False) -> None:
     """KV of positions lo .. n - 1 of src's row into dst's row, whose length becomes n (the two caches
-    share the model's shape; a forked row's positions below its pivot are dst's already)."""
+    share the model's shape; a forked row's positions below its pivot are dst's already). compact: src's
+    row holds position p at p - lo (a compact forked row, lo its pivot)."""
     if n > lo:
-        dst.k[:, dst_row, :, lo:n] = src.k[:, src_row, :, lo:n]
-        dst.v[:, dst_row, :, lo:n] = src.v[:, src_row, :, lo:n]
+        a, b = (0, n - lo) if compact else (lo, n)
+        if b > src.max_len:
+            raise ValueError(f"_copy_row: positions {lo} .. {n - 1} exceed the source row's {src.max_len} slots")
+        dst.k[:, dst_row, :, lo:n] = src.k[:, src_row, :, a:b]
+        dst.v[:, dst_row, :, lo:n] = src.v[:, src_row, :, a:b]
     dst.lengths[dst_row] = n
 
 
