@@ -339,7 +339,10 @@ def test_a_spin_window_spins_a_bounded_while():
             assert_exact(q[0], r.result(r.submit(q), timeout_s=5.0))
             time.sleep(0.05)
             out = cpu_ns() - engine0, cpu_ns(pid) - proxy0
-            assert out[0] < 30_000_000 and out[1] < 30_000_000, f"engine, proxy CPU {out} ns"
+            # a quarter of the round: spinning through it would take about all of its 300 ms; the engine's
+            # figure is the whole test process's CPU (its other threads included: a clean-clone CI run once
+            # measured 31 ms here against a bound of 30)
+            assert out[0] < 75_000_000 and out[1] < 75_000_000, f"engine, proxy CPU {out} ns"
     finally:
         r.close()
 
