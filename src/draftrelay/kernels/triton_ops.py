@@ -315,6 +315,18 @@ def _prefetch_span(ptr, n_units, pid, n_pf, MODE: tl.constexpr, LINE: tl.constex
 
 
 @triton.jit
+def _prefetch_weights(bg, sp, n_att, n_split, w0_ptr, w1_ptr, w2_ptr, w0_units, w1_units, w2_units,
+                      MODE: tl.constexpr, LINE: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr):
+    """An attention kernel's program (bg, sp) past its first n_att along axis 0 (weight_prefetch_launch):
+    its share of the three weights' prefetch, the prefetch programs numbered over both axes."""
+    pid = (bg - n_att) * n_split + sp
+    n_pf = (tl.num_programs(0) - n_att) * n_split
+    _prefetch_span(w0_ptr, w0_units, pid, n_pf, MODE, LINE, BLOCK, NT)
+    _prefetch_span(w1_ptr, w1_units, pid, n_pf, MODE, LINE, BLOCK, NT)
+    _prefetch_span(w2_ptr, w2_units, pid, n_pf, MODE, LINE, BLOCK, NT)
+
+
+@triton.jit
 def _bulk_prefetch_l2(ptrs, nbytes):
     """Hopper's bulk L2 prefetch (the TMA) of nbytes (a multiple of 16, 16-byte aligned) from each pointer
     where nbytes > 0: one instruction per element, nothing waits for the transfer."""
@@ -347,11 +359,8 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
         gdc_launch_dependents()
     if WPF:
         if bg >= n_att:
-            pid = (bg - n_att) * n_split + sp
-            n_pf = (tl.num_programs(0) - n_att) * n_split
-            _prefetch_span(w0_ptr, w0_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
-            _prefetch_span(w1_ptr, w1_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
-            _prefetch_span(w2_ptr, w2_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
+            _prefetch_weights(bg, sp, n_att, n_split, w0_ptr, w1_ptr, w2_ptr, w0_lines, w1_lines, w2_lines,
+                              WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
         else:
             _attn_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp,
                        T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
@@ -1271,20 +1280,21 @@ def weight_prefetch(device: torch.device, weights, dtype: torch.dtype) -> tuple[
     return tuple(weights) if total <= WEIGHT_PREFETCH_L2_SHARE * _l2_bytes(device) else None
 
 
-def weight_prefetch_launch(q: torch.Tensor, a: AttnLaunch, prefetch) -> tuple[tuple, tuple, int]:
-    """(grid, the kernel's w0..w2 pointers and unit counts, WPF) of an attention launch: a.B * a.n_kv
-    attention programs per key chunk, and WEIGHT_PREFETCH_PROGRAMS more where weight_prefetch takes the
-    weights (WPF 1: units of 128-byte lines, 2: of 16 bytes for the bulk prefetch; unused slots: the last
-    weight again with no units)."""
+def weight_prefetch_launch(q: torch.Tensor, a: AttnLaunch, prefetch) -> tuple[tuple, tuple, dict]:
+    """(grid, the kernel's arguments n_att and w0..w2 pointers and unit counts, its WPF constexprs) of an
+    attention launch: n_att = a.B * a.n_kv attention programs per key chunk, and WEIGHT_PREFETCH_PROGRAMS
+    more where weight_prefetch takes the weights (WPF 1: units of 128-byte lines, 2: of 16 bytes for the
+    bulk prefetch; unused slots: the last weight again with no units)."""
     n_att = a.B * a.n_kv
     ws = weight_prefetch(q.device, prefetch, q.dtype)
     if ws is None:
-        return (n_att, a.n_split), (q, q, q, 0, 0, 0), 0
+        return (n_att, a.n_split), (n_att, q, q, q, 0, 0, 0), {"WPF": 0}
     mode = 1 if WEIGHT_PREFETCH == "lines" else 2
     unit = 128 if mode == 1 else 16
     units = [w.numel() * w.element_size() // unit for w in ws] + [0] * (3 - len(ws))
     ws = ws + (ws[-1],) * (3 - len(ws))
-    return (n_att + triton.cdiv(WEIGHT_PREFETCH_PROGRAMS, a.n_split), a.n_split), (*ws, *units), mode
+    return ((n_att + triton.cdiv(WEIGHT_PREFETCH_PROGRAMS, a.n_split), a.n_split), (n_att, *ws, *units),
+            {"WPF": mode, "WPF_LINE": 128 // q.element_size(), "WPF_NT": 32 * a.warps})
 
 
 def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
@@ -1296,15 +1306,14 @@ def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.
         raise ValueError("decode_attention: q must be contiguous and the cache's last dim dense")
     a = attn_launch("rope_attention", q, ck, kv_len, rope)
     pdl = _pdl(q.device)
-    grid, wargs, ws = weight_prefetch_launch(q, a, prefetch)
+    grid, wargs, wkw = weight_prefetch_launch(q, a, prefetch)
     _attn_kernel[grid](
         q, ck, cv, rows, start, a.out, a.acc, a.ml, rope[0] if rope is not None else start, a.T, a.H,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
-        a.chunk, a.n_split, a.D ** -0.5, a.B * a.n_kv, *wargs, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block,
+        a.chunk, a.n_split, a.D ** -0.5, *wargs, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block,
         SINGLE=a.single, IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if _INTERPRETED else 0,
-        ROPE=rope is not None, PDL=pdl, PREFETCH=ATTN_PREFETCH and not _INTERPRETED,
-        WPF=ws, WPF_LINE=128 // q.element_size(), WPF_NT=32 * a.warps, num_warps=a.warps, num_stages=2,
-        **_launch_kw(pdl))
+        ROPE=rope is not None, PDL=pdl, PREFETCH=ATTN_PREFETCH and not _INTERPRETED, **wkw,
+        num_warps=a.warps, num_stages=2, **_launch_kw(pdl))
     attn_combine(a, pdl)
     return a.out
 

@@ -16,7 +16,7 @@ from draftrelay.kernels.triton_ops import (
     _attn_new_key,
     _attn_tile,
     _prefetch_l2,
-    _prefetch_span,
+    _prefetch_weights,
     _rope_new_kv,
     gdc_launch_dependents,
     gdc_wait,
@@ -47,11 +47,8 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
         gdc_launch_dependents()
     if WPF:
         if bg >= n_att:
-            pid = (bg - n_att) * n_split + sp
-            n_pf = (tl.num_programs(0) - n_att) * n_split
-            _prefetch_span(w0_ptr, w0_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
-            _prefetch_span(w1_ptr, w1_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
-            _prefetch_span(w2_ptr, w2_lines, pid, n_pf, WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
+            _prefetch_weights(bg, sp, n_att, n_split, w0_ptr, w1_ptr, w2_ptr, w0_lines, w1_lines, w2_lines,
+                              WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
         else:
             _fork_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr,
                        o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead,
@@ -150,15 +147,14 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
         raise ValueError("fork_attention: q must be contiguous")
     a = TO.attn_launch("fork_attention", q, ck, kv_len, rope)
     pdl = TO._pdl(q.device)
-    grid, wargs, ws = TO.weight_prefetch_launch(q, a, prefetch)
+    grid, wargs, wkw = TO.weight_prefetch_launch(q, a, prefetch)
     _fork_attn_kernel[grid](
         q, ck, cv, rows, start, pk, pv, parent, pivot, a.out, a.acc, a.ml, rope[0] if rope is not None else start,
         a.T, a.H, ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
-        a.chunk, a.n_split, a.D ** -0.5, a.B * a.n_kv, *wargs, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block,
+        a.chunk, a.n_split, a.D ** -0.5, *wargs, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block,
         SINGLE=a.single, IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if TO._INTERPRETED else 0,
         ROPE=rope is not None, PDL=pdl, PREFETCH=rope is not None and TO.ATTN_PREFETCH and not TO._INTERPRETED,
-        WPF=ws, WPF_LINE=128 // q.element_size(), WPF_NT=32 * a.warps, num_warps=a.warps, num_stages=2,
-        **TO._launch_kw(pdl))
+        **wkw, num_warps=a.warps, num_stages=2, **TO._launch_kw(pdl))
     TO.attn_combine(a, pdl)
     return a.out
