@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     from .chat import TemplateError
     from .metrics import ServeMetrics, freeze_startup_objects
     from .protocol import Limits
-    from .scheduler import Scheduler, warm_up
+    from .scheduler import Scheduler, probe_prompt, warm_up
 
     say = lambda msg: print(f"draftrelay serve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     try:
@@ -375,8 +375,7 @@ def run(args: argparse.Namespace) -> int:
                 # batch: measured here as generate measures it, over --max-batch requests each sending a
                 # catch-up round's tokens (with the GPU's fixed 200 ms every round of the reference pair timed
                 # out and the server ran target-only)
-                vocab = target.model.cfg.vocab_size
-                probe = [(i * 7919 + 13) % vocab for i in range(args.max_round_tokens)]
+                probe = probe_prompt(args.max_round_tokens, target.model.cfg.vocab_size)
                 rs = L.round_settings(spec, probe, args.k, requests=args.max_batch)
                 say(rs.note)
                 deadline, timed = rs.deadline_ms, {"round_budget_ms": rs.budget_ms}

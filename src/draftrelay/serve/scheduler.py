@@ -410,6 +410,12 @@ def prefill_sweep(engine: Engine, prompt: Callable, params: Callable) -> dict:
                         for (t, n), a in zip(slow, again, strict=True)]}
 
 
+def probe_prompt(n: int, vocab: int, salt: int = 0) -> list[int]:
+    """n tokens of a fixed spread over the vocabulary (salt varies them): the prompts serve warms up and
+    times the worker's rounds with, no tokenizer needed."""
+    return [(i * 7919 + salt * 104729 + 13) % vocab for i in range(n)]
+
+
 def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_prompt: int = 0,
             progress: Callable[[str], None] | None = None) -> dict:
     """Run every path a first request can take before the server accepts one: prefill of a short
@@ -430,7 +436,7 @@ def warm_up(engine: Engine, max_model_len: int, settle_s: float = 20.0, long_pro
     k = cfg.n_draft
 
     def prompt(n: int, salt: int) -> list[int]:  # at least one token of output must fit
-        return [(i * 7919 + salt * 104729 + 13) % V for i in range(max(1, min(n, max_model_len - 1)))]
+        return probe_prompt(max(1, min(n, max_model_len - 1)), V, salt)
 
     def params(p: list[int], n: int, **kw) -> SamplingParams:
         return SamplingParams(max_tokens=max(1, min(n, max_model_len - len(p))), **kw)

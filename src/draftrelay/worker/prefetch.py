@@ -134,7 +134,6 @@ class ForkSteps:
         self.d = drafter
         self.torch = drafter.torch
         self.cache = None  # the scratch KVCache (its rows are forked rows)
-        self.compact = False  # its rows hold position p at p - pivot (the lean loop's LeanFork), else at p
         self.n_rows = 0  # usable scratch rows; row n_rows is the spare one for warm-up and capture
         # the scratch the memory refused (draftrelay/memory.py): (rows, why); as many rows or more are refused
         # again at once, not tried and logged every round (each round's table is then empty: hits lost only)
@@ -151,6 +150,12 @@ class ForkSteps:
         self._lean_fork: LeanFork | None = None
         self.cut = None  # (seconds of work left) -> None or Preempted: the lean loop's look between forwards
         # (Prefetcher._cut)
+
+    @property
+    def compact(self) -> bool:
+        """Whether the scratch rows hold position p at p - pivot (the lean loop's LeanFork, a CPU: rows of
+        COMPACT_POSITIONS) rather than at p (the fast forward's kernels index the rows by position)."""
+        return getattr(self.d, "_lean", None) is not None
 
     @property
     def graph(self) -> bool:
@@ -171,10 +176,8 @@ class ForkSteps:
             # it is still held, a capture into it fails torch's check (use_count > 0, seen on the H200
             # once the 32K table grew the rows), and the branch steps would run uncaptured from then on
             self._capture = None
-            # the lean loop (a CPU) stores a forked row's positions from its pivot on: COMPACT_POSITIONS a
-            # row instead of the context (on the reference pair at a 4,352-token context, 33 branch rows
-            # took 3.5 GB where 53 MB now do); the fast forward's kernels index the rows by position
-            self.compact = getattr(self.d, "_lean", None) is not None
+            # compact rows (the lean loop, a CPU): COMPACT_POSITIONS a row instead of the context (on the
+            # reference pair at a 4,352-token context, 33 branch rows took 3.5 GB where 53 MB now do)
             try:
                 self.cache = self.d.model.new_cache(n + 1, COMPACT_POSITIONS if self.compact
                                                     else self.d.cache.max_len)
@@ -191,7 +194,7 @@ class ForkSteps:
             return None
         lf = self._lean_fork
         if lf is None or lf.cache is not self.cache or lf.parent_cache is not self.d.cache:
-            lf = self._lean_fork = LeanFork(steps, self.cache, self.d.cache, compact=self.compact)
+            lf = self._lean_fork = LeanFork(steps, self.cache, self.d.cache, compact=True)  # the lean loop: compact rows
         return lf
 
     def _step(self, key: tuple, n_in: int, n_out: int, body):
