@@ -379,6 +379,11 @@ def tiles(ws) -> bool:
     return got is not None and got == merge((w.data_ptr(), w.data_ptr() + w.numel() * 4 // 16 * 16) for w in ws)
 
 
+def lines_of(ws) -> list[int]:
+    """The address of each whole 128-byte line of the fp32 weights ws, sorted."""
+    return sorted(w.data_ptr() + 128 * i for w in ws for i in range(w.numel() * 4 // 128))
+
+
 ranges = []
 T._prefetch_l2 = record
 T._bulk_prefetch_l2 = record_bulk
@@ -392,13 +397,12 @@ for mode, B, Tq, kv, starts in (("lines", 2, 1, 256, [100, 3]), ("lines", 1, 5, 
     ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)
     rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
     ws = (torch.randn(40, 96, generator=g), torch.randn(7, 32, generator=g), torch.randn(3, 8, generator=g))
-    lines = sorted(w.data_ptr() + 128 * i for w in ws for i in range(w.numel() * 4 // 128))
     seen.clear()
     ranges.clear()
     torch.testing.assert_close(T.decode_attention(q, ck, cv, rows, st, kv, prefetch=ws),
                                R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
     if mode == "lines":  # each whole line once (the 96-byte tail of a 3 x 8 fp32 weight: none)
-        assert sorted(seen) == lines and not ranges, (len(seen), len(lines))
+        assert sorted(seen) == lines_of(ws) and not ranges, (len(seen), len(lines_of(ws)))
     else:
         assert tiles(ws) and not seen, sorted(ranges)
     qkv = torch.randn(B, Tq, 8 * 16, generator=g)
@@ -409,7 +413,7 @@ for mode, B, Tq, kv, starts in (("lines", 2, 1, 256, [100, 3]), ("lines", 1, 5, 
     torch.testing.assert_close(got, R.rope_attention(qkv, st, inv, 4, 2, ck2, cv2, rows, kv), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ck, ck2, atol=1e-6, rtol=1e-6)
     if mode == "lines":
-        assert sorted(seen) == sorted(w.data_ptr() + 128 * i for w in ws[:2] for i in range(w.numel() * 4 // 128))
+        assert sorted(seen) == lines_of(ws[:2])
     n += 1
 print("checked", n)
 '''
