@@ -194,7 +194,7 @@ class ForkSteps:
             return None
         lf = self._lean_fork
         if lf is None or lf.cache is not self.cache or lf.parent_cache is not self.d.cache:
-            lf = self._lean_fork = LeanFork(steps, self.cache, self.d.cache, compact=True)  # the lean loop: compact rows
+            lf = self._lean_fork = LeanFork(steps, self.cache, self.d.cache, compact=True)  # lean: compact rows
         return lf
 
     def _step(self, key: tuple, n_in: int, n_out: int, body):
