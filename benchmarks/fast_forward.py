@@ -12,9 +12,10 @@ weights prefetched into L2 during the attention (lines / bulk), its graph replay
 product shape's cuBLAS and skinny-GEMM times.
 
 Random bf16 weights of the real shapes; KV filled with random values up to the context (timing does not
-depend on values). Variants are timed interleaved (each iteration runs every variant once), p50 with
-p10/p90. Also: the device copy bandwidth (bytes read + written), achieved bytes/s of each step (weights
-read once per forward + the KV each forward reads), and the kernels one step launches (profiled replay).
+depend on values). Variants are timed interleaved (each iteration runs every variant once, in a seeded
+random order), p50 with p10/p90. Also: the device copy bandwidth (bytes read + written), achieved
+bytes/s of each step (weights read once per forward + the KV each forward reads), and the kernels one
+step launches (profiled replay).
 
     python benchmarks/fast_forward.py [--out benchmarks/results/fast_forward.json] [--contexts 128,32768]
 """
@@ -60,14 +61,20 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(variants: dict, iters: int) -> dict:
+def interleaved(variants: dict, iters: int, seed: int = 0) -> dict:
+    """p50 / p10 / p90 of each variant over `iters` iterations, each iteration running every variant once
+    in a fresh (seeded) random order: with a fixed order each variant always ran right after the same one
+    (the restricted head's STEP after an eager forward of 30-100 ms of small launches, say), and whatever
+    that predecessor leaves behind in the host's caches or the card landed on that variant alone."""
     for fn in variants.values():  # warm
         fn()
         fn()
     times = {k: [] for k in variants}
+    rng = np.random.default_rng(seed)
+    names = list(variants)
     for _ in range(iters):
-        for k, fn in variants.items():
-            times[k].append(timed(fn))
+        for i in rng.permutation(len(names)):
+            times[names[i]].append(timed(variants[names[i]]))
     return {k: pct(v) for k, v in times.items()}
 
 

@@ -6,7 +6,7 @@
 #      CONTEXTS and SECTIONS narrow it)
 #   3. step_host.py: where the worker's host time of the STEP goes on this host
 #   4. replay_headline.py: off / sync / cache F = 8 (guard off) at replayed acceptance, code, prose, four requests
-#   5. branch_work.py once per weight-prefetch way (off, lines, bulk): the branch work's graphs
+#   5. branch_work.py once per weight-prefetch way (WAYS, default "off lines bulk"): the branch work's graphs
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s). The weight prefetch alone:
 #   PARTS="1 2 5" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
@@ -40,10 +40,10 @@ if part 4 "replay_headline.py"; then
         --plot "$OUT/replay_headline.png" 2>&1 | grep -v "^\[W" | tail -20
 fi
 if part 5 "branch_work.py per weight-prefetch way"; then
-    for way in off lines bulk; do
+    for way in ${WAYS:-off lines bulk}; do
         echo "-- prefetch $way"
         DRAFTRELAY_WEIGHT_PREFETCH=$way timeout "${BRANCH_S:-80}" python3 benchmarks/branch_work.py --fanout 8 \
-            --requests 1,4 --iters 24 --out "$OUT/branch_work_wpf_$way.json" 2>&1 | grep -v "^\[W" | grep "^ctx"
+            --requests 1,4 --iters 24 --out "$OUT/branch_work_wpf_${way/:/_}.json" 2>&1 | grep -v "^\[W" | grep "^ctx"
     done
 fi
 echo "done in $(( $(date +%s) - T0 )) s"
