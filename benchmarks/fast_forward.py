@@ -4,8 +4,7 @@ cuBLAS for every product ("graphs_fast_cublas"), graphs with the fused kernels a
 per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"; "graphs_fast_nopdl" the same launched
 without programmatic dependent launch, "graphs_fast_noprefetch" without the attention's L2 prefetch,
 "graphs_fast_norows" planned without the compact-rows dot tiles, "graphs_fast_nocublas" planned over the
-Triton candidates only; for the drafter also "graphs_fast_wpf" / "graphs_fast_wpfbulk" with the layer's
-weights prefetched into L2 during the attention (lines / bulk), its graph replayed alone,
+Triton candidates only; for the drafter also its graph replayed alone,
 "graphs_fast_replay_only", and the worker's host work of the step with the replay left out,
 "graphs_fast_host_only"), plain torch.compile of the same model
 (7B decode), and Hugging Face transformers (target decode). The "gemm" section and "plans" list each
@@ -139,9 +138,7 @@ def fast_path(model: M.Transformer, fast) -> None:
     """True: the fused kernels with the products chosen per shape (kernels.plan, skinny GEMM or cuBLAS)
     and the fused greedy pick, launched with programmatic dependent launch where the card has it;
     "nopdl": the same launched plainly (triton_ops.PDL off); "noprefetch": the same without the
-    attention's L2 prefetch of its first key tile (triton_ops.ATTN_PREFETCH off); "wpf" / "wpfbulk": the same
-    with the attention's prefetch of the layer's next weights into L2 (triton_ops.WEIGHT_PREFETCH lines /
-    bulk; off otherwise); "norows": the same
+    attention's L2 prefetch of its first key tile (triton_ops.ATTN_PREFETCH off); "norows": the same
     planned without the compact-rows dot tiles (a plan of its own over the other candidates);
     "nocublas": planned over the Triton candidates only (cuBLAS never chosen where one runs);
     "cublas": the same fused kernels with cuBLAS for every product and the separate norm / SiLU / pick
@@ -150,7 +147,6 @@ def fast_path(model: M.Transformer, fast) -> None:
     P.MODE = "off" if fast == "cublas" else "auto"
     triton_ops.PDL = fast != "nopdl"
     triton_ops.ATTN_PREFETCH = fast != "noprefetch"
-    triton_ops.WEIGHT_PREFETCH = {"wpf": "lines", "wpfbulk": "bulk"}.get(fast, "off")
     norows = fast == "norows"
     triton_ops.PLANNER = NOROWS_PLANNER if norows else NOCUBLAS_PLANNER if fast == "nocublas" else MAIN_PLANNER
     P.plan_key = _plan_key_norows if norows else PLAN_KEY
@@ -258,7 +254,6 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
     variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast_cublas": ("graph", "cublas"),
                 "graphs_fast_nopdl": ("graph", "nopdl"), "graphs_fast_noprefetch": ("graph", "noprefetch"),
                 "graphs_fast_norows": ("graph", "norows"), "graphs_fast_nocublas": ("graph", "nocublas"),
-                "graphs_fast_wpf": ("graph", "wpf"), "graphs_fast_wpfbulk": ("graph", "wpfbulk"),
                 "graphs_fast": ("graph", True),
                 "eager_fast": ("eager", True)}
     # the head restricted to a draft vocabulary (draft_vocab.py): the same forward, a head of N rows

@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # One bounded call on a one-GPU H200 for the open fast-forward and speculation-cache figures (docs/FAST_FORWARD.md,
 # docs/SPEC_CACHE.md), each part under its own timeout so a slow part costs only itself; results under $OUT:
-#   1. the weight prefetch's GPU test and the skinny kernels' (tests_gpu/test_fast_forward_gpu.py)
-#   2. fast_forward.py drafter,target at 128 and 32K (every variant side by side, the prefetch ways included;
-#      CONTEXTS and SECTIONS narrow it)
+#   1. the skinny kernels' GPU tests (tests_gpu/test_fast_forward_gpu.py)
+#   2. fast_forward.py drafter,target at 128 and 32K (every variant side by side; CONTEXTS and SECTIONS
+#      narrow it)
 #   3. step_host.py: where the worker's host time of the STEP goes on this host
 #   4. replay_headline.py: off / sync / cache F = 8 (guard off) at replayed acceptance, code, prose, four requests
-#   5. branch_work.py once per weight-prefetch way (WAYS, default "off lines bulk"): the branch work's graphs
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
-# PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s). The weight prefetch alone:
-#   PARTS="1 2 5" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
-# TESTS_S / FF_S / HOST_S / REPLAY_S / BRANCH_S bound the parts (seconds; BRANCH_S per way).
+# PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
+#   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
+# TESTS_S / FF_S / HOST_S / REPLAY_S bound the parts (seconds).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -20,9 +19,9 @@ PARTS=" ${PARTS:-1 2 3 4} "
 T0=$(date +%s)
 part() { [[ "$PARTS" == *" $1 "* ]] && echo "== $1. $2 ($(( $(date +%s) - T0 )) s so far)"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
-if part 1 "GPU tests: weight prefetch, skinny kernels"; then
+if part 1 "GPU tests: skinny kernels"; then
     timeout "${TESTS_S:-100}" python3 -m pytest -q -p no:cacheprovider tests_gpu/test_fast_forward_gpu.py \
-        -k "weight_prefetch or skinny" --out "$OUT" 2>&1 | grep -v "^\[W" | tail -4
+        -k "skinny" --out "$OUT" 2>&1 | grep -v "^\[W" | tail -4
 fi
 if part 2 "fast_forward.py"; then
     timeout "${FF_S:-200}" python3 benchmarks/fast_forward.py --sections "${SECTIONS:-drafter,target}" \
@@ -38,12 +37,5 @@ if part 4 "replay_headline.py"; then
         --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json --repeats 2 --workloads short:1,short:1@1,short:4 \
         --placements emulated --modes off,sync,cache --fanout 8 --guard off --out "$OUT/replay_headline.json" \
         --plot "$OUT/replay_headline.png" 2>&1 | grep -v "^\[W" | tail -20
-fi
-if part 5 "branch_work.py per weight-prefetch way"; then
-    for way in ${WAYS:-off lines bulk}; do
-        echo "-- prefetch $way"
-        DRAFTRELAY_WEIGHT_PREFETCH=$way timeout "${BRANCH_S:-80}" python3 benchmarks/branch_work.py --fanout 8 \
-            --requests 1,4 --iters 24 --out "$OUT/branch_work_wpf_${way/:/_}.json" 2>&1 | grep -v "^\[W" | grep "^ctx"
-    done
 fi
 echo "done in $(( $(date +%s) - T0 )) s"

@@ -256,49 +256,6 @@ def test_drafts_graph_equals_eager_and_fast_vs_plain_are_near_ties():
     assert all(m["near_tie"] for m in mism), mism
 
 
-def test_weight_prefetch_changes_no_value_and_is_taken_where_the_layer_fits_l2(monkeypatch):
-    """The attention's extra programs prefetch the layer's o_proj, gate|up and down into L2 (a hint): the
-    logits of the 0.5B shape's fast forward, eagerly and replayed from a graph, are bit for bit those of
-    the same forward without them; the 0.5B's three weights are taken, a 7B layer's are not (they exceed
-    the L2), nor weights of another dtype than the activations'."""
-    from draftrelay.kernels import triton_ops as TO
-
-    cfg = M.ModelConfig(**{**SHAPES["qwen2.5-0.5b"], "n_layers": 4}, name="0.5b-4L")
-    model = M.Transformer.random(cfg, seed=int.from_bytes(os.urandom(2), "little"), device=DEV,
-                                 dtype=torch.bfloat16, draw_on="device")
-    model.fast = True
-    w = model.layers[0].weights()
-    monkeypatch.setattr(TO, "WEIGHT_PREFETCH", "lines")
-    assert TO.weight_prefetch(DEV, (w.wo, w.wgu, w.wd), torch.bfloat16) is not None  # "cuda" is cuda:0
-    assert TO.weight_prefetch(model.device, (w.wo, w.wgu, w.wd), torch.float32) is None
-    big = torch.empty(37888, 3584, device=DEV, dtype=torch.bfloat16)  # the 7B's gate|up alone: 272 MB
-    assert TO.weight_prefetch(model.device, (big,), torch.bfloat16) is None
-    toks = torch.randint(0, cfg.vocab_size, (2, 1), device=DEV)
-    start = torch.tensor([37, 90], device=DEV)
-    rows = torch.tensor([0, 1], device=DEV)
-    filled = model.new_cache(2, 256)
-    filled.k.normal_()
-    filled.v.normal_()
-    out = {}
-    for on in ("off", "lines", "bulk"):
-        monkeypatch.setattr(TO, "WEIGHT_PREFETCH", on)
-        cache = model.new_cache(2, 256)
-        with torch.no_grad():
-            cache.k.copy_(filled.k)  # every way over the same keys and values
-            cache.v.copy_(filled.v)
-            eager = model(toks, start, cache, rows, kv_len=256)
-            g = torch.cuda.CUDAGraph()
-            model(toks, start, cache, rows, kv_len=256)  # warm (compiles) before the capture
-            with torch.cuda.graph(g):
-                static = model(toks, start, cache, rows, kv_len=256)
-            g.replay()
-            torch.cuda.synchronize()
-        out[on] = (eager, static.clone())
-    for on in ("lines", "bulk"):
-        assert torch.equal(out[on][0], out["off"][0]), on
-        assert torch.equal(out[on][1], out["off"][1]), on
-
-
 def teardown_module(module):
     from draftrelay.kernels import triton_ops as TO
     REPORT["plans"] = [{"key": list(k), "us": {c: t * 1e6 for c, t in v.items()},

@@ -438,9 +438,8 @@ def attention(qkv: torch.Tensor, w: LayerWeights, st: StepState, ck: torch.Tenso
         qkv = torch.cat((q, k, qkv[..., (H + HK) * D:]), -1)
     if st.fast_attn:
         # RoPE, the K/V write and the attention: one kernel for one token per row and a chunk of keys
-        # (the layer's o_proj, gate|up and down weights offered for an L2 prefetch during the attention)
         return st.kernels.rope_attention(qkv.contiguous(), st.start, st.inv_freq, H, HK, ck, cv, st.rows_t,
-                                         st.kv_len, prefetch=(w.wo, w.wgu, w.wd)).view(B, T, H * D)
+                                         st.kv_len).view(B, T, H * D)
     cos, sin, blocked = st.tables
     # q and k are neighbours in qkv: RoPE runs once over both (elementwise, the same values)
     qk = apply_rope(qkv[..., :(H + HK) * D].view(B, T, H + HK, D), cos, sin)

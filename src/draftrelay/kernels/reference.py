@@ -111,13 +111,11 @@ def rope_kv_write(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor
 
 
 def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
-                     start: torch.Tensor, kv_len: int, prefetch=None) -> torch.Tensor:
+                     start: torch.Tensor, kv_len: int) -> torch.Tensor:
     """Causal GQA attention of q [B, T, H, D] (token t of row b at position start[b] + t) over the
     cache rows `rows[b]` of one layer ([rows, n_kv, len, D]), keys 0 .. start[b] + t (kv_len bounds
     them all) -> [B, T, H, D]. Scores and softmax in fp32, the probabilities rounded to the activation
-    dtype for the second product (as the plain path), the weighted sum in fp32, rounded once. prefetch
-    (the weights the layer reads next, which the CUDA kernel may prefetch into L2) changes no value and
-    is not used here."""
+    dtype for the second product (as the plain path), the weighted sum in fp32, rounded once."""
     B, T, H, D = q.shape
     n_kv = ck.shape[1]
     rep = H // n_kv
@@ -142,8 +140,7 @@ def attention_fuses_rope(kv_len: int, T: int) -> bool:
 
 
 def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
-                   ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int,
-                   prefetch=None) -> torch.Tensor:
+                   ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int) -> torch.Tensor:
     """rope_kv_write then decode_attention: the new keys rotated and stored with the values, q rotated
     (rounded to the activation dtype) and attended over the cache rows -> [B, T, n_heads, D]."""
     q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)

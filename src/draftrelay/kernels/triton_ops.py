@@ -73,20 +73,6 @@ PDL = os.environ.get("DRAFTRELAY_PDL", "on") != "off"
 # wait, so that its HBM read overlaps loading and rotating q instead of following it (the tile's own loads
 # come after the rotation and the new key's store). DRAFTRELAY_ATTN_PREFETCH=off leaves it out.
 ATTN_PREFETCH = os.environ.get("DRAFTRELAY_ATTN_PREFETCH", "on") != "off"
-# The layer's next weights towards L2 during its attention: a small model's products are latency-bound
-# (the 0.5B's gate|up reads 17 MB in 6.2 us, 2.8 TB/s, its down 9 MB in 6.0), and the attention and the
-# small products before them leave the HBM idle. The attention kernel gets WEIGHT_PREFETCH_PROGRAMS extra
-# programs that prefetch o_proj, gate|up and down (model.attention passes them) and end; the products then
-# read L2. Only where the three fit WEIGHT_PREFETCH_L2_SHARE of the L2 (a 7B's layer is ten times a
-# Hopper's L2: its weights would evict each other before they are read). DRAFTRELAY_WEIGHT_PREFETCH:
-# "off" (the default: measured slower, docs/FAST_FORWARD.md), "lines" (prefetch.global.L2 per 128-byte
-# line: the programs end only when the HBM has taken their requests, and the next kernel waits for them),
-# "bulk" (cp.async.bulk.prefetch.L2, Hopper's TMA: one instruction per thread for its share, nothing
-# waits for the transfer); ":N" after either sets the programs (default 64).
-_WPF_MODE, _, _WPF_N = os.environ.get("DRAFTRELAY_WEIGHT_PREFETCH", "off").partition(":")
-WEIGHT_PREFETCH = _WPF_MODE if _WPF_MODE in ("lines", "bulk") else "off"
-WEIGHT_PREFETCH_PROGRAMS = int(_WPF_N) if _WPF_N.isdigit() and int(_WPF_N) > 0 else 64
-WEIGHT_PREFETCH_L2_SHARE = 0.6
 
 
 @functools.lru_cache(maxsize=8)
@@ -295,89 +281,19 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _prefetch_span(ptr, n_units, pid, n_pf, MODE: tl.constexpr, LINE: tl.constexpr, BLOCK: tl.constexpr,
-                   NT: tl.constexpr):
-    """Program pid of n_pf prefetches its share of ptr's n_units into L2. MODE 1: units are 128-byte lines
-    (LINE elements each), one prefetch.global.L2 per line; MODE 2: units are 16 bytes (LINE // 8
-    elements), and each of the NT threads issues one cp.async.bulk.prefetch.L2 for its part."""
-    per = tl.cdiv(n_units, n_pf)
-    lo = pid * per
-    hi = tl.minimum(lo + per, n_units)
-    if MODE == 1:
-        for i in range(lo, hi, BLOCK):
-            ln = i + tl.arange(0, BLOCK)
-            _prefetch_l2(ptr + ln.to(tl.int64) * LINE, ln < hi)
-    else:
-        cs = tl.cdiv(per, NT)
-        a = lo + tl.arange(0, NT) * cs
-        n = tl.maximum(tl.minimum(a + cs, hi) - a, 0)
-        _bulk_prefetch_l2(ptr + a.to(tl.int64) * (LINE // 8), (n * 16).to(tl.int32))
-
-
-@triton.jit
-def _prefetch_weights(bg, sp, n_att, n_split, w0_ptr, w1_ptr, w2_ptr, w0_units, w1_units, w2_units,
-                      MODE: tl.constexpr, LINE: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr):
-    """An attention kernel's program (bg, sp) past its first n_att along axis 0 (weight_prefetch_launch):
-    its share of the three weights' prefetch, the prefetch programs numbered over both axes."""
-    pid = (bg - n_att) * n_split + sp
-    n_pf = (tl.num_programs(0) - n_att) * n_split
-    _prefetch_span(w0_ptr, w0_units, pid, n_pf, MODE, LINE, BLOCK, NT)
-    _prefetch_span(w1_ptr, w1_units, pid, n_pf, MODE, LINE, BLOCK, NT)
-    _prefetch_span(w2_ptr, w2_units, pid, n_pf, MODE, LINE, BLOCK, NT)
-
-
-@triton.jit
-def _bulk_prefetch_l2(ptrs, nbytes):
-    """Hopper's bulk L2 prefetch (the TMA) of nbytes (a multiple of 16, 16-byte aligned) from each pointer
-    where nbytes > 0: one instruction per element, nothing waits for the transfer."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr,
                  T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
-                 n_att, w0_ptr, w1_ptr, w2_ptr, w0_lines, w1_lines, w2_lines,
                  REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                  SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                 WPF: tl.constexpr = 0, WPF_LINE: tl.constexpr = 64, WPF_BLOCK: tl.constexpr = 1024,
-                 WPF_NT: tl.constexpr = 128):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     """ROPE (one token per row, one chunk): q_ptr is the q|k|v product [B, 1, (H + 2 n_kv) * D]; the
     program rotates its kv head's q rows and the new key, stores the new key and value into the cache
     rows, attends over the cache's earlier keys and takes the new key from its registers (rope_kv_write
-    and decode_attention in one launch; the same values).
-    WPF (1 lines, 2 bulk: WEIGHT_PREFETCH): the programs past the first n_att along axis 0 do no
-    attention: they prefetch the layer's next weights (w0..w2, w*_lines units each) into L2 and end, before
-    any PDL wait: they read and
-    write nothing, so the kernel after this one (which waits for this whole grid) still follows the
-    attention programs, and those waited for the kernel before."""
+    and decode_attention in one launch; the same values)."""
     bg = tl.program_id(0)
     sp = tl.program_id(1)
     if PDL:
         gdc_launch_dependents()
-    if WPF:
-        if bg >= n_att:
-            _prefetch_weights(bg, sp, n_att, n_split, w0_ptr, w1_ptr, w2_ptr, w0_lines, w1_lines, w2_lines,
-                              WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
-        else:
-            _attn_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp,
-                       T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
-                       REP, R_PAD, D, BLOCK, SINGLE, IEEE, FIXED_TRIPS, ROPE, PDL, PREFETCH)
-    else:
-        _attn_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp,
-                   T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
-                   REP, R_PAD, D, BLOCK, SINGLE, IEEE, FIXED_TRIPS, ROPE, PDL, PREFETCH)
-
-
-@triton.jit
-def _attn_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp,
-               T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, n_split, scale,
-               REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-               SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
-               PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    if PDL:
         gdc_wait()
     n_kv = H // REP
     b = bg // n_kv
@@ -1258,69 +1174,28 @@ def attn_combine(a: AttnLaunch, pdl: bool) -> None:
                                               num_warps=a.warps, **_launch_kw(pdl))
 
 
-@functools.lru_cache(maxsize=8)
-def _l2_bytes(device: torch.device) -> int:
-    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
-
-
-def weight_prefetch(device: torch.device, weights, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
-    """The weights the attention's extra programs prefetch into L2 (WEIGHT_PREFETCH), or None: off,
-    Triton's interpreter (no inline PTX), more than three tensors, a tensor not contiguous, not on this
-    card, not 16-byte aligned (the bulk prefetch's rule) or not of the activations' dtype (the kernel steps
-    through them in that dtype's elements), or together more than WEIGHT_PREFETCH_L2_SHARE of the card's
-    L2 (the 0.5B's o_proj, gate|up and down, 28 MB, fit a Hopper's 50 MB; the 7B's 466 MB would only
-    evict each other)."""
-    if WEIGHT_PREFETCH == "off" or not weights or _INTERPRETED or device.type != "cuda" or len(weights) > 3:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if any(not w.is_contiguous() or w.device.type != "cuda" or w.device.index != index or w.dtype != dtype
-           or w.data_ptr() % 16 for w in weights):
-        return None
-    total = sum(w.numel() * w.element_size() for w in weights)
-    return tuple(weights) if total <= WEIGHT_PREFETCH_L2_SHARE * _l2_bytes(device) else None
-
-
-def weight_prefetch_launch(q: torch.Tensor, a: AttnLaunch, prefetch) -> tuple[tuple, tuple, dict]:
-    """(grid, the kernel's arguments n_att and w0..w2 pointers and unit counts, its WPF constexprs) of an
-    attention launch: n_att = a.B * a.n_kv attention programs per key chunk, and WEIGHT_PREFETCH_PROGRAMS
-    more where weight_prefetch takes the weights (WPF 1: units of 128-byte lines, 2: of 16 bytes for the
-    bulk prefetch; unused slots: the last weight again with no units)."""
-    n_att = a.B * a.n_kv
-    ws = weight_prefetch(q.device, prefetch, q.dtype)
-    if ws is None:
-        return (n_att, a.n_split), (n_att, q, q, q, 0, 0, 0), {"WPF": 0}
-    mode = 1 if WEIGHT_PREFETCH == "lines" else 2
-    unit = 128 if mode == 1 else 16
-    units = [w.numel() * w.element_size() // unit for w in ws] + [0] * (3 - len(ws))
-    ws = ws + (ws[-1],) * (3 - len(ws))
-    return ((n_att + triton.cdiv(WEIGHT_PREFETCH_PROGRAMS, a.n_split), a.n_split), (n_att, *ws, *units),
-            {"WPF": mode, "WPF_LINE": 128 // q.element_size(), "WPF_NT": 32 * a.warps})
-
-
 def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
-               kv_len: int, rope: tuple | None, prefetch=None) -> torch.Tensor:
+               kv_len: int, rope: tuple | None) -> torch.Tensor:
     """decode_attention; with rope = (inv_freq, n_heads, n_kv) q is the q|k|v product and the kernel
-    rotates and stores the new keys itself (one chunk only: the caller checks attention_fuses_rope).
-    prefetch: the weights the layer reads next (weight_prefetch decides whether they are prefetched)."""
+    rotates and stores the new keys itself (one chunk only: the caller checks attention_fuses_rope)."""
     if ck.stride(-1) != 1 or cv.stride(-1) != 1 or not q.is_contiguous():
         raise ValueError("decode_attention: q must be contiguous and the cache's last dim dense")
     a = attn_launch("rope_attention", q, ck, kv_len, rope)
     pdl = _pdl(q.device)
-    grid, wargs, wkw = weight_prefetch_launch(q, a, prefetch)
-    _attn_kernel[grid](
+    _attn_kernel[(a.B * a.n_kv, a.n_split)](
         q, ck, cv, rows, start, a.out, a.acc, a.ml, rope[0] if rope is not None else start, a.T, a.H,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
-        a.chunk, a.n_split, a.D ** -0.5, *wargs, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block,
-        SINGLE=a.single, IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if _INTERPRETED else 0,
-        ROPE=rope is not None, PDL=pdl, PREFETCH=ATTN_PREFETCH and not _INTERPRETED, **wkw,
+        a.chunk, a.n_split, a.D ** -0.5, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block, SINGLE=a.single,
+        IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if _INTERPRETED else 0,
+        ROPE=rope is not None, PDL=pdl, PREFETCH=ATTN_PREFETCH and not _INTERPRETED,
         num_warps=a.warps, num_stages=2, **_launch_kw(pdl))
     attn_combine(a, pdl)
     return a.out
 
 
 def decode_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
-                     start: torch.Tensor, kv_len: int, prefetch=None) -> torch.Tensor:
-    return _attention(q, ck, cv, rows, start, kv_len, None, prefetch)
+                     start: torch.Tensor, kv_len: int) -> torch.Tensor:
+    return _attention(q, ck, cv, rows, start, kv_len, None)
 
 
 def attention_fuses_rope(kv_len: int, T: int) -> bool:
@@ -1330,21 +1205,20 @@ def attention_fuses_rope(kv_len: int, T: int) -> bool:
 
 
 def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
-                   ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int,
-                   prefetch=None) -> torch.Tensor:
+                   ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int) -> torch.Tensor:
     if not (attention_fuses_rope(kv_len, qkv.shape[1]) and _FUSED_ROPE_OK.get(qkv.device, True)):
         q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
-        return decode_attention(q, ck, cv, rows, start, kv_len, prefetch)
+        return decode_attention(q, ck, cv, rows, start, kv_len)
     if not qkv.is_contiguous():
         raise ValueError("rope_attention: qkv must be contiguous")
     if ck.dtype != qkv.dtype or cv.dtype != qkv.dtype:
         raise ValueError(f"rope_attention: cache dtype {ck.dtype} != activations {qkv.dtype}")
     out = guarded_launch(_FUSED_ROPE_OK, qkv.device, "fused RoPE + attention",
-                         lambda: _attention(qkv, ck, cv, rows, start, kv_len, (inv_freq, n_heads, n_kv), prefetch))
+                         lambda: _attention(qkv, ck, cv, rows, start, kv_len, (inv_freq, n_heads, n_kv)))
     if out is not None:
         return out
     q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
-    return decode_attention(q, ck, cv, rows, start, kv_len, prefetch)
+    return decode_attention(q, ck, cv, rows, start, kv_len)
 
 
 def guarded_launch(ok: dict, device: torch.device, what: str, launch):

@@ -58,11 +58,10 @@ def _merged_rows(ck: torch.Tensor, rows: torch.Tensor, pk: torch.Tensor, parent:
 
 def fork_attention_reference(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
                              start: torch.Tensor, kv_len: int, pk: torch.Tensor, pv: torch.Tensor,
-                             parent: torch.Tensor, pivot: torch.Tensor, prefetch=None) -> torch.Tensor:
+                             parent: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
     """reference.decode_attention of q [B, T, H, D] (token t of row b at position start[b] + t) over keys
     0 .. start[b] + t, where keys below pivot[b] are row parent[b] of pk / pv and the others row rows[b]
-    of ck / cv (one layer each, [rows, n_kv, len, D]). The same rounding as decode_attention (prefetch,
-    an L2 hint on CUDA, unused)."""
+    of ck / cv (one layer each, [rows, n_kv, len, D]). The same rounding as decode_attention."""
     B = q.shape[0]
     keys = _merged_rows(ck, rows, pk, parent, pivot, kv_len)
     vals = _merged_rows(cv, rows, pv, parent, pivot, kv_len)
@@ -72,10 +71,10 @@ def fork_attention_reference(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor
 
 def fork_attention_triton(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor,
                           start: torch.Tensor, kv_len: int, pk: torch.Tensor, pv: torch.Tensor,
-                          parent: torch.Tensor, pivot: torch.Tensor, prefetch=None) -> torch.Tensor:
+                          parent: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
     from draftrelay.worker import fork_triton
 
-    return fork_triton.fork_attention(q, ck, cv, rows, start, kv_len, pk, pv, parent, pivot, prefetch=prefetch)
+    return fork_triton.fork_attention(q, ck, cv, rows, start, kv_len, pk, pv, parent, pivot)
 
 
 class ForkKernels:
@@ -89,11 +88,10 @@ class ForkKernels:
     def __getattr__(self, name):
         return getattr(self._base, name)
 
-    def decode_attention(self, q, ck, cv, rows, start, kv_len, prefetch=None):
-        return self._attn(q, ck, cv, rows, start, kv_len, self._pk, self._pv, self._parent, self._pivot,
-                          prefetch=prefetch)
+    def decode_attention(self, q, ck, cv, rows, start, kv_len):
+        return self._attn(q, ck, cv, rows, start, kv_len, self._pk, self._pv, self._parent, self._pivot)
 
-    def rope_attention(self, qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, prefetch=None):
+    def rope_attention(self, qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len):
         """RoPE, the K/V write and the forked attention: the module's rope_kv_write, then the forked
         attention; with DRAFTRELAY_FORK_ROPE=fused, one launch on CUDA where the fast forward's own
         rope_attention is one (one token per row, one chunk of keys)."""
@@ -102,24 +100,24 @@ class ForkKernels:
         if (FORK_ROPE == "fused" and self._base is not reference
                 and self._base.attention_fuses_rope(kv_len, qkv.shape[1])):
             out = _fused_fork(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, self._pk, self._pv,
-                              self._parent, self._pivot, prefetch)
+                              self._parent, self._pivot)
             if out is not None:
                 return out
         q = self._base.rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
-        return self.decode_attention(q, ck, cv, rows, start, kv_len, prefetch)
+        return self.decode_attention(q, ck, cv, rows, start, kv_len)
 
 
 _FUSED_FORK_OK: dict[torch.device, bool] = {}  # per device, once the fused fork kernel has been launched
 
 
-def _fused_fork(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, pk, pv, parent, pivot, prefetch=None):
+def _fused_fork(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, pk, pv, parent, pivot):
     """The fused RoPE + forked attention, or None where it cannot run (triton_ops.guarded_launch)."""
     from draftrelay.kernels import triton_ops
     from draftrelay.worker import fork_triton
 
     args = (qkv.contiguous(), ck, cv, rows, start, kv_len, pk, pv, parent, pivot, (inv_freq, n_heads, n_kv))
     return triton_ops.guarded_launch(_FUSED_FORK_OK, qkv.device, "fused RoPE + forked attention",
-                                     lambda: fork_triton.fork_attention(*args, prefetch=prefetch))
+                                     lambda: fork_triton.fork_attention(*args))
 
 
 def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: torch.Tensor, parent_cache,

@@ -16,7 +16,6 @@ from draftrelay.kernels.triton_ops import (
     _attn_new_key,
     _attn_tile,
     _prefetch_l2,
-    _prefetch_weights,
     _rope_new_kv,
     gdc_launch_dependents,
     gdc_wait,
@@ -29,46 +28,18 @@ NEG_INF = tl.constexpr(float("-inf"))
 def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr,
                       o_ptr, acc_ptr, ml_ptr, inv_ptr, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos,
                       s_prow, s_phead, s_ppos, s_qrow, s_qhead, s_qpos, chunk, n_split, scale,
-                      n_att, w0_ptr, w1_ptr, w2_ptr, w0_lines, w1_lines, w2_lines,
                       REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                       SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
-                      PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                      WPF: tl.constexpr = 0, WPF_LINE: tl.constexpr = 64, WPF_BLOCK: tl.constexpr = 1024,
-                      WPF_NT: tl.constexpr = 128):
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     """ROPE (one token per row, one chunk): q_ptr is the q|k|v product and the program rotates its kv
     head's query rows and the new key, stores the new key and value into the forked row at its position
     (start >= pivot: a forked row's own positions) and takes the new key from registers, as the fast
     forward's fused _attn_kernel does: rope_kv_write and fork_attention in one launch. PDL as there:
-    the next kernel may start its prologue now; this one reads nothing before its producer is done.
-    WPF: the programs past n_att prefetch the layer's next weights into L2, as _attn_kernel's."""
+    the next kernel may start its prologue now; this one reads nothing before its producer is done."""
     bg = tl.program_id(0)
     sp = tl.program_id(1)
     if PDL:
         gdc_launch_dependents()
-    if WPF:
-        if bg >= n_att:
-            _prefetch_weights(bg, sp, n_att, n_split, w0_ptr, w1_ptr, w2_ptr, w0_lines, w1_lines, w2_lines,
-                              WPF, WPF_LINE, WPF_BLOCK, WPF_NT)
-        else:
-            _fork_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr,
-                       o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead,
-                       s_vpos, s_prow, s_phead, s_ppos, s_qrow, s_qhead, s_qpos, chunk, n_split, scale,
-                       REP, R_PAD, D, BLOCK, SINGLE, IEEE, FIXED_TRIPS, ROPE, PDL, PREFETCH)
-    else:
-        _fork_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr,
-                   o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead,
-                   s_vpos, s_prow, s_phead, s_ppos, s_qrow, s_qhead, s_qpos, chunk, n_split, scale,
-                   REP, R_PAD, D, BLOCK, SINGLE, IEEE, FIXED_TRIPS, ROPE, PDL, PREFETCH)
-
-
-@triton.jit
-def _fork_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr,
-               o_ptr, acc_ptr, ml_ptr, inv_ptr, bg, sp, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos,
-               s_prow, s_phead, s_ppos, s_qrow, s_qhead, s_qpos, chunk, n_split, scale,
-               REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-               SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
-               PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    if PDL:
         gdc_wait()
     n_kv = H // REP
     b = bg // n_kv
@@ -136,10 +107,10 @@ def _fork_body(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, paren
 
 def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
                    kv_len: int, pk: torch.Tensor, pv: torch.Tensor, parent: torch.Tensor,
-                   pivot: torch.Tensor, rope: tuple | None = None, prefetch=None) -> torch.Tensor:
+                   pivot: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
     """The forked rows' attention of q [B, T, H, D]; with rope = (inv_freq, n_heads, n_kv), q is the q|k|v
     product [B, 1, (H + 2 n_kv) D] and the kernel rotates and stores the new keys itself (one token per
-    row and one chunk: TO.attention_fuses_rope). prefetch: as TO.decode_attention's."""
+    row and one chunk: TO.attention_fuses_rope)."""
     for name, x in (("ck", ck), ("cv", cv), ("pk", pk), ("pv", pv)):
         if x.stride(-1) != 1 or x.dtype != q.dtype:
             raise ValueError(f"fork_attention: {name} needs a dense last dim and q's dtype")
@@ -147,14 +118,13 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
         raise ValueError("fork_attention: q must be contiguous")
     a = TO.attn_launch("fork_attention", q, ck, kv_len, rope)
     pdl = TO._pdl(q.device)
-    grid, wargs, wkw = TO.weight_prefetch_launch(q, a, prefetch)
-    _fork_attn_kernel[grid](
+    _fork_attn_kernel[(a.B * a.n_kv, a.n_split)](
         q, ck, cv, rows, start, pk, pv, parent, pivot, a.out, a.acc, a.ml, rope[0] if rope is not None else start,
         a.T, a.H, ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
-        a.chunk, a.n_split, a.D ** -0.5, *wargs, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block,
-        SINGLE=a.single, IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if TO._INTERPRETED else 0,
+        a.chunk, a.n_split, a.D ** -0.5, REP=a.rep, R_PAD=a.R_PAD, D=a.D, BLOCK=a.block, SINGLE=a.single,
+        IEEE=q.dtype == torch.float32, FIXED_TRIPS=a.chunk // a.block if TO._INTERPRETED else 0,
         ROPE=rope is not None, PDL=pdl, PREFETCH=rope is not None and TO.ATTN_PREFETCH and not TO._INTERPRETED,
-        **wkw, num_warps=a.warps, num_stages=2, **TO._launch_kw(pdl))
+        num_warps=a.warps, num_stages=2, **TO._launch_kw(pdl))
     TO.attn_combine(a, pdl)
     return a.out
