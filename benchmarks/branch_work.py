@@ -41,7 +41,7 @@ def pieces(pf: Prefetcher, d: LlamaDrafter, B: int, ctx: int, k: int, F: int, rn
     µs of each piece."""
     jb = [Job(r, ctx, rng.integers(0, d.vocab_size, 3).astype(np.int32)) for r in range(B)]
     for r in range(B):
-        d.cache.lengths[r] = ctx
+        d.cache.lens[r] = ctx  # the numpy view: a torch scalar write costs 2 us a row here
     drafts, _ = d.run(jb, k)
     blocks = [P.Block(r, 1, ctx, jb[r].tokens, k) for r in range(B)]
     res = types.SimpleNamespace(drafts=drafts)
