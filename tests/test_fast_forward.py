@@ -368,3 +368,23 @@ def test_the_attention_split_count_is_not_compiled_in():
     for name in ("_attn_kernel", "_attn_combine_kernel"):
         args = {a.arg: a.annotation for a in kernels[name].args.args}
         assert "n_split" in args and args["n_split"] is None, name  # no tl.constexpr annotation
+
+
+@pytest.mark.parametrize("var", ["DRAFTRELAY_PDL", "DRAFTRELAY_ATTN_PREFETCH"])
+def test_a_kernel_switch_takes_on_or_off_and_names_any_other_value(var):
+    """The fused kernels' on/off switches read at import: `off` switches off, and a value such as `0` (which
+    a reader may take for off) is refused with the variable and the value named, not taken as on."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = f"from draftrelay.kernels import triton_ops as T; print(T.{var.removeprefix('DRAFTRELAY_')})"
+    env = {k: v for k, v in os.environ.items() if k != var}
+    for value, want in ((None, "True"), ("on", "True"), ("off", "False")):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env=env if value is None else {**env, var: value})
+        assert p.returncode == 0 and p.stdout.strip() == want, (value, p.stdout, p.stderr[-800:])
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**env, var: "0"})
+    assert p.returncode != 0 and f"SettingError: {var}='0': expected one of on, off" in p.stderr, p.stderr[-800:]

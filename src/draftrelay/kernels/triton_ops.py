@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from draftrelay import env_choice
 from draftrelay.kernels import plan as P
 from draftrelay.kernels import reference as R
 
@@ -68,11 +69,11 @@ MIN_CHUNK = 256  # the smallest key chunk of a split (below it the combine costs
 # results (griddepcontrol.wait: all of that kernel done and visible). On a launch-bound forward the next
 # kernel's start and first loads overlap the previous one's tail instead of following it. Hopper and
 # later only; environment DRAFTRELAY_PDL=off (or PDL = False before a capture) launches them plainly.
-PDL = os.environ.get("DRAFTRELAY_PDL", "on") != "off"
+PDL = env_choice("DRAFTRELAY_PDL", "on", ("on", "off")) == "on"
 # The attention's first key tile is prefetched into L2 (prefetch.global.L2, a hint) right after the PDL
 # wait, so that its HBM read overlaps loading and rotating q instead of following it (the tile's own loads
 # come after the rotation and the new key's store). DRAFTRELAY_ATTN_PREFETCH=off leaves it out.
-ATTN_PREFETCH = os.environ.get("DRAFTRELAY_ATTN_PREFETCH", "on") != "off"
+ATTN_PREFETCH = env_choice("DRAFTRELAY_ATTN_PREFETCH", "on", ("on", "off")) == "on"
 
 
 @functools.lru_cache(maxsize=8)
