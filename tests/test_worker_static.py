@@ -112,3 +112,26 @@ def test_catch_up_frames_and_short_windows_use_the_steps_built_at_start():
             pending[r] = np.concatenate([d[:k], rng.integers(0, 256, 1)]).astype(np.int32)
     assert long_frames >= 5 and short_windows >= 4 and extended >= long_frames + 1
     assert len(ds._static) == built, sorted(set(ds._static))  # nothing built after the warm-up
+
+
+def test_a_one_draft_frame_of_three_tokens_extends_eagerly_unless_the_k_step_is_built():
+    """Why benchmarks/replay_headline.py warms its drafter before timing the STEP table: on a cold drafter
+    a round of three tokens asking one draft (more than a steady round of one draft sends) extends its jobs
+    eagerly on every call, since no step of its T bucket is ever built; warmed for k = 4, as a worker the
+    engine starts is (--warm-graphs k), the same frame runs the built 4-step step and extends nothing."""
+    from draftrelay.worker.drafters import Job
+
+    extended = {}
+    for warm in (False, True):
+        d = load_drafter("tiny", device="cpu", n_rows=5, max_ctx=512, n_out_max=8, mode="static")
+        rng = np.random.default_rng(5)
+        for r in range(4):
+            d.run([Job(r, 0, rng.integers(0, 256, 64).astype(np.int32))], 0)
+        if warm:
+            d.warm([4], 4, 128)
+        got = []
+        for it in range(3):
+            d.run([Job(r, 64 + 3 * it, rng.integers(0, 256, 3).astype(np.int32)) for r in range(4)], 1)
+            got.append(d._extended)
+        extended[warm] = got
+    assert extended == {False: [4, 4, 4], True: [0, 0, 0]}
