@@ -362,4 +362,7 @@ def test_the_local_worker_on_a_gpu_captures_its_draft_graphs_at_start(monkeypatc
     L.start_local_worker("some/dir", torch.device("cpu"), 4, 256, 8, warm_batch=8)
     assert "--warm-graphs" not in seen["args"]
     L.start_local_worker("some/dir", torch.device("cuda"), 4, 256, 8)
-    assert "--warm-graphs" not in seen["args"]  # demo and generate: as before
+    assert "--warm-graphs" not in seen["args"]  # demo and generate at a fixed k: captured on first use
+    L.start_local_worker("some/dir", torch.device("cuda"), 6, 256, 1, warm_batch=1, warm_depths=True)
+    a = seen["args"]  # demo and generate with the depth policy: a step for every depth it may ask
+    assert a[a.index("--warm-graphs") + 1] == "1,2,3,4,5,6" and a[a.index("--warm-batch") + 1] == "1"

@@ -135,3 +135,31 @@ def test_a_one_draft_frame_of_three_tokens_extends_eagerly_unless_the_k_step_is_
             got.append(d._extended)
         extended[warm] = got
     assert extended == {False: [4, 4, 4], True: [0, 0, 0]}
+
+
+def test_a_round_of_fewer_drafts_runs_its_own_step_only_where_one_was_built():
+    """The depth policy asks any depth up to k_max. A drafter warmed for k_max alone runs every shallower
+    round on the k_max step (the first drafts returned), so a 2-draft round costs a 6-draft one; warmed for
+    every depth (what loading.start_local_worker(warm_depths=True) asks on a GPU), each depth runs its own
+    step, and the drafts are the same either way."""
+    from draftrelay.worker.drafters import Job
+
+    used, drafts = {}, {}
+    for steps in ((6,), (1, 2, 3, 4, 5, 6)):
+        d = load_drafter("tiny", device="cpu", n_rows=3, max_ctx=512, n_out_max=8, mode="static")
+        rng = np.random.default_rng(2)
+        d.run([Job(0, 0, rng.integers(0, 256, 40).astype(np.int32))], 0)
+        d.warm(list(steps), 1, 256)
+        built, ran = set(d._static), []
+        get = d._get_static
+        d._get_static = lambda key, get=get, ran=ran: ran.append(key[2]) or get(key)  # the step each round ran
+        keep, out = 40, []
+        for n in (2, 6, 1, 3):
+            toks = rng.integers(0, 256, 2).astype(np.int32)
+            got, _ = d.run([Job(0, keep, toks)], n)
+            out.append(got[0, :n].tolist())
+            keep += 2
+        assert set(d._static) == built  # nothing captured after the warm-up either way
+        used[steps], drafts[steps] = ran, out
+    assert used == {(6,): [6, 6, 6, 6], (1, 2, 3, 4, 5, 6): [2, 6, 1, 3]}
+    assert drafts[(6,)] == drafts[(1, 2, 3, 4, 5, 6)]

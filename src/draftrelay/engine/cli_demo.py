@@ -136,8 +136,11 @@ def run(args: argparse.Namespace) -> int:
         if any(m != "off" for m in modes):
             if not args.worker:
                 try:
+                    # the depth policy on a GPU: a draft-step graph for each depth it may ask (warm_depths)
                     worker = L.start_local_worker(drafter, dev, k_max, max_len + 64, batch,
-                                                  args.worker_threads or CPU_THREADS)
+                                                  args.worker_threads or CPU_THREADS,
+                                                  warm_batch=batch if args.k is None else 0,
+                                                  warm_depths=args.k is None)
                 except RuntimeError as exc:
                     print(f"draftrelay demo: the local worker did not start: {exc}", file=sys.stderr)
                     return 1

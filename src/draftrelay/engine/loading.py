@@ -132,7 +132,7 @@ def default_threads() -> int:
 
 def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int,
                        threads: int = 0, dtype: str = "", warm_batch: int = 0, warm_max_kv: int = 0,
-                       quant: str = "none", draft_vocab: str = "", cpus: str = ""):
+                       quant: str = "none", draft_vocab: str = "", cpus: str = "", warm_depths: bool = False):
     """A `draftrelay worker` child process on a free loopback port.
 
     threads (CPU): the worker's torch threads; 0 = every core this process may use. The target and
@@ -143,8 +143,11 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
     requests at every KV bucket before the worker listens (a server's first round at a new batch
     size or context would otherwise wait for a capture, past its deadline); warm_max_kv > 0: only for
     contexts up to that many tokens (fewer graphs, a shorter start; longer contexts capture on first
-    use). quant: the worker's --quant (int8 / int4: a CPU drafter's products on int8 / int4 weights,
-    worker/quant.py). draft_vocab: the worker's --draft-vocab (its head restricted, draft_vocab.py).
+    use). warm_depths: the graphs for every depth 1..n_draft, not n_draft alone (the depth policy asks any:
+    a worker holding only a deeper step runs that one for a shallower round and returns the first drafts,
+    so every depth would cost, and be measured at, the deepest round's forwards). quant: the worker's
+    --quant (int8 / int4: a CPU drafter's products on int8 / int4 weights, worker/quant.py). draft_vocab:
+    the worker's --draft-vocab (its head restricted, draft_vocab.py).
     cpus (CPU): the worker's --cpus, its own cores (cpus.py); its threads default to one a CPU there."""
     from draftrelay.worker.process import start_worker_process
 
@@ -154,7 +157,8 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
             *(["--quant", quant] if quant != "none" else []),
             *(["--draft-vocab", draft_vocab] if draft_vocab else [])]
     if warm_batch > 0 and device.type == "cuda" and n_draft > 0:
-        args += ["--warm-graphs", str(n_draft), "--warm-batch", str(warm_batch)]
+        steps = range(1, n_draft + 1) if warm_depths else [n_draft]
+        args += ["--warm-graphs", ",".join(map(str, steps)), "--warm-batch", str(warm_batch)]
         if warm_max_kv > 0:
             args += ["--warm-max-kv", str(warm_max_kv)]
     env = None
