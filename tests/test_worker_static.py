@@ -163,3 +163,36 @@ def test_a_round_of_fewer_drafts_runs_its_own_step_only_where_one_was_built():
         used[steps], drafts[steps] = ran, out
     assert used == {(6,): [6, 6, 6, 6], (1, 2, 3, 4, 5, 6): [2, 6, 1, 3]}
     assert drafts[(6,)] == drafts[(1, 2, 3, 4, 5, 6)]
+
+
+def test_the_warm_up_says_its_progress():
+    """warm's progress(done, total): once before the first capture, then after each, ending at the number
+    built; the worker's WarmProgress turns it into a start line, a line every `every_s` seconds and an end
+    line on stderr, and a worker started with --warm-graphs prints them into its log."""
+    import io
+
+    from draftrelay.worker.cli import WarmProgress
+    from draftrelay.worker.process import start_worker_process
+
+    d = load_drafter("tiny", device="cpu", n_rows=3, max_ctx=300, n_out_max=6, mode="static")
+    calls = []
+    built = d.warm([1, 3], 2, 0, progress=lambda done, total: calls.append((done, total)))
+    total = calls[0][1]
+    assert built == total > 0 and calls == [(i, total) for i in range(total + 1)]
+    out = io.StringIO()
+    say = WarmProgress("1,3", every_s=3600, out=out)
+    for c in calls:
+        say(*c)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"draftrelay worker: capturing {total} draft-step graphs (--warm-graphs 1,3)"
+    assert len(lines) == 2 and lines[1].startswith(f"draftrelay worker: {total} draft-step graphs captured in ")
+    out = io.StringIO()
+    say = WarmProgress("1,3", every_s=0, out=out)
+    for c in calls:
+        say(*c)
+    assert len(out.getvalue().splitlines()) == total + 1  # the start, one a graph between, the end
+    assert load_drafter("tiny", device="cpu", n_rows=3, max_ctx=300, mode="lean").warm([2], 1) == 0
+    with start_worker_process(["--model", "tiny", "--device", "cpu", "--max-ctx", "300", "--rows", "3",
+                               "--mode", "static", "--warm-graphs", "2", "--warm-batch", "1"]) as w:
+        log = w.log()
+    assert "draftrelay worker: capturing " in log and " draft-step graphs captured in " in log, log[-2000:]

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import NoReturn
 
 
@@ -159,6 +160,31 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
+
+class WarmProgress:
+    """The warm-up's progress on stderr: a line as it starts (how many draft-step graphs), one every
+    `every_s` seconds while it captures (at a 32K context a GPU worker captures hundreds: minutes of
+    start-up), and one when it is done."""
+
+    def __init__(self, steps: str, every_s: float = 10.0, out=None) -> None:
+        self.steps, self.every_s, self.out = steps, every_s, out
+        self.t0 = self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        out = self.out or sys.stderr
+        if done == 0:
+            self.t0 = self.last = now
+            print(f"draftrelay worker: capturing {total} draft-step graphs (--warm-graphs {self.steps})",
+                  file=out, flush=True)
+        elif done == total:
+            print(f"draftrelay worker: {total} draft-step graphs captured in {now - self.t0:.1f} s",
+                  file=out, flush=True)
+        elif now - self.last >= self.every_s:
+            self.last = now
+            print(f"draftrelay worker: {done} / {total} draft-step graphs, {now - self.t0:.0f} s",
+                  file=out, flush=True)
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     err = _check(args)
@@ -260,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"draftrelay worker: --warm-graphs {args.warm_graphs!r}: expected numbers like 4,5", file=sys.stderr)
             return 2
         if hasattr(drafter, "warm"):
-            drafter.warm([n for n in steps if 1 <= n <= args.n_out_max], args.warm_batch, args.warm_max_kv)
+            drafter.warm([n for n in steps if 1 <= n <= args.n_out_max], args.warm_batch, args.warm_max_kv,
+                         progress=WarmProgress(args.warm_graphs))
     per_session = min(args.max_requests, args.rows) if args.max_requests else max(1, args.rows // 2)
     core = WorkerCore(drafter, max_requests=per_session, idle_timeout=args.idle_timeout, max_frame=args.max_frame,
                       row_lease=args.row_lease, prefill_slice_ms=args.prefill_slice_ms,

@@ -255,16 +255,23 @@ class LlamaDrafter(Drafter):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
-    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0) -> int:
+    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0, progress=None) -> int:
         """Build (capture) the static steps of every (requests <= max_batch, T bucket, n_steps, kv bucket)
         a steady state with n_out = n_steps can use (a round sends at most n_steps + 1 tokens), so the
-        first rounds of a session do not pay for captures. Returns how many were built."""
-        if self.mode == "eager":
+        first rounds of a session do not pay for captures. Returns how many were built. progress(done,
+        total), if given, is called before the first step and after each. The eager and lean modes run
+        no static step: nothing to build."""
+        if self.mode not in ("static", "graph"):
             return 0
         before = len(self._static)
+        keys = steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len, max_kv)
         with self._on_model_gpu():
-            for key in steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len, max_kv):
+            for i, key in enumerate(keys):
+                if progress is not None and i == 0:
+                    progress(0, len(keys))
                 self._get_static(key)
+                if progress is not None:
+                    progress(i + 1, len(keys))
         return len(self._static) - before
 
     def _run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
