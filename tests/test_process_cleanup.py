@@ -194,3 +194,34 @@ def _ignore(fn, *a):
         fn(*a)
     except Exception:
         pass
+
+
+def test_the_banner_wait_is_a_bound_on_silence_not_on_a_warm_up_that_says_its_progress(tmp_path):
+    """start_worker_process waits `timeout` seconds of silence: a child that writes a line to its log every
+    0.2 s for 1.5 s before its banner is waited for under a 0.6 s timeout (a GPU worker's warm-up says its
+    progress every 10 s for minutes); a silent one is stopped after the timeout with the reason named, and
+    is not left running."""
+    from draftrelay.worker import process as WP
+
+    def child(code: str, log):
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True)
+
+    talk = ("import sys, time\n"
+            "for i in range(8):\n"
+            "    print('warming', i, file=sys.stderr, flush=True); time.sleep(0.2)\n"
+            "print('worker listening on 127.0.0.1:4242', flush=True); time.sleep(30)\n")
+    log_path = str(tmp_path / "talk.log")
+    with open(log_path, "w") as log:
+        proc = child(talk, log)
+    w = WP._wait_banner(proc, ["talk"], "127.0.0.1", 0.6, log_path)
+    try:
+        assert (w.host, w.port) == ("127.0.0.1", 4242) and "warming 7" in w.log()
+    finally:
+        w.stop()
+    log_path = str(tmp_path / "silent.log")
+    with open(log_path, "w") as log:
+        proc = child("import time; time.sleep(30)", log)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="no banner and no new log line in 0.6 s"):
+        WP._wait_banner(proc, ["silent"], "127.0.0.1", 0.6, log_path)
+    assert time.monotonic() - t0 < 10 and proc.poll() is not None

@@ -65,7 +65,8 @@ class WorkerProcess:
 
 def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: float = 180.0,
                          env: dict | None = None, die_with_us: bool = True) -> WorkerProcess:
-    """die_with_us: the child exits when this process dies (SIGTERM by PR_SET_PDEATHSIG, which fires
+    """timeout: seconds without the banner and without a new line in the child's log (_wait_banner).
+    die_with_us: the child exits when this process dies (SIGTERM by PR_SET_PDEATHSIG, which fires
     when the *thread* that started it ends: start it from a long-lived thread)."""
     fd, log_path = tempfile.mkstemp(prefix="draftrelay-worker-", suffix=".log")
     cmd = [sys.executable, "-m", "draftrelay.worker", "--host", host, "--port", "0", *args]
@@ -83,12 +84,26 @@ def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: floa
         raise
 
 
+def _log_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
 def _wait_banner(proc: subprocess.Popen, cmd: list[str], host: str, timeout: float, log_path: str) -> WorkerProcess:
+    """Wait for the child's banner for `timeout` seconds of silence: each time its log (stderr) grows, the
+    wait starts again, so a worker that says its warm-up's progress (a GPU worker capturing hundreds of
+    draft-step graphs says where it is every 10 s, minutes in all) is waited for, and a silent one is not."""
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
+    seen = _log_size(log_path)
     try:
         while True:
+            size = _log_size(log_path)
+            if size != seen:
+                seen, deadline = size, time.monotonic() + timeout
             left = deadline - time.monotonic()
             if left <= 0 or proc.poll() is not None:
                 break
@@ -103,8 +118,10 @@ def _wait_banner(proc: subprocess.Popen, cmd: list[str], host: str, timeout: flo
         sel.close()
     w = WorkerProcess(proc, host, 0, "", log_path)
     err = w.log()
+    code = proc.poll()
+    why = f"exit {code}" if code is not None else f"no banner and no new log line in {timeout:g} s"
     w.stop()
-    raise RuntimeError(f"worker did not start ({' '.join(cmd)}): exit {proc.returncode}\n{err[-2000:]}")
+    raise RuntimeError(f"worker did not start ({' '.join(cmd)}): {why}\n{err[-2000:]}")
 
 
 PR_SET_PDEATHSIG = 1
