@@ -145,6 +145,11 @@ def test_worker_capture_limit_keeps_the_buckets_a_context_needs():
     assert {k[3] for k in cut} == {256, 512, 1024}
     assert set(cut) < set(full) and len(cut) == len(full) * 3 // 9
     assert steady_state_keys([4], 2, 300, max_kv=5000) == steady_state_keys([4], 2, 300)
+    # from below: a prompt of 3,000 tokens never uses a bucket under 4,096; one longer than the rows the last
+    low = steady_state_keys([4], 1, 32869, min_kv=3000)
+    assert {k[3] for k in low} == {4096, 8192, 16384, 32768, 32869}
+    assert {k[3] for k in steady_state_keys([4], 1, 32869, min_kv=1000, max_kv=5000)} == {1024, 2048, 4096, 8192}
+    assert {k[3] for k in steady_state_keys([4], 1, 300, min_kv=9000)} == {300}
 
 
 def test_the_scheduler_drives_the_batch_policy_and_greedy_output_is_unchanged():

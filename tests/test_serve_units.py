@@ -366,3 +366,8 @@ def test_the_local_worker_on_a_gpu_captures_its_draft_graphs_at_start(monkeypatc
     L.start_local_worker("some/dir", torch.device("cuda"), 6, 256, 1, warm_batch=1, warm_depths=True)
     a = seen["args"]  # demo and generate with the depth policy: a step for every depth it may ask
     assert a[a.index("--warm-graphs") + 1] == "1,2,3,4,5,6" and a[a.index("--warm-batch") + 1] == "1"
+    assert "--warm-min-kv" not in a
+    L.start_local_worker("some/dir", torch.device("cuda"), 6, 4096, 1, warm_batch=1, warm_depths=True,
+                         warm_min_kv=3000)  # generate: no bucket below its prompt's
+    a = seen["args"]
+    assert a[a.index("--warm-min-kv") + 1] == "3000"

@@ -479,3 +479,9 @@ def test_drafter_run_with_zero_steps_only_extends():
     a = d.run([Job(0, 10, np.arange(10, 15, dtype=np.int32))], 3)
     b = drafters.TestDrafter(n_rows=2).run([Job(0, 0, np.arange(15, dtype=np.int32))], 3)
     assert np.array_equal(a[0], b[0])
+
+
+def test_a_negative_warm_bound_is_refused_by_name():
+    for flag in ("--warm-min-kv", "--warm-max-kv"):
+        out = worker_cli("--port", "0", flag, "-1")
+        assert out.returncode == 2 and f"{flag} -1: must be >= 0" in out.stderr, out.stderr

@@ -422,9 +422,9 @@ class ReplayDrafter:
         """What the wrapped drafter's latest run did (the worker's slow-STEP report)."""
         return getattr(self.inner, "last_run", "") if self.inner is not None else "emulated cost spent"
 
-    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0, progress=None) -> int:
+    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0, progress=None, min_kv: int = 0) -> int:
         fn = getattr(self.inner, "warm", None)
-        return fn(n_steps_list, max_batch, max_kv, progress) if fn is not None else 0
+        return fn(n_steps_list, max_batch, max_kv, progress, min_kv) if fn is not None else 0
 
     def _entry_pos(self, row: int, n: int) -> tuple[TraceEntry, int] | None:
         """(entry, index into entry.target) of the token after an on-script context of length n."""

@@ -347,7 +347,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                     worker = L.start_local_worker(args.drafter, dev, k_max, max_len + 64, 1, args.worker_threads,
                                                   quant=args.drafter_quant, draft_vocab=args.drafter_vocab,
                                                   cpus=args.drafter_cpus, warm_batch=1 if policy else 0,
-                                                  warm_depths=policy)
+                                                  warm_depths=policy, warm_min_kv=len(ids))
                     host, port = worker.host, worker.port
                 except RuntimeError as exc:
                     rc = _warn_target_only(args, f"the local worker did not start: {exc}")

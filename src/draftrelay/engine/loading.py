@@ -132,7 +132,8 @@ def default_threads() -> int:
 
 def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int,
                        threads: int = 0, dtype: str = "", warm_batch: int = 0, warm_max_kv: int = 0,
-                       quant: str = "none", draft_vocab: str = "", cpus: str = "", warm_depths: bool = False):
+                       quant: str = "none", draft_vocab: str = "", cpus: str = "", warm_depths: bool = False,
+                       warm_min_kv: int = 0):
     """A `draftrelay worker` child process on a free loopback port.
 
     threads (CPU): the worker's torch threads; 0 = every core this process may use. The target and
@@ -145,7 +146,8 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
     contexts up to that many tokens (fewer graphs, a shorter start; longer contexts capture on first
     use). warm_depths: the graphs for every depth 1..n_draft, not n_draft alone (the depth policy asks any:
     a worker holding only a deeper step runs that one for a shallower round and returns the first drafts,
-    so every depth would cost, and be measured at, the deepest round's forwards). quant: the worker's
+    so every depth would cost, and be measured at, the deepest round's forwards). warm_min_kv > 0: none for
+    contexts shorter than that (one request whose prompt is that long). quant: the worker's
     --quant (int8 / int4: a CPU drafter's products on int8 / int4 weights, worker/quant.py). draft_vocab:
     the worker's --draft-vocab (its head restricted, draft_vocab.py).
     cpus (CPU): the worker's --cpus, its own cores (cpus.py); its threads default to one a CPU there."""
@@ -161,6 +163,8 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
         args += ["--warm-graphs", ",".join(map(str, steps)), "--warm-batch", str(warm_batch)]
         if warm_max_kv > 0:
             args += ["--warm-max-kv", str(warm_max_kv)]
+        if warm_min_kv > 0:
+            args += ["--warm-min-kv", str(warm_min_kv)]
     env = None
     if device.type == "cpu":
         from draftrelay import cpus as C

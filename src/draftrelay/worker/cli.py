@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of n_out values whose draft-step graphs are captured at start (for up to "
                         "--warm-batch requests); others are captured on first use")
     p.add_argument("--warm-batch", type=int, default=4)
+    p.add_argument("--warm-min-kv", type=int, default=0, metavar="N",
+                   help="capture the --warm-graphs only for contexts of at least N tokens (0: from the "
+                        "smallest; a client whose prompt is N tokens long never uses a shorter one)")
     p.add_argument("--warm-max-kv", type=int, default=0, metavar="N",
                    help="capture the --warm-graphs only for contexts up to N tokens (0: up to --max-ctx); "
                         "longer contexts are captured on first use")
@@ -119,6 +122,9 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive"
     if args.max_requests < 0:
         return f"--max-requests {args.max_requests}: must be positive (0: half of --rows)"
+    for name in ("warm_min_kv", "warm_max_kv"):
+        if getattr(args, name) < 0:
+            return f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0"
     if not 0 <= args.metrics_port <= 65535:
         return f"--metrics-port {args.metrics_port}: must be 0-65535"
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -287,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if hasattr(drafter, "warm"):
             drafter.warm([n for n in steps if 1 <= n <= args.n_out_max], args.warm_batch, args.warm_max_kv,
-                         progress=WarmProgress(args.warm_graphs))
+                         progress=WarmProgress(args.warm_graphs), min_kv=args.warm_min_kv)
     per_session = min(args.max_requests, args.rows) if args.max_requests else max(1, args.rows // 2)
     core = WorkerCore(drafter, max_requests=per_session, idle_timeout=args.idle_timeout, max_frame=args.max_frame,
                       row_lease=args.row_lease, prefill_slice_ms=args.prefill_slice_ms,

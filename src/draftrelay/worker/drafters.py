@@ -128,13 +128,17 @@ T_BUCKETS = (1, 2, 4, 8, PAD_LIMIT)
 
 
 def steady_state_keys(n_steps_list: list[int], max_batch: int, max_len: int,
-                      max_kv: int = 0) -> list[tuple[int, int, int, int]]:
+                      max_kv: int = 0, min_kv: int = 0) -> list[tuple[int, int, int, int]]:
     """Every static-step key (requests, T bucket, n_steps, kv bucket) that a steady state with n_out in
     n_steps_list can use: a round then sends at most n_steps + 1 tokens per request. max_kv > 0: only
-    the kv buckets a context of max_kv tokens needs (longer contexts are captured on first use)."""
+    the kv buckets a context of max_kv tokens needs (longer contexts are captured on first use); min_kv >
+    0: none below the bucket of a min_kv-token context (one request whose prompt is that long: its rows
+    never hold fewer)."""
     kvs = kv_buckets(max_len)
     if max_kv > 0:
         kvs = kvs[:next((i for i, kv in enumerate(kvs) if kv >= max_kv), len(kvs) - 1) + 1]
+    if min_kv > 0:
+        kvs = [kv for kv in kvs if kv >= kv_bucket(min(min_kv, max_len), max_len)] or kvs[-1:]
     keys = []
     for n in n_steps_list:
         t_max = next((t for t in T_BUCKETS if t >= n + 1), PAD_LIMIT)
@@ -255,7 +259,7 @@ class LlamaDrafter(Drafter):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
-    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0, progress=None) -> int:
+    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0, progress=None, min_kv: int = 0) -> int:
         """Build (capture) the static steps of every (requests <= max_batch, T bucket, n_steps, kv bucket)
         a steady state with n_out = n_steps can use (a round sends at most n_steps + 1 tokens), so the
         first rounds of a session do not pay for captures. Returns how many were built. progress(done,
@@ -264,7 +268,7 @@ class LlamaDrafter(Drafter):
         if self.mode not in ("static", "graph"):
             return 0
         before = len(self._static)
-        keys = steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len, max_kv)
+        keys = steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len, max_kv, min_kv)
         with self._on_model_gpu():
             for i, key in enumerate(keys):
                 if progress is not None and i == 0:

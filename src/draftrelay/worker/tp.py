@@ -455,12 +455,12 @@ class TPDrafter(Drafter):
         x[B * T + B:B * T + 2 * B] = self.n_rows  # warm-up and capture write only into the scratch row
         return x
 
-    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0, progress=None) -> int:
+    def warm(self, n_steps_list: list[int], max_batch: int, max_kv: int = 0, progress=None, min_kv: int = 0) -> int:
         """As LlamaDrafter.warm: build every key a steady state with n_out in n_steps_list can use."""
         if self.mode != "graph":
             return 0
         before = len(self._static)
-        keys = steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.max_len, max_kv)
+        keys = steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.max_len, max_kv, min_kv)
         for i, key in enumerate(keys):
             if progress is not None and i == 0:
                 progress(0, len(keys))
