@@ -92,7 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-tp-fail-token", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--warm-graphs", default="",
                    help="comma list of n_out values whose draft-step graphs are captured at start (for up to "
-                        "--warm-batch requests); others are captured on first use")
+                        "--warm-batch requests); others are captured on first use, except that a round asking "
+                        "fewer drafts than a built step runs that step (list every depth a depth policy asks: "
+                        "1,2,3,4)")
     p.add_argument("--warm-batch", type=int, default=4)
     p.add_argument("--warm-min-kv", type=int, default=0, metavar="N",
                    help="capture the --warm-graphs only for contexts of at least N tokens (0: from the "
