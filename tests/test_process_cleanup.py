@@ -225,3 +225,19 @@ def test_the_banner_wait_is_a_bound_on_silence_not_on_a_warm_up_that_says_its_pr
     with pytest.raises(RuntimeError, match="no banner and no new log line in 0.6 s"):
         WP._wait_banner(proc, ["silent"], "127.0.0.1", 0.6, log_path)
     assert time.monotonic() - t0 < 10 and proc.poll() is not None
+
+
+def test_a_child_that_logs_without_ever_listening_is_given_up_on(tmp_path, monkeypatch):
+    """The silence bound restarts on every log line, but not forever: MAX_START_TIMEOUTS timeouts after the
+    start, a child that keeps logging and never prints its banner is stopped."""
+    from draftrelay.worker import process as WP
+
+    monkeypatch.setattr(WP, "MAX_START_TIMEOUTS", 4)
+    log_path = str(tmp_path / "chatty.log")
+    code = "import sys, time\nwhile True:\n    print('still busy', file=sys.stderr, flush=True); time.sleep(0.1)\n"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="no banner in 2 s"):
+        WP._wait_banner(proc, ["chatty"], "127.0.0.1", 0.5, log_path)
+    assert 1.5 < time.monotonic() - t0 < 10 and proc.poll() is not None

@@ -148,6 +148,16 @@ def steady_state_keys(n_steps_list: list[int], max_batch: int, max_len: int,
     return keys
 
 
+def build_keys(keys: list[tuple[int, int, int, int]], build, progress=None) -> None:
+    """build(key) for each key in order; progress(done, total), if given, before the first and after each."""
+    for i, key in enumerate(keys):
+        if progress is not None and i == 0:
+            progress(0, len(keys))
+        build(key)
+        if progress is not None:
+            progress(i + 1, len(keys))
+
+
 class LlamaDrafter(Drafter):
     """Greedy drafting with draftrelay.model.Transformer.
 
@@ -270,12 +280,7 @@ class LlamaDrafter(Drafter):
         before = len(self._static)
         keys = steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len, max_kv, min_kv)
         with self._on_model_gpu():
-            for i, key in enumerate(keys):
-                if progress is not None and i == 0:
-                    progress(0, len(keys))
-                self._get_static(key)
-                if progress is not None:
-                    progress(i + 1, len(keys))
+            build_keys(keys, self._get_static, progress)
         return len(self._static) - before
 
     def _run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:

@@ -84,6 +84,9 @@ def start_worker_process(args: list[str], host: str = "127.0.0.1", timeout: floa
         raise
 
 
+MAX_START_TIMEOUTS = 10  # the longest start, in banner timeouts (30 minutes for the default 180 s)
+
+
 def _log_size(path: str) -> int:
     try:
         return os.stat(path).st_size
@@ -94,16 +97,18 @@ def _log_size(path: str) -> int:
 def _wait_banner(proc: subprocess.Popen, cmd: list[str], host: str, timeout: float, log_path: str) -> WorkerProcess:
     """Wait for the child's banner for `timeout` seconds of silence: each time its log (stderr) grows, the
     wait starts again, so a worker that says its warm-up's progress (a GPU worker capturing hundreds of
-    draft-step graphs says where it is every 10 s, minutes in all) is waited for, and a silent one is not."""
+    draft-step graphs says where it is every 10 s, minutes in all) is waited for, and a silent one is not.
+    A child that keeps logging without ever listening is given up on after MAX_START_TIMEOUTS timeouts."""
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     seen = _log_size(log_path)
     try:
         while True:
             size = _log_size(log_path)
             if size != seen:
-                seen, deadline = size, time.monotonic() + timeout
+                seen, deadline = size, min(time.monotonic() + timeout, t0 + MAX_START_TIMEOUTS * timeout)
             left = deadline - time.monotonic()
             if left <= 0 or proc.poll() is not None:
                 break
@@ -119,7 +124,9 @@ def _wait_banner(proc: subprocess.Popen, cmd: list[str], host: str, timeout: flo
     w = WorkerProcess(proc, host, 0, "", log_path)
     err = w.log()
     code = proc.poll()
-    why = f"exit {code}" if code is not None else f"no banner and no new log line in {timeout:g} s"
+    cap = MAX_START_TIMEOUTS * timeout
+    why = (f"exit {code}" if code is not None else f"no banner in {cap:g} s" if time.monotonic() - t0 >= cap
+           else f"no banner and no new log line in {timeout:g} s")
     w.stop()
     raise RuntimeError(f"worker did not start ({' '.join(cmd)}): {why}\n{err[-2000:]}")
 

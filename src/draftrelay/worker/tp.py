@@ -60,6 +60,7 @@ from draftrelay.worker.drafters import (
     T_BUCKETS,
     Drafter,
     Job,
+    build_keys,
     steady_state_keys,
 )
 
@@ -461,12 +462,7 @@ class TPDrafter(Drafter):
             return 0
         before = len(self._static)
         keys = steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.max_len, max_kv, min_kv)
-        for i, key in enumerate(keys):
-            if progress is not None and i == 0:
-                progress(0, len(keys))
-            self._get_static(key)
-            if progress is not None:
-                progress(i + 1, len(keys))
+        build_keys(keys, self._get_static, progress)
         return len(self._static) - before
 
     def _check_group(self) -> None:
