@@ -344,10 +344,18 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                 try:
                     # the depth policy on a GPU: a draft-step graph for each depth it may ask (warm_depths)
                     policy = args.k is None
+                    warming = policy and dev.type == "cuda" and args.progress != "off"
+                    if warming:  # seconds of captures before the worker listens: say so
+                        print(f"  starting the drafter worker: capturing its draft-step graphs for depths 1-{k_max}"
+                              " ...", file=sys.stderr, flush=True)
+                    t_start = time.perf_counter()
                     worker = L.start_local_worker(args.drafter, dev, k_max, max_len + 64, 1, args.worker_threads,
                                                   quant=args.drafter_quant, draft_vocab=args.drafter_vocab,
                                                   cpus=args.drafter_cpus, warm_batch=1 if policy else 0,
                                                   warm_depths=policy, warm_min_kv=len(ids))
+                    if warming:
+                        print(f"  drafter worker ready in {time.perf_counter() - t_start:.1f} s", file=sys.stderr,
+                              flush=True)
                     host, port = worker.host, worker.port
                 except RuntimeError as exc:
                     rc = _warn_target_only(args, f"the local worker did not start: {exc}")
