@@ -18,8 +18,6 @@ same thing (a dry run of the script).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
@@ -29,6 +27,7 @@ import torch
 from draftrelay.engine import calibrate
 from draftrelay.engine import loading as L
 from draftrelay.handoff.procinfo import machine_info
+from machine import write_json  # benchmarks/machine.py (the script's own folder)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,10 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         out["rows"].append({"warm": label, "worker_start_s": round(start_s, 2), "step_ms_by_depth": ms})
         print(f"{label:>12}: worker start {start_s:6.1f} s; STEP ms by depth "
               + "  ".join(f"{k}: {v:.2f}" for k, v in ms.items()), flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

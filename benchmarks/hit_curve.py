@@ -15,7 +15,6 @@ also prints how often all rows hit, with the batch's branches shared between its
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -27,6 +26,7 @@ from draftrelay.handoff.procinfo import machine_info  # noqa: E402
 from draftrelay.replay import Trace  # noqa: E402
 from draftrelay.speculation import table as TB  # noqa: E402
 from draftrelay.worker.prefetch import SHARE_MODES  # noqa: E402
+from machine import write_json  # noqa: E402
 from replay_headline import hit_curve  # noqa: E402
 
 
@@ -82,10 +82,7 @@ def main(argv=None) -> int:
                 if args.batch > 1 else ""
             label = f"share {mode:<3} " if args.batch > 1 else ""
             print(f"  {label}F = {f:>2}: {v['hit_rate']:.1%} of {v['lookups']} lookups ({kinds}){every}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(out, fh, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from draftrelay.kernels import reference as R
 from draftrelay.model import ModelConfig, Transformer
 from draftrelay.serve.scheduler import sweep_lengths
 from draftrelay.worker.drafters import PAD_LIMIT, SHAPES, steady_state_keys
+from machine import write_json  # benchmarks/machine.py (the script's own folder)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -195,10 +195,7 @@ def main() -> int:
                              f"{r['candidates_timed']} | {r['compiles']} | {r['keys_skinny']}")
     out["table"] = lines
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

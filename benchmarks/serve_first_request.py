@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import re
 import statistics
@@ -30,6 +29,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay.handoff.procinfo import machine_info  # noqa: E402
+from machine import write_json  # noqa: E402
 from serve_load import Server, timed  # noqa: E402
 
 SHORT = "Hello there, how are you?"
@@ -155,10 +155,7 @@ def main() -> int:
                   f"{s['within_10_percent']}/{s['repeats']} within 10 %")
     result["wall_s"] = time.perf_counter() - t0
     result["load_average_end"] = list(os.getloadavg())
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

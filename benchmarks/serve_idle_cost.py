@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from draftrelay.engine import loading as L
 from draftrelay.engine.engine import Engine, EngineConfig
 from draftrelay.engine.request import SamplingParams
 from draftrelay.handoff.procinfo import machine_info
+from machine import write_json  # benchmarks/machine.py (the script's own folder)
 
 GAPS = (0.0, 0.05, 0.3, 1.0)
 
@@ -112,10 +112,7 @@ def main() -> int:
         base = d["0.0"]
         print(f"{n:34s} " + "  ".join(f"after {g} s: {v:7.3f} ms (x{v / base:.2f})" for g, v in d.items()))
     print(f"load average {res['load_average_start']} -> {res['load_average_end']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, res)
     return 0
 
 

@@ -43,6 +43,7 @@ import httpx
 import numpy as np
 
 from draftrelay.handoff.procinfo import machine_info
+from machine import write_json  # benchmarks/machine.py (the script's own folder, or its importer's path)
 
 _LISTEN = re.compile(r"listening on (http://[\d.]+:\d+)")
 SEEDS = ["Once upon a time", "The quick brown fox jumps over", "In the beginning", "Speculative decoding is",
@@ -346,10 +347,7 @@ def main() -> int:
                       f"{t['short']['warm_ms_median']:.1f} ms, long {t['long']['first_ms']:.1f}/"
                       f"{t['long']['warm_ms_median']:.1f} ms", flush=True)
             result["modes"][mode] = row
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 
