@@ -168,7 +168,6 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
-
 class WarmProgress:
     """The warm-up's progress on stderr: a line as it starts (how many draft-step graphs), one every
     `every_s` seconds while it captures (at a 32K context a GPU worker captures hundreds: minutes of
@@ -192,6 +191,7 @@ class WarmProgress:
             self.last = now
             print(f"draftrelay worker: {done} / {total} draft-step graphs, {now - self.t0:.0f} s",
                   file=out, flush=True)
+
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

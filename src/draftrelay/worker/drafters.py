@@ -150,12 +150,12 @@ def steady_state_keys(n_steps_list: list[int], max_batch: int, max_len: int,
 
 def build_keys(keys: list[tuple[int, int, int, int]], build, progress=None) -> None:
     """build(key) for each key in order; progress(done, total), if given, before the first and after each."""
-    for i, key in enumerate(keys):
-        if progress is not None and i == 0:
-            progress(0, len(keys))
+    if progress is not None and keys:
+        progress(0, len(keys))
+    for i, key in enumerate(keys, 1):
         build(key)
         if progress is not None:
-            progress(i + 1, len(keys))
+            progress(i, len(keys))
 
 
 class LlamaDrafter(Drafter):
