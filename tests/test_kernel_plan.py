@@ -372,3 +372,49 @@ def test_every_shipped_seed_follows_the_present_choice_rule():
             choice = P.pick_recorded(e["us"])
             if choice is not None:
                 assert choice == e["choice"], (path, key_str, e)
+
+
+def test_candidates_are_timed_warm_and_interleaved_not_right_after_their_build():
+    """A candidate's first calls are slow (its build left the GPU idle): timed back to back right after it,
+    as before, the fast candidate measured 2 x and lost to a slower one. Interleaved after a warm-up round,
+    each key gets its own time, and every key leads one round."""
+    true = {None: 6e-6, "fast": 3e-6, "slow": 4.5e-6}
+    calls: dict = {k: 0 for k in true}
+    order: list = []
+
+    def timer(k):
+        def run():
+            calls[k] += 1
+            order.append(k)
+            return true[k] * (2 if calls[k] <= 3 and k == "fast" else 1)
+        return run
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 1e-3
+        return now[0]
+
+    got = P.time_interleaved({k: timer(k) for k in true}, rounds=3, warm_s=0.0, clock=clock)
+    assert got == true
+    timed = order[len(true):]  # one warm round first
+    assert [timed[i * 3] for i in range(3)] == [None, "fast", "slow"]  # the order rotates
+    assert all(calls[k] == 4 for k in true)
+    # the rule the plan then applies picks the truly fastest
+    assert P.pick({None: got[None], P.SkinnyConfig(4, 1024, False, 4, 1): got["fast"]}) is not None
+
+
+def test_the_warm_up_runs_rounds_until_its_time_has_passed():
+    n = {"a": 0}
+    t = [0.0]
+
+    def clock():
+        return t[0]
+
+    def run():
+        n["a"] += 1
+        t[0] += 0.002
+        return 1.0
+    P.time_interleaved({"a": run}, rounds=2, warm_s=0.005, clock=clock)
+    assert n["a"] == 3 + 2  # 2, 4, 6 ms: three warm rounds to pass 5 ms, then two timed
+    assert P.time_interleaved({}, rounds=2) == {}
