@@ -152,6 +152,19 @@ def fast_path(model: M.Transformer, fast) -> None:
     P.plan_key = _plan_key_norows if norows else PLAN_KEY
 
 
+def plan_first(model: M.Transformer, forward) -> None:
+    """The default plan made before any variant runs, as a worker makes it: with PDL on. The plan is the
+    process's, and every variant but "norows" and "nocublas" takes its choices (the first product of a shape
+    plans all its row buckets): where a variant's first call planned it, the variant that happened to run
+    first set the conditions, and under "nopdl" the Triton tiles were timed launched plainly (each paying
+    the launch gap PDL hides; cuBLAS never has PDL), so on an H100 (no shipped seed: measured) the four-row
+    products of the 0.5B got tiles that time 1.3-1.8 x the best with PDL, and "graphs_fast" at four requests
+    read 0.1-0.5 ms slower than "nocublas" (benchmarks/results/fast_forward_shuffled_*_h100.json: each
+    product's "us" under "plans" against "plans_nocublas"). forward(): one eager forward of the model."""
+    fast_path(model, True)
+    forward()
+
+
 def plan_rows(planner: P.Planner = MAIN_PLANNER) -> list[dict]:
     """Every product shape the planner measured so far: cuBLAS's and each candidate's time, the choice."""
     rows = []
@@ -266,6 +279,7 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
         model.draft_vocab = vocabs.get(k)  # LlamaDrafter's lean loop and graphs take the head as set now
         drafters[k] = LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m)
     model.draft_vocab = None
+    plan_first(model, lambda: drafters["graphs_fast"].plan_warm())
     wb = weight_bytes(model)
     res = out.setdefault("drafter_0p5b", {"weight_bytes": wb, "n_out": n_out, "rows": []})
     for ctx in ctxs:
@@ -339,6 +353,12 @@ def target_section(dev, ctxs, iters, out) -> None:
         cache.k[:, 0, :, :max(ctxs)].normal_(0, 1)
         cache.v[:, 0, :, :max(ctxs)].normal_(0, 1)
     res = out.setdefault("target_7b", {"weight_bytes": wb, "rows": []})
+
+    def one_token():
+        with torch.inference_mode():
+            model(torch.zeros((1, 1), dtype=torch.int64), torch.tensor([0]), cache, torch.tensor([1]))
+            cache.lengths[1] = 0
+    plan_first(model, one_token)
     graphs = {}
     for T in (1, 5):
         for fast in (False, "cublas", "nopdl", "noprefetch", "norows", "nocublas", True):

@@ -6,7 +6,8 @@
 #      narrow it)
 #   3. step_host.py: where the worker's host time of the STEP goes on this host
 #   4. replay_headline.py: off / sync / cache F = 8 (guard off) at replayed acceptance, code, prose, four requests
-#   5. replay_headline.py at four requests with each wait rule (all, rows, early), F = 8, guard off
+#   5. replay_headline.py at four requests with each wait rule (all, rows, early), F = 8, guard off (RULES and
+#      FANOUTS change them)
 #   6. depth_rounds.py: a local worker's STEP at each depth, warmed for the deepest alone and for every depth
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
@@ -43,8 +44,8 @@ fi
 if part 5 "replay_headline.py, wait rules at four requests"; then
     timeout "${RULES_S:-200}" python3 benchmarks/replay_headline.py \
         --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json --repeats 2 --workloads short:4 \
-        --placements emulated --modes off,sync,cache --fanout 8 --wait-rules all,rows,early --guard off \
-        --out "$OUT/replay_headline_rules.json" --plot "$OUT/replay_headline_rules.png" 2>&1 | grep -v "^\[W" | tail -3
+        --placements emulated --modes off,sync,cache --fanout "${FANOUTS:-8}" --wait-rules "${RULES:-all,rows,early}" \
+        --guard off --out "$OUT/replay_headline_rules.json" --plot "$OUT/replay_headline_rules.png" 2>&1 | grep -v "^\[W" | tail -3
 fi
 if part 6 "depth_rounds.py"; then
     timeout "${DEPTH_S:-150}" python3 benchmarks/depth_rounds.py --out "$OUT/depth_rounds.json" 2>&1 \

@@ -586,37 +586,6 @@ def pick_recorded(us) -> str | None:
     return "cublas" if got is None else got
 
 
-MEASURE_ROUNDS = 3  # timed rounds of a key's measurement (each times every candidate once); the best counts
-WARM_S = 0.005  # untimed rounds of every candidate first, for at least this long
-
-
-def time_interleaved(timers: dict, rounds: int = MEASURE_ROUNDS, warm_s: float = WARM_S,
-                     clock: Callable[[], float] = time.perf_counter) -> dict:
-    """Seconds per key: the best of `rounds` timed rounds, each calling every key's timer (run once, return
-    its seconds) once, in an order rotated by one each round; before them, untimed rounds of every timer
-    until `warm_s` has passed (at least one). Why not each candidate's repeats back to back, right after its
-    own build: on an H100 a Triton kernel timed just after its compilation (a second or so with the GPU
-    idle) measured up to 1.8 x its time in a later measurement of the same process (dot32x1024w8s1 6.3
-    against 3.4 us), so the plan of the 0.5B drafter's four-row products chose tiles 1.4 x slower than the
-    best and its four-request STEP lost 0.1-0.5 ms against the same plan measured warm
-    (benchmarks/results/fast_forward_shuffled_*_h100.json: "plans" against "plans_nocublas")."""
-    keys = list(timers)
-    if not keys:
-        return {}
-    end = clock() + warm_s
-    while True:
-        for k in keys:
-            timers[k]()
-        if clock() >= end:
-            break
-    best = {k: math.inf for k in keys}
-    for r in range(rounds):
-        for i in range(len(keys)):
-            k = keys[(i + r) % len(keys)]
-            best[k] = min(best[k], timers[k]())
-    return best
-
-
 def pick(times: dict) -> SkinnyConfig | None:
     """The fastest configuration if it beats cuBLAS (key None) charged CHAIN_S by MARGIN, else None
     (cuBLAS). The keys may be configurations or their labels (plan_seed.py re-picks a file's times)."""

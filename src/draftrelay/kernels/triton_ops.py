@@ -793,8 +793,7 @@ def _output_error(got_x, got, ref_x, ref) -> float | None:
 
 def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     """Seconds per call of cuBLAS (None) and each candidate for `key`, timed in a CUDA graph over
-    distinct weight copies, the candidates' graphs all built first and then timed in interleaved rounds
-    (plan.time_interleaved); a candidate that fails to build or to match cuBLAS's output gets inf."""
+    distinct weight copies; a candidate that fails to build or to match cuBLAS's output gets inf."""
     dev_index, pro, M, N, K, dtype_name, has_bias, has_delta = key
     dev = torch.device("cuda", dev_index)
     wbytes = N * K * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
@@ -809,9 +808,6 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
                 split_buffers(w, M, n_split, triton.cdiv(N, c.block_n))
     reps = max(1, math.ceil(MEASURE_CALLS / copies))
     times: dict = {}
-    graphs: dict = {}
-    # every candidate built, checked and captured first, then all timed together (plan.time_interleaved):
-    # none is timed right after its own compilation
     for cfg in [None, *cands]:
         def call(w, cfg=cfg):
             return _fallback(pro, x, w, b, delta, nw, eps) if cfg is None else \
@@ -827,25 +823,20 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
                 for _ in range(reps):
                     for w in ws:
                         call(w)
-            graphs[cfg] = g
+            g.replay()
+            best = math.inf
+            for _ in range(3):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                g.replay()
+                e1.record()
+                e1.synchronize()
+                best = min(best, e0.elapsed_time(e1) / 1e3 / (reps * copies))
+            times[cfg] = best
+            del g
         except Exception as exc:  # a configuration this card or Triton cannot run: not a candidate
             log.warning("skinny GEMM %s %s for %s: %s", P.PRO_NAMES[pro], cfg, key, exc)
             times[cfg] = math.inf
-
-    def timer(g):
-        def run() -> float:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            return e0.elapsed_time(e1) / 1e3 / (reps * copies)
-        return run
-
-    try:
-        times.update(P.time_interleaved({cfg: timer(g) for cfg, g in graphs.items()}))
-    finally:
-        graphs.clear()
     torch.cuda.synchronize(dev)
     for w in ws:
         drop_split_buffers(w)
