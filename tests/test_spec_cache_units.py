@@ -898,3 +898,24 @@ def test_a_bad_cut_or_share_setting_is_named(monkeypatch, name, value, modes):
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingError, match=f"{name}='{value}': expected one of {modes}"):
         prefetch.Prefetcher(load_drafter("tiny", n_rows=2, max_ctx=64, mode="eager"))
+
+
+@pytest.mark.parametrize("value", ["soon", "-5", "nan", "inf"])
+def test_a_bad_prefetch_delay_is_named(monkeypatch, value):
+    from draftrelay import SettingError
+    from draftrelay.worker import prefetch
+    from draftrelay.worker.drafters import load_drafter
+
+    monkeypatch.setenv("DRAFTRELAY_PREFETCH_DELAY_MS", value)
+    want = f"DRAFTRELAY_PREFETCH_DELAY_MS='{value}': expected a number of milliseconds"
+    with pytest.raises(SettingError, match=want):
+        prefetch.Prefetcher(load_drafter("tiny", n_rows=2, max_ctx=64, mode="eager"))
+
+
+@pytest.mark.parametrize("value, want", [("", 0.0), ("150", 0.15), ("2.5", 0.0025), ("0", 0.0)])
+def test_a_prefetch_delay_is_read_in_milliseconds(monkeypatch, value, want):
+    from draftrelay.worker import prefetch
+    from draftrelay.worker.drafters import load_drafter
+
+    monkeypatch.setenv("DRAFTRELAY_PREFETCH_DELAY_MS", value)
+    assert prefetch.Prefetcher(load_drafter("tiny", n_rows=2, max_ctx=64, mode="eager")).delay_s == pytest.approx(want)

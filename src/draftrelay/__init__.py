@@ -1,5 +1,6 @@
 """draftrelay: remote speculative drafting for LLM serving."""
 
+import math
 import os
 
 __version__ = "0.1.0"
@@ -17,4 +18,19 @@ def env_choice(name: str, default: str, modes: tuple[str, ...]) -> str:
     value = os.environ.get(name, default)
     if value not in modes:
         raise SettingError(f"{name}={value!r}: expected one of {', '.join(modes)}")
+    return value
+
+
+def env_ms(name: str, default: float = 0.0) -> float:
+    """The environment setting `name` in milliseconds (`default` where unset or empty): a finite number >= 0
+    (SettingError naming the variable and the value otherwise)."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise SettingError(f"{name}={raw!r}: expected a number of milliseconds >= 0")
     return value

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from draftrelay import SettingError, env_choice
+from draftrelay import SettingError, env_choice, env_ms
 from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.memory import KVMemoryError
 from draftrelay.replay import ReplayDrafter, spend
@@ -532,7 +532,7 @@ class Prefetcher:
         self.stats.update({f"{p}_us": 0 for p in PIECES})
         # fault injection for tests: every prefetch takes this much longer (a worker killed mid-prefetch, a
         # drafter slower than the verify); cut like device work
-        self.delay_s = float(os.environ.get("DRAFTRELAY_PREFETCH_DELAY_MS", "0") or 0) / 1000
+        self.delay_s = env_ms("DRAFTRELAY_PREFETCH_DELAY_MS") / 1000
         self.cut_late = env_choice("DRAFTRELAY_BRANCH_CUT", "on", CUT_MODES)
         self.share = env_choice("DRAFTRELAY_BRANCH_SHARE", "on", SHARE_MODES)
 
