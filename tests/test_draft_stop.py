@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from draftrelay import model as M
-from draftrelay.engine.depth import Acceptance, DepthPolicy
+from draftrelay.engine.depth import Acceptance, DepthConfig, DepthPolicy
 from draftrelay.engine.engine import Engine, EngineConfig, SamplingParams
 from draftrelay.handoff.rounds import HandoffConfig
 from draftrelay.round import RoundRequest
@@ -174,9 +174,9 @@ def test_without_the_stop_the_model_is_the_plain_one():
     assert a.expected_kept(4) == pytest.approx(a.success() * float(np.cumprod(a.cond()[:4]).sum()))
 
 
-def policy_with_costs(k_max: int) -> DepthPolicy:
+def policy_with_costs(k_max: int, fixed_rounds: bool = False) -> DepthPolicy:
     """Costs like the reference pair on the 2-core CPU: a draft 90 ms, a verify 230 ms + 12 ms a position."""
-    p = DepthPolicy(k_max)
+    p = DepthPolicy(k_max, DepthConfig(fixed_rounds=fixed_rounds))
     for m in (1, 2, 4, k_max):
         p.observe_round(m, 0.09 * m, 2)
     for w in (1, 2, 3, 5, k_max + 1):
@@ -212,6 +212,39 @@ def test_the_stop_keeps_a_deep_cap_cheap():
     assert rs[12] > 1.2 * rp[12]  # a deep cap keeps its rate with the stop
     assert max(rs) >= max(rp) and int(np.argmax(rs)) >= int(np.argmax(rp))
     assert rs[12] > 0.97 * max(rs)
+
+
+def test_a_fixed_depth_drafter_books_a_stopped_round_at_the_depth_it_asked():
+    """A graph drafter computes all 12 drafts and returns 3: the round cost 12 drafts' time, and booked at 3
+    it would make 3-draft rounds look as dear as 12-draft ones."""
+    p = DepthPolicy(12, DepthConfig(fixed_rounds=True))
+    p.observe_round(12, 1.08, 2, drafted=3)
+    assert p.round.known(12) and not p.round.known(3)
+    p.observe_round(4, 0.5, 2, drafted=0)  # a failed round: at the depth it asked, as always
+    assert p.round.known(4)
+
+
+def test_a_fixed_depth_drafter_prices_a_cap_at_its_full_round():
+    """The same acceptance and costs as the stop test above: where every round of a cap k costs round(k),
+    the cap's rate is (1 + kept) / (round(k) + verify(m + 1) averaged over m), below the stopping drafter's,
+    and a deep cap no longer keeps its rate."""
+    stop, fixed = policy_with_costs(12), policy_with_costs(12, fixed_rounds=True)
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        run = int(rng.integers(4, 13))
+        for pol in (stop, fixed):
+            pol.observe_accept(12, min(run + 1, 12), min(run, 12))
+    rs, rf = stop.rates(), fixed.rates()
+    co = fixed.acc.cond() * fixed.acc.offer()
+    for k in (4, 8, 12):
+        dist = fixed.acc.drafted_dist(k)
+        cost = sum(dist[m - 1] * (fixed.round(k) + fixed.verify(m + 1)) for m in range(1, k + 1))
+        assert rf[k] == pytest.approx((1 + fixed.acc.expected_kept(k, co)) / (cost + fixed.host(0)))
+        # below the stopping drafter's wherever a round of the cap stops early (runs of 4..12 sure drafts:
+        # never at a cap of 4)
+        assert rf[k] < rs[k] if k > 4 else rf[k] == pytest.approx(rs[k])
+    assert rf[1] == pytest.approx(rs[1]) and rf[0] == pytest.approx(rs[0])  # one draft: nothing to stop
+    assert rf[12] < 0.9 * max(rf)
 
 
 # ---- the engine, end to end ------------------------------------------------------------------------------
@@ -261,6 +294,20 @@ def test_engine_output_identical_with_the_stop(tiny, stop_worker, mode, depth):
     if depth == "auto":
         d = t["depth"]
         assert len(d["offered_by_pos"]) == 12 and min(d["offered_by_pos"]) < 1.0
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_the_engine_hands_fixed_rounds_to_its_depth_policy(tiny, stop_worker, fixed):
+    """EngineConfig.fixed_rounds reaches the depth policy (how the policy books and prices with it: the
+    DepthPolicy tests above), also when the engine makes a fresh policy for new rounds."""
+    spec, _ = stop_worker
+    h = HandoffConfig(round_spec=spec, deadline_ms=3000, round_budget_ms=2500)
+    cfg = EngineConfig(mode="sync", max_batch=2, max_len=256, handoff=h, n_draft=12, depth="auto", draft_stop=0.6,
+                       fixed_rounds=fixed)
+    with Engine(tiny[0], cfg) as eng:
+        assert eng.depth.cfg.fixed_rounds is fixed
+        eng._new_depth_policy()
+        assert eng.depth.cfg.fixed_rounds is fixed
 
 
 def test_engine_refuses_a_bad_stop(tiny):

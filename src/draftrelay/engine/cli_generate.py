@@ -391,6 +391,8 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                            graphs=args.graphs, slot_ring=args.slot_ring,
                            depth="fixed" if args.k is not None else "auto",
                            round_costs_s=rs.round_costs_s if h else None, draft_stop=args.draft_stop,
+                           # the local worker on a GPU drafts in CUDA graphs: every asked draft computed
+                           fixed_rounds=not args.worker and dev.type == "cuda",
                            spec_fanout=args.spec_cache if mode == "async" else 0,
                            spec_options=spec_options(args, dev.type))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -38,7 +38,11 @@ With the worker's confidence stop (EngineConfig.draft_stop) k is a cap: a round 
 after the first draft the drafter is unsure of. Rounds are then timed at the m they drafted, a position
 the stop never offered is no rejection there (Acceptance.offer: offered given all before it kept), and a
 cap's cost is averaged over the m it drafts (Acceptance.drafted_dist, from how often the drafter went on
-after each position); without the stop every asked draft comes back and the model is the plain one.
+after each position); without the stop every asked draft comes back and the model is the plain one. A
+drafter that computes every asked draft whatever the stop returns (CUDA graphs and static steps, TP2,
+replay) costs round(k) for any m: DepthConfig.fixed_rounds books its rounds at k and prices a cap at
+round(k) + verify(m + 1), averaged over m (EngineConfig.fixed_rounds; `generate` and `demo` set it for
+their local worker on a GPU).
 
 Greedy output never depends on k (a kept draft equals the target's own argmax), so the policy changes
 speed only; with sampling, rejection sampling is lossless at every k too.
@@ -259,6 +263,10 @@ class DepthConfig:
     decay: float = 0.97  # per round: the acceptance estimate follows the last ~30 rounds
     idle_decay: float = 0.99  # per plain step: at depth 0 the text moves on while no round measures it
     catch_up_tokens: int = 0  # rounds sending more tokens than this are not timed (0: k_max + 2)
+    # the drafter computes every draft a round asks whatever the confidence stop returns (a static or graph
+    # drafter, TP2, replay: worker/drafters.py): a round asking k costs round(k) however few drafts come back,
+    # so rounds are booked at k and a cap's step costs round(k) + verify(m + 1), averaged over the m it drafts
+    fixed_rounds: bool = False
 
 
 class DepthPolicy:
@@ -317,11 +325,12 @@ class DepthPolicy:
     def rates(self) -> list[float]:
         """Expected tokens per second at each depth 0..k_max (0.0 where not estimable). With the confidence
         stop, depth k is a cap: the round drafts m <= k (Acceptance.drafted_dist) and the step costs
-        round(m) + verify(m + 1), averaged over m."""
+        round(m) + verify(m + 1), averaged over m; round(k) + verify(m + 1) with fixed_rounds."""
         h = self.host(0) or 0.0
         v1 = self.verify(1)
         out = [1.0 / (v1 + h) if v1 is not None else 0.0]
-        step = [None] + [self._cost(m) for m in range(1, self.k_max + 1)]  # round(m) + verify(m + 1)
+        rounds = [None] + [self.round(m) for m in range(1, self.k_max + 1)]
+        verifies = [None] + [self.verify(m + 1) for m in range(1, self.k_max + 1)]
         # the acceptance chains once per call, not once per depth (each is a loop over every position)
         co, cont = self.acc.cond() * self.acc.offer(), self.acc.cont()
         for k in range(1, self.k_max + 1):
@@ -330,10 +339,11 @@ class DepthPolicy:
             for m in range(1, k + 1):
                 if dist[m - 1] <= 1e-9:
                     continue
-                if step[m] is None:
+                r = rounds[k] if self.cfg.fixed_rounds else rounds[m]
+                if r is None or verifies[m] is None:
                     cost = None
                     break
-                cost += dist[m - 1] * step[m]
+                cost += dist[m - 1] * (r + verifies[m])
             out.append(0.0 if cost is None else (1.0 + self.acc.expected_kept(k, co)) / (cost + h))
         return out
 
@@ -354,10 +364,6 @@ class DepthPolicy:
             if r > rate:
                 best, rate = k, r
         return best
-
-    def _cost(self, m: int) -> float | None:
-        r, v = self.round(m), self.verify(m + 1)
-        return None if r is None or v is None else r + v
 
     def choose(self) -> int:
         self._steps += 1
@@ -427,7 +433,7 @@ class DepthPolicy:
         drafts it brought a request (the confidence stop may end it before k): its cost is that depth's;
         0 (a failed round) books it at k."""
         limit = self.cfg.catch_up_tokens or self.k_max + 2
-        d = drafted if 0 < drafted <= k else k
+        d = drafted if 0 < drafted <= k and not self.cfg.fixed_rounds else k
         if sent_tokens > limit:  # a catch-up round also prefills: not a depth cost
             if self._probe_k == k and drafted > 0:
                 self._retime = k  # time the probe's depth on the next step

@@ -46,7 +46,7 @@ from draftrelay.handoff.rounds import HandoffConfig, SyncRounds, open_rounds
 from draftrelay.model import Transformer
 from draftrelay.round import Rounds
 
-from .depth import DepthPolicy
+from .depth import DepthConfig, DepthPolicy
 from .kv import KVRows
 from .local_rounds import LocalRounds
 from .metrics import StepClock, new_timing, record_round, speculation_warning, totals
@@ -81,6 +81,10 @@ class EngineConfig:
     # probability is below this, so n_draft (or the depth policy's choice) is a cap; sent with every block
     # through the round spec ("draft_stop", wire/roundfn.py) of the rounds the engine opens
     draft_stop: float = 0.0
+    # the worker's drafter computes every draft a round asks whatever the stop returns (CUDA graphs, static
+    # steps, TP2, replay), so the depth policy books and prices a round at the depth it asked
+    # (depth.DepthConfig.fixed_rounds); False: at the drafts it brought (a drafter that stops computing)
+    fixed_rounds: bool = False
     # the speculation cache (spec_cache.py): F branches pre-drafted per request, 0 = off (async rounds
     # with a worker only); spec_options: SpecCache keywords (branch_budget_ms, push_faults, log)
     spec_fanout: int = 0
@@ -150,7 +154,8 @@ class Engine:
     def _new_depth_policy(self) -> None:
         """A fresh policy for the current rounds (other rounds, other costs)."""
         on = self.cfg.depth == "auto" and self.cfg.n_draft > 0 and self.rounds is not None
-        self.depth = DepthPolicy(self.cfg.n_draft, round_costs=self.cfg.round_costs_s) if on else None
+        self.depth = DepthPolicy(self.cfg.n_draft, DepthConfig(fixed_rounds=self.cfg.fixed_rounds),
+                                 round_costs=self.cfg.round_costs_s) if on else None
 
     def _thread_policy(self) -> ThreadPolicy | None:
         if self.device.type != "cpu":
