@@ -291,25 +291,8 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
     program rotates its kv head's q rows and the new key, stores the new key and value into the cache
     rows, attends over the cache's earlier keys and takes the new key from its registers (rope_kv_write
     and decode_attention in one launch; the same values)."""
-    bg = tl.program_id(0)
-    sp = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    n_kv = H // REP
-    b = bg // n_kv
-    g = bg % n_kv
-    start = tl.load(start_ptr + b).to(tl.int32)
-    row = tl.load(rows_ptr + b).to(tl.int64)
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, start + T)  # no row has keys beyond start + T: they are never read
-    r = tl.arange(0, R_PAD)  # query row r: head g * REP + r // T, token r % T
-    rvalid = r < REP * T
-    t = r % T
-    h = g * REP + r // T
-    d = tl.arange(0, D)
-    qo = ((b * T + t).to(tl.int64) * H + h) * D
-    qpos = start + t
+    bg, sp, n_kv, b, g, start, row, lo, hi, r, rvalid, h, d, qo, qpos = _attn_program(
+        rows_ptr, start_ptr, T, H, chunk, REP, R_PAD, D, PDL)
     kb = ck_ptr + row * s_crow + g * s_chead
     vb = cv_ptr + row * s_vrow + g * s_vhead
     if PREFETCH:  # the first tile's keys and values towards L2 now, while q (and the new key) load and rotate
@@ -338,6 +321,44 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
                                        scale, BLOCK, IEEE)
     if ROPE:
         m_i, l_i, acc = _attn_new_key(q, knew, vnew, m_i, l_i, acc, scale)
+    _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, rvalid, d, R_PAD, D, SINGLE)
+
+
+@triton.jit
+def _attn_program(rows_ptr, start_ptr, T, H, chunk, REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Where an attention program works (the plain and the forked rows' kernels alike): its (row, kv head)
+    bg = b * n_kv + g and key chunk sp, the row's cache row and start, the chunk's key range [lo, hi), and
+    its query rows r (head g * REP + r // T, token r % T; rvalid: r < REP * T), their offsets qo into q and
+    positions qpos. With PDL the next kernel may start its prologue now, and nothing is read before the
+    producer is done."""
+    bg = tl.program_id(0)
+    sp = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    n_kv = H // REP
+    b = bg // n_kv
+    g = bg % n_kv
+    start = tl.load(start_ptr + b).to(tl.int32)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, start + T)  # no row has keys beyond start + T: they are never read
+    r = tl.arange(0, R_PAD)
+    rvalid = r < REP * T
+    t = r % T
+    h = g * REP + r // T
+    d = tl.arange(0, D)
+    qo = ((b * T + t).to(tl.int64) * H + h) * D
+    qpos = start + t
+    return bg, sp, n_kv, b, g, start, row, lo, hi, r, rvalid, h, d, qo, qpos
+
+
+@triton.jit
+def _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, rvalid, d, R_PAD: tl.constexpr,
+                D: tl.constexpr, SINGLE: tl.constexpr):
+    """An attention program's result: the output rows where its chunk is the row's only one (SINGLE), else
+    its partial (acc, running max m_i, sum l_i) for the combine kernel."""
     if SINGLE:
         o = acc / l_i[:, None]
         tl.store(o_ptr + qo[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])

@@ -14,11 +14,11 @@ import triton.language as tl
 from draftrelay.kernels import triton_ops as TO
 from draftrelay.kernels.triton_ops import (
     _attn_new_key,
+    _attn_program,
+    _attn_store,
     _attn_tile,
     _prefetch_l2,
     _rope_new_kv,
-    gdc_launch_dependents,
-    gdc_wait,
 )
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -36,27 +36,10 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
     (start >= pivot: a forked row's own positions) and takes the new key from registers, as the fast
     forward's fused _attn_kernel does: rope_kv_write and fork_attention in one launch. PDL as there:
     the next kernel may start its prologue now; this one reads nothing before its producer is done."""
-    bg = tl.program_id(0)
-    sp = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    n_kv = H // REP
-    b = bg // n_kv
-    g = bg % n_kv
-    start = tl.load(start_ptr + b).to(tl.int32)
-    row = tl.load(rows_ptr + b).to(tl.int64)
+    bg, sp, n_kv, b, g, start, row, lo, hi, r, rvalid, h, d, qo, qpos = _attn_program(
+        rows_ptr, start_ptr, T, H, chunk, REP, R_PAD, D, PDL)
     prow = tl.load(parent_ptr + b).to(tl.int64)
     pivot = tl.load(pivot_ptr + b).to(tl.int32)
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, start + T)
-    r = tl.arange(0, R_PAD)
-    rvalid = r < REP * T
-    t = r % T
-    h = g * REP + r // T
-    d = tl.arange(0, D)
-    qo = ((b * T + t).to(tl.int64) * H + h) * D
-    qpos = start + t
     pkb = pk_ptr + prow * s_prow + g * s_phead
     pvb = pv_ptr + prow * s_qrow + g * s_qhead
     kb = ck_ptr + row * s_crow + g * s_chead
@@ -95,14 +78,7 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
                                           acc, scale, BLOCK, IEEE)
     if ROPE:
         m_i, l_i, acc = _attn_new_key(q, knew, vnew, m_i, l_i, acc, scale)
-    if SINGLE:
-        o = acc / l_i[:, None]
-        tl.store(o_ptr + qo[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])
-    else:
-        part = (bg * n_split + sp).to(tl.int64)
-        tl.store(acc_ptr + (part * R_PAD + r)[:, None] * D + d[None, :], acc)
-        tl.store(ml_ptr + part * 2 * R_PAD + r, m_i)
-        tl.store(ml_ptr + part * 2 * R_PAD + R_PAD + r, l_i)
+    _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, rvalid, d, R_PAD, D, SINGLE)
 
 
 def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
