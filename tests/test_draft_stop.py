@@ -310,6 +310,28 @@ def test_the_engine_hands_fixed_rounds_to_its_depth_policy(tiny, stop_worker, fi
         assert eng.depth.cfg.fixed_rounds is fixed
 
 
+@pytest.mark.parametrize("mode, fixed", [("lean", False), ("eager", False), ("static", True), ("test", False)])
+def test_the_worker_says_whether_its_drafter_computes_every_asked_draft(tiny, mode, fixed):
+    """HELLO_OK_FIXED_ROUNDS: set by a drafter in static steps (CUDA graphs are the same steps captured),
+    not by one that stops computing where the stop ends its drafts; generate's handshake reads it and sets
+    EngineConfig.fixed_rounds from it."""
+    from draftrelay.engine import loading as L
+    from draftrelay.engine.cli_generate import handshake
+
+    d = drafters.TestDrafter() if mode == "test" else \
+        LlamaDrafter(tiny[1], 4, 256, 8, M.tiny_model_id(), M.TINY_TOKENIZER_ID, mode)
+    assert d.fixed_rounds is fixed
+    server = WorkerServer(WorkerCore(d, max_requests=4), "127.0.0.1", 0)
+    host, port = server.start()
+    try:
+        spec = L.worker_spec(host, port, d.model_id, d.tokenizer_hash, 4, 1)
+        code, why, flags = handshake(spec)
+        assert (code, why) == (0, "")
+        assert bool(flags & P.HELLO_OK_FIXED_ROUNDS) is fixed
+    finally:
+        server.stop()
+
+
 def test_engine_refuses_a_bad_stop(tiny):
     with pytest.raises(ValueError, match="draft_stop"):
         Engine(tiny[0], EngineConfig(mode="off", draft_stop=1.5))

@@ -386,3 +386,17 @@ def test_worker_metrics_report_the_branch_work_by_piece():
     assert set(work) == set(PIECES)
     assert work["run"] == pytest.approx(st["run_us"] / 1e6) and work["run"] >= 0.002 * 3
     assert work["choose"] > 0 and work["encode"] > 0
+
+
+def test_a_replay_drafter_costs_rounds_as_what_it_replays_through():
+    """An emulated device spends every asked draft's cost (fixed rounds, HELLO_OK_FIXED_ROUNDS); a real
+    drafter underneath decides for itself (a lean one stops computing where the stop ends it)."""
+    from draftrelay.worker.drafters import LlamaDrafter
+
+    tr = synthetic_trace(seed=1, n=1)
+    assert ReplayDrafter(tr, cost=CostTable({(1, 4, 256): 0.0}), n_rows=2, max_ctx=128,
+                         vocab_size=VOCAB).fixed_rounds is True
+    _, dm = tiny_pair()
+    for mode, fixed in (("lean", False), ("static", True)):
+        inner = LlamaDrafter(dm, 2, 128, 8, tiny_model_id(), "", mode)
+        assert ReplayDrafter(tr, inner=inner).fixed_rounds is fixed

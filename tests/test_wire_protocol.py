@@ -53,6 +53,19 @@ def test_header_checks():
     assert e.value.code == P.FRAME_TOO_LARGE
 
 
+def test_hello_ok_carries_its_flags_where_the_reserved_field_was():
+    """The fifth fixed field was reserved and 0: a worker that sets no flag encodes what it did before, and
+    a worker that draws every asked draft says so (HELLO_OK_FIXED_ROUNDS)."""
+    plain = P.HelloOk(123, 1, 4, 8, 32000, 4096, 1 << 20, 60000, "m", "t", "info")
+    fixed = P.HelloOk(123, 1, 4, 8, 32000, 4096, 1 << 20, 60000, "m", "t", "info", P.HELLO_OK_FIXED_ROUNDS)
+    assert plain.flags == 0 and P.HelloOk.decode(plain.encode()).flags == 0
+    assert P.HelloOk.decode(fixed.encode()) == fixed
+    assert P.HELLO_OK_FIXED.unpack_from(fixed.encode(), 0)[4] == P.HELLO_OK_FIXED_ROUNDS
+    # the rest of the frame is byte for byte the same
+    a, b = plain.encode(), fixed.encode()
+    assert a[:14] == b[:14] and a[16:] == b[16:] and a[14:16] == b"\x00\x00"
+
+
 def test_hello_roundtrip_and_errors():
     h = P.Hello(1, 4, 5, 0, 32000, "model-x", "abc123", "proxy-ü")
     assert P.Hello.decode(h.encode()) == h

@@ -418,6 +418,11 @@ class ReplayDrafter:
         log.warning("REPLAY drafter: drafts come from the trace of %s", trace.pair)
 
     @property
+    def fixed_rounds(self) -> bool:
+        """The wrapped drafter's (its run is the cost); an emulated device spends every asked draft's cost."""
+        return bool(getattr(self.inner, "fixed_rounds", False)) if self.inner is not None else True
+
+    @property
     def last_run(self) -> str:
         """What the wrapped drafter's latest run did (the worker's slow-STEP report)."""
         return getattr(self.inner, "last_run", "") if self.inner is not None else "emulated cost spent"

@@ -263,19 +263,20 @@ def read_prompt(arg: str) -> str:
                          f"({exc.reason})") from None
 
 
-def handshake(spec: dict, timeout_s: float = 5.0) -> tuple[int, str]:
-    """(0, '') if the worker accepts the spec's identity, else (ERROR code or -1 for no connection, why)."""
+def handshake(spec: dict, timeout_s: float = 5.0) -> tuple[int, str, int]:
+    """(0, '', the HELLO_OK's flags) if the worker accepts the spec's identity, else (ERROR code or -1 for no
+    connection, why, 0)."""
     from draftrelay.wire.client import WireError, WireRemoteError
     from draftrelay.wire.roundfn import client_from_spec
 
     client = client_from_spec(spec)
     try:
-        client.connect(timeout=timeout_s)
-        return 0, ""
+        info = client.connect(timeout=timeout_s)
+        return 0, "", info.flags
     except WireRemoteError as exc:
-        return exc.code, f"worker {spec['host']}:{spec['port']}: {exc}"
+        return exc.code, f"worker {spec['host']}:{spec['port']}: {exc}", 0
     except WireError as exc:
-        return -1, f"worker {spec['host']}:{spec['port']}: {exc}"
+        return -1, f"worker {spec['host']}:{spec['port']}: {exc}", 0
     finally:
         client.close()
 
@@ -338,7 +339,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
     mode = args.mode
     worker = None
     try:
-        h = None
+        h, hello_flags = None, 0
         if mode != "off":
             if not args.worker:
                 try:
@@ -370,7 +371,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                 spec.update({"secret_file": args.secret_file} if args.secret_file else {})
                 spec.update({"tls": True, "tls_ca": args.tls_ca} if args.tls_ca else {})
             try:
-                code, why = handshake(spec)
+                code, why, hello_flags = handshake(spec)
             except ValueError as exc:  # the secret file or CA cannot be used
                 print(f"draftrelay generate: {exc}", file=sys.stderr)
                 return 2
@@ -391,8 +392,8 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                            graphs=args.graphs, slot_ring=args.slot_ring,
                            depth="fixed" if args.k is not None else "auto",
                            round_costs_s=rs.round_costs_s if h else None, draft_stop=args.draft_stop,
-                           # the local worker on a GPU drafts in CUDA graphs: every asked draft computed
-                           fixed_rounds=not args.worker and dev.type == "cuda",
+                           # the worker says whether its drafter computes every asked draft (CUDA graphs)
+                           fixed_rounds=bool(hello_flags & P.HELLO_OK_FIXED_ROUNDS),
                            spec_fanout=args.spec_cache if mode == "async" else 0,
                            spec_options=spec_options(args, dev.type))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -41,8 +41,8 @@ cap's cost is averaged over the m it drafts (Acceptance.drafted_dist, from how o
 after each position); without the stop every asked draft comes back and the model is the plain one. A
 drafter that computes every asked draft whatever the stop returns (CUDA graphs and static steps, TP2,
 replay) costs round(k) for any m: DepthConfig.fixed_rounds books its rounds at k and prices a cap at
-round(k) + verify(m + 1), averaged over m (EngineConfig.fixed_rounds; `generate` and `demo` set it for
-their local worker on a GPU).
+round(k) + verify(m + 1), averaged over m (EngineConfig.fixed_rounds; `generate` sets it from the worker's
+HELLO_OK, wire.protocol.HELLO_OK_FIXED_ROUNDS).
 
 Greedy output never depends on k (a kept draft equals the target's own argmax), so the policy changes
 speed only; with sampling, rejection sampling is lossless at every k too.

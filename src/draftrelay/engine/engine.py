@@ -83,7 +83,8 @@ class EngineConfig:
     draft_stop: float = 0.0
     # the worker's drafter computes every draft a round asks whatever the stop returns (CUDA graphs, static
     # steps, TP2, replay), so the depth policy books and prices a round at the depth it asked
-    # (depth.DepthConfig.fixed_rounds); False: at the drafts it brought (a drafter that stops computing)
+    # (depth.DepthConfig.fixed_rounds); False: at the drafts it brought (a drafter that stops computing).
+    # The worker says which in its HELLO_OK (wire.protocol.HELLO_OK_FIXED_ROUNDS)
     fixed_rounds: bool = False
     # the speculation cache (spec_cache.py): F branches pre-drafted per request, 0 = off (async rounds
     # with a worker only); spec_options: SpecCache keywords (branch_budget_ms, push_faults, log)

@@ -58,7 +58,11 @@ KNOWN_BLOCK_FLAGS = FLAG_END
 MAX_STR = 256
 
 HELLO_FIXED = struct.Struct("<HHHHI")  # proto_version, max_requests, n_out_max, flags, vocab_size
-HELLO_OK_FIXED = struct.Struct("<QHHHHIIII")  # session, version, max_req, n_out_max, rsv, vocab, ctx, frame, idle
+HELLO_OK_FIXED = struct.Struct("<QHHHHIIII")  # session, version, max_req, n_out_max, flags, vocab, ctx, frame, idle
+# HELLO_OK flags (a field that was reserved and 0: a client that does not know a bit ignores it)
+# the drafter computes every draft a STEP asks whatever the confidence stop returns (static shapes, CUDA graphs,
+# TP2, replay): a round asking k costs k drafts' time however few come back (engine.depth: fixed_rounds)
+HELLO_OK_FIXED_ROUNDS = 1
 STEP_HEAD = struct.Struct("<HHI")  # n_blocks, flags, reserved
 BLOCK_HEAD = struct.Struct("<QIIIHH")  # request_id, generation, position, n_tokens, n_out, flags
 REPLY_HEAD = struct.Struct("<HHIQ")  # n_blocks, reserved, worker_us, session_id
@@ -165,24 +169,25 @@ class HelloOk:
     model_id: str
     tokenizer_hash: str
     info: str
+    flags: int = 0  # HELLO_OK_* bits
 
     def encode(self) -> bytes:
-        return (HELLO_OK_FIXED.pack(self.session_id, self.proto_version, self.max_requests, self.n_out_max, 0,
-                                    self.vocab_size, self.max_ctx, self.max_frame, self.idle_timeout_ms)
+        return (HELLO_OK_FIXED.pack(self.session_id, self.proto_version, self.max_requests, self.n_out_max,
+                                    self.flags, self.vocab_size, self.max_ctx, self.max_frame, self.idle_timeout_ms)
                 + pack_str(self.model_id) + pack_str(self.tokenizer_hash) + pack_str(self.info))
 
     @classmethod
     def decode(cls, buf) -> HelloOk:
         if len(buf) < HELLO_OK_FIXED.size:
             raise FrameError(MALFORMED, "HELLO_OK: too short")
-        sid, v, mr, no, _, vs, ctx, mf, idle = HELLO_OK_FIXED.unpack_from(buf, 0)
+        sid, v, mr, no, flags, vs, ctx, mf, idle = HELLO_OK_FIXED.unpack_from(buf, 0)
         off = HELLO_OK_FIXED.size
         mid, off = unpack_str(buf, off, "HELLO_OK model_id")
         th, off = unpack_str(buf, off, "HELLO_OK tokenizer_hash")
         info, off = unpack_str(buf, off, "HELLO_OK info")
         if off != len(buf):
             raise FrameError(MALFORMED, "HELLO_OK: trailing bytes")
-        return cls(sid, v, mr, no, vs, ctx, mf, idle, mid, th, info)
+        return cls(sid, v, mr, no, vs, ctx, mf, idle, mid, th, info, flags)
 
 
 # ---- STEP -------------------------------------------------------------------------------------------

@@ -210,7 +210,8 @@ class WorkerCore:
         self.sessions[sid] = s
         self.stats["sessions_opened"] += 1
         ok = P.HelloOk(sid, P.VERSION, h.max_requests, d.n_out_max, d.vocab_size, d.max_ctx, self.max_frame,
-                       int(self.idle_timeout * 1000), d.model_id, d.tokenizer_hash, d.info[:P.MAX_STR])
+                       int(self.idle_timeout * 1000), d.model_id, d.tokenizer_hash, d.info[:P.MAX_STR],
+                       P.HELLO_OK_FIXED_ROUNDS if getattr(d, "fixed_rounds", False) else 0)
         return s, ok
 
     def close_session(self, s: Session) -> None:

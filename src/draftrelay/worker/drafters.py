@@ -52,6 +52,9 @@ class Drafter:
     n_rows: int = 0
     n_out_max: int = 8
     info: str = ""
+    # whether run() computes every asked draft whatever the confidence stop then keeps (the worker's HELLO_OK
+    # says so: wire.protocol.HELLO_OK_FIXED_ROUNDS); False for a drafter that stops computing where it stops
+    fixed_rounds: bool = False
 
     def run(self, jobs: list[Job], n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
@@ -224,6 +227,11 @@ class LlamaDrafter(Drafter):
     _extended = 0  # jobs the latest run extended eagerly before its static step
     _path = ""  # the path the latest run took (lean, static, graph, eager)
     _last: tuple = ()  # (seconds, graphs built, kernel shapes planned) of the latest run
+
+    @property
+    def fixed_rounds(self) -> bool:
+        """The static steps (and their CUDA graphs) draft n_steps for every job; eager and lean stop."""
+        return self.mode in ("static", "graph")
 
     @property
     def last_run(self) -> str:

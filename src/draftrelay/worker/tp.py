@@ -222,6 +222,8 @@ class TPDrafter(Drafter):
     captured per rank as one CUDA graph per key; a step replays every rank's graph.
     """
 
+    fixed_rounds = True  # static steps (or their graphs) only: every asked draft is computed
+
     def __init__(self, model: Transformer, world: int, tp_mode: str, n_rows: int, max_ctx: int, n_out_max: int,
                  model_id: str, tokenizer_hash: str, mode: str = "static", devices: list | None = None,
                  timeout_ms: float = 1000.0, max_failures: int = 3, fail_token: int = -1):
