@@ -46,7 +46,8 @@ PROMPTS = [
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="target: a GGUF file or HF directory")
+    ap.add_argument("--model", default="", help="target: a GGUF file or HF directory (not needed with --targets-from: "
+                    "the target is not run, and the drafter's tokenizer encodes the prompts)")
     ap.add_argument("--drafter", required=True, help="drafter: a GGUF file or HF directory (same tokenizer)")
     ap.add_argument("--out", required=True, help="trace JSON to write")
     ap.add_argument("--max-tokens", type=int, default=128, help="target tokens per prompt (default 128)")
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompts and target continuations from this trace (recorded with the same target); "
                          "the target is not run")
     args = ap.parse_args(argv)
+    if not args.model and not args.targets_from:
+        ap.error("--model (the target) is needed unless --targets-from gives its continuations")
     if args.max_tokens < 2:
         ap.error(f"--max-tokens {args.max_tokens}: at least 2")
     if args.top_f < 1:
@@ -68,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cpu")
     t0 = time.perf_counter()
     known = Trace.load(args.targets_from) if args.targets_from else None
-    target = load_target(args.model, dev)
     drafter = load_target(args.drafter, dev)
-    print(f"loaded {target.name} and {drafter.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    target = load_target(args.model, dev) if args.model else drafter  # only its tokenizer and vocabulary then
+    print(f"loaded {target.name} and {drafter.name} in {time.perf_counter() - t0:.1f} s" if args.model else
+          f"loaded {drafter.name} in {time.perf_counter() - t0:.1f} s (targets from {args.targets_from})", flush=True)
     if target.model.cfg.vocab_size != drafter.model.cfg.vocab_size:
         print(f"vocabularies differ: target {target.model.cfg.vocab_size}, drafter {drafter.model.cfg.vocab_size}",
               file=sys.stderr)
@@ -113,12 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         per_round = sum(k for _, k in sched) / max(1, sum(1 for o, _ in sched if o))
         print(f"{name:16s} {len(ids):4d} prompt + {len(out):4d} tokens in {time.perf_counter() - t1:6.1f} s; "
               f"k=4 accepted {per_round:.2f}/round: {target.tokenizer.decode(out)[:60]!r}", flush=True)
-    pair = args.pair or f"{drafter.name} -> {target.name}, greedy"
+    pair = args.pair or (f"{drafter.name} -> {target.name}, greedy" if args.model else known.pair)
     if drafter.model.draft_vocab is not None:
         pair += f", the drafter's head restricted to {len(drafter.model.draft_vocab)} ids"
     tr = Trace(pair=pair, top_f=args.top_f, entries=entries, vocab_size=target.model.cfg.vocab_size,
-               meta={"model": os.path.basename(args.model), "drafter": os.path.basename(args.drafter),
-                     "dtype": str(target.model.dtype), "max_tokens": args.max_tokens,
+               meta={"model": os.path.basename(args.model) if args.model else known.meta.get("model", ""),
+                     "drafter": os.path.basename(args.drafter), "dtype": str(drafter.model.dtype),
+                     "max_tokens": args.max_tokens,
                      **({"draft_vocab": args.draft_vocab} if args.draft_vocab else {}),
                      **({"targets_from": os.path.basename(args.targets_from)} if known else {})})
     tr.validate(args.out)

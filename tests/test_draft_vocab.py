@@ -257,3 +257,31 @@ def test_record_traces_with_a_draft_vocab_reuses_the_targets_and_drafts_kept_ids
         for j, row in enumerate(ea.draft_top):
             if any(t < 300 for t in row):
                 assert eb.draft_top[j][0] == ec.draft_top[j][0], (ea.name, j)
+
+
+def test_record_traces_takes_more_candidates_from_the_drafter_alone(tmp_path, capsys):
+    """--targets-from without --model: the target is not loaded (its continuations come from the trace, the
+    drafter's tokenizer encodes the prompts), and a wider --top-f keeps the narrower trace's candidates as
+    its first ones; the new trace names the old one's target and pair. Without either, a clear error."""
+    import importlib.util
+    from pathlib import Path
+
+    from draftrelay import demo_pair
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "record_traces.py"
+    spec = importlib.util.spec_from_file_location("record_traces", path)
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    target, drafter = demo_pair.paths()
+    full, wide = str(tmp_path / "full.json"), str(tmp_path / "wide.json")
+    only = ["--only", "quicksort,prose_rivers", "--max-tokens", "12"]
+    assert rt.main(["--model", target, "--drafter", drafter, *only, "--out", full]) == 0
+    assert rt.main(["--drafter", drafter, *only, "--targets-from", full, "--top-f", "16", "--out", wide]) == 0
+    a, b = Trace.load(full), Trace.load(wide)
+    assert b.top_f == 16 and b.pair == a.pair and b.meta["model"] == a.meta["model"]
+    for ea, eb in zip(a.entries, b.entries, strict=True):
+        assert ea.target == eb.target and ea.prompt == eb.prompt
+        assert [row[:8] for row in eb.draft_top] == ea.draft_top
+    with pytest.raises(SystemExit):
+        rt.main(["--drafter", drafter, *only, "--out", str(tmp_path / "x.json")])
+    assert "--model (the target) is needed unless --targets-from" in capsys.readouterr().err

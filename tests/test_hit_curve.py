@@ -65,3 +65,55 @@ def test_a_batch_counts_the_steps_where_every_row_hits(tmp_path, capsys):
     assert hit_curve.main(["--trace", str(path), "--fanout", "2,4", "--share", "on,off", "--out", str(one)]) == 0
     by = json.loads(one.read_text())["by_share"]
     assert by["on"] == by["off"]
+
+
+def test_stop_ranks_count_where_the_target_token_lies_among_the_candidates():
+    """A hand-made entry: k = 2, the drafter right at positions 1 and 2, wrong at 3 (the target's token is its
+    second choice), right at 4, wrong at 5 (the target's token not among its candidates): the rounds stop
+    at 3 (after two kept drafts: the bonus place), at 5 ... each place's rank counted once."""
+    from draftrelay.replay import Trace, TraceEntry
+
+    target = [10, 11, 12, 13, 14, 15, 16]
+    top = [[10, 1], [11, 1], [12, 1], [1, 13], [14, 1], [2, 3], [16, 1]]
+    tr = Trace(pair="hand", top_f=2, vocab_size=32,
+               entries=[TraceEntry(prompt=[5], target=target, draft_top=top, draft_prob=[[0.6, 0.4]] * 7,
+                                   name="code:x")])
+    got = hit_curve.stop_ranks(tr, 2, 7)["code"]
+    # rounds from position 1: drafts at 1, 2 kept -> stop at 3 (rank 1); from 4: 4 kept, 5 wrong -> stop at 5
+    # (not among the candidates); from 6: 6 kept, then the end
+    assert got["stops"] == 2
+    assert got["within_top"] == {1: 0.0, 2: 0.5}
+
+
+def test_wider_candidates_and_more_branches_never_hit_less(tmp_path):
+    """--top-m and --max-fanout reach the worker's prefetcher (and are put back after): with more
+    candidates per place and a higher cap, a large F hits at least what the default does, and the JSON
+    holds a curve per --top-m and the stop counts."""
+    from draftrelay.worker import prefetch
+
+    tr = synthetic_trace(512, n=3, length=48, hit=0.5, seed=7)  # top_f 4
+    path = tmp_path / "trace.json"
+    tr.save(str(path))
+    out = tmp_path / "curve.json"
+    assert hit_curve.main(["--trace", str(path), "--fanout", "4,16,32", "--top-m", "2,4", "--max-fanout", "32",
+                           "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert (prefetch.TOP_M, prefetch.MAX_FANOUT) == (8, 16)
+    assert set(got["by_top_m"]) == {"2", "4"} and got["max_fanout"] == 32
+    narrow, wide = got["by_top_m"]["2"], got["by_top_m"]["4"]
+    assert wide["32"]["hit_rate"] >= narrow["32"]["hit_rate"]
+    assert wide["32"]["hit_rate"] >= wide["16"]["hit_rate"] >= wide["4"]["hit_rate"]
+    assert got["stop_ranks"] and all(v["stops"] > 0 for v in got["stop_ranks"].values())
+
+
+def test_a_top_m_beyond_the_trace_is_refused(tmp_path, capsys):
+    tr = synthetic_trace(512, n=1, length=24, seed=1)  # top_f 4
+    path = tmp_path / "trace.json"
+    tr.save(str(path))
+    for bad in ("5", "0", "x"):
+        with pytest.raises(SystemExit):
+            hit_curve.main(["--trace", str(path), "--top-m", bad, "--out", str(tmp_path / "c.json")])
+        assert "--top-m" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        hit_curve.main(["--trace", str(path), "--max-fanout", "0", "--out", str(tmp_path / "c.json")])
+    assert "--max-fanout" in capsys.readouterr().err

@@ -50,6 +50,7 @@ from draftrelay.worker.fork import LeanFork, fork_forward
 log = logging.getLogger("draftrelay.worker")
 
 TOP_M = 8  # candidates per position considered for branches (F <= (k + 1) * TOP_M)
+MAX_FANOUT = 16  # branches a request gets at most (a STEP asking more gets this many; shared: SHARE_CAP)
 # the pieces of a table's branch work: observe (acceptance from the STEP), stops (the forward over the k + 1
 # stopping places, where one runs), choose (choose_branches), run (the batched branch run), bonus (its last
 # forward, the bonus place's candidates: booked only where Prefetcher.sync_bonus waits for it; else it runs
@@ -502,9 +503,9 @@ class Prefetcher:
     """Branch drafting for one WorkerCore. Call `table(session, blocks, result, fanout)` with the
     core's lock held, right after the STEP was answered."""
 
-    def __init__(self, drafter, max_fanout: int = 16) -> None:
+    def __init__(self, drafter, max_fanout: int | None = None) -> None:
         self.drafter = drafter
-        self.max_fanout = max_fanout
+        self.max_fanout = MAX_FANOUT if max_fanout is None else max_fanout
         self.supported = isinstance(drafter, LlamaDrafter)
         self.fork = ForkSteps(drafter) if self.supported else None
         if self.fork is not None:
@@ -935,7 +936,7 @@ class ReplayPrefetcher(Prefetcher):
     of the inner model (their tokens replaced by the trace's); for a drafter on an emulated second
     device, the measured seconds of that work (CostTable.prefetch) spent as wall time."""
 
-    def __init__(self, drafter: ReplayDrafter, max_fanout: int = 16) -> None:
+    def __init__(self, drafter: ReplayDrafter, max_fanout: int | None = None) -> None:
         inner = drafter.inner
         real = isinstance(inner, LlamaDrafter)
         super().__init__(inner if real else drafter, max_fanout)
