@@ -32,7 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay.handoff.procinfo import machine_info  # noqa: E402
-from draftrelay.replay import Trace  # noqa: E402
+from draftrelay.replay import Trace, count_accepted  # noqa: E402
 from draftrelay.speculation import table as TB  # noqa: E402
 from draftrelay.worker import prefetch  # noqa: E402
 from draftrelay.worker.prefetch import SHARE_MODES  # noqa: E402
@@ -41,25 +41,20 @@ from replay_headline import hit_curve  # noqa: E402
 
 
 def stop_ranks(trace: Trace, k: int, max_tokens: int) -> dict:
-    """By kind of entry: at each place a greedy verify of k drafts stops (rounds chained on the trace as the
-    engine chains them: k drafts, the accepted ones and the target's token), the share of places where the
-    target's token is within the drafter's top m recorded there, for m = 1, 2, 4, ... up to the trace's
-    top_f; and the number of places."""
+    """By kind of entry: at each place a greedy verify of k drafts stops (the rounds of `count_accepted`, the
+    engine's schedule on the trace: a round from position n that keeps `kept` drafts stops at n + kept), the
+    share of places where the target's token is within the drafter's top m recorded there, for m = 1, 2, 4,
+    ... up to the trace's top_f; and the number of places."""
     marks = [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= trace.top_f]
     by: dict[str, list[int]] = {}
     for e in trace.entries:
-        end = min(max_tokens, len(e.target))
         ranks = by.setdefault(e.name.split(":")[0] or "all", [])
-        p = 1  # the first target token comes from the prefill, before any round
-        while p < end:
-            a = 0
-            while a < k and p + a < end and e.draft_top[p + a][0] == e.target[p + a]:
-                a += 1
-            if p + a >= end:
-                break
-            top = e.draft_top[p + a]
-            ranks.append(top.index(e.target[p + a]) if e.target[p + a] in top else trace.top_f)
-            p += a + 1
+        n = 1  # the first target token comes from the prefill, before any round
+        for offered, kept in count_accepted(e, k, max_tokens):
+            if offered:  # a plain step (no drafts left to offer) has no stopping place
+                top, t = e.draft_top[n + kept], e.target[n + kept]
+                ranks.append(top.index(t) if t in top else trace.top_f)
+            n += kept + 1
     return {kind: {"stops": len(r), "within_top": {m: sum(x < m for x in r) / max(1, len(r)) for m in marks}}
             for kind, r in sorted(by.items())}
 
@@ -109,7 +104,7 @@ def main(argv=None) -> int:
     logging.getLogger("draftrelay.replay").setLevel(logging.ERROR)  # each core's REPLAY label: the trace is named below
     max_tokens = args.max_tokens or min(len(e.target) for e in trace.entries)
     t0 = time.perf_counter()
-    curves, by_top = {}, {}
+    runs = {}  # (share mode, top m) -> curve; one of the two lists has a single value
     before = os.environ.get("DRAFTRELAY_BRANCH_SHARE")
     saved = prefetch.TOP_M, prefetch.MAX_FANOUT
     try:
@@ -118,18 +113,20 @@ def main(argv=None) -> int:
             os.environ["DRAFTRELAY_BRANCH_SHARE"] = mode
             for m in top_ms:
                 prefetch.TOP_M = m
-                by_top[m] = curves[mode] = hit_curve(trace, args.k, fans, max_tokens, args.batch)
+                runs[mode, m] = hit_curve(trace, args.k, fans, max_tokens, args.batch)
     finally:
         prefetch.TOP_M, prefetch.MAX_FANOUT = saved
         if before is None:
             os.environ.pop("DRAFTRELAY_BRANCH_SHARE", None)
         else:
             os.environ["DRAFTRELAY_BRANCH_SHARE"] = before
+    curves = {mode: runs[mode, top_ms[0]] for mode in shares}
+    by_top = {m: runs[shares[0], m] for m in top_ms}
     stops = stop_ranks(trace, args.k, max_tokens)
     out = {"benchmark": "hit_curve", "machine": machine_info(), "argv": sys.argv[1:], "pair": trace.pair,
            "entries": len(trace.entries), "k": args.k, "max_tokens": max_tokens, "batch": args.batch,
-           "max_fanout": args.max_fanout, "top_m": top_ms, "by_fanout": by_top[top_ms[0]] if len(top_ms) > 1
-           else curves[shares[0]], "by_share": curves if len(top_ms) == 1 else {}, "by_top_m": by_top,
+           "max_fanout": args.max_fanout, "top_m": top_ms, "by_fanout": runs[shares[0], top_ms[0]],
+           "by_share": curves if len(top_ms) == 1 else {}, "by_top_m": by_top,
            "stop_ranks": stops,
            "wall_s": round(time.perf_counter() - t0, 2)}
     print(f"hit rate against F, k = {args.k}, {len(trace.entries)} entries x {max_tokens} tokens, "
