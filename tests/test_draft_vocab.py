@@ -232,16 +232,22 @@ def test_generate_and_serve_name_a_bad_drafter_vocab(tmp_path, capsys):
     assert "--drafter-vocab abc: expected N, FILE.npy or FILE.npy:N; 'abc' does not exist" in capsys.readouterr().err
 
 
-def test_record_traces_with_a_draft_vocab_reuses_the_targets_and_drafts_kept_ids(tmp_path):
+def record_traces_module():
+    """benchmarks/record_traces.py, loaded as a module (benchmarks/ is not a package)."""
     import importlib.util
     from pathlib import Path
-
-    from draftrelay import demo_pair
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "record_traces.py"
     spec = importlib.util.spec_from_file_location("record_traces", path)
     rt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rt)
+    return rt
+
+
+def test_record_traces_with_a_draft_vocab_reuses_the_targets_and_drafts_kept_ids(tmp_path):
+    from draftrelay import demo_pair
+
+    rt = record_traces_module()
     target, drafter = demo_pair.paths()
     full, cut = str(tmp_path / "full.json"), str(tmp_path / "cut.json")
     base = ["--model", target, "--drafter", drafter, "--only", "quicksort,prose_rivers", "--max-tokens", "12"]
@@ -263,15 +269,9 @@ def test_record_traces_takes_more_candidates_from_the_drafter_alone(tmp_path, ca
     """--targets-from without --model: the target is not loaded (its continuations come from the trace, the
     drafter's tokenizer encodes the prompts), and a wider --top-f keeps the narrower trace's candidates as
     its first ones; the new trace names the old one's target and pair. Without either, a clear error."""
-    import importlib.util
-    from pathlib import Path
-
     from draftrelay import demo_pair
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "record_traces.py"
-    spec = importlib.util.spec_from_file_location("record_traces", path)
-    rt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rt)
+    rt = record_traces_module()
     target, drafter = demo_pair.paths()
     full, wide = str(tmp_path / "full.json"), str(tmp_path / "wide.json")
     only = ["--only", "quicksort,prose_rivers", "--max-tokens", "12"]

@@ -16,12 +16,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import hit_curve  # noqa: E402
 
 
+def saved_trace(tmp_path, *args, **kw) -> Path:
+    """A synthetic trace (draftrelay.replay.synthetic_trace: top_f 4) saved as tmp_path/trace.json."""
+    path = tmp_path / "trace.json"
+    synthetic_trace(*args, **kw).save(str(path))
+    return path
+
+
 def test_hit_rate_grows_with_the_fanout_and_the_json_says_so(tmp_path, capsys):
     """The F branches of a table are the F most likely of one sorted list, and greedy outcomes do not
     depend on F, so a larger F hits every lookup a smaller one does: the curve cannot fall."""
-    tr = synthetic_trace(512, n=3, length=48, hit=0.6, seed=4)
-    path = tmp_path / "trace.json"
-    tr.save(str(path))
+    path = saved_trace(tmp_path, 512, n=3, length=48, hit=0.6, seed=4)
     out = tmp_path / "curve.json"
     assert hit_curve.main(["--trace", str(path), "--fanout", "1,2,4,8", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
@@ -36,9 +41,7 @@ def test_hit_rate_grows_with_the_fanout_and_the_json_says_so(tmp_path, capsys):
                                        (["--k", "0"], "--k"), (["--batch", "0"], "--batch"),
                                        (["--share", "maybe"], "--share")])
 def test_bad_arguments_name_what_is_wrong(tmp_path, capsys, args, msg):
-    tr = synthetic_trace(512, n=1, length=24, seed=1)
-    path = tmp_path / "trace.json"
-    tr.save(str(path))
+    path = saved_trace(tmp_path, 512, n=1, length=24, seed=1)
     with pytest.raises(SystemExit):
         hit_curve.main(["--trace", str(path), *args, "--out", str(tmp_path / "c.json")])
     assert msg in capsys.readouterr().err
@@ -48,9 +51,7 @@ def test_a_batch_counts_the_steps_where_every_row_hits(tmp_path, capsys):
     """--batch 2: the entries two at a time, one STEP each round; a step counts as all-hit only when both
     rows hit, so its rate is at most the per-lookup rate. One request gets its F whether the batch's
     branches are shared or not, so at --batch 1 the two curves are the same."""
-    tr = synthetic_trace(512, n=4, length=48, hit=0.6, seed=5)
-    path = tmp_path / "trace.json"
-    tr.save(str(path))
+    path = saved_trace(tmp_path, 512, n=4, length=48, hit=0.6, seed=5)
     out = tmp_path / "curve.json"
     assert hit_curve.main(["--trace", str(path), "--fanout", "2,4", "--batch", "2", "--share", "on,off",
                            "--out", str(out)]) == 0
@@ -91,9 +92,7 @@ def test_wider_candidates_and_more_branches_never_hit_less(tmp_path):
     holds a curve per --top-m and the stop counts."""
     from draftrelay.worker import prefetch
 
-    tr = synthetic_trace(512, n=3, length=48, hit=0.5, seed=7)  # top_f 4
-    path = tmp_path / "trace.json"
-    tr.save(str(path))
+    path = saved_trace(tmp_path, 512, n=3, length=48, hit=0.5, seed=7)  # top_f 4
     out = tmp_path / "curve.json"
     assert hit_curve.main(["--trace", str(path), "--fanout", "4,16,32", "--top-m", "2,4", "--max-fanout", "32",
                            "--out", str(out)]) == 0
@@ -107,9 +106,7 @@ def test_wider_candidates_and_more_branches_never_hit_less(tmp_path):
 
 
 def test_a_top_m_beyond_the_trace_is_refused(tmp_path, capsys):
-    tr = synthetic_trace(512, n=1, length=24, seed=1)  # top_f 4
-    path = tmp_path / "trace.json"
-    tr.save(str(path))
+    path = saved_trace(tmp_path, 512, n=1, length=24, seed=1)  # top_f 4
     for bad in ("5", "0", "x"):
         with pytest.raises(SystemExit):
             hit_curve.main(["--trace", str(path), "--top-m", bad, "--out", str(tmp_path / "c.json")])
