@@ -158,7 +158,7 @@ def plan_first(model: M.Transformer, forward) -> None:
     plans all its row buckets): where a variant's first call planned it, the variant that happened to run
     first set the conditions, and under "nopdl" the Triton tiles were timed launched plainly (each paying
     the launch gap PDL hides; cuBLAS never has PDL), so on an H100 (no shipped seed: measured) the four-row
-    products of the 0.5B got tiles that time 1.3-1.8 x the best with PDL, and "graphs_fast" at four requests
+    products of the 0.5B got tiles that time 1.35-1.65 x the best with PDL, and "graphs_fast" at four requests
     read 0.1-0.5 ms slower than "nocublas" (benchmarks/results/fast_forward_shuffled_*_h100.json: each
     product's "us" under "plans" against "plans_nocublas"). forward(): one eager forward of the model."""
     fast_path(model, True)
