@@ -121,6 +121,39 @@ def test_fast_forward_logits_within_bf16_of_plain_and_greedy_equal_in_fp32():
     torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
 
 
+def test_positions_ahead_rows_are_the_loop_positions_each_contiguous():
+    first = torch.tensor([5, 9, 0])
+    ahead = M.positions_ahead(first, 3)
+    assert ahead.tolist() == [[5, 9, 0], [6, 10, 1], [7, 11, 2]] and ahead.dtype == first.dtype
+    assert all(ahead[s].is_contiguous() for s in range(3))  # what the kernels take as start
+    assert M.positions_ahead(first, 0).shape == (0, 3)
+
+
+def test_embedding_definition_and_the_forward_use_it():
+    """The reference is F.embedding; the forward's first step goes through the backend's embedding on the
+    fast path (the CUDA kernel there), F.embedding on the plain one."""
+    w = torch.randn(30, 8)
+    ids = torch.tensor([[1, 29], [0, 0]])
+    assert torch.equal(R.embedding(ids, w), w[ids])
+    with pytest.raises(IndexError):
+        R.embedding(torch.tensor([30]), w)
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(R, name)
+
+        def embedding(self, t, wt):
+            calls.append(t.shape)
+            return R.embedding(t, wt)
+    cfg = small_cfg()
+    st = M.step_state(torch.tensor([0]), 1, 4, torch.tensor([0]), cfg.n_rep, M.rope_inv_freq(cfg), torch.float32,
+                      fast=False)
+    assert torch.equal(M.embedding(ids, w, st), w[ids]) and not calls
+    st.kernels = Spy()
+    assert torch.equal(M.embedding(ids, w, st), w[ids]) and calls == [ids.shape]
+
+
 def test_fast_forward_with_rows_as_slice_and_tensor_and_static_kv_len():
     cfg = small_cfg()
     m = Transformer.random(cfg, seed=3, std=0.1)
@@ -339,15 +372,22 @@ for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLO
         torch.testing.assert_close(ck, ck2, atol=1e-6, rtol=1e-6)
         # (1300 keys split into several chunks: the RoPE then runs as its own kernel, the combine loops)
         assert torch.equal(cv, cv2) and T.attention_fuses_rope(kv, Tq) == (Tq == 1 and kv < 1300)
+ew = torch.randn(50, 40, generator=g)  # the embedding gather: one block a row, and a row split in two
+ids = torch.tensor([[3, 49, 0], [7, 7, 12]])
+assert torch.equal(T.embedding(ids, ew), R.embedding(ids, ew))
+ew2 = torch.randn(10, 1500, generator=g)
+assert torch.equal(T.embedding(torch.tensor([9, 0, 4]), ew2), ew2[[9, 0, 4]])
+got = T.embedding(torch.tensor([[-1, 10, 2]]), ew2)  # ids outside the table: zeros, nothing read out of it
+assert got.shape == (1, 3, 1500) and not got[0, :2].any() and torch.equal(got[0, 2], ew2[2])
 assert splits >= 6, splits
 print("checked", n)
 '''
 
 
 def test_triton_kernels_under_the_interpreter_equal_their_definitions(tmp_path):
-    """The skinny GEMM (every candidate configuration of a few shapes, each prologue), greedy_pick and
-    the attention at each one-program tile size run by Triton's interpreter in fp32 (its bf16 emulation
-    is not faithful; bf16 runs on the GPU tests)."""
+    """The skinny GEMM (every candidate configuration of a few shapes, each prologue), greedy_pick, the
+    embedding gather and the attention at each one-program tile size run by Triton's interpreter in fp32
+    (its bf16 emulation is not faithful; bf16 runs on the GPU tests)."""
     out = run_interpreted(tmp_path, INTERPRETED_CHECK)
     assert "checked" in out, out[-3000:]
     assert int(out.split("checked")[1]) >= 25  # configurations checked

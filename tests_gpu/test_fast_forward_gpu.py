@@ -128,6 +128,30 @@ def test_every_skinny_config_equals_its_definition(pro, K, N, bias, M):
     REPORT.setdefault("skinny", []).append({"product": P.PRO_NAMES[pro], "M": M, "N": N, "K": K, "rel": errs})
 
 
+def test_embedding_gather_equals_its_definition_bit_for_bit():
+    """The PDL embedding kernel at the 0.5B's and the 7B's widths, eager and inside a graph (the drafting
+    loop's use: the ids written by the kernel before it); an id outside the table gives zeros."""
+    K = kernels.backend(DEV)
+    g = fresh()
+    for V, D in ((151936, 896), (152064, 3584)):
+        w = torch.randn(V, D, device=DEV, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, V, (4, 5), device=DEV, generator=g)
+        assert torch.equal(K.embedding(ids, w), R.embedding(ids, w))
+        src = torch.randint(0, V, (4,), device=DEV, generator=g)
+        with torch.inference_mode():
+            K.embedding((src + 1)[:, None], w)  # compiled outside the capture
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                out = K.embedding((src + 1)[:, None] % V, w)
+            for _ in range(2):
+                src.copy_(torch.randint(0, V, (4,), device=DEV, generator=g))
+                gr.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, R.embedding(((src + 1) % V)[:, None], w))
+        bad = K.embedding(torch.tensor([-1, V, 3], device=DEV), w)
+        assert not bad[:2].any() and torch.equal(bad[2], w[3])
+
+
 def test_greedy_pick_equals_argmax_and_softmax():
     K = kernels.backend(DEV)
     g = fresh()

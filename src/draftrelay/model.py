@@ -583,6 +583,18 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
     return out.float()
 
 
+def embedding(tokens: torch.Tensor, weight: torch.Tensor, st: StepState) -> torch.Tensor:
+    """The forward's first step: the fast path's embedding kernel (part of the PDL chain) or F.embedding."""
+    return F.embedding(tokens, weight) if st.kernels is None else st.kernels.embedding(tokens, weight)
+
+
+def positions_ahead(first: torch.Tensor, n: int) -> torch.Tensor:
+    """first [B] -> [n, B], row s = first + s: the positions of a drafting loop's forwards, made before its
+    first forward (one launch) rather than one add between each two forwards, where a torch launch would
+    break the fast path's PDL chain. Each row is contiguous (what the kernels take as start)."""
+    return first[None, :] + torch.arange(n, device=first.device, dtype=first.dtype)[:, None]
+
+
 def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
             v: torch.Tensor, st: StepState, eps: float, final_norm: torch.Tensor, head: torch.Tensor,
             last_only: bool = False, logits_at: torch.Tensor | None = None,
@@ -591,7 +603,7 @@ def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWei
     """The decoder stack on one card: embedding, the layers (k / v: caches [L, rows, n_kv, len, D]), the
     head (vocab: a draft vocabulary's rows only, see head_logits). `decoder_steps` is the same stack for
     a tensor-parallel rank."""
-    x, red = F.embedding(tokens, embed), None
+    x, red = embedding(tokens, embed, st), None
     for i, w in enumerate(layers):
         x, o = attn_half(x, red, w, st, k[i], v[i], eps)
         red = out_product(o, w.wo, st)
@@ -606,7 +618,7 @@ def decoder_steps(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[La
     """`decoder` for one tensor-parallel rank: a generator that yields after each row-parallel product
     (its caller launches the peers' ops in between). row_linear(x, w): the rank's partial product of
     o_proj / down_proj, all-reduced. head None: no head (prefill chunks that only extend the cache)."""
-    x, red = F.embedding(tokens, embed), None
+    x, red = embedding(tokens, embed, st), None
     for i, w in enumerate(layers):
         x, o = attn_half(x, red, w, st, k[i], v[i], eps)
         red = row_linear(o, w.wo)

@@ -4,6 +4,7 @@
 where Triton imports, `reference` everywhere else (the CPU runs the fast forward's structure with the
 plain-torch definitions: the same function, not faster). Both modules define
 
+    embedding(tokens, weight) -> weight's rows of the token ids (F.embedding)
     add_rms_norm(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta) * weight)
     norm_linear(x, delta, weight, eps, w, b) -> (x + delta, add_rms_norm's output @ w^T + b)
     use_norm_linear(rows, w) -> whether the forward takes norm_linear for that product

@@ -13,6 +13,13 @@ import torch
 from draftrelay.kernels.plan import MAX_ROWS
 
 
+def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """tokens (any shape, ids in [0, V)) -> weight's rows [*tokens.shape, D]: F.embedding. (The CUDA kernel
+    writes zeros for an id outside [0, V) where this raises: it runs inside graphs, where nothing can
+    raise; the engine checks prompt ids against the vocabulary, the worker a STEP's ids, before any forward.)"""
+    return torch.nn.functional.embedding(tokens, weight)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta rounded to x's dtype, RMSNorm of that times weight). delta may be fp32 (the TP

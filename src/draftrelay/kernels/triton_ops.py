@@ -91,14 +91,52 @@ def _launch_kw(pdl: bool) -> dict:
 
 
 @triton.jit
+def _pdl_entry(PDL: tl.constexpr):
+    """The entry of a kernel whose every input may be the previous kernel's output: let the next kernel
+    launch now (its programs start loading what no kernel writes, such as weights, while this one runs),
+    then wait until the previous kernel is done and its writes are visible, before any load."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def _embedding_kernel(tok_ptr, w_ptr, o_ptr, V, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    _pdl_entry(PDL)  # the token is the previous kernel's output (a drafting loop's pick): read only after the wait
+    t = tl.load(tok_ptr + r).to(tl.int64)
+    ok = (t >= 0) & (t < V)
+    m = d < D
+    row = tl.load(w_ptr + tl.where(ok, t, 0) * D + d, mask=m, other=0.0)  # (an id outside: row 0 read, not kept)
+    tl.store(o_ptr + r * D + d, tl.where(ok, row, tl.zeros_like(row)), mask=m)
+
+
+def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """reference.embedding as a kernel of the PDL chain: F.embedding's gather is a torch launch, which
+    neither lets the first layer's product start early nor starts early itself, once a forward (in a
+    drafting loop, between the previous forward's pick and this forward's first product)."""
+    if P.MODE == "off":
+        return R.embedding(tokens, weight)
+    flat = tokens.reshape(-1)
+    V, D = weight.shape
+    out = torch.empty(*tokens.shape, D, device=weight.device, dtype=weight.dtype)
+    if flat.numel() == 0:
+        return out
+    BLOCK = min(1024, triton.next_power_of_2(D))
+    pdl = _pdl(weight.device)
+    _embedding_kernel[(flat.numel(), triton.cdiv(D, BLOCK))](flat, weight.contiguous(), out, V, D, BLOCK=BLOCK,
+                                                             PDL=pdl, num_warps=4, **_launch_kw(pdl))
+    return out
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, N, eps,
                          HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_entry(PDL)
     x = tl.load(x_ptr + row * N + offs, mask=m, other=0.0)
     if HAS_DELTA:
         d = tl.load(d_ptr + row * N + offs, mask=m, other=0.0)
@@ -132,9 +170,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_entry(PDL)
     g = tl.load(gu_ptr + row * 2 * n + offs, mask=m, other=0.0)
     u = tl.load(gu_ptr + row * 2 * n + n + offs, mask=m, other=0.0)
     gf = g.to(tl.float32)
@@ -159,9 +195,7 @@ def _rope_kv_kernel(qkv_ptr, start_ptr, rows_ptr, inv_ptr, q_ptr, ck_ptr, cv_ptr
                     PDL: tl.constexpr):
     bt = tl.program_id(0)
     h = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_entry(PDL)
     b = bt // T
     t = bt % T
     pos = (tl.load(start_ptr + b) + t).to(tl.int64)
@@ -334,9 +368,7 @@ def _attn_program(rows_ptr, start_ptr, T, H, chunk, REP: tl.constexpr, R_PAD: tl
     producer is done."""
     bg = tl.program_id(0)
     sp = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_entry(PDL)
     n_kv = H // REP
     b = bg // n_kv
     g = bg % n_kv
@@ -390,9 +422,7 @@ def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split,
     # combine kernel every MIN_CHUNK tokens of context, inside whatever step or round crossed the boundary.
     # FIXED_SPLIT: the same count as a constexpr, for Triton's interpreter (no run-time loop bounds there)
     bg = tl.program_id(0)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_entry(PDL)
     n_kv = H // REP
     b = bg // n_kv
     g = bg % n_kv
@@ -966,9 +996,7 @@ PICK_CHUNK = 4096  # vocabulary entries per program of greedy_pick's first pass
 def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_entry(PDL)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     msk = offs < V
     x = tl.load(l_ptr + b * V + offs, mask=msk, other=float("-inf")).to(tl.float32)
@@ -985,9 +1013,7 @@ def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.const
 def _pick_merge_kernel(pm_ptr, pi_ptr, ps_ptr, tok_ptr, conf_ptr, ids_ptr, V, n_chunk, NC: tl.constexpr,
                        IDS: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_entry(PDL)
     c = tl.arange(0, NC)
     cm = c < n_chunk
     m = tl.load(pm_ptr + b * n_chunk + c, mask=cm, other=float("-inf"))
@@ -1032,9 +1058,7 @@ def _top_part_kernel(l_ptr, tv_ptr, ti_ptr, ps_ptr, V, n_chunk, M: tl.constexpr,
     # latter exactly as _pick_part_kernel computes it (so the merged confidence is greedy_pick's)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_entry(PDL)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     msk = offs < V
     x = tl.load(l_ptr + b * V + offs, mask=msk, other=float("-inf")).to(tl.float32)
@@ -1057,9 +1081,7 @@ def _top_merge_kernel(tv_ptr, ti_ptr, ps_ptr, tok_ptr, conf_ptr, oi_ptr, op_ptr,
     # one row: the m largest of the chunks' candidates (lowest id first among equals: ids are unique, so
     # taking by id is exact), the confidence from the chunk sums as _pick_merge_kernel forms it
     b = tl.program_id(0).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_entry(PDL)
     c = tl.arange(0, NC)
     cm = c < n_chunk
     n = tl.arange(0, NM)

@@ -445,17 +445,19 @@ class LlamaDrafter(Drafter):
         """Everything of one draft step from g's input buffers into g's output buffers, no host sync.
         Each forward ends in its greedy pick (Transformer.forward(greedy=True): one fused kernel pair on
         the fast path, the logits' argmax and softmax otherwise)."""
+        from draftrelay.model import positions_ahead
         torch, model, cache = self.torch, self.model, self.cache
         B, T, n_steps, kv = g.key  # attention spans the first kv positions of the rows (masked)
         tokens, start, rows, last = g.tokens, g.start, g.rows, g.last
+        # the fed-back drafts' positions (from the first draft's on), all before the first forward
+        pos = positions_ahead(start + last + 1, n_steps - 1) if n_steps > 1 else None
         tok, conf = model(tokens, start, cache, rows, kv_len=kv, logits_at=last, greedy=True)
-        pos = start + last + 1  # position of the first draft
         out_t, out_c = [], []
         for s in range(n_steps):
             out_t.append(tok)
             out_c.append(conf)
             if s < n_steps - 1:
-                tok, conf = model(tok[:, None], pos + s, cache, rows, kv_len=kv, greedy=True)
+                tok, conf = model(tok[:, None], pos[s], cache, rows, kv_len=kv, greedy=True)
         g.out_tok.copy_(torch.stack(out_t, 1))
         g.out_conf.copy_(torch.stack(out_c, 1))
 

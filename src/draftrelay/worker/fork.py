@@ -141,7 +141,7 @@ def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: 
     layers = model.layer_weights()
     kern = [ForkKernels(base, parent_cache.k[i], parent_cache.v[i], parent, pivot) for i in range(len(layers))]
     eps = model.cfg.rms_norm_eps
-    x, red = F.embedding(tokens, model.embed_tokens.weight), None
+    x, red = M.embedding(tokens, model.embed_tokens.weight, st), None
     for i, w in enumerate(layers):
         st.kernels = kern[i]
         x, o = M.attn_half(x, red, w, st, cache.k[i], cache.v[i], eps)

@@ -31,6 +31,7 @@ import numpy as np
 from draftrelay import SettingError, env_choice, env_ms
 from draftrelay.capture import GraphCapture, kv_bucket, kv_buckets
 from draftrelay.memory import KVMemoryError
+from draftrelay.model import positions_ahead
 from draftrelay.replay import ReplayDrafter, spend
 from draftrelay.speculation.table import (
     MAX_K,
@@ -323,9 +324,9 @@ class ForkSteps:
             # each step: the head's output as it is (no fp32 copy of the vocabulary), the drafter's own
             # fused greedy pick (the same token and confidence as its drafting loop) and the top candidates
             # at that place with their probabilities, in one greedy_top
+            pos = positions_ahead(start + at + 1, k - 1) if k > 1 else None  # as LlamaDrafter's loop
             lf = fork_forward(model, tokens, start, self.cache, row, self.d.cache, parent, pivot, kv,
                               logits_at=at, raw=True)[:, 0]
-            pos = start + at + 1
             toks, confs, tts, tps = [], [], [], []
             for s in range(k):
                 tok, conf, tt_s, tp_s = self._pick_top(lf, m)
@@ -334,7 +335,7 @@ class ForkSteps:
                 tts.append(tt_s)
                 tps.append(tp_s)
                 if s < k - 1:
-                    lf = fork_forward(model, tok[:, None], pos + s, self.cache, row, self.d.cache, parent, pivot,
+                    lf = fork_forward(model, tok[:, None], pos[s], self.cache, row, self.d.cache, parent, pivot,
                                       kv, raw=True)[:, 0]
             tt, tp = torch.stack(tts, 1), torch.stack(tps, 1)  # [B, k, m]
             conf = torch.stack(confs, 1)  # [B, k]
