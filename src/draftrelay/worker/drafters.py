@@ -36,6 +36,8 @@ PREFILL_CHUNK = 512  # longer extensions (first-round prompts) run alone, in chu
 BATCHED_HEAD = 256  # extensions up to this long (catch-up, short prompts) are prefilled together, padded
 
 
+STATIC_MODES = ("static", "graph")  # the modes that run static-shape steps ("graph": captured), built by warm()
+
 @dataclass
 class Job:
     row: int
@@ -231,7 +233,7 @@ class LlamaDrafter(Drafter):
     @property
     def fixed_rounds(self) -> bool:
         """The static steps (and their CUDA graphs) draft n_steps for every job; eager and lean stop."""
-        return self.mode in ("static", "graph")
+        return self.mode in STATIC_MODES
 
     @property
     def last_run(self) -> str:
@@ -283,7 +285,7 @@ class LlamaDrafter(Drafter):
         first rounds of a session do not pay for captures. Returns how many were built. progress(done,
         total), if given, is called before the first step and after each. The eager and lean modes run
         no static step: nothing to build."""
-        if self.mode not in ("static", "graph"):
+        if self.mode not in STATIC_MODES:
             return 0
         before = len(self._static)
         keys = steady_state_keys(n_steps_list, min(max_batch, self.n_rows), self.cache.max_len, max_kv, min_kv)
@@ -295,7 +297,7 @@ class LlamaDrafter(Drafter):
         if self._lean is not None and jobs and all(len(j.tokens) <= PAD_LIMIT for j in jobs):
             self._path = "lean"
             return self._lean.run(jobs, n_steps)
-        if self.mode in ("static", "graph") and jobs and n_steps >= 1:
+        if self.mode in STATIC_MODES and jobs and n_steps >= 1:
             self._path = self.mode
             jobs = self._fit_built(jobs, n_steps)
             key_count = len(self._static)
