@@ -34,9 +34,8 @@ log = logging.getLogger("draftrelay.worker")
 PAD_LIMIT = 16  # extensions up to this many tokens are batched in one padded forward
 PREFILL_CHUNK = 512  # longer extensions (first-round prompts) run alone, in chunks of this size
 BATCHED_HEAD = 256  # extensions up to this long (catch-up, short prompts) are prefilled together, padded
-
-
 STATIC_MODES = ("static", "graph")  # the modes that run static-shape steps ("graph": captured), built by warm()
+
 
 @dataclass
 class Job:
