@@ -9,6 +9,10 @@
 #   5. replay_headline.py at four requests with each wait rule (all, rows, early), F = 8, guard off (RULES and
 #      FANOUTS change them)
 #   6. depth_rounds.py: a local worker's STEP at each depth, warmed for the deepest alone and for every depth
+#   7. branch_work.py at 128 and 32K keys, F = 4 and 8, one request: with PDL, without (DRAFTRELAY_PDL=off), and
+#      where BASE_SRC names another tree's src/ (e.g. an older build unpacked into an ignored folder that the
+#      call carries), that tree with PDL: where the 32K F = 8 branch work's time goes (docs/SPEC_CACHE.md,
+#      "The present build on an H200")
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
 #   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
@@ -50,5 +54,15 @@ fi
 if part 6 "depth_rounds.py"; then
     timeout "${DEPTH_S:-150}" python3 benchmarks/depth_rounds.py --out "$OUT/depth_rounds.json" 2>&1 \
         | grep -v "^\[W" | tail -3
+fi
+if part 7 "branch_work.py at 128 and 32K, F = 4 and 8"; then
+    for v in pdl nopdl base; do
+        src=$PWD/src pdl=on
+        [[ $v == nopdl ]] && pdl=off
+        if [[ $v == base ]]; then [[ -n "${BASE_SRC:-}" ]] || continue; src=$BASE_SRC; fi
+        DRAFTRELAY_PDL=$pdl PYTHONPATH=$src timeout "${BRANCH_S:-120}" python3 benchmarks/branch_work.py \
+            --contexts 128,32768 --fanout 4,8 --requests 1 --out "$OUT/branch_work_$v.json" 2>&1 \
+            | grep -v "^\[W" | tail -6
+    done
 fi
 echo "done in $(( $(date +%s) - T0 )) s"
