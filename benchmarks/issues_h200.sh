@@ -9,10 +9,12 @@
 #   5. replay_headline.py at four requests with each wait rule (all, rows, early), F = 8, guard off (RULES and
 #      FANOUTS change them)
 #   6. depth_rounds.py: a local worker's STEP at each depth, warmed for the deepest alone and for every depth
-#   7. branch_work.py at 128 and 32K keys, F = 4 and 8, one request: with PDL, without (DRAFTRELAY_PDL=off), and
-#      where BASE_SRC names another tree's src/ (e.g. an older build unpacked into an ignored folder that the
-#      call carries), that tree with PDL: where the 32K F = 8 branch work's time goes (docs/SPEC_CACHE.md,
-#      "The present build on an H200")
+#   7. where the 32K F = 8 branch work's time goes (docs/SPEC_CACHE.md, "The present build on an H200"):
+#      branch_work.py at 128 and 32K keys, F = 4 and 8, one request, with PDL and without (DRAFTRELAY_PDL=off);
+#      where BASE_TREE names an older build's tree (its src/ and benchmarks/, unpacked into an ignored folder
+#      that the call carries, e.g. `git archive 16125a1 src benchmarks ':(exclude)benchmarks/results'
+#      ':(exclude)benchmarks/data' ':(exclude)src/draftrelay/demo_pair' | tar -x -C .base`), each tree's
+#      replay_headline.py at 32k:1, F = 8, every step a cache step: the branch pieces measured in its run
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
 #   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
@@ -55,14 +57,21 @@ if part 6 "depth_rounds.py"; then
     timeout "${DEPTH_S:-150}" python3 benchmarks/depth_rounds.py --out "$OUT/depth_rounds.json" 2>&1 \
         | grep -v "^\[W" | tail -3
 fi
-if part 7 "branch_work.py at 128 and 32K, F = 4 and 8"; then
-    for v in pdl nopdl base; do
-        src=$PWD/src pdl=on
-        [[ $v == nopdl ]] && pdl=off
-        if [[ $v == base ]]; then [[ -n "${BASE_SRC:-}" ]] || continue; src=$BASE_SRC; fi
-        DRAFTRELAY_PDL=$pdl PYTHONPATH=$src timeout "${BRANCH_S:-120}" python3 benchmarks/branch_work.py \
-            --contexts 128,32768 --fanout 4,8 --requests 1 --out "$OUT/branch_work_$v.json" 2>&1 \
-            | grep -v "^\[W" | tail -6
+if part 7 "the 32K F = 8 branch work"; then
+    for pdl in on off; do
+        DRAFTRELAY_PDL=$pdl timeout "${BRANCH_S:-120}" python3 benchmarks/branch_work.py --contexts 128,32768 \
+            --fanout 4,8 --requests 1 --out "$OUT/branch_work_pdl_$pdl.json" 2>&1 | grep -v "^\[W" | tail -6
     done
+    if [[ -n "${BASE_TREE:-}" ]]; then  # the older tree's own script (it predates --guard: every step a cache step)
+        cp src/draftrelay/handoff/*.so "$BASE_TREE/src/draftrelay/handoff/" 2>/dev/null  # the host atomics, built here
+        for label in base present; do
+            tree=$PWD extra=(--guard off)
+            [[ $label == base ]] && tree=$BASE_TREE extra=()
+            PYTHONPATH=$tree/src timeout "${REPLAY_S:-220}" python3 "$tree/benchmarks/replay_headline.py" \
+                --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json --repeats 1 --workloads 32k:1 \
+                --placements emulated --modes off,cache --fanout 8 "${extra[@]}" \
+                --out "$OUT/replay_32k_$label.json" 2>&1 | grep -v "^\[W" | grep "branch work\|32k:1" | tail -3
+        done
+    fi
 fi
 echo "done in $(( $(date +%s) - T0 )) s"
