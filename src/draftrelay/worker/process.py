@@ -102,13 +102,13 @@ def _wait_banner(proc: subprocess.Popen, cmd: list[str], host: str, timeout: flo
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     t0 = time.monotonic()
-    deadline = t0 + timeout
+    deadline, cap = t0 + timeout, MAX_START_TIMEOUTS * timeout
     seen = _log_size(log_path)
     try:
         while True:
             size = _log_size(log_path)
             if size != seen:
-                seen, deadline = size, min(time.monotonic() + timeout, t0 + MAX_START_TIMEOUTS * timeout)
+                seen, deadline = size, min(time.monotonic() + timeout, t0 + cap)
             left = deadline - time.monotonic()
             if left <= 0 or proc.poll() is not None:
                 break
@@ -124,7 +124,6 @@ def _wait_banner(proc: subprocess.Popen, cmd: list[str], host: str, timeout: flo
     w = WorkerProcess(proc, host, 0, "", log_path)
     err = w.log()
     code = proc.poll()
-    cap = MAX_START_TIMEOUTS * timeout
     why = (f"exit {code}" if code is not None else f"no banner in {cap:g} s" if time.monotonic() - t0 >= cap
            else f"no banner and no new log line in {timeout:g} s")
     w.stop()
