@@ -355,6 +355,7 @@ for m in (1, 8):
     torch.testing.assert_close(got[3], want[3])
     assert torch.equal(got[1], T.greedy_pick(lg)[1])  # greedy_pick's confidence, summed the same way
 assert T.linear(torch.ones(1, 96), torch.ones(5, 96)).sum() == 5 * 96  # not CUDA: cuBLAS's place, F.linear
+T.COMBINE_BLOCK[16] = 4  # the combine over 1300 keys' six chunks: a full block of partials, a masked one
 for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLOCK), one row and a verify
     T.SINGLE_BLOCK[16, 16] = T.SINGLE_BLOCK[16, 32] = blk
     for B, Tq, kv, starts in ((2, 1, 256, [100, 3]), (1, 5, 512, [400]), (1, 1, 1300, [1290])):

@@ -110,6 +110,23 @@ for B, Tq, kv, starts, pivots in ((2, 1, 256, [100, 3], [60, 3]), (3, 2, 512, [4
     torch.testing.assert_close(FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, parent, zero),
                                R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
     n += 1
+# split keys: a parent's rows in a block of G rows read its keys below their lowest pivot once (the shared
+# programs), each row only its keys from there on; groups of consecutive rows, rows of one parent apart, a
+# parent's rows over two blocks (T = 4: G = 8 of the ten rows) and a row alone
+for Tq, starts, pivots, parent in ((1, [1500, 1502, 1501, 1505, 900, 903], [1500, 1499, 1501, 1502, 900, 890],
+                                    [1, 1, 1, 1, 2, 2]),
+                                   (1, [1300, 1700, 1301, 1900, 40], [1300, 1690, 1299, 1900, 0], [3, 2, 3, 4, 2]),
+                                   (4, [1100 + 7 * i for i in range(10)], [1100 + 5 * i for i in range(10)], [1] * 10)):
+    B, kv = len(starts), 2048
+    q = torch.randn(B, Tq, 4, 16, generator=g)
+    ck, cv = torch.randn(B + 1, 2, kv + 8, 16, generator=g), torch.randn(B + 1, 2, kv + 8, 16, generator=g)
+    pk, pv = torch.randn(5, 2, kv + 8, 16, generator=g), torch.randn(5, 2, kv + 8, 16, generator=g)
+    rows, st, par, piv = torch.arange(B, 0, -1), torch.tensor(starts), torch.tensor(parent), torch.tensor(pivots)
+    assert FT.group_rows(B, 2, Tq, False) == 8
+    torch.testing.assert_close(FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, par, piv),
+                               fork.fork_attention_reference(q, ck, cv, rows, st, kv, pk, pv, par, piv),
+                               atol=1e-5, rtol=1e-5)
+    n += 1
 # one token per row, one chunk: RoPE, the K/V write into the forked row and its attention in one launch
 inv = 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16))
 for B, kv, starts, pivots in ((3, 256, [100, 3, 0], [60, 3, 0]), (2, 1024, [1000, 700], [990, 0])):
@@ -140,7 +157,7 @@ print("checked", n)
 def test_fork_kernel_under_the_interpreter_equals_its_definition(tmp_path):
     """The CUDA kernel run by Triton's interpreter in fp32 (bf16 runs on the GPU)."""
     out = run_interpreted(tmp_path, INTERPRETED)
-    assert "checked 5" in out, out[-3000:]
+    assert "checked 8" in out, out[-3000:]
 
 
 def test_lean_fork_forward_equals_the_forward_over_a_copied_row():

@@ -63,6 +63,8 @@ BLOCK_N = 64  # keys per tile of the attention loop (split chunks)
 SINGLE_BLOCK: dict[tuple[int, int], int] = {(64, 16): 256}
 SINGLE_MAX = 1024  # up to this many keys one program per (row, kv head) reads them all: no combine launch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# partials merged a load by the combine kernel, by head dim: S_BLK x D fp32 values a program holds
+COMBINE_BLOCK: dict[int, int] = {64: 64, 128: 32}
 MIN_CHUNK = 256  # the smallest key chunk of a split (below it the combine costs more than it spreads)
 # Programmatic dependent launch: each kernel lets the next one start while its last programs run, and the
 # next one loads what no kernel writes (its weight tile) before it waits for the previous kernel's
@@ -402,46 +404,46 @@ def _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, r
 
 
 @triton.jit
-def _combine_part(acc_ptr, ml_ptr, part, r, d, M, L, A, R_PAD: tl.constexpr, D: tl.constexpr):
-    m_s = tl.load(ml_ptr + part * 2 * R_PAD + r)
-    l_s = tl.load(ml_ptr + part * 2 * R_PAD + R_PAD + r)
-    a_s = tl.load(acc_ptr + (part * R_PAD + r)[:, None] * D + d[None, :])
-    M_new = tl.maximum(M, m_s)
-    safe = tl.where(M_new == NEG_INF, 0.0, M_new)
-    wa = tl.exp(M - safe)
-    ws = tl.exp(m_s - safe)
-    return M_new, L * wa + l_s * ws, A * wa[:, None] + a_s * ws[:, None]
-
-
-@triton.jit
 def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split,
-                         REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
-                         FIXED_SPLIT: tl.constexpr = 0):
+                         REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, S_BLK: tl.constexpr,
+                         PDL: tl.constexpr, FIXED_SPLIT: tl.constexpr = 0):
+    """One program per (row, kv head) and query row merges that query row's partials of every key chunk,
+    S_BLK chunks a load: a program per (row, kv head) merging its ~65-130 partials one after another
+    spent ~40 us of dependent loads at 32K keys (more than the split attention itself), here it is
+    cdiv(n_split, S_BLK) rounds over more programs. The running max and sum are rescaled once a block."""
     # n_split is a run-time loop bound, not a constexpr: the split count follows the context length (a
     # chunk per MIN_CHUNK keys up to the card's programs), so as a constexpr an eager decode compiled a new
     # combine kernel every MIN_CHUNK tokens of context, inside whatever step or round crossed the boundary.
     # FIXED_SPLIT: the same count as a constexpr, for Triton's interpreter (no run-time loop bounds there)
     bg = tl.program_id(0)
+    r = tl.program_id(1)  # < REP * T: the grid has only the valid query rows
     _pdl_entry(PDL)
     n_kv = H // REP
     b = bg // n_kv
     g = bg % n_kv
-    r = tl.arange(0, R_PAD)
     d = tl.arange(0, D)
-    M = tl.full([R_PAD], NEG_INF, tl.float32)
-    L = tl.zeros([R_PAD], tl.float32)
-    A = tl.zeros([R_PAD, D], tl.float32)
-    if FIXED_SPLIT:
-        for sp in range(0, FIXED_SPLIT):
-            M, L, A = _combine_part(acc_ptr, ml_ptr, (bg * FIXED_SPLIT + sp).to(tl.int64), r, d, M, L, A, R_PAD, D)
-    else:
-        for sp in range(0, n_split):
-            M, L, A = _combine_part(acc_ptr, ml_ptr, (bg * n_split + sp).to(tl.int64), r, d, M, L, A, R_PAD, D)
-    rvalid = r < REP * T
+    s = tl.arange(0, S_BLK)
+    M = tl.full([1], NEG_INF, tl.float32)
+    L = tl.zeros([1], tl.float32)
+    A = tl.zeros([D], tl.float32)
+    n = FIXED_SPLIT if FIXED_SPLIT else n_split
+    for s0 in range(0, n, S_BLK):
+        ok = s0 + s < n
+        part = (bg * n + s0 + s).to(tl.int64)
+        m_s = tl.load(ml_ptr + part * 2 * R_PAD + r, mask=ok, other=float("-inf"))
+        l_s = tl.load(ml_ptr + part * 2 * R_PAD + R_PAD + r, mask=ok, other=0.0)
+        a_s = tl.load(acc_ptr + (part * R_PAD + r)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        M_new = tl.maximum(M, tl.max(m_s, axis=0))
+        safe = tl.where(M_new == NEG_INF, 0.0, M_new)  # every chunk so far empty: weights 0, not NaN
+        wa = tl.exp(M - safe)
+        ws = tl.exp(m_s - safe)
+        L = L * wa + tl.sum(l_s * ws, axis=0)
+        A = A * wa + tl.sum(a_s * ws[:, None], axis=0)
+        M = M_new
     t = r % T
     h = g * REP + r // T
     qo = ((b * T + t).to(tl.int64) * H + h) * D
-    tl.store(o_ptr + qo[:, None] + d[None, :], (A / L[:, None]).to(o_ptr.dtype.element_ty), mask=rvalid[:, None])
+    tl.store(o_ptr + qo + d, (A / L).to(o_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -1201,21 +1203,25 @@ def attn_launch(who: str, q: torch.Tensor, ck: torch.Tensor, kv_len: int, rope: 
         raise ValueError(f"{who}: the fused RoPE takes one token per row and one chunk, not T={T} over "
                          f"{n_split} chunks (attention_fuses_rope)")
     out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    if n_split == 1:
-        acc = ml = out  # unused
-    else:
-        acc = torch.empty(B * n_kv * n_split * R_PAD * D, device=q.device, dtype=torch.float32)
-        ml = torch.empty(B * n_kv * n_split * 2 * R_PAD, device=q.device, dtype=torch.float32)
+    acc, ml = (out, out) if n_split == 1 else partials(B * n_kv * n_split, R_PAD, D, q.device)  # 1: unused
     return AttnLaunch(B, T, H, n_kv, D, rep, R_PAD, chunk, n_split, sblock if n_split == 1 else BLOCK_N,
                       4 if R_PAD * D <= 64 * 64 else 8, out, acc, ml)
+
+
+def partials(n_parts: int, R_PAD: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for n_parts partial results of a split attention (each R_PAD query rows): the fp32 accumulators
+    [n_parts * R_PAD * D] and the running max and sum of each row [n_parts * 2 * R_PAD]."""
+    return (torch.empty(n_parts * R_PAD * D, device=device, dtype=torch.float32),
+            torch.empty(n_parts * 2 * R_PAD, device=device, dtype=torch.float32))
 
 
 def attn_combine(a: AttnLaunch, pdl: bool) -> None:
     """The combine of a split attention's partial results into a.out (nothing where it is one chunk)."""
     if not a.single:
-        _attn_combine_kernel[(a.B * a.n_kv,)](a.out, a.acc, a.ml, a.T, a.H, a.n_split, REP=a.rep, R_PAD=a.R_PAD,
-                                              D=a.D, PDL=pdl, FIXED_SPLIT=a.n_split if _INTERPRETED else 0,
-                                              num_warps=a.warps, **_launch_kw(pdl))
+        _attn_combine_kernel[(a.B * a.n_kv, a.rep * a.T)](
+            a.out, a.acc, a.ml, a.T, a.H, a.n_split, REP=a.rep, R_PAD=a.R_PAD, D=a.D,
+            S_BLK=COMBINE_BLOCK.get(a.D, 32), PDL=pdl, FIXED_SPLIT=a.n_split if _INTERPRETED else 0,
+            num_warps=4, **_launch_kw(pdl))
 
 
 def _attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
