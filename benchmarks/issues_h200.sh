@@ -15,6 +15,12 @@
 #      that the call carries, e.g. `git archive 16125a1 src benchmarks ':(exclude)benchmarks/results'
 #      ':(exclude)benchmarks/data' ':(exclude)src/draftrelay/demo_pair' | tar -x -C .base`), each tree's
 #      replay_headline.py at 32k:1, F = 8, every step a cache step: the branch pieces measured in its run
+#   8. the forked rows' shared prefix and the combine over query rows (docs/SPEC_CACHE.md, docs/FAST_FORWARD.md):
+#      tests_gpu/test_fork_gpu.py and test_fast_forward_gpu.py, then branch_work.py at 128 and 32K keys, F = 4
+#      and 8, with the shared reads (DRAFTRELAY_FORK_SHARE=on) and without, and, given BASE_TREE (the build
+#      before, as in part 7), that build's branch_work.py on the same card
+#   9. fast_forward.py drafter,target at 32K on this build and, given BASE_TREE, on the build before; then
+#      replay_headline.py 32k:1 at F = 4, 8 (guard off), each build its own
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
 #   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
@@ -73,5 +79,34 @@ if part 7 "the 32K F = 8 branch work"; then
                 --out "$OUT/replay_32k_$label.json" 2>&1 | grep -v "^\[W" | grep "branch work\|32k:1" | tail -3
         done
     fi
+fi
+base_on() {  # the build before's extension built here, then its script of that name with its src/ first
+    cp src/draftrelay/handoff/*.so "$BASE_TREE/src/draftrelay/handoff/" 2>/dev/null
+    PYTHONPATH=$BASE_TREE/src "$@"
+}
+if part 8 "the forked rows' shared prefix"; then
+    timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests_gpu/test_fork_gpu.py \
+        tests_gpu/test_fast_forward_gpu.py --out "$OUT" 2>&1 | grep -v "^\[W" | tail -4
+    for share in on off; do
+        DRAFTRELAY_FORK_SHARE=$share timeout "${BRANCH_S:-100}" python3 benchmarks/branch_work.py \
+            --contexts 128,32768 --fanout 4,8 --requests 1 --out "$OUT/branch_work_share_$share.json" 2>&1 \
+            | grep "^ctx"
+    done
+    if [[ -n "${BASE_TREE:-}" ]]; then
+        base_on timeout "${BRANCH_S:-100}" python3 "$BASE_TREE/benchmarks/branch_work.py" --contexts 128,32768 \
+            --fanout 4,8 --requests 1 --out "$OUT/branch_work_base.json" 2>&1 | grep "^ctx"
+    fi
+fi
+if part 9 "32K: the fast forward and the cache"; then
+    timeout "${FF_S:-200}" python3 benchmarks/fast_forward.py --sections drafter,target --contexts 32768 \
+        --iters 12 --out "$OUT/fast_forward_32k.json" 2>&1 | grep "^drafter\|^target"
+    if [[ -n "${BASE_TREE:-}" ]]; then
+        base_on timeout "${FF_S:-200}" python3 "$BASE_TREE/benchmarks/fast_forward.py" --sections drafter,target \
+            --contexts 32768 --iters 12 --out "$OUT/fast_forward_32k_base.json" 2>&1 | grep "^drafter\|^target"
+    fi
+    timeout "${REPLAY_S:-220}" python3 benchmarks/replay_headline.py \
+        --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json --repeats 1 --workloads 32k:1 \
+        --placements emulated --modes off,sync,cache --fanout 4,8 --guard off --out "$OUT/replay_32k.json" 2>&1 \
+        | grep "branch work\|32k:1" | tail -4
 fi
 echo "done in $(( $(date +%s) - T0 )) s"

@@ -24,19 +24,26 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.trito
 DEV = torch.device("cuda")
 
 
-@pytest.mark.parametrize("kv,starts,pivots", [(512, [300, 7, 0, 511 - 6], [290, 7, 0, 400]),
-                                              (33024, [33000, 1200], [32990, 1000])])
-def test_fork_kernel_equals_its_definition_in_bf16(kv, starts, pivots):
+@pytest.mark.parametrize("kv,starts,pivots,parents,T", [
+    (512, [300, 7, 0, 511 - 6], [290, 7, 0, 400], None, 5),
+    (33024, [33000, 1200], [32990, 1000], None, 5),
+    # a parent's rows read its keys below their lowest pivot once (fork_triton.group_rows: blocks of 8 rows
+    # at one token, 4 at two): five branches of one request, three of another, and two blocks at T = 2
+    (33024, [33000 + i for i in range(8)], [32996 + i // 2 for i in range(8)], [0] * 5 + [1] * 3, 1),
+    (33024, [32000 + 3 * i for i in range(6)], [31998 + i for i in range(6)], [2] * 6, 2)])
+def test_fork_kernel_equals_its_definition_in_bf16(kv, starts, pivots, parents, T):
     g = torch.Generator(device=DEV).manual_seed(1)
-    B, T, H, HK, D = len(starts), 5, 14, 2, 64
+    B, H, HK, D = len(starts), 14, 2, 64
     q = torch.randn(B, T, H, D, generator=g, device=DEV, dtype=torch.bfloat16)
     ck = torch.randn(B + 2, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
     cv = torch.randn(B + 2, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
     pk = torch.randn(3, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
     pv = torch.randn(3, HK, kv + 8, D, generator=g, device=DEV, dtype=torch.bfloat16)
     rows = torch.arange(B, device=DEV) + 1
-    parent = torch.arange(B, device=DEV) % 3
+    parent = torch.arange(B, device=DEV) % 3 if parents is None else torch.tensor(parents, device=DEV)
     st, pv_t = torch.tensor(starts, device=DEV), torch.tensor(pivots, device=DEV)
+    if parents is not None:
+        assert FT.group_rows(B, H // HK, T, False) == (8 if T == 1 else 4)
     got = FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, parent, pv_t)
     ref = fork.fork_attention_reference(q, ck, cv, rows, st, kv, pk, pv, parent, pv_t)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
@@ -90,15 +97,16 @@ def _two_requests_after_a_step(seed: int, L: int, k: int, draft_vocab: str = "")
     return d, ctx, (blocks, types.SimpleNamespace(drafts=drafts), todo)
 
 
-@pytest.mark.parametrize("draft_vocab", ["", "32768"])
-def test_branches_in_graph_mode_are_the_rounds_of_their_contexts(draft_vocab):
+@pytest.mark.parametrize("draft_vocab,L", [("", 700), ("32768", 700), ("", 1500)])
+def test_branches_in_graph_mode_are_the_rounds_of_their_contexts(draft_vocab, L):
+    """At 1,500 tokens the keys are split: a request's branches read its keys below their pivots once."""
 
     from draftrelay.speculation.table import Acceptance
     from draftrelay.worker.drafters import Job
     from draftrelay.worker.prefetch import Prefetcher
 
     k, F = 4, 8
-    d, ctx, (blocks, res, todo) = _two_requests_after_a_step(seed=0, L=700, k=k, draft_vocab=draft_vocab)
+    d, ctx, (blocks, res, todo) = _two_requests_after_a_step(seed=0, L=L, k=k, draft_vocab=draft_vocab)
     assert d.mode == "graph"
     pf = Prefetcher(d)  # max_fanout 16: the two requests' 2 F branches shared (Prefetcher._share), in 2 F rows
     entries = pf._draft(blocks, res, todo, Acceptance(), F)
