@@ -107,6 +107,52 @@ def _fork_shared(q_ptr, pkb, pvb, parent_ptr, acc_ptr, ml_ptr, g, c, b0, pb, P, 
 
 
 @triton.jit
+def _fork_own(q_ptr, ck_ptr, cv_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, pkb, pvb, row, b, g, h, bg, sp, n_kv, start,
+              pivot, lo, hi, r, rvalid, d, qo, qpos, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, s_ppos,
+              s_qpos, n_split, scale, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+              SINGLE: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, ROPE: tl.constexpr,
+              PREFETCH: tl.constexpr):
+    """A row's program for its keys [lo, hi) of chunk sp: the parent's below the pivot, then its own."""
+    kb = ck_ptr + row * s_crow + g * s_chead
+    vb = cv_ptr + row * s_vrow + g * s_vhead
+    if PREFETCH:  # the parent's first tile of keys and values towards L2 now, while q and the new key rotate
+        pn = lo + tl.arange(0, BLOCK)
+        pm = pn < tl.minimum(tl.minimum(hi, start), pivot)
+        pl = tl.arange(0, (D + 63) // 64) * 64  # one pointer per 64 elements (a 128-byte line in bf16)
+        _prefetch_l2(pkb + pn.to(tl.int64)[:, None] * s_ppos + pl[None, :], pm[:, None])
+        _prefetch_l2(pvb + pn.to(tl.int64)[:, None] * s_qpos + pl[None, :], pm[:, None])
+    if ROPE:
+        q, knew, vnew = _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv,
+                                     s_cpos, s_vpos, D)
+        hi = tl.minimum(hi, start)  # the earlier keys from the caches; the new one from registers below
+    else:
+        q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
+    mid = tl.maximum(tl.minimum(hi, pivot), lo)  # [lo, mid): the parent's keys; [mid, hi): the row's own
+    m_i = tl.full([R_PAD], NEG_INF, tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, D], tl.float32)
+    if FIXED_TRIPS:  # Triton's interpreter takes no run-time loop bound: every tile of the chunk, masked
+        for it in range(0, FIXED_TRIPS):
+            m_i, l_i, acc = _attn_tile(q, pkb, pvb, s_ppos, s_qpos, lo + it * BLOCK, mid, qpos, d, m_i, l_i,
+                                       acc, scale, BLOCK, IEEE)
+        for it in range(0, FIXED_TRIPS + 1):
+            m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, mid + it * BLOCK, hi, qpos, d, m_i, l_i,
+                                       acc, scale, BLOCK, IEEE)
+    else:
+        n_par = (tl.maximum(mid - lo, 0) + BLOCK - 1) // BLOCK
+        for it in range(0, n_par):
+            m_i, l_i, acc = _attn_tile(q, pkb, pvb, s_ppos, s_qpos, lo + it * BLOCK, mid, qpos, d, m_i, l_i,
+                                       acc, scale, BLOCK, IEEE)
+        n_own_t = (tl.maximum(hi - mid, 0) + BLOCK - 1) // BLOCK
+        for it in range(0, n_own_t):
+            m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, mid + it * BLOCK, hi, qpos, d, m_i, l_i,
+                                       acc, scale, BLOCK, IEEE)
+    if ROPE:
+        m_i, l_i, acc = _attn_new_key(q, knew, vnew, m_i, l_i, acc, scale)
+    _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, rvalid, d, R_PAD, D, SINGLE)
+
+
+@triton.jit
 def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr,
                       o_ptr, acc_ptr, ml_ptr, inv_ptr, T, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos,
                       s_prow, s_phead, s_ppos, s_qrow, s_qhead, s_qpos, chunk, n_split, scale, B, n_own, chunk_s,
@@ -128,53 +174,21 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
     pivot = tl.load(pivot_ptr + b).to(tl.int32)
     pkb = pk_ptr + prow * s_prow + g * s_phead
     pvb = pv_ptr + prow * s_qrow + g * s_qhead
-    shared = False
     if G:
         b0, pb, P, first = _fork_group(parent_ptr, pivot_ptr, b, B, G)
-        lo = tl.maximum(lo, P)  # below P: the group's shared programs
-        shared = sp >= n_own
-    if shared:
-        _fork_shared(q_ptr, pkb, pvb, parent_ptr, acc_ptr, ml_ptr, g, sp - n_own, b0, pb, P, first, B, T, H,
-                     s_ppos, s_qpos, chunk_s, n_own, n_split, scale, REP, R_PAD, G, RG_PAD, D, BLOCK, IEEE,
-                     FIXED_SHARED)
+        if sp >= n_own:
+            _fork_shared(q_ptr, pkb, pvb, parent_ptr, acc_ptr, ml_ptr, g, sp - n_own, b0, pb, P, first, B, T, H,
+                         s_ppos, s_qpos, chunk_s, n_own, n_split, scale, REP, R_PAD, G, RG_PAD, D, BLOCK, IEEE,
+                         FIXED_SHARED)
+        else:  # its keys from the group's lowest pivot P on (below P: the group's shared programs)
+            _fork_own(q_ptr, ck_ptr, cv_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, pkb, pvb, row, b, g, h, bg, sp, n_kv,
+                      start, pivot, tl.maximum(lo, P), hi, r, rvalid, d, qo, qpos, H, s_crow, s_chead, s_cpos,
+                      s_vrow, s_vhead, s_vpos, s_ppos, s_qpos, n_split, scale, R_PAD, D, BLOCK, SINGLE, IEEE,
+                      FIXED_TRIPS, ROPE, PREFETCH)
     else:
-        kb = ck_ptr + row * s_crow + g * s_chead
-        vb = cv_ptr + row * s_vrow + g * s_vhead
-        if PREFETCH:  # the parent's first tile of keys and values towards L2 now, while q and the new key rotate
-            pn = lo + tl.arange(0, BLOCK)
-            pm = pn < tl.minimum(tl.minimum(hi, start), pivot)
-            pl = tl.arange(0, (D + 63) // 64) * 64  # one pointer per 64 elements (a 128-byte line in bf16)
-            _prefetch_l2(pkb + pn.to(tl.int64)[:, None] * s_ppos + pl[None, :], pm[:, None])
-            _prefetch_l2(pvb + pn.to(tl.int64)[:, None] * s_qpos + pl[None, :], pm[:, None])
-        if ROPE:
-            q, knew, vnew = _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv,
-                                         s_cpos, s_vpos, D)
-            hi = tl.minimum(hi, start)  # the earlier keys from the caches; the new one from registers below
-        else:
-            q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
-        mid = tl.maximum(tl.minimum(hi, pivot), lo)  # [lo, mid): the parent's keys; [mid, hi): the row's own
-        m_i = tl.full([R_PAD], NEG_INF, tl.float32)
-        l_i = tl.zeros([R_PAD], tl.float32)
-        acc = tl.zeros([R_PAD, D], tl.float32)
-        if FIXED_TRIPS:  # Triton's interpreter takes no run-time loop bound: every tile of the chunk, masked
-            for it in range(0, FIXED_TRIPS):
-                m_i, l_i, acc = _attn_tile(q, pkb, pvb, s_ppos, s_qpos, lo + it * BLOCK, mid, qpos, d, m_i, l_i,
-                                           acc, scale, BLOCK, IEEE)
-            for it in range(0, FIXED_TRIPS + 1):
-                m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, mid + it * BLOCK, hi, qpos, d, m_i, l_i,
-                                           acc, scale, BLOCK, IEEE)
-        else:
-            n_par = (tl.maximum(mid - lo, 0) + BLOCK - 1) // BLOCK
-            for it in range(0, n_par):
-                m_i, l_i, acc = _attn_tile(q, pkb, pvb, s_ppos, s_qpos, lo + it * BLOCK, mid, qpos, d, m_i, l_i,
-                                           acc, scale, BLOCK, IEEE)
-            n_own_t = (tl.maximum(hi - mid, 0) + BLOCK - 1) // BLOCK
-            for it in range(0, n_own_t):
-                m_i, l_i, acc = _attn_tile(q, kb, vb, s_cpos, s_vpos, mid + it * BLOCK, hi, qpos, d, m_i, l_i,
-                                           acc, scale, BLOCK, IEEE)
-        if ROPE:
-            m_i, l_i, acc = _attn_new_key(q, knew, vnew, m_i, l_i, acc, scale)
-        _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, rvalid, d, R_PAD, D, SINGLE)
+        _fork_own(q_ptr, ck_ptr, cv_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, pkb, pvb, row, b, g, h, bg, sp, n_kv, start,
+                  pivot, lo, hi, r, rvalid, d, qo, qpos, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, s_ppos,
+                  s_qpos, n_split, scale, R_PAD, D, BLOCK, SINGLE, IEEE, FIXED_TRIPS, ROPE, PREFETCH)
 
 
 def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, start: torch.Tensor,
