@@ -68,10 +68,11 @@ def exact_law(target, prompt: list[int], vocab: int, n_tokens: int, keep: int):
         return joint.sum(tuple(range(n_tokens - keep))).numpy()
 
 
-def run_interpreted(tmp_path, source: str) -> str:
-    """Run a check script under Triton's interpreter (TRITON_INTERPRET=1) in a child process with this
-    tree's src first on the path, a random seed as its argument; its stdout (the assertion carries the
-    tails of both streams when it fails). Skips where Triton is not installed (the test extra installs it)."""
+def run_interpreted(tmp_path, source: str, interpret: bool = True) -> str:
+    """Run a check script under Triton's interpreter (TRITON_INTERPRET=1; interpret=False: without it, for
+    Triton's compiler) in a child process with this tree's src first on the path, a random seed as its
+    argument; its stdout (the assertion carries the tails of both streams when it fails). Skips where
+    Triton is not installed (the test extra installs it)."""
     import importlib.util
     import os
     import subprocess
@@ -82,7 +83,8 @@ def run_interpreted(tmp_path, source: str) -> str:
         pytest.skip("Triton is not installed (pip install -e .[test] brings it)")
     script = tmp_path / "check.py"
     script.write_text(source)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+           **({"TRITON_INTERPRET": "1"} if interpret else {}),
            "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
                                           os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, str(script), str(int(torch.randint(0, 1 << 30, ())))], env=env,

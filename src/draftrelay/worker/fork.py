@@ -15,7 +15,8 @@ writes K/V only into the scratch rows at their true positions (the parent rows a
 static shapes (a CUDA graph captures it) and needs the fast attention's shapes (n_rep * T <= 64).
 
 `fork_attention_reference` is the plain-torch definition; `fork_attention_triton` the CUDA kernel:
-draftrelay.kernels.triton_ops' flash-decoding kernel with the key loop split at the pivot.
+draftrelay.kernels.triton_ops' flash-decoding kernel with the key loop split at the pivot (where the keys
+are split over programs, the rows of one parent read its keys below their lowest pivot once: fork_triton).
 
 `LeanFork` is the CPU's forked forward, for a drafter in its lean loop (worker/lean.py), on compact rows
 (a row stores its position p at p - pivot: rows of a branch's own few positions, not of the context, so the
