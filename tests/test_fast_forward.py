@@ -411,8 +411,11 @@ def test_the_attention_split_count_is_not_compiled_in():
         assert "n_split" in args and args["n_split"] is None, name  # no tl.constexpr annotation
 
 
-@pytest.mark.parametrize("var", ["DRAFTRELAY_PDL", "DRAFTRELAY_ATTN_PREFETCH"])
-def test_a_kernel_switch_takes_on_or_off_and_names_any_other_value(var):
+@pytest.mark.parametrize("var,module,name", [("DRAFTRELAY_PDL", "draftrelay.kernels.triton_ops", "PDL"),
+                                             ("DRAFTRELAY_ATTN_PREFETCH", "draftrelay.kernels.triton_ops",
+                                              "ATTN_PREFETCH"),
+                                             ("DRAFTRELAY_FORK_SHARE", "draftrelay.worker.fork_triton", "SHARE")])
+def test_a_kernel_switch_takes_on_or_off_and_names_any_other_value(var, module, name):
     """The fused kernels' on/off switches read at import: `off` switches off, and a value such as `0` (which
     a reader may take for off) is refused with the variable and the value named, not taken as on."""
     import os
@@ -420,7 +423,7 @@ def test_a_kernel_switch_takes_on_or_off_and_names_any_other_value(var):
     import sys
 
     pytest.importorskip("triton")
-    code = f"from draftrelay.kernels import triton_ops as T; print(T.{var.removeprefix('DRAFTRELAY_')})"
+    code = f"import {module} as T; print(T.{name})"
     env = {k: v for k, v in os.environ.items() if k != var}
     for value, want in ((None, "True"), ("on", "True"), ("off", "False")):
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -127,6 +127,10 @@ for Tq, starts, pivots, parent in ((1, [1500, 1502, 1501, 1505, 900, 903], [1500
                                fork.fork_attention_reference(q, ck, cv, rows, st, kv, pk, pv, par, piv),
                                atol=1e-5, rtol=1e-5)
     n += 1
+# the 0.5B's 7 query heads a kv head: 8 rows at one token, 4 at two, none where one row fills a program
+# (5 tokens: 35 query rows), where there is one row, or one chunk of keys
+assert [FT.group_rows(32, 7, t, False) for t in (1, 2, 5)] == [8, 4, 0]
+assert FT.group_rows(1, 7, 1, False) == FT.group_rows(32, 7, 1, True) == 0 and FT.group_rows(3, 7, 1, False) == 4
 # one token per row, one chunk: RoPE, the K/V write into the forked row and its attention in one launch
 inv = 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16))
 for B, kv, starts, pivots in ((3, 256, [100, 3, 0], [60, 3, 0]), (2, 1024, [1000, 700], [990, 0])):
