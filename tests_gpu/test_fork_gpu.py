@@ -1,8 +1,10 @@
 """Forked rows on a real GPU (not collected by CI): `pytest -q tests_gpu/test_fork_gpu.py`.
 
 1. The forked attention kernel (worker/fork_triton.py) against its plain-torch definition on bf16 inputs
-   of the 0.5B drafter's shape, one program per row and a 33K split with the combine.
-2. The branch work in graph mode on the 0.5B shape at random weights: each branch's drafts against a
+   of the 0.5B drafter's shape, one program per row and a 33K split with the combine, where a parent's
+   rows in a block read its keys below their lowest pivot once (fork_triton.group_rows).
+2. The branch work in graph mode on the 0.5B shape at random weights (at 700 tokens, and at 1,500 where the
+   keys are split and shared): each branch's drafts against a
    fresh round of its context (the drafter's own graphs) agree in at least half the branches, and every
    mismatch is a numeric near-tie (tests_gpu/near_tie.py: the batched run and the fresh round run other
    kernels of the plan; at random weights the top two logits are often within rounding).
