@@ -21,6 +21,8 @@
 #      before, as in part 7), that build's branch_work.py on the same card
 #   9. fast_forward.py drafter,target at 32K on this build and, given BASE_TREE, on the build before; then
 #      replay_headline.py 32k:1 at F = 4, 8 (guard off), each build its own
+#  10. attention_tiles.py: the split attention's (keys per tile, warps) candidates and the forked rows' shared
+#      launch's warps at 32K, one and four rows, side by side (each checked against its definition)
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
 #   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
@@ -108,5 +110,9 @@ if part 9 "32K: the fast forward and the cache"; then
         --trace benchmarks/data/trace_qwen2.5-coder-0.5b-1.5b.json --repeats 1 --workloads 32k:1 \
         --placements emulated --modes off,sync,cache --fanout 4,8 --guard off --out "$OUT/replay_32k.json" 2>&1 \
         | grep "branch work\|32k:1" | tail -4
+fi
+if part 10 "the split attention's tiles"; then
+    timeout "${TILES_S:-200}" python3 benchmarks/attention_tiles.py --out "$OUT/attention_tiles.json" 2>&1 \
+        | grep "^ctx\|bound"
 fi
 echo "done in $(( $(date +%s) - T0 )) s"

@@ -373,6 +373,15 @@ for blk in (64, 128, 256):  # the attention's one-program tile sizes (SINGLE_BLO
         torch.testing.assert_close(ck, ck2, atol=1e-6, rtol=1e-6)
         # (1300 keys split into several chunks: the RoPE then runs as its own kernel, the combine loops)
         assert torch.equal(cv, cv2) and T.attention_fuses_rope(kv, Tq) == (Tq == 1 and kv < 1300)
+for tile in ((32, 4), (128, 2)):  # a split's programs in other tiles (SPLIT_TILE): chunks a multiple of each
+    T.SPLIT_TILE[16, 16] = tile
+    q = torch.randn(2, 1, 4, 16, generator=g)
+    ck, cv = torch.randn(3, 2, 1400, 16, generator=g), torch.randn(3, 2, 1400, 16, generator=g)
+    rows, st = torch.tensor([2, 0]), torch.tensor([1299, 700])
+    torch.testing.assert_close(T.decode_attention(q, ck, cv, rows, st, 1300),
+                               R.decode_attention(q, ck, cv, rows, st, 1300), atol=1e-5, rtol=1e-5)
+    assert T.attn_launch("t", q, ck, 1300, None).chunk % max(64, tile[0]) == 0
+T.SPLIT_TILE.clear()
 ew = torch.randn(50, 40, generator=g)  # the embedding gather: one block a row, and a row split in two
 ids = torch.tensor([[3, 49, 0], [7, 7, 12]])
 assert torch.equal(T.embedding(ids, ew), R.embedding(ids, ew))

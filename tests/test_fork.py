@@ -92,6 +92,7 @@ INTERPRETED = r'''
 import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
 from draftrelay.kernels import reference as R
+from draftrelay.kernels import triton_ops as TO
 from draftrelay.worker import fork, fork_triton as FT
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 n = 0
@@ -123,10 +124,12 @@ for Tq, starts, pivots, parent in ((1, [1500, 1502, 1501, 1505, 900, 903], [1500
     pk, pv = torch.randn(5, 2, kv + 8, 16, generator=g), torch.randn(5, 2, kv + 8, 16, generator=g)
     rows, st, par, piv = torch.arange(B, 0, -1), torch.tensor(starts), torch.tensor(parent), torch.tensor(pivots)
     assert FT.group_rows(B, 2, Tq, False) == 8
+    TO.SPLIT_TILE[16, 16] = (32, 4) if Tq == 1 else (64, 4)  # the shared programs' tile is the split's
     torch.testing.assert_close(FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, par, piv),
                                fork.fork_attention_reference(q, ck, cv, rows, st, kv, pk, pv, par, piv),
                                atol=1e-5, rtol=1e-5)
     n += 1
+TO.SPLIT_TILE.clear()
 # the 0.5B's 7 query heads a kv head: 8 rows at one token, 4 at two, none where one row fills a program
 # (5 tokens: 35 query rows), where there is one row, or one chunk of keys
 assert [FT.group_rows(32, 7, t, False) for t in (1, 2, 5)] == [8, 4, 0]

@@ -62,6 +62,10 @@ BLOCK_N = 64  # keys per tile of the attention loop (split chunks)
 # dim 128 gained nothing from 128 and a 5-token verify lost (9.1 / 8.0 us), 256 there overflows shared memory
 SINGLE_BLOCK: dict[tuple[int, int], int] = {(64, 16): 256}
 SINGLE_MAX = 1024  # up to this many keys one program per (row, kv head) reads them all: no combine launch
+# (keys per tile, warps) of a split attention's programs by (head dim, padded query rows), else (BLOCK_N, 4
+# or 8 by the rows' size). Empty until measured: benchmarks/attention_tiles.py times the candidates at
+# long contexts (a program's registers bound how many an SM holds: benchmarks/kernel_registers.py)
+SPLIT_TILE: dict[tuple[int, int], tuple[int, int]] = {}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # partials merged a load by the combine kernel, by head dim: S_BLK x D fp32 values a program holds
 COMBINE_BLOCK: dict[int, int] = {64: 64, 128: 32}
@@ -1147,14 +1151,17 @@ def _n_sm(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_plan(kv_len: int, n_programs: int, n_sm: int, block: int = BLOCK_N) -> tuple[int, int]:
+def split_plan(kv_len: int, n_programs: int, n_sm: int, block: int = BLOCK_N,
+               split_block: int = BLOCK_N) -> tuple[int, int]:
     """(chunk, n_split) for a static kv_len: one chunk up to SINGLE_MAX keys (a multiple of `block`, the
-    tile of that case); beyond, enough chunks (>= MIN_CHUNK keys each) that all (row, kv head) programs
-    together fill about two waves of SMs."""
+    tile of that case); beyond, enough chunks (>= MIN_CHUNK keys each, a multiple of BLOCK_N and of
+    `split_block`, the tile of the split programs) that all (row, kv head) programs together fill about
+    two waves of SMs."""
     if kv_len <= SINGLE_MAX:
         return triton.cdiv(kv_len, block) * block, 1
     n_split = max(1, min(triton.cdiv(kv_len, MIN_CHUNK), triton.cdiv(2 * n_sm, n_programs)))
-    chunk = triton.cdiv(triton.cdiv(kv_len, n_split), BLOCK_N) * BLOCK_N
+    unit = max(BLOCK_N, split_block)  # both powers of two: a multiple of either
+    chunk = triton.cdiv(triton.cdiv(kv_len, n_split), unit) * unit
     return chunk, triton.cdiv(kv_len, chunk)
 
 
@@ -1198,14 +1205,16 @@ def attn_launch(who: str, q: torch.Tensor, ck: torch.Tensor, kv_len: int, rope: 
     rep = H // n_kv
     R_PAD = max(16, triton.next_power_of_2(rep * T))
     sblock = SINGLE_BLOCK.get((D, R_PAD), BLOCK_N)
-    chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device), sblock)
+    tile, warps = SPLIT_TILE.get((D, R_PAD), (BLOCK_N, 4 if R_PAD * D <= 64 * 64 else 8))
+    chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device), sblock, tile)
     if rope is not None and not (n_split == 1 and T == 1):
         raise ValueError(f"{who}: the fused RoPE takes one token per row and one chunk, not T={T} over "
                          f"{n_split} chunks (attention_fuses_rope)")
     out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     acc, ml = (out, out) if n_split == 1 else partials(B * n_kv * n_split, R_PAD, D, q.device)  # 1: unused
-    return AttnLaunch(B, T, H, n_kv, D, rep, R_PAD, chunk, n_split, sblock if n_split == 1 else BLOCK_N,
-                      4 if R_PAD * D <= 64 * 64 else 8, out, acc, ml)
+    if n_split == 1:
+        tile, warps = sblock, 4 if R_PAD * D <= 64 * 64 else 8
+    return AttnLaunch(B, T, H, n_kv, D, rep, R_PAD, chunk, n_split, tile, warps, out, acc, ml)
 
 
 def partials(n_parts: int, R_PAD: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,170 @@
+"""The split attention's tiles at long contexts on a GPU, side by side: each candidate (keys per tile, warps)
+of a split's programs (triton_ops.SPLIT_TILE) and the warps of the forked rows' shared programs
+(fork_triton.SHARED_WARPS), at the 0.5B drafter's shapes (plain rows and forked rows, F a request) and the
+7B's verify.
+
+A program's registers bound how many an SM holds (benchmarks/kernel_registers.py: 191-255 a thread at 4
+warps, two programs an SM, where the split attention at 8 warps holds 99), and at 32K keys with several rows
+the attention reads 0.9-2.1 TB/s of the copy's 3.3 (docs/SPEC_CACHE.md). Each candidate is checked against
+the plain-torch definition (bf16 bounds), then 20 launches are captured in one CUDA graph and the replays
+timed; the figure is a launch's p50 and the KV bytes it reads over that time.
+
+    python benchmarks/attention_tiles.py      # writes benchmarks/results/attention_tiles.json
+    python benchmarks/attention_tiles.py --contexts 8192,32768 --tiles 64x4,64x8,32x4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from machine import write_json  # noqa: E402
+
+PER_GRAPH = 20  # launches a captured graph holds (one replay's time / PER_GRAPH is a launch's)
+
+
+def parse_tiles(text: str) -> list[tuple[int, int]]:
+    """'64x4,32x8' -> [(64, 4), (32, 8)]: keys per tile (16..256, a power of two) x warps (1, 2, 4 or 8)."""
+    out = []
+    for item in text.split(","):
+        try:
+            tile, warps = (int(x) for x in item.strip().split("x"))
+        except ValueError:
+            raise SystemExit(f"--tiles: '{item}' is not KEYSxWARPS, such as 64x4") from None
+        if tile not in (16, 32, 64, 128, 256) or warps not in (1, 2, 4, 8):
+            raise SystemExit(f"--tiles: '{item}': keys per tile 16..256 (a power of two), warps 1, 2, 4 or 8")
+        out.append((tile, warps))
+    return out
+
+
+def ints(text: str, name: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{name}: comma-separated integers, not '{text}'") from None
+    if any(v < 1 for v in vals):
+        raise SystemExit(f"{name}: each at least 1, not '{text}'")
+    return vals
+
+
+def timed(fn, iters: int) -> dict:
+    """p50 / p10 / p90 microseconds of one call of fn, PER_GRAPH calls captured in a graph and replayed."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(PER_GRAPH):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / PER_GRAPH)
+    times.sort()
+    return {"p50_us": times[len(times) // 2], "p10_us": times[len(times) // 10], "p90_us": times[-1 - len(times) // 10]}
+
+
+def cases(ctx: int, rows: int, g: torch.Generator, dev: torch.device, bf: torch.dtype = torch.bfloat16) -> list[dict]:
+    """The attention launches measured at `ctx` keys: the 0.5B's plain rows and forked rows (F = 8 a request,
+    `rows` requests), the 7B's 5-token verify of one row. Each: a label, the call, its reference, the bytes
+    of KV it reads, and the (head dim, padded query rows) of its split programs."""
+    from draftrelay.kernels import reference as R
+    from draftrelay.kernels import triton_ops as TO
+    from draftrelay.worker import fork
+    from draftrelay.worker import fork_triton as FT
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=bf)
+
+    out = []
+    q, ck, cv = rnd(rows, 1, 14, 64), rnd(rows + 1, 2, ctx + 8, 64), rnd(rows + 1, 2, ctx + 8, 64)
+    r_idx, st = torch.arange(rows, device=dev) + 1, torch.full((rows,), ctx - 1, device=dev)
+    out.append({"label": f"0.5B plain, {rows} row(s)", "key": (64, 16), "bytes": rows * 2 * 2 * ctx * 64 * 2,
+                "fn": lambda: TO.decode_attention(q, ck, cv, r_idx, st, ctx),
+                "ref": lambda: R.decode_attention(q, ck, cv, r_idx, st, ctx)})
+    F = 8
+    B = rows * F
+    fq, fk, fv = rnd(B, 1, 14, 64), rnd(B + 1, 2, ctx + 8, 64), rnd(B + 1, 2, ctx + 8, 64)
+    pk, pv = rnd(rows, 2, ctx + 8, 64), rnd(rows, 2, ctx + 8, 64)
+    f_rows = torch.arange(B, device=dev) + 1
+    parent = torch.arange(B, device=dev) // F
+    pivot = ctx - 6 + torch.arange(B, device=dev) % 5  # the branches' own few positions above the pivots
+    f_st = pivot + 1
+    out.append({"label": f"0.5B forked, {rows} request(s) x F = {F}", "key": (64, 16),
+                "bytes": rows * 2 * 2 * ctx * 64 * 2,  # each request's prefix once (its branches share it)
+                "fn": lambda: FT.fork_attention(fq, fk, fv, f_rows, f_st, ctx, pk, pv, parent, pivot),
+                "ref": lambda: fork.fork_attention_reference(fq, fk, fv, f_rows, f_st, ctx, pk, pv, parent, pivot)})
+    if rows == 1:
+        vq, vk, vv = rnd(1, 5, 28, 128), rnd(2, 4, ctx + 8, 128), rnd(2, 4, ctx + 8, 128)
+        v_idx, v_st = torch.tensor([1], device=dev), torch.tensor([ctx - 5], device=dev)
+        out.append({"label": "7B verify, 5 tokens", "key": (128, 64), "bytes": 4 * 2 * ctx * 128 * 2,
+                    "fn": lambda: TO.decode_attention(vq, vk, vv, v_idx, v_st, ctx),
+                    "ref": lambda: R.decode_attention(vq, vk, vv, v_idx, v_st, ctx)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="32768", help="comma-separated keys a row holds")
+    ap.add_argument("--rows", default="1,4", help="comma-separated rows (requests) of each case")
+    ap.add_argument("--tiles", default="64x4,64x8,32x4,32x8,128x8",
+                    help="comma-separated KEYSxWARPS of a split's programs (the first is the present default "
+                         "at head dim 64)")
+    ap.add_argument("--shared-warps", default="4,8", help="comma-separated warps of the forked rows' shared launch")
+    ap.add_argument("--iters", type=int, default=30, help="graph replays timed per candidate")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention_tiles.json"),
+                    help="the JSON written")
+    args = ap.parse_args()
+    contexts, rows_l = ints(args.contexts, "--contexts"), ints(args.rows, "--rows")
+    tiles, shared_w = parse_tiles(args.tiles), ints(args.shared_warps, "--shared-warps")
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_tiles.py times CUDA kernels: no CUDA device here")
+    from draftrelay.handoff.procinfo import machine_info
+    from draftrelay.kernels import triton_ops as TO
+    from draftrelay.worker import fork_triton as FT
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for ctx in contexts:
+        for rows in rows_l:
+            with torch.inference_mode():
+                for case in cases(ctx, rows, g, torch.device("cuda")):
+                    want = case["ref"]().float()
+                    forked = "forked" in case["label"]
+                    for tile in tiles:
+                        for sw in (shared_w if forked else [0]):
+                            TO.SPLIT_TILE[case["key"]] = tile
+                            FT.SHARED_WARPS = sw
+                            err = (case["fn"]().float() - want).abs().max().item()
+                            t = timed(case["fn"], args.iters)
+                            row = {"context": ctx, "rows": rows, "case": case["label"], "tile": tile[0],
+                                   "warps": tile[1], "shared_warps": sw or None, "max_abs_err": err, **t,
+                                   "GBps": case["bytes"] / (t["p50_us"] * 1e3)}
+                            results.append(row)
+                            print(f"ctx {ctx:6d} {case['label']:34s} tile {tile[0]:3d} x {tile[1]} warps"
+                                  f"{f', shared {sw} warps' if sw else '':18s} {t['p50_us']:8.1f} us "
+                                  f"({t['p10_us']:.1f}-{t['p90_us']:.1f}) {row['GBps']:7.0f} GB/s  err {err:.3g}",
+                                  flush=True)
+                            if err > 2e-2:
+                                print(f"  ^ outside the bf16 bound (2e-2): {case['label']} at tile {tile}",
+                                      flush=True)
+                    TO.SPLIT_TILE.clear()
+                    FT.SHARED_WARPS = 0
+    write_json(args.out, {"benchmark": "attention_tiles", "machine": machine_info(), "argv": sys.argv[1:],
+                          "per_graph": PER_GRAPH, "rows": results})
+
+
+if __name__ == "__main__":
+    main()
