@@ -7,7 +7,8 @@ A program's registers bound how many an SM holds (benchmarks/kernel_registers.py
 warps, two programs an SM, where the split attention at 8 warps holds 99), and at 32K keys with several rows
 the attention reads 0.9-2.1 TB/s of the copy's 3.3 (docs/SPEC_CACHE.md). Each candidate is checked against
 the plain-torch definition (bf16 bounds), then 20 launches are captured in one CUDA graph and the replays
-timed; the figure is a launch's p50 and the KV bytes it reads over that time.
+timed, each launch on its own layer's caches (read from HBM, as in a forward); the figure is a launch's p50
+and the KV bytes it reads over that time.
 
     python benchmarks/attention_tiles.py      # writes benchmarks/results/attention_tiles.json
     python benchmarks/attention_tiles.py --contexts 8192,32768 --tiles 64x4,64x8,32x4
@@ -53,15 +54,17 @@ def ints(text: str, name: str) -> list[int]:
 
 
 def timed(fn, iters: int) -> dict:
-    """p50 / p10 / p90 microseconds of one call of fn, PER_GRAPH calls captured in a graph and replayed."""
+    """p50 / p10 / p90 microseconds of one call, fn(i) for i < PER_GRAPH captured in a graph and replayed:
+    each i reads its own caches (a layer's), so the keys come from HBM as in a forward, not from an L2 that
+    the same 17 MB filled a launch before."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        fn()  # compile and allocate outside the capture
+        fn(0)  # compile and allocate outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for _ in range(PER_GRAPH):
-            fn()
+        for i in range(PER_GRAPH):
+            fn(i)
     for _ in range(3):
         graph.replay()
     times = []
@@ -76,10 +79,12 @@ def timed(fn, iters: int) -> dict:
     return {"p50_us": times[len(times) // 2], "p10_us": times[len(times) // 10], "p90_us": times[-1 - len(times) // 10]}
 
 
-def cases(ctx: int, rows: int, g: torch.Generator, dev: torch.device, bf: torch.dtype = torch.bfloat16) -> list[dict]:
+def cases(ctx: int, rows: int, g: torch.Generator, dev: torch.device, bf: torch.dtype = torch.bfloat16,
+          layers: int = PER_GRAPH) -> list[dict]:
     """The attention launches measured at `ctx` keys: the 0.5B's plain rows and forked rows (F = 8 a request,
-    `rows` requests), the 7B's 5-token verify of one row. Each: a label, the call, its reference, the bytes
-    of KV it reads, and the (head dim, padded query rows) of its split programs."""
+    `rows` requests), the 7B's 5-token verify of one row. Each: a label, the call fn(layer) (each layer its own
+    caches: what the launch reads from HBM), its reference ref(layer), the bytes of KV it reads, and the
+    (head dim, padded query rows) of its split programs."""
     from draftrelay.kernels import reference as R
     from draftrelay.kernels import triton_ops as TO
     from draftrelay.worker import fork
@@ -89,29 +94,32 @@ def cases(ctx: int, rows: int, g: torch.Generator, dev: torch.device, bf: torch.
         return torch.randn(*shape, generator=g, device=dev, dtype=bf)
 
     out = []
-    q, ck, cv = rnd(rows, 1, 14, 64), rnd(rows + 1, 2, ctx + 8, 64), rnd(rows + 1, 2, ctx + 8, 64)
+    q, ck, cv = rnd(rows, 1, 14, 64), rnd(layers, rows + 1, 2, ctx + 8, 64), rnd(layers, rows + 1, 2, ctx + 8, 64)
     r_idx, st = torch.arange(rows, device=dev) + 1, torch.full((rows,), ctx - 1, device=dev)
     out.append({"label": f"0.5B plain, {rows} row(s)", "key": (64, 16), "bytes": rows * 2 * 2 * ctx * 64 * 2,
-                "fn": lambda: TO.decode_attention(q, ck, cv, r_idx, st, ctx),
-                "ref": lambda: R.decode_attention(q, ck, cv, r_idx, st, ctx)})
+                "fn": lambda i: TO.decode_attention(q, ck[i], cv[i], r_idx, st, ctx),
+                "ref": lambda i: R.decode_attention(q, ck[i], cv[i], r_idx, st, ctx)})
     F = 8
     B = rows * F
+    # the forked rows' own caches hold a few positions each (one set serves every layer: little is read);
+    # the parents' prefixes, what the launch reads, are a layer's each
     fq, fk, fv = rnd(B, 1, 14, 64), rnd(B + 1, 2, ctx + 8, 64), rnd(B + 1, 2, ctx + 8, 64)
-    pk, pv = rnd(rows, 2, ctx + 8, 64), rnd(rows, 2, ctx + 8, 64)
+    pk, pv = rnd(layers, rows, 2, ctx + 8, 64), rnd(layers, rows, 2, ctx + 8, 64)
     f_rows = torch.arange(B, device=dev) + 1
     parent = torch.arange(B, device=dev) // F
     pivot = ctx - 6 + torch.arange(B, device=dev) % 5  # the branches' own few positions above the pivots
     f_st = pivot + 1
     out.append({"label": f"0.5B forked, {rows} request(s) x F = {F}", "key": (64, 16),
                 "bytes": rows * 2 * 2 * ctx * 64 * 2,  # each request's prefix once (its branches share it)
-                "fn": lambda: FT.fork_attention(fq, fk, fv, f_rows, f_st, ctx, pk, pv, parent, pivot),
-                "ref": lambda: fork.fork_attention_reference(fq, fk, fv, f_rows, f_st, ctx, pk, pv, parent, pivot)})
+                "fn": lambda i: FT.fork_attention(fq, fk, fv, f_rows, f_st, ctx, pk[i], pv[i], parent, pivot),
+                "ref": lambda i: fork.fork_attention_reference(fq, fk, fv, f_rows, f_st, ctx, pk[i], pv[i], parent,
+                                                               pivot)})
     if rows == 1:
-        vq, vk, vv = rnd(1, 5, 28, 128), rnd(2, 4, ctx + 8, 128), rnd(2, 4, ctx + 8, 128)
+        vq, vk, vv = rnd(1, 5, 28, 128), rnd(layers, 2, 4, ctx + 8, 128), rnd(layers, 2, 4, ctx + 8, 128)
         v_idx, v_st = torch.tensor([1], device=dev), torch.tensor([ctx - 5], device=dev)
         out.append({"label": "7B verify, 5 tokens", "key": (128, 64), "bytes": 4 * 2 * ctx * 128 * 2,
-                    "fn": lambda: TO.decode_attention(vq, vk, vv, v_idx, v_st, ctx),
-                    "ref": lambda: R.decode_attention(vq, vk, vv, v_idx, v_st, ctx)})
+                    "fn": lambda i: TO.decode_attention(vq, vk[i], vv[i], v_idx, v_st, ctx),
+                    "ref": lambda i: R.decode_attention(vq, vk[i], vv[i], v_idx, v_st, ctx)})
     return out
 
 
@@ -141,13 +149,13 @@ def main() -> None:
         for rows in rows_l:
             with torch.inference_mode():
                 for case in cases(ctx, rows, g, torch.device("cuda")):
-                    want = case["ref"]().float()
+                    want = case["ref"](0).float()
                     forked = "forked" in case["label"]
                     for tile in tiles:
                         for sw in (shared_w if forked else [0]):
                             TO.SPLIT_TILE[case["key"]] = tile
                             FT.SHARED_WARPS = sw
-                            err = (case["fn"]().float() - want).abs().max().item()
+                            err = (case["fn"](0).float() - want).abs().max().item()
                             t = timed(case["fn"], args.iters)
                             row = {"context": ctx, "rows": rows, "case": case["label"], "tile": tile[0],
                                    "warps": tile[1], "shared_warps": sw or None, "max_abs_err": err, **t,
