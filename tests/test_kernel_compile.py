@@ -22,6 +22,9 @@ for c in (attn, one):
 for c in (attn, one, dict(attn, G=8, RG_PAD=64), dict(attn, G=4, RG_PAD=64, PDL=False)):
     offline.compile_for(FT._fork_attn_kernel, **c)  # G: the split keys shared by a parent's rows
     n += 1
+for blk, warps in ((32, 8), (128, 8)):  # attention_tiles.py's candidates (triton_ops.SPLIT_TILE) where rows share
+    offline.compile_for(FT._fork_attn_kernel, num_warps=warps, **dict(attn, BLOCK=blk, G=8, RG_PAD=64))
+    n += 1
 for D in (64, 128):
     k = offline.compile_for(TO._attn_combine_kernel, REP=7, R_PAD=16, D=D, S_BLK=TO.COMBINE_BLOCK[D], PDL=True)
     n += 1
@@ -39,4 +42,4 @@ print("compiled", n)
 
 def test_attention_kernels_compile_for_sm90(tmp_path):
     out = run_interpreted(tmp_path, COMPILE, interpret=False)
-    assert "compiled 8" in out, out[-3000:]
+    assert "compiled 10" in out, out[-3000:]
