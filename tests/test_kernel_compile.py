@@ -1,4 +1,4 @@
-"""The attention kernels compile for a Hopper GPU (sm_90) on a machine without one
+"""The attention kernels (and the logits' first passes) compile for a Hopper GPU (sm_90) on a machine without one
 (draftrelay.kernels.offline: Triton's compiler runs to the cubin on the CPU). The interpreter tests
 (test_fast_forward.py, test_fork.py) check what the kernels compute, but the interpreter runs a kernel as
 Python: a name bound only in a branch the compiler also builds, or a shape the compiler refuses, passes
@@ -25,6 +25,9 @@ for c in (attn, one, dict(attn, G=8, RG_PAD=64), dict(attn, G=4, RG_PAD=64, PDL=
 for blk, warps in ((32, 8), (128, 8)):  # attention_tiles.py's candidates (triton_ops.SPLIT_TILE) where rows share
     offline.compile_for(FT._fork_attn_kernel, num_warps=warps, **dict(attn, BLOCK=blk, G=8, RG_PAD=64))
     n += 1
+offline.compile_for(TO._pick_part_kernel, CHUNK=TO.PICK_CHUNK, PDL=True, num_warps=8)  # the logits' first passes
+offline.compile_for(TO._top_part_kernel, M=8, CHUNK=TO.TOP_CHUNK, PDL=True, num_warps=8)
+n += 2
 for D in (64, 128):
     k = offline.compile_for(TO._attn_combine_kernel, REP=7, R_PAD=16, D=D, S_BLK=TO.COMBINE_BLOCK[D], PDL=True)
     n += 1
@@ -42,4 +45,4 @@ print("compiled", n)
 
 def test_attention_kernels_compile_for_sm90(tmp_path):
     out = run_interpreted(tmp_path, COMPILE, interpret=False)
-    assert "compiled 10" in out, out[-3000:]
+    assert "compiled 12" in out, out[-3000:]

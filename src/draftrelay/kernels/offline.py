@@ -12,8 +12,10 @@ import re
 import subprocess
 import tempfile
 
-# the kernels' pointer arguments by element type (the rest bf16); `scale` is the one float scalar
-FP32_PTRS = frozenset({"acc_ptr", "ml_ptr", "inv_ptr"})
+# the kernels' pointer arguments by element type (the rest bf16: activations, weights, logits, caches);
+# `scale` is the one float scalar
+FP32_PTRS = frozenset({"acc_ptr", "ml_ptr", "inv_ptr", "pm_ptr", "ps_ptr", "tv_ptr"})
+INT32_PTRS = frozenset({"pi_ptr", "ti_ptr"})
 INT64_PTRS = frozenset({"rows_ptr", "start_ptr", "parent_ptr", "pivot_ptr"})
 
 
@@ -25,7 +27,8 @@ def signature(fn) -> dict[str, str]:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name.endswith("_ptr"):
-            sig[p.name] = "*fp32" if p.name in FP32_PTRS else "*i64" if p.name in INT64_PTRS else "*bf16"
+            sig[p.name] = ("*fp32" if p.name in FP32_PTRS else "*i32" if p.name in INT32_PTRS
+                           else "*i64" if p.name in INT64_PTRS else "*bf16")
         else:
             sig[p.name] = "fp32" if p.name == "scale" else "i32"
     return sig

@@ -999,7 +999,10 @@ PICK_CHUNK = 4096  # vocabulary entries per program of greedy_pick's first pass
 
 
 @triton.jit
-def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _logit_chunk(l_ptr, V, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """The first pass's (row b, chunk c) of a pick over the logits: its ids offs (in range: msk), its logits x
+    in fp32, their max mx and sum of exp(x - mx) s (0 where the chunk is all -inf: exp(-inf - -inf) would be
+    NaN). greedy_pick's and greedy_top's first passes both: their confidences merge the same sums."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     _pdl_entry(PDL)
@@ -1007,9 +1010,14 @@ def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.const
     msk = offs < V
     x = tl.load(l_ptr + b * V + offs, mask=msk, other=float("-inf")).to(tl.float32)
     mx = tl.max(x, axis=0)
-    idx = tl.min(tl.where(x == mx, offs, V), axis=0)  # the lowest id of the chunk's maximum
-    # a chunk of -inf logits adds nothing (exp(-inf - -inf) would be NaN)
     s = tl.where(mx == float("-inf"), 0.0, tl.sum(tl.exp(x - mx), axis=0))
+    return b, c, offs, msk, x, mx, s
+
+
+@triton.jit
+def _pick_part_kernel(l_ptr, pm_ptr, pi_ptr, ps_ptr, V, n_chunk, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    b, c, offs, msk, x, mx, s = _logit_chunk(l_ptr, V, CHUNK, PDL)
+    idx = tl.min(tl.where(x == mx, offs, V), axis=0)  # the lowest id of the chunk's maximum
     tl.store(pm_ptr + b * n_chunk + c, mx)
     tl.store(pi_ptr + b * n_chunk + c, idx)
     tl.store(ps_ptr + b * n_chunk + c, s)
@@ -1062,14 +1070,7 @@ def _top_part_kernel(l_ptr, tv_ptr, ti_ptr, ps_ptr, V, n_chunk, M: tl.constexpr,
                      PDL: tl.constexpr):
     # one (row, chunk): its m largest (lowest id first among equals) and its sum exp(l - chunk max), the
     # latter exactly as _pick_part_kernel computes it (so the merged confidence is greedy_pick's)
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    _pdl_entry(PDL)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    msk = offs < V
-    x = tl.load(l_ptr + b * V + offs, mask=msk, other=float("-inf")).to(tl.float32)
-    mx = tl.max(x, axis=0)
-    s = tl.where(mx == float("-inf"), 0.0, tl.sum(tl.exp(x - mx), axis=0))
+    b, c, offs, msk, x, mx, s = _logit_chunk(l_ptr, V, CHUNK, PDL)
     tl.store(ps_ptr + b * n_chunk + c, s)
     alive = msk  # a taken entry leaves by id, not by value: an -inf logit is still a candidate
     out = (b * n_chunk + c) * M
