@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from machine import write_json  # noqa: E402
+from machine import positive_ints, write_json  # noqa: E402
 
 PER_GRAPH = 20  # launches a captured graph holds (one replay's time / PER_GRAPH is a launch's)
 
@@ -41,16 +41,6 @@ def parse_tiles(text: str) -> list[tuple[int, int]]:
             raise SystemExit(f"--tiles: '{item}': keys per tile 16..256 (a power of two), warps 1, 2, 4 or 8")
         out.append((tile, warps))
     return out
-
-
-def ints(text: str, name: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"{name}: comma-separated integers, not '{text}'") from None
-    if any(v < 1 for v in vals):
-        raise SystemExit(f"{name}: each at least 1, not '{text}'")
-    return vals
 
 
 def timed(fn, iters: int) -> dict:
@@ -135,8 +125,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention_tiles.json"),
                     help="the JSON written")
     args = ap.parse_args()
-    contexts, rows_l = ints(args.contexts, "--contexts"), ints(args.rows, "--rows")
-    tiles, shared_w = parse_tiles(args.tiles), ints(args.shared_warps, "--shared-warps")
+
+    def ints(name: str, text: str) -> list[int]:
+        try:
+            return positive_ints(text)
+        except ValueError as e:
+            ap.error(f"--{name} takes {e}")
+
+    contexts, rows_l = ints("contexts", args.contexts), ints("rows", args.rows)
+    tiles, shared_w = parse_tiles(args.tiles), ints("shared-warps", args.shared_warps)
     if not torch.cuda.is_available():
         raise SystemExit("attention_tiles.py times CUDA kernels: no CUDA device here")
     from draftrelay.handoff.procinfo import machine_info

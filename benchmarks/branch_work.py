@@ -35,6 +35,10 @@ from draftrelay.wire import protocol as P
 from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
 from draftrelay.worker.prefetch import Prefetcher
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmarks' own helpers
+
+from machine import positive_ints  # noqa: E402
+
 
 def pieces(pf: Prefetcher, d: LlamaDrafter, B: int, ctx: int, k: int, F: int, rng) -> dict:
     """One table's branch work after a STEP of B requests (the real Prefetcher path, bonus waited for):
@@ -78,12 +82,9 @@ def main(argv=None) -> int:
 
     def ints(name: str, text: str) -> list[int]:
         try:
-            vals = [int(x) for x in text.split(",")]
-        except ValueError:
-            vals = []
-        if not vals or min(vals) < 1:
-            ap.error(f"--{name} takes comma-separated positive integers, not {text!r}")
-        return vals
+            return positive_ints(text)
+        except ValueError as e:
+            ap.error(f"--{name} takes {e}")
 
     ctxs, fans, reqs = ints("contexts", args.contexts), ints("fanout", args.fanout), ints("requests", args.requests)
     if args.k < 1 or args.iters < 1:
@@ -92,7 +93,6 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     # fast_forward's timing and profiling helpers (it imports Triton: only where a GPU runs this)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from draftrelay import kernels
     from fast_forward import interleaved, kernel_count
 

@@ -1,4 +1,4 @@
-"""What a CPU benchmark records about where it ran, and how it writes its JSON."""
+"""What a CPU benchmark records about where it ran, how it writes its JSON, and how it reads a list option."""
 
 from __future__ import annotations
 
@@ -23,3 +23,14 @@ def write_json(path: str | Path, out: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
+
+
+def positive_ints(text: str) -> list[int]:
+    """'1,4' -> [1, 4]: a comma-separated option of positive integers (ValueError saying what it is not)."""
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise ValueError(f"comma-separated positive integers, not {text!r}")
+    return vals

@@ -1192,6 +1192,12 @@ class AttnLaunch:
         return self.n_split == 1
 
 
+def attn_warps(rows: int, D: int) -> int:
+    """Warps of an attention program holding `rows` (padded) query rows of head dim D: 4, or 8 beyond 4,096
+    fp32 accumulators."""
+    return 4 if rows * D <= 64 * 64 else 8
+
+
 def attn_launch(who: str, q: torch.Tensor, ck: torch.Tensor, kv_len: int, rope: tuple | None) -> AttnLaunch:
     """The launch of an attention over q [B, T, H, D] (with rope = (inv_freq, n_heads, n_kv): q is the q|k|v
     product [B, 1, (H + 2 n_kv) D]) and a cache of ck's head dim; ValueError (prefixed `who`) where a fused
@@ -1206,7 +1212,7 @@ def attn_launch(who: str, q: torch.Tensor, ck: torch.Tensor, kv_len: int, rope: 
     rep = H // n_kv
     R_PAD = max(16, triton.next_power_of_2(rep * T))
     sblock = SINGLE_BLOCK.get((D, R_PAD), BLOCK_N)
-    tile, warps = SPLIT_TILE.get((D, R_PAD), (BLOCK_N, 4 if R_PAD * D <= 64 * 64 else 8))
+    tile, warps = SPLIT_TILE.get((D, R_PAD), (BLOCK_N, attn_warps(R_PAD, D)))
     chunk, n_split = split_plan(kv_len, B * n_kv, _n_sm(q.device), sblock, tile)
     if rope is not None and not (n_split == 1 and T == 1):
         raise ValueError(f"{who}: the fused RoPE takes one token per row and one chunk, not T={T} over "
@@ -1214,7 +1220,7 @@ def attn_launch(who: str, q: torch.Tensor, ck: torch.Tensor, kv_len: int, rope: 
     out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     acc, ml = (out, out) if n_split == 1 else partials(B * n_kv * n_split, R_PAD, D, q.device)  # 1: unused
     if n_split == 1:
-        tile, warps = sblock, 4 if R_PAD * D <= 64 * 64 else 8
+        tile, warps = sblock, attn_warps(R_PAD, D)
     return AttnLaunch(B, T, H, n_kv, D, rep, R_PAD, chunk, n_split, tile, warps, out, acc, ml)
 
 

@@ -37,8 +37,8 @@ NEG_INF = tl.constexpr(float("-inf"))
 # DRAFTRELAY_FORK_SHARE=off reads them per row, as a plain row does (to measure one against the other).
 SHARE = env_choice("DRAFTRELAY_FORK_SHARE", "on", ("on", "off")) == "on"
 SHARED_ROWS = 64  # query rows a shared program holds at most (the block's rows x n_rep x T, padded)
-SHARED_WARPS = 0  # warps of the launch where rows share (0: 4, or 8 for programs of over 4,096 fp32
-# accumulators); the shared programs' registers bound how many an SM holds (benchmarks/attention_tiles.py)
+SHARED_WARPS = 0  # warps of the launch where rows share (0: triton_ops.attn_warps of the shared programs'
+# rows, at least the split's); their registers bound how many an SM holds (benchmarks/attention_tiles.py)
 
 
 def group_rows(B: int, rep: int, T: int, single: bool) -> int:
@@ -212,7 +212,7 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
         chunk_s, n_s = TO.split_plan(kv_len, triton.cdiv(a.B, G) * a.n_kv, TO._n_sm(q.device), a.block, a.block)
         acc, ml = TO.partials(a.B * a.n_kv * (n_own + n_s), a.R_PAD, a.D, q.device)
         a = dataclasses.replace(a, n_split=n_own + n_s, acc=acc, ml=ml)
-        warps = SHARED_WARPS or max(warps, 4 if rg_pad * a.D <= 64 * 64 else 8)
+        warps = SHARED_WARPS or max(warps, TO.attn_warps(rg_pad, a.D))
     _fork_attn_kernel[(a.B * a.n_kv, n_own + n_s)](
         q, ck, cv, rows, start, pk, pv, parent, pivot, a.out, a.acc, a.ml, rope[0] if rope is not None else start,
         a.T, a.H, ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
