@@ -26,6 +26,7 @@
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
 #   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
+# DRAFT_VOCAB=32768 adds part 2's restricted-head variants (fast_forward.py --draft-vocab).
 # TESTS_S / FF_S / HOST_S / REPLAY_S / RULES_S / DEPTH_S bound the parts (seconds).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -42,7 +43,8 @@ if part 1 "GPU tests: skinny kernels"; then
 fi
 if part 2 "fast_forward.py"; then
     timeout "${FF_S:-200}" python3 benchmarks/fast_forward.py --sections "${SECTIONS:-drafter,target}" \
-        --contexts "${CONTEXTS:-128,32768}" --iters 12 --out "$OUT/fast_forward.json" 2>&1 | grep -v "^\[W" \
+        --contexts "${CONTEXTS:-128,32768}" --iters 12 ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} \
+        --out "$OUT/fast_forward.json" 2>&1 | grep -v "^\[W" \
         | tee "$OUT/fast_forward.log" | grep "^drafter\|^target"
 fi
 if part 3 "step_host.py"; then
