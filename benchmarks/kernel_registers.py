@@ -55,9 +55,10 @@ def main() -> None:
 
     rows = []
     for label, fn, warps, c in variants():
-        r = offline.resources(offline.compile_for(fn, arch=args.arch, num_warps=warps, **c), arch=args.arch)
+        ints = offline.launch_ints(fn)  # specialised as a launch at 32K keys is (aligned, strides divisible by 16)
+        r = offline.resources(offline.compile_for(fn, arch=args.arch, num_warps=warps, ints=ints, **c), arch=args.arch)
         per_sm = 65536 // (max(r["registers"], 1) * 32 * warps)
-        rows.append({"kernel": fn.__name__, "label": label, "warps": warps, "constexprs": c, **r,
+        rows.append({"kernel": fn.__name__, "label": label, "warps": warps, "constexprs": c, "ints": ints, **r,
                      "programs_an_sm_by_registers": per_sm})
         print(f"{label:68s} {r['registers']:3d} registers, spills {r['spill_stores']}/{r['spill_loads']} B, "
               f"{per_sm} programs an SM")

@@ -34,9 +34,26 @@ def signature(fn) -> dict[str, str]:
     return sig
 
 
-def compile_for(fn, arch: int = 90, num_warps: int = 4, num_stages: int = 2, **constexprs):
+def launch_ints(fn, kv_len: int = 32768, head_dim: int = 64, n_kv: int = 2) -> dict[str, int]:
+    """Representative values of an attention kernel's integer arguments at the 0.5B drafter's shapes (a cache
+    of [rows, n_kv, kv_len, head_dim], one token a row, 14 query heads, 1,024-key chunks): what `compile_for`
+    specialises as a launch would. Arguments it has no rule for are left out (no specialisation)."""
+    pos = head_dim  # the caches' position stride: one head vector
+    rule = {"T": 1, "H": 7 * n_kv, "chunk": 1024, "chunk_s": 1024, "n_split": 33, "n_own": 5, "B": 32}
+    for kind in ("c", "v", "p", "q"):  # the cache, its values, the parent's and the q|k|v rows' strides
+        rule.update({f"s_{kind}row": n_kv * kv_len * pos, f"s_{kind}head": kv_len * pos, f"s_{kind}pos": pos})
+    return {p.name: rule[p.name] for p in fn.params if not p.is_constexpr and p.name in rule}
+
+
+def compile_for(fn, arch: int = 90, num_warps: int = 4, num_stages: int = 2, ints: dict[str, int] | None = None,
+                **constexprs):
     """fn compiled for sm_<arch> with these constexprs (every one without a default must be given:
-    ValueError naming those missing)."""
+    ValueError naming those missing), specialised as Triton's launcher specialises a launch: every pointer
+    16-byte aligned (torch's allocations are), and each integer argument named in `ints` by its value there:
+    1 a constant, a multiple of 16 marked divisible by 16. Without those marks the compiler knows nothing of
+    the loads' alignment: it neither vectorises them nor pipelines the loops through shared memory, and the
+    registers and spills ptxas reports are not those of the kernel a GPU runs (an attention kernel at
+    64-key tiles: 197 registers unmarked, 64 as launched)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -44,8 +61,20 @@ def compile_for(fn, arch: int = 90, num_warps: int = 4, num_stages: int = 2, **c
     missing = sorted(p.name for p in fn.params if p.is_constexpr and not p.has_default and p.name not in constexprs)
     if missing:
         raise ValueError(f"compile_for({fn.__name__}): constexprs without a value: {', '.join(missing)}")
+    sig = signature(fn)
+    ints = dict(ints or {})
+    unknown = sorted(set(ints) - {n for n, t in sig.items() if t == "i32"})
+    if unknown:
+        raise ValueError(f"compile_for({fn.__name__}): not integer arguments: {', '.join(unknown)}")
     names = [p.name for p in fn.params]
-    src = ASTSource(fn, signature(fn), constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    consts = dict(constexprs)
+    attrs = {}
+    for i, name in enumerate(names):
+        if sig[name].startswith("*") or ints.get(name, 1) % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ints.get(name) == 1:
+            sig[name], consts[name] = "constexpr", 1
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
