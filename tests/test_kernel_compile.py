@@ -14,22 +14,24 @@ from draftrelay.kernels import triton_ops as TO
 from draftrelay.worker import fork_triton as FT
 
 n = 0
+FORK_INTS = offline.launch_ints(FT._fork_attn_kernel)  # specialised as a launch at 32K (pipelined loops)
 attn = dict(REP=7, R_PAD=16, D=64, BLOCK=64, SINGLE=False, IEEE=False, FIXED_TRIPS=0, ROPE=False, PDL=True)
 one = dict(attn, BLOCK=256, SINGLE=True, ROPE=True, PREFETCH=True)  # one chunk, RoPE fused, the prefetch
 for c in (attn, one):
-    offline.compile_for(TO._attn_kernel, **c)
+    offline.compile_for(TO._attn_kernel, ints=offline.launch_ints(TO._attn_kernel), **c)
     n += 1
 for c in (attn, one, dict(attn, G=8, RG_PAD=64), dict(attn, G=4, RG_PAD=64, PDL=False)):
-    offline.compile_for(FT._fork_attn_kernel, **c)  # G: the split keys shared by a parent's rows
+    offline.compile_for(FT._fork_attn_kernel, ints=FORK_INTS, **c)  # G: the split keys shared by a parent's rows
     n += 1
 for blk, warps in ((32, 8), (128, 8)):  # attention_tiles.py's candidates (triton_ops.SPLIT_TILE) where rows share
-    offline.compile_for(FT._fork_attn_kernel, num_warps=warps, **dict(attn, BLOCK=blk, G=8, RG_PAD=64))
+    offline.compile_for(FT._fork_attn_kernel, num_warps=warps, ints=FORK_INTS, **dict(attn, BLOCK=blk, G=8, RG_PAD=64))
     n += 1
 offline.compile_for(TO._pick_part_kernel, CHUNK=TO.PICK_CHUNK, PDL=True, num_warps=8)  # the logits' first passes
 offline.compile_for(TO._top_part_kernel, M=8, CHUNK=TO.TOP_CHUNK, PDL=True, num_warps=8)
 n += 2
 for D in (64, 128):
-    k = offline.compile_for(TO._attn_combine_kernel, REP=7, R_PAD=16, D=D, S_BLK=TO.COMBINE_BLOCK[D], PDL=True)
+    k = offline.compile_for(TO._attn_combine_kernel, ints=offline.launch_ints(TO._attn_combine_kernel), REP=7,
+                            R_PAD=16, D=D, S_BLK=TO.COMBINE_BLOCK[D], PDL=True)
     n += 1
 r = offline.resources(k)
 assert 0 < r["registers"] <= 255 and r["spill_stores"] >= 0, r
@@ -39,6 +41,15 @@ except ValueError as e:
     assert "S_BLK" in str(e), e
 else:
     raise AssertionError("a constexpr without a value was not named")
+try:
+    offline.compile_for(TO._attn_combine_kernel, ints={"D": 64}, REP=7, R_PAD=16, D=64, S_BLK=64, PDL=True)
+except ValueError as e:
+    assert "not integer arguments: D" in str(e), e
+else:
+    raise AssertionError("a constexpr given as an integer argument was not named")
+split = offline.compile_for(TO._attn_kernel, ints=offline.launch_ints(TO._attn_kernel), **attn)
+assert "cp.async" in split.asm["ptx"], "the split attention's key loop is not pipelined as launched"
+
 print("compiled", n)
 '''
 
