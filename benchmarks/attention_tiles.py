@@ -3,9 +3,10 @@ of a split's programs (triton_ops.SPLIT_TILE) and the warps of the forked rows' 
 (fork_triton.SHARED_WARPS), at the 0.5B drafter's shapes (plain rows and forked rows, F a request) and the
 7B's verify.
 
-A program's registers bound how many an SM holds (benchmarks/kernel_registers.py: 191-255 a thread at 4
-warps, two programs an SM, where the split attention at 8 warps holds 99), and at 32K keys with several rows
-the attention reads 0.9-2.1 TB/s of the copy's 3.3 (docs/SPEC_CACHE.md). Each candidate is checked against
+A program's registers bound how many an SM holds (benchmarks/kernel_registers.py: as launched at 32K the split
+attention holds 64 a thread, eight programs an SM, the forked rows' kernel with 64-row shared programs 182 at
+4 warps, two), and at 32K keys with several rows the attention reads 0.9-2.1 TB/s of the copy's 3.3
+(docs/SPEC_CACHE.md). Each candidate is checked against
 the plain-torch definition (bf16 bounds), then 20 launches are captured in one CUDA graph and the replays
 timed, each launch on its own layer's caches (read from HBM, as in a forward); the figure is a launch's p50
 and the KV bytes it reads over that time.
