@@ -122,6 +122,9 @@ def main() -> None:
                     help="comma-separated KEYSxWARPS of a split's programs (the first is the present default "
                          "at head dim 64)")
     ap.add_argument("--shared-warps", default="4,8", help="comma-separated warps of the forked rows' shared launch")
+    ap.add_argument("--share", default="on,off",
+                    help="comma-separated: the forked rows reading a parent's prefix once (on) or each row its own "
+                         "(off, fork_triton.SHARE; GB/s still counts each prefix once)")
     ap.add_argument("--iters", type=int, default=30, help="graph replays timed per candidate")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention_tiles.json"),
                     help="the JSON written")
@@ -135,6 +138,9 @@ def main() -> None:
 
     contexts, rows_l = ints("contexts", args.contexts), ints("rows", args.rows)
     tiles, shared_w = parse_tiles(args.tiles), ints("shared-warps", args.shared_warps)
+    shares = [x.strip() for x in args.share.split(",")]
+    if not shares or any(x not in ("on", "off") for x in shares):
+        ap.error(f"--share takes on and / or off, comma-separated, not {args.share!r}")
     if not torch.cuda.is_available():
         raise SystemExit("attention_tiles.py times CUDA kernels: no CUDA device here")
     from draftrelay.handoff.procinfo import machine_info
@@ -149,25 +155,29 @@ def main() -> None:
                 for case in cases(ctx, rows, g, torch.device("cuda")):
                     want = case["ref"](0).float()
                     forked = "forked" in case["label"]
-                    for tile in tiles:
-                        for sw in (shared_w if forked else [0]):
-                            TO.SPLIT_TILE[case["key"]] = tile
-                            FT.SHARED_WARPS = sw
-                            err = (case["fn"](0).float() - want).abs().max().item()
-                            t = timed(case["fn"], args.iters)
-                            row = {"context": ctx, "rows": rows, "case": case["label"], "tile": tile[0],
-                                   "warps": tile[1], "shared_warps": sw or None, "max_abs_err": err, **t,
-                                   "GBps": case["bytes"] / (t["p50_us"] * 1e3)}
-                            results.append(row)
-                            print(f"ctx {ctx:6d} {case['label']:34s} tile {tile[0]:3d} x {tile[1]} warps"
-                                  f"{f', shared {sw} warps' if sw else '':18s} {t['p50_us']:8.1f} us "
-                                  f"({t['p10_us']:.1f}-{t['p90_us']:.1f}) {row['GBps']:7.0f} GB/s  err {err:.3g}",
+                    variants = [(tile, sw, sh) for tile in tiles for sh in (shares if forked else ["on"])
+                                for sw in (shared_w if forked and sh == "on" else [0])]
+                    for tile, sw, sh in variants:
+                        TO.SPLIT_TILE[case["key"]] = tile
+                        FT.SHARED_WARPS = sw
+                        FT.SHARE = sh == "on"
+                        err = (case["fn"](0).float() - want).abs().max().item()
+                        t = timed(case["fn"], args.iters)
+                        row = {"context": ctx, "rows": rows, "case": case["label"], "tile": tile[0],
+                               "warps": tile[1], "shared_warps": sw or None,
+                               "share": sh if forked else None, "max_abs_err": err, **t,
+                               "GBps": case["bytes"] / (t["p50_us"] * 1e3)}
+                        results.append(row)
+                        print(f"ctx {ctx:6d} {case['label']:34s} tile {tile[0]:3d} x {tile[1]} warps"
+                              f"{f', shared {sw} warps' if sw else ', not shared' if forked else '':18s} "
+                              f"{t['p50_us']:8.1f} us "
+                              f"({t['p10_us']:.1f}-{t['p90_us']:.1f}) {row['GBps']:7.0f} GB/s  err {err:.3g}",
+                              flush=True)
+                        if err > 2e-2:
+                            print(f"  ^ outside the bf16 bound (2e-2): {case['label']} at tile {tile}",
                                   flush=True)
-                            if err > 2e-2:
-                                print(f"  ^ outside the bf16 bound (2e-2): {case['label']} at tile {tile}",
-                                      flush=True)
                     TO.SPLIT_TILE.clear()
-                    FT.SHARED_WARPS = 0
+                    FT.SHARED_WARPS, FT.SHARE = 0, True
     write_json(args.out, {"benchmark": "attention_tiles", "machine": machine_info(), "argv": sys.argv[1:],
                           "per_graph": PER_GRAPH, "rows": results})
 

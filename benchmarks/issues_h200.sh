@@ -26,6 +26,7 @@
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
 #   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
+# TILES narrows part 10's candidates (attention_tiles.py --tiles, e.g. 64x4,32x4).
 # DRAFT_VOCAB=32768 adds part 2's restricted-head variants (fast_forward.py --draft-vocab).
 # TESTS_S / FF_S / HOST_S / REPLAY_S / RULES_S / DEPTH_S bound the parts (seconds).
 set -uo pipefail
@@ -114,7 +115,8 @@ if part 9 "32K: the fast forward and the cache"; then
         | grep "branch work\|32k:1" | tail -4
 fi
 if part 10 "the split attention's tiles"; then
-    timeout "${TILES_S:-200}" python3 benchmarks/attention_tiles.py --out "$OUT/attention_tiles.json" 2>&1 \
+    timeout "${TILES_S:-200}" python3 benchmarks/attention_tiles.py ${TILES:+--tiles "$TILES"} \
+        --out "$OUT/attention_tiles.json" 2>&1 \
         | grep "^ctx\|bound"
 fi
 echo "done in $(( $(date +%s) - T0 )) s"
