@@ -109,6 +109,33 @@ def _fork_shared(q_ptr, pkb, pvb, parent_ptr, acc_ptr, ml_ptr, g, c, b0, pb, P, 
 
 
 @triton.jit
+def _fork_shared_block(q_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr, acc_ptr, ml_ptr, blk, g, c, B, T, H, s_prow,
+                       s_phead, s_ppos, s_qrow, s_qhead, s_qpos, chunk_s, n_own, n_tot, scale, REP: tl.constexpr,
+                       R_PAD: tl.constexpr, G: tl.constexpr, RG_PAD: tl.constexpr, D: tl.constexpr,
+                       BLOCK: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr):
+    """Chunk c of the shared prefix reads of block blk's rows, kv head g: for each parent the block's rows
+    have (one where a request's branches fill the block, as they do where F is a multiple of G), its keys
+    below the lowest pivot of its rows in the block, for all of them (_fork_shared). One program per (block,
+    kv head, chunk): the launch holds no program per row that would find itself no parent's first and
+    read nothing (seven of eight of them at G = 8, each still paying its loads and its place in the grid)."""
+    b0 = blk * G
+    a = tl.arange(0, G)
+    iv = b0 + a < B
+    par = tl.load(parent_ptr + b0 + a, mask=iv, other=-1)
+    piv = tl.load(pivot_ptr + b0 + a, mask=iv, other=0)
+    for j in tl.static_range(G):  # row b0 + j leads its parent's reads where it is the parent's first in the block
+        pb = tl.sum(tl.where(a == j, par, 0))
+        same = iv & (par == pb)
+        first = tl.min(tl.where(same, a, G), axis=0) == j
+        if first & (b0 + j < B):
+            P = tl.min(tl.where(same, piv, 2 ** 30), axis=0).to(tl.int32)
+            prow = pb.to(tl.int64)
+            _fork_shared(q_ptr, pk_ptr + prow * s_prow + g * s_phead, pv_ptr + prow * s_qrow + g * s_qhead,
+                         parent_ptr, acc_ptr, ml_ptr, g, c, b0, pb, P, first, B, T, H, s_ppos, s_qpos, chunk_s,
+                         n_own, n_tot, scale, REP, R_PAD, G, RG_PAD, D, BLOCK, IEEE, FIXED_TRIPS)
+
+
+@triton.jit
 def _fork_own(q_ptr, ck_ptr, cv_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, pkb, pvb, row, b, g, h, bg, sp, n_kv, start,
               pivot, lo, hi, r, rvalid, d, qo, qpos, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, s_ppos,
               s_qpos, n_split, scale, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
@@ -167,9 +194,10 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
     (start >= pivot: a forked row's own positions) and takes the new key from registers, as the fast
     forward's fused _attn_kernel does: rope_kv_write and fork_attention in one launch. PDL as there:
     the next kernel may start its prologue now; this one reads nothing before its producer is done.
-    G (split keys only): programs sp < n_own read their row's keys from its group's lowest pivot on, the
-    programs sp >= n_own chunk sp - n_own of the keys below it for the whole group (_fork_shared); n_split
-    is then every slot a (row, kv head) has, n_own + the shared chunks."""
+    G (split keys only): programs sp < n_own read their row's keys from its group's lowest pivot on; the
+    programs sp >= n_own, numbered (sp - n_own) * B * n_kv + bg, are one per (block of G rows, kv head,
+    shared chunk) and read that chunk of the keys below each group's lowest pivot for the whole group
+    (_fork_shared_block); n_split is then every slot a (row, kv head) has, n_own + the shared chunks."""
     bg, sp, n_kv, b, g, start, row, lo, hi, r, rvalid, h, d, qo, qpos = _attn_program(
         rows_ptr, start_ptr, T, H, chunk, REP, R_PAD, D, PDL)
     prow = tl.load(parent_ptr + b).to(tl.int64)
@@ -177,12 +205,16 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
     pkb = pk_ptr + prow * s_prow + g * s_phead
     pvb = pv_ptr + prow * s_qrow + g * s_qhead
     if G:
-        b0, pb, P, first = _fork_group(parent_ptr, pivot_ptr, b, B, G)
-        if sp >= n_own:
-            _fork_shared(q_ptr, pkb, pvb, parent_ptr, acc_ptr, ml_ptr, g, sp - n_own, b0, pb, P, first, B, T, H,
-                         s_ppos, s_qpos, chunk_s, n_own, n_split, scale, REP, R_PAD, G, RG_PAD, D, BLOCK, IEEE,
-                         FIXED_SHARED)
+        if sp >= n_own:  # a shared program: its index over (block, kv head, chunk), those past the last idle
+            j = (sp - n_own) * (B * n_kv) + bg
+            n_s = n_split - n_own
+            if j < tl.cdiv(B, G) * n_kv * n_s:
+                _fork_shared_block(q_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr, acc_ptr, ml_ptr, j // n_s // n_kv,
+                                   j // n_s % n_kv, j % n_s, B, T, H, s_prow, s_phead, s_ppos, s_qrow, s_qhead,
+                                   s_qpos, chunk_s, n_own, n_split, scale, REP, R_PAD, G, RG_PAD, D, BLOCK, IEEE,
+                                   FIXED_SHARED)
         else:  # its keys from the group's lowest pivot P on (below P: the group's shared programs)
+            b0, pb, P, first = _fork_group(parent_ptr, pivot_ptr, b, B, G)
             _fork_own(q_ptr, ck_ptr, cv_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, pkb, pvb, row, b, g, h, bg, sp, n_kv,
                       start, pivot, tl.maximum(lo, P), hi, r, rvalid, d, qo, qpos, H, s_crow, s_chead, s_cpos,
                       s_vrow, s_vhead, s_vpos, s_ppos, s_qpos, n_split, scale, R_PAD, D, BLOCK, SINGLE, IEEE,
@@ -213,7 +245,9 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
         acc, ml = TO.partials(a.B * a.n_kv * (n_own + n_s), a.R_PAD, a.D, q.device)
         a = dataclasses.replace(a, n_split=n_own + n_s, acc=acc, ml=ml)
         warps = SHARED_WARPS or max(warps, TO.attn_warps(rg_pad, a.D))
-    _fork_attn_kernel[(a.B * a.n_kv, n_own + n_s)](
+    # the shared programs, one per (block of G rows, kv head, chunk), fill the grid's rows after the own ones
+    extra = triton.cdiv(triton.cdiv(a.B, G) * a.n_kv * n_s, a.B * a.n_kv) if G else 0
+    _fork_attn_kernel[(a.B * a.n_kv, n_own + extra)](
         q, ck, cv, rows, start, pk, pv, parent, pivot, a.out, a.acc, a.ml, rope[0] if rope is not None else start,
         a.T, a.H, ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
         pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
