@@ -242,8 +242,12 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
     if G:  # the shared chunks: as if each block's rows were one row of G * n_rep * T query rows
         rg_pad = max(16, triton.next_power_of_2(G * a.rep * a.T))
         chunk_s, n_s = TO.split_plan(kv_len, triton.cdiv(a.B, G) * a.n_kv, TO._n_sm(q.device), a.block, a.block)
+        # a row's own keys, from its group's lowest pivot on (a branch's few positions), in one program: split
+        # as a whole row's keys are, all but the chunk holding them would read nothing
+        n_own = 1
         acc, ml = TO.partials(a.B * a.n_kv * (n_own + n_s), a.R_PAD, a.D, q.device)
-        a = dataclasses.replace(a, n_split=n_own + n_s, acc=acc, ml=ml)
+        a = dataclasses.replace(a, chunk=triton.cdiv(kv_len, a.block) * a.block, n_split=n_own + n_s, acc=acc,
+                                ml=ml)
         warps = SHARED_WARPS or max(warps, TO.attn_warps(rg_pad, a.D))
     # the shared programs, one per (block of G rows, kv head, chunk), fill the grid's rows after the own ones
     extra = triton.cdiv(triton.cdiv(a.B, G) * a.n_kv * n_s, a.B * a.n_kv) if G else 0
