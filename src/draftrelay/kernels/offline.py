@@ -36,10 +36,11 @@ def signature(fn) -> dict[str, str]:
 
 def launch_ints(fn, kv_len: int = 32768, head_dim: int = 64, n_kv: int = 2) -> dict[str, int]:
     """Representative values of an attention kernel's integer arguments at the 0.5B drafter's shapes (a cache
-    of [rows, n_kv, kv_len, head_dim], one token a row, 14 query heads, 1,024-key chunks): what `compile_for`
-    specialises as a launch would. Arguments it has no rule for are left out (no specialisation)."""
+    of [rows, n_kv, kv_len, head_dim], one token a row, 14 query heads, 1,024-key chunks; the forked rows with
+    shared reads: one own program a row, four requests' 32 rows): what `compile_for` specialises as a launch
+    would. Arguments it has no rule for are left out (no specialisation)."""
     pos = head_dim  # the caches' position stride: one head vector
-    rule = {"T": 1, "H": 7 * n_kv, "chunk": 1024, "chunk_s": 1024, "n_split": 33, "n_own": 5, "B": 32}
+    rule = {"T": 1, "H": 7 * n_kv, "chunk": 1024, "chunk_s": 1024, "n_split": 33, "n_own": 1, "B": 32}
     for kind in ("c", "v", "p", "q"):  # the cache, its values, the parent's and the q|k|v rows' strides
         rule.update({f"s_{kind}row": n_kv * kv_len * pos, f"s_{kind}head": kv_len * pos, f"s_{kind}pos": pos})
     return {p.name: rule[p.name] for p in fn.params if not p.is_constexpr and p.name in rule}

@@ -205,7 +205,7 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
     pkb = pk_ptr + prow * s_prow + g * s_phead
     pvb = pv_ptr + prow * s_qrow + g * s_qhead
     if G:
-        if sp >= n_own:  # a shared program: its index over (block, kv head, chunk), those past the last idle
+        if sp >= n_own:  # a shared program j of (block, kv head, chunk); the grid's last row holds idle ones
             j = (sp - n_own) * (B * n_kv) + bg
             n_s = n_split - n_own
             if j < tl.cdiv(B, G) * n_kv * n_s:
