@@ -4,7 +4,7 @@ of a split's programs (triton_ops.SPLIT_TILE) and the warps of the forked rows' 
 7B's verify.
 
 A program's registers bound how many an SM holds (benchmarks/kernel_registers.py: as launched at 32K the split
-attention holds 64 a thread, eight programs an SM, the forked rows' kernel with 64-row shared programs 227 at
+attention holds 64 a thread, eight programs an SM, the forked rows' kernel with 64-row shared programs 216 at
 4 warps, two), and at 32K keys with several rows the attention reads 0.9-2.1 TB/s of the copy's 3.3
 (docs/SPEC_CACHE.md). Each candidate is checked against
 the plain-torch definition (bf16 bounds), then 20 launches are captured in one CUDA graph and the replays

@@ -54,35 +54,40 @@ def group_rows(B: int, rep: int, T: int, single: bool) -> int:
 
 
 @triton.jit
-def _fork_group(parent_ptr, pivot_ptr, b, B, G: tl.constexpr):
-    """Row b's group: the rows of its block [b0, b0 + G) with its parent pb. -> (b0, pb, the group's lowest
-    pivot P, whether b is its first row). Both kinds of program compute it alike."""
-    b0 = (b // G) * G
-    i = b0 + tl.arange(0, G)
-    iv = i < B
-    pb = tl.load(parent_ptr + b)
-    same = iv & (tl.load(parent_ptr + i, mask=iv, other=-1) == pb)
-    P = tl.min(tl.where(same, tl.load(pivot_ptr + i, mask=iv, other=0), 2 ** 30), axis=0).to(tl.int32)
-    first = tl.min(tl.where(same, i, 2 ** 30), axis=0) == b
-    return b0, pb, P, first
+def _block_rows(parent_ptr, pivot_ptr, b0, B, G: tl.constexpr):
+    """The rows [b0, b0 + G) of a block: their index a in it, which exist (iv: below B), their parents and
+    pivots (parent -1 past B)."""
+    a = tl.arange(0, G)
+    iv = b0 + a < B
+    return a, iv, tl.load(parent_ptr + b0 + a, mask=iv, other=-1), tl.load(pivot_ptr + b0 + a, mask=iv, other=0)
 
 
 @triton.jit
-def _fork_shared(q_ptr, pkb, pvb, parent_ptr, acc_ptr, ml_ptr, g, c, b0, pb, P, first, B, T, H, s_ppos, s_qpos,
+def _group_of(a, iv, par, piv, j, G: tl.constexpr):
+    """Row j of a block (_block_rows) and the rows of the block with its parent: (that parent pb, the
+    group's lowest pivot P, whether j is the group's first row). The shared and the own programs both."""
+    pb = tl.sum(tl.where(a == j, par, 0))
+    same = iv & (par == pb)
+    P = tl.min(tl.where(same, piv, 2 ** 30), axis=0).to(tl.int32)
+    first = tl.min(tl.where(same, a, G), axis=0) == j
+    return pb, P, first
+
+
+@triton.jit
+def _fork_shared(q_ptr, pkb, pvb, parent_ptr, acc_ptr, ml_ptr, g, c, b0, pb, P, B, T, H, s_ppos, s_qpos,
                  chunk_s, n_own, n_tot, scale, REP: tl.constexpr, R_PAD: tl.constexpr, G: tl.constexpr,
                  RG_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
                  FIXED_TRIPS: tl.constexpr):
-    """Chunk c of the parent's keys [0, P) for every query row of a group, run by its first row's program
-    (the others' programs read and store nothing): each member row's partial into its slot n_own + c of
-    the n_tot a (row, kv head) has (its own chunks are the first n_own)."""
+    """Chunk c of the parent pb's keys [0, P) for every query row of its group in the block from b0 (called
+    once a group, by _fork_shared_block): each member row's partial into its slot n_own + c of the n_tot a
+    (row, kv head) has (its own are the first n_own)."""
     n_kv = H // REP
     RT = REP * T
     x = tl.arange(0, RG_PAD)  # query row x: row b0 + x // RT of the block, that row's query row x % RT
     rr = x % RT
     bq = b0 + x // RT
     inb = (x < G * RT) & (bq < B)
-    lead = x * 0 + first.to(tl.int32) > 0  # as a vector: the interpreter turns vector & scalar mask into int32
-    member = inb & lead & (tl.load(parent_ptr + bq, mask=inb, other=-1) == pb)
+    member = inb & (tl.load(parent_ptr + bq, mask=inb, other=-1) == pb)
     t = rr % T
     h = g * REP + rr // T
     d = tl.arange(0, D)
@@ -90,7 +95,7 @@ def _fork_shared(q_ptr, pkb, pvb, parent_ptr, acc_ptr, ml_ptr, g, c, b0, pb, P, 
                 other=0.0)
     qpos = tl.where(member, 2 ** 30, -1)  # every key below P precedes each member's queries; the rest see none
     lo = c * chunk_s
-    hi = tl.where(first, tl.minimum(lo + chunk_s, P), lo)
+    hi = tl.minimum(lo + chunk_s, P)
     m_i = tl.full([RG_PAD], NEG_INF, tl.float32)
     l_i = tl.zeros([RG_PAD], tl.float32)
     acc = tl.zeros([RG_PAD, D], tl.float32)
@@ -119,19 +124,13 @@ def _fork_shared_block(q_ptr, pk_ptr, pv_ptr, parent_ptr, pivot_ptr, acc_ptr, ml
     kv head, chunk): the launch holds no program per row that would find itself no parent's first and
     read nothing (seven of eight of them at G = 8, each still paying its loads and its place in the grid)."""
     b0 = blk * G
-    a = tl.arange(0, G)
-    iv = b0 + a < B
-    par = tl.load(parent_ptr + b0 + a, mask=iv, other=-1)
-    piv = tl.load(pivot_ptr + b0 + a, mask=iv, other=0)
+    a, iv, par, piv = _block_rows(parent_ptr, pivot_ptr, b0, B, G)
     for j in tl.static_range(G):  # row b0 + j leads its parent's reads where it is the parent's first in the block
-        pb = tl.sum(tl.where(a == j, par, 0))
-        same = iv & (par == pb)
-        first = tl.min(tl.where(same, a, G), axis=0) == j
+        pb, P, first = _group_of(a, iv, par, piv, j, G)
         if first & (b0 + j < B):
-            P = tl.min(tl.where(same, piv, 2 ** 30), axis=0).to(tl.int32)
             prow = pb.to(tl.int64)
             _fork_shared(q_ptr, pk_ptr + prow * s_prow + g * s_phead, pv_ptr + prow * s_qrow + g * s_qhead,
-                         parent_ptr, acc_ptr, ml_ptr, g, c, b0, pb, P, first, B, T, H, s_ppos, s_qpos, chunk_s,
+                         parent_ptr, acc_ptr, ml_ptr, g, c, b0, pb, P, B, T, H, s_ppos, s_qpos, chunk_s,
                          n_own, n_tot, scale, REP, R_PAD, G, RG_PAD, D, BLOCK, IEEE, FIXED_TRIPS)
 
 
@@ -214,7 +213,8 @@ def _fork_attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, pk_ptr, pv_ptr
                                    s_qpos, chunk_s, n_own, n_split, scale, REP, R_PAD, G, RG_PAD, D, BLOCK, IEEE,
                                    FIXED_SHARED)
         else:  # its keys from the group's lowest pivot P on (below P: the group's shared programs)
-            b0, pb, P, first = _fork_group(parent_ptr, pivot_ptr, b, B, G)
+            a, iv, par, piv = _block_rows(parent_ptr, pivot_ptr, (b // G) * G, B, G)
+            _, P, _ = _group_of(a, iv, par, piv, b % G, G)
             _fork_own(q_ptr, ck_ptr, cv_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, pkb, pvb, row, b, g, h, bg, sp, n_kv,
                       start, pivot, tl.maximum(lo, P), hi, r, rvalid, d, qo, qpos, H, s_crow, s_chead, s_cpos,
                       s_vrow, s_vhead, s_vpos, s_ppos, s_qpos, n_split, scale, R_PAD, D, BLOCK, SINGLE, IEEE,
