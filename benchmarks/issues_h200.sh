@@ -23,6 +23,9 @@
 #      replay_headline.py 32k:1 at F = 4, 8 (guard off), each build its own
 #  10. attention_tiles.py: the split attention's (keys per tile, warps) candidates and the forked rows' shared
 #      launch's warps at 32K, one and four rows, side by side (each checked against its definition)
+#  11. fast_forward.py drafter,target at context 128 on this build and, given BASE_TREE, on the build before,
+#      alternated ROUNDS times (default 2), each process planning every product itself (the plan seed off
+#      unless SEED=on: a seed names only the choices of the build that made it)
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
 #   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
@@ -118,5 +121,18 @@ if part 10 "the split attention's tiles"; then
     timeout "${TILES_S:-200}" python3 benchmarks/attention_tiles.py ${TILES:+--tiles "$TILES"} \
         --out "$OUT/attention_tiles.json" 2>&1 \
         | grep "^ctx\|bound"
+fi
+if part 11 "the fast forward at 128, this build and the build before alternated"; then
+    for round in $(seq "${ROUNDS:-2}"); do
+        for label in present base; do
+            [[ $label == base && -z "${BASE_TREE:-}" ]] && continue
+            run=(timeout "${FF_S:-200}" python3)
+            [[ $label == base ]] && run=(base_on "${run[@]}" "$BASE_TREE/benchmarks/fast_forward.py") \
+                || run+=(benchmarks/fast_forward.py)
+            DRAFTRELAY_PLAN_SEED=${SEED:-off} "${run[@]}" --sections drafter,target --contexts 128 --iters 12 \
+                ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} --out "$OUT/fast_forward_${label}_$round.json" 2>&1 \
+                | grep "^drafter\|^target" | sed "s/^/$label $round: /"
+        done
+    done
 fi
 echo "done in $(( $(date +%s) - T0 )) s"
