@@ -442,9 +442,14 @@ class PlanSeed:
             log.warning("kernel plan seed %s: %s; not used", path, exc)
 
     def get(self, key: tuple, cands: list[SkinnyConfig]) -> SkinnyConfig | None | object:
-        """The seeded choice for key among cands (None: cuBLAS), or MISSING (none, or not a candidate)."""
+        """The seeded choice for key among cands (None: cuBLAS), or MISSING (none, not a candidate, or
+        a seed that recorded its times and never timed one of cands: a candidate added since it was
+        made could beat its choice, so the key is measured)."""
         e = self.entries.get(PlanCache.entry_key(key))
         choice = None if e is None else e.get("choice")
+        timed = None if e is None else e.get("us")
+        if isinstance(timed, dict) and any(c.label() not in timed for c in cands):
+            return MISSING
         if choice == "cublas":
             return None
         match = [c for c in cands if c.label() == choice]
