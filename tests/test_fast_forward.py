@@ -218,8 +218,10 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     if pro == P.PRO_NORM:  # the norm in the tile needs the whole row; a looped dot runs it first
                         assert c.block_k >= K or (c.dot and rows > 1 and c.block_k == 128)
                         assert P.k_ranges(pro, K, c) == (P.split_range(K, c) if P.looped_dot(K, c) else (K, 1))
-                    if c.split > 1 and c.stages == 4:  # the pipelined tile over ranges: short grids only
+                    if c.stages == 4 and (c.split > 1 or c.block_n == 32):  # for short grids only: the
+                        # pipelined tile of 32 columns, and over K ranges
                         assert rows > 1 and -(-N // 64) < P.ROWS_DOT_PROGRAMS and c.block_n in (32, 64)
+                        assert c.split == 1 or (K > 1024 and c.split == -(-K // 1024))
                 if pro != P.PRO_NORM or K <= 1024 or rows > 1 or K <= P.NORM_MAX_K:
                     assert cands, (pro, rows, N, K)
             assert P.candidates(pro, 17, 896, 896) == [] and P.candidates(pro, 0, 896, 896) == []
@@ -233,6 +235,8 @@ def test_skinny_candidates_fit_the_kernel_rules():
     for pro, N, K in ((P.PRO_NORM, 4608, 3584), (P.PRO_NONE, 3584, 3584)):  # the 7B's q|k|v and o_proj: 72 / 56 blocks
         assert ranged <= set(P.candidates(pro, 5, N, K)) and not ranged & set(P.candidates(pro, 1, N, K))
     assert not ranged & set(P.candidates(P.PRO_NORM, 5, 37888, 3584))  # gate|up: 592 blocks fill the card
+    narrow = P.SkinnyConfig(32, 128, True, 4, 4)  # the 0.5B's gate|up: 152 blocks of 64 for 132 SMs
+    assert narrow in P.candidates(P.PRO_NORM, 4, 9728, 896) and narrow not in P.candidates(P.PRO_NORM, 4, 37888, 3584)
     assert not any(c in P.candidates(P.PRO_NORM, 1, 9728, 896) for c in whole)  # one row: the sum tiles
 
 

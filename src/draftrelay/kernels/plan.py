@@ -140,8 +140,8 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     norm prologue on the real rows inside the kernel, tensor-core dots over the rows padded to 16),
     the pipelined dot tile of 64 columns (a norm or SiLU prologue then its own launch first), for K
     beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048) and, where the weight has fewer than
-    ROWS_DOT_PROGRAMS blocks of 64 columns, the pipelined tile of 64 and of 32 columns over ranges of
-    ~1,024 (any prologue first: the norm's products too); for a norm's product on rows of at
+    ROWS_DOT_PROGRAMS blocks of 64 columns, the pipelined tile of 32 columns and, for K beyond 1,024,
+    both over ranges of ~1,024 (any prologue first: the norm's products too); for a norm's product on rows of at
     most WHOLE_ROW_DOT_K elements (the 0.5B's) the whole-row dot tiles of 16 and 32 columns (the norm in
     the kernel, as the one-row tiles hold it, where the pipelined tile runs add_rms_norm first: gate|up,
     beyond ROWS_DOT_MAX, and the head had only that and cuBLAS, each with the norm's own launch). Up to
@@ -182,10 +182,13 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     if pro == PRO_NORM and next_pow2(K) <= WHOLE_ROW_DOT_K:  # the whole row a tile: the norm inside, no loop
         out += [SkinnyConfig(bn, next_pow2(K), True, 8, 1) for bn in (16, 32)]
     out.append(SkinnyConfig(64, 128, True, 4, 4))
-    if K > 1024 and math.ceil(N / 64) < ROWS_DOT_PROGRAMS:
-        # the same pipelined tile over K ranges of ~1,024 (any prologue its own launch first): a weight of a
-        # few 64-column blocks (the 7B's q|k|v, o_proj and down: 56-72) leaves most SMs idle on the whole K
-        out += [SkinnyConfig(bn, 128, True, 4, 4, False, math.ceil(K / 1024)) for bn in (64, 32)]
+    if math.ceil(N / 64) < ROWS_DOT_PROGRAMS:
+        # a weight of few 64-column blocks leaves SMs idle or loads them unevenly (the 0.5B's gate|up: 152
+        # programs on 132 SMs; the 7B's q|k|v, o_proj and down: 56-72): the same pipelined tile of 32
+        # columns, and for K beyond 1,024 both over K ranges of ~1,024 (any prologue its own launch first)
+        out.append(SkinnyConfig(32, 128, True, 4, 4))
+        if K > 1024:
+            out += [SkinnyConfig(bn, 128, True, 4, 4, False, math.ceil(K / 1024)) for bn in (64, 32)]
     if pro != PRO_NORM and K > 1024:
         out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
     return out
