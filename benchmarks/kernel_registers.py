@@ -1,4 +1,5 @@
-"""Registers and spills of the attention kernels as Triton builds them for a Hopper GPU, on any machine.
+"""Registers and spills of the attention kernels (and of the skinny GEMM's pipelined dot tiles) as Triton
+builds them for a Hopper GPU, on any machine.
 
 A program's registers bound how many programs an SM holds at once (65,536 registers an SM: a 4-warp
 program at 255 registers a thread leaves room for two), and so how many key tiles are in flight in a
@@ -43,6 +44,51 @@ def variants() -> list[tuple[str, object, int, dict]]:
              dict(REP=7, R_PAD=16, D=64, S_BLK=TO.COMBINE_BLOCK[64], PDL=True))]
 
 
+def skinny_variants() -> list[tuple[str, object, int, int, int, int]]:
+    """(label, plan configuration, rows, N, K, prologue) of the skinny GEMM's pipelined dot tiles at the
+    7B verify's eight-row bucket (o_proj, down) and the 0.5B's four-row gate|up: the whole-K tile of 64
+    columns beside the tiles of 32 columns and over K ranges (plan.candidates, for weights of few blocks)."""
+    from draftrelay.kernels import plan as P
+
+    S = P.SkinnyConfig
+    out = []
+    for name, N, K in (("7B o_proj", 3584, 3584), ("7B down", 3584, 18944)):
+        r = -(-K // 1024)
+        out += [(f"{name}, 8 rows", c, 8, N, K, P.PRO_NONE)
+                for c in (S(64, 128, True, 4, 4), S(64, 128, True, 4, 4, False, r), S(32, 128, True, 4, 4, False, r),
+                          S(16, 128, True, 4, 3, False, r), S(32, 128, True, 4, 3, False, -(-K // 2048)))]
+    out += [("0.5B gate|up after its norm, 4 rows", c, 4, 9728, 896, P.PRO_NONE)
+            for c in (S(64, 128, True, 4, 4), S(32, 128, True, 4, 4))]
+    return out
+
+
+def skinny_rows(arch: int) -> list[dict]:
+    """Registers, shared memory, grid and the PTX's async copies and tensor-core instructions of each
+    skinny_variants() tile as skinny_linear launches it (the weight's N, K and range specialised)."""
+    from draftrelay.kernels import offline
+    from draftrelay.kernels import plan as P
+    from draftrelay.kernels import triton_ops as TO
+
+    rows = []
+    for label, cfg, m, N, K, pro in skinny_variants():
+        ks, n_split = P.k_ranges(pro, K, cfg)
+        c = dict(M_PAD=16, M_ROWS=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro, HAS_DELTA=False,
+                 HAS_BIAS=False, DOT=True, IEEE=False, FIXED_TRIPS=0, K_UNROLL=0, SPLIT=n_split, PDL=True)
+        k = offline.compile_for(TO._skinny_kernel, arch=arch, num_warps=cfg.warps, num_stages=cfg.stages,
+                                ints=dict(N=N, K=K, KS=ks), **c)
+        r = offline.resources(k, arch=arch)
+        ptx = k.asm["ptx"]
+        row = {"kernel": "_skinny_kernel", "label": label, "config": cfg.label(), "N": N, "K": K, "rows": m,
+               "programs": -(-N // cfg.block_n) * n_split, "warps": cfg.warps, "stages": cfg.stages, **r,
+               "shared_bytes": k.metadata.shared, "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+               "mma_sync": ptx.count("mma.sync"), "wgmma": ptx.count("wgmma.mma_async")}
+        rows.append(row)
+        print(f"{label:36s} {cfg.label():18s} {row['programs']:5d} programs, {r['registers']:3d} registers, "
+              f"spills {r['spill_stores']}/{r['spill_loads']} B, {row['shared_bytes'] // 1024} KiB shared, "
+              f"cp.async {row['cp_async']}, mma.sync {row['mma_sync']}, wgmma {row['wgmma']}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="the target's compute capability as one number (90: sm_90)")
@@ -63,7 +109,7 @@ def main() -> None:
         print(f"{label:68s} {r['registers']:3d} registers, spills {r['spill_stores']}/{r['spill_loads']} B, "
               f"{per_sm} programs an SM")
     write_json(args.out, {"benchmark": "kernel_registers", "arch": f"sm_{args.arch}", "triton": triton.__version__,
-                          "cpu": cpu_name(), "rows": rows})
+                          "cpu": cpu_name(), "rows": rows, "skinny": skinny_rows(args.arch)})
 
 
 if __name__ == "__main__":
