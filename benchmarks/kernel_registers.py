@@ -46,8 +46,9 @@ def variants() -> list[tuple[str, object, int, dict]]:
 
 def skinny_variants() -> list[tuple[str, object, int, int, int, int]]:
     """(label, plan configuration, rows, N, K, prologue) of the skinny GEMM's pipelined dot tiles at the
-    7B verify's eight-row bucket (o_proj, down) and the 0.5B's four-row gate|up: the whole-K tile of 64
-    columns beside the tiles of 32 columns and over K ranges (plan.candidates, for weights of few blocks)."""
+    7B verify's eight-row bucket (o_proj, down) and the 0.5B's four-row gate|up: the candidates' whole-K
+    tile of 64 columns and split tiles beside the tiles of 32 columns and over K ranges of ~1,024 (measured
+    on an H100 and not kept as candidates: docs/FAST_FORWARD.md)."""
     from draftrelay.kernels import plan as P
 
     S = P.SkinnyConfig

@@ -138,10 +138,8 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     Two to sixteen rows: for weights of at most ROWS_DOT_MAX elements the compact-rows dot tiles
     (`rows_dot`, 32 and 64 columns a program, one K slice each; the SiLU or, for rows up to 1,024, the
     norm prologue on the real rows inside the kernel, tensor-core dots over the rows padded to 16),
-    the pipelined dot tile of 64 columns (a norm or SiLU prologue then its own launch first), for K
-    beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048) and, where the weight has fewer than
-    ROWS_DOT_PROGRAMS blocks of 64 columns, the pipelined tile of 32 columns and, for K beyond 1,024,
-    both over ranges of ~1,024 (any prologue first: the norm's products too); for a norm's product on rows of at
+    the pipelined dot tile of 64 columns (a norm or SiLU prologue then its own launch first) and for K
+    beyond 1,024 two split-K dot tiles (ranges of ~1,024 / ~2,048); for a norm's product on rows of at
     most WHOLE_ROW_DOT_K elements (the 0.5B's) the whole-row dot tiles of 16 and 32 columns (the norm in
     the kernel, as the one-row tiles hold it, where the pipelined tile runs add_rms_norm first: gate|up,
     beyond ROWS_DOT_MAX, and the head had only that and cuBLAS, each with the norm's own launch). Up to
@@ -150,7 +148,10 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     elements, latency-bound: each row one more pass over the loaded tile). Measured on the H200: at
     four or more rows the fp32 multiply-and-sum is bound by its instruction issue on the large weights
     and lost to cuBLAS by up to 3 x; the compact-rows dot tiles won on the 0.5B's q|k|v and down at
-    four rows and lost on the larger weights (gate|up, the head, every 7B product) and at one row."""
+    four rows and lost on the larger weights (gate|up, the head, every 7B product) and at one row. The
+    pipelined tile of 32 columns, and both over K ranges of ~1,024 for the weights of few 64-column blocks
+    (the 7B's q|k|v, o_proj, down; the 0.5B's gate|up), were measured on an H100 and lost to cuBLAS or the
+    tiles here on every product but the 7B's q|k|v, whose verify they left as it was (docs/FAST_FORWARD.md)."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
     out: list[SkinnyConfig] = []
@@ -182,22 +183,9 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     if pro == PRO_NORM and next_pow2(K) <= WHOLE_ROW_DOT_K:  # the whole row a tile: the norm inside, no loop
         out += [SkinnyConfig(bn, next_pow2(K), True, 8, 1) for bn in (16, 32)]
     out.append(SkinnyConfig(64, 128, True, 4, 4))
-    if math.ceil(N / 64) < ROWS_DOT_PROGRAMS:
-        # a weight of few 64-column blocks leaves SMs idle or loads them unevenly (the 0.5B's gate|up: 152
-        # programs on 132 SMs; the 7B's q|k|v, o_proj and down: 56-72): the same pipelined tile of 32
-        # columns, and for K beyond 1,024 both over K ranges of ~1,024 (any prologue its own launch first)
-        out.append(SkinnyConfig(32, 128, True, 4, 4))
-        if K > 1024:
-            out += [SkinnyConfig(bn, 128, True, 4, 4, False, math.ceil(K / 1024)) for bn in (64, 32)]
     if pro != PRO_NORM and K > 1024:
         out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
     return out
-
-
-def looped_dot(K: int, cfg: SkinnyConfig) -> bool:
-    """Whether cfg is a pipelined dot tile whose K loop runs over more than one tile (a norm or SiLU
-    prologue then runs as its own launch first: triton_ops.skinny_linear)."""
-    return cfg.dot and not cfg.unroll and K > cfg.block_k
 
 
 def rows_dot_tile(cfg: SkinnyConfig) -> bool:
@@ -207,9 +195,8 @@ def rows_dot_tile(cfg: SkinnyConfig) -> bool:
 
 def k_ranges(pro: int, K: int, cfg: SkinnyConfig) -> tuple[int, int]:
     """(elements of K per range, ranges) of cfg's launch: split_range, except the norm's multiply-and-sum
-    and whole-row dot tiles, which hold the whole row (one range of K). The norm's looped dot tiles
-    (rows longer than a tile) run add_rms_norm first and then the plain product over their ranges."""
-    if pro == PRO_NORM and not rows_dot_tile(cfg) and not cfg.pre and not looped_dot(K, cfg):
+    and whole-row dot tiles, which hold the whole row (one range of K)."""
+    if pro == PRO_NORM and not rows_dot_tile(cfg) and not cfg.pre:
         return K, 1
     return split_range(K, cfg)
 
