@@ -97,11 +97,12 @@ class SkinnyConfig:
     unroll: bool = False  # K's tiles unrolled (compiled per K): loads issued ahead instead of a loop
     split: int = 1
     pre: bool = False  # a compact-rows dot tile's norm as its own launch first (add_rms_norm)
+    swap: bool = False  # a looped dot tile with the weight tile as the dot's first operand (warp-group dots)
 
     def label(self) -> str:
         return (f"{'dot' if self.dot else 'sum'}{self.block_n}x{self.block_k}w{self.warps}s{self.stages}"
                 + ("u" if self.unroll else "") + (f"k{self.split}" if self.split > 1 else "")
-                + ("p" if self.pre else ""))
+                + ("p" if self.pre else "") + ("sw" if self.swap else ""))
 
 
 def next_pow2(n: int) -> int:
@@ -148,7 +149,13 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     elements, latency-bound: each row one more pass over the loaded tile). Measured on the H200: at
     four or more rows the fp32 multiply-and-sum is bound by its instruction issue on the large weights
     and lost to cuBLAS by up to 3 x; the compact-rows dot tiles won on the 0.5B's q|k|v and down at
-    four rows and lost on the larger weights (gate|up, the head, every 7B product) and at one row. The
+    four rows and lost on the larger weights (gate|up, the head, every 7B product) and at one row.
+
+    The pipelined tile of 64 columns swapped (`swap`: the weight tile the dot's first operand, 64 rows a
+    warp group, the rows transposed as the second: Hopper's warp-group dots from shared memory, where the
+    rows-first tile runs `mma.sync` on rows padded to 16), on the whole K and, for weights of few column
+    blocks, over K ranges of ~1,024 (a norm or SiLU prologue its own launch first, as for the tile it
+    swaps). The
     pipelined tile of 32 columns, and both over K ranges of ~1,024 for the weights of few 64-column blocks
     (the 7B's q|k|v, o_proj, down; the 0.5B's gate|up), were measured on an H100 and lost to cuBLAS or the
     tiles here on every product but the 7B's q|k|v, whose verify they left as it was (docs/FAST_FORWARD.md)."""
@@ -183,6 +190,10 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     if pro == PRO_NORM and next_pow2(K) <= WHOLE_ROW_DOT_K:  # the whole row a tile: the norm inside, no loop
         out += [SkinnyConfig(bn, next_pow2(K), True, 8, 1) for bn in (16, 32)]
     out.append(SkinnyConfig(64, 128, True, 4, 4))
+    if K > 128:  # swapped (a prologue runs first: the tile loops over K)
+        out.append(SkinnyConfig(64, 128, True, 4, 4, swap=True))
+        if K > 1024 and math.ceil(N / 64) < ROWS_DOT_PROGRAMS:  # few column blocks: over K ranges of ~1,024 too
+            out.append(SkinnyConfig(64, 128, True, 4, 4, False, math.ceil(K / 1024), swap=True))
     if pro != PRO_NORM and K > 1024:
         out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
     return out
@@ -195,8 +206,9 @@ def rows_dot_tile(cfg: SkinnyConfig) -> bool:
 
 def k_ranges(pro: int, K: int, cfg: SkinnyConfig) -> tuple[int, int]:
     """(elements of K per range, ranges) of cfg's launch: split_range, except the norm's multiply-and-sum
-    and whole-row dot tiles, which hold the whole row (one range of K)."""
-    if pro == PRO_NORM and not rows_dot_tile(cfg) and not cfg.pre:
+    and whole-row dot tiles, which hold the whole row (one range of K). (A swapped tile runs the norm
+    first, then the plain product over its ranges.)"""
+    if pro == PRO_NORM and not rows_dot_tile(cfg) and not cfg.pre and not cfg.swap:
         return K, 1
     return split_range(K, cfg)
 
@@ -267,7 +279,7 @@ def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, 
 
     return (pro, cfg.block_n, cfg.block_k, cfg.dot, cfg.warps, cfg.stages, m_pad, m_rows, has_delta, has_bias,
             ks // cfg.block_k if cfg.unroll else 0, n_split, dtype, spec(M), spec(N), spec(K), spec(ks),
-            norm_trips(pro, K, cfg))
+            norm_trips(pro, K, cfg), cfg.swap)
 
 
 def norm_trips(pro: int, K: int, cfg: SkinnyConfig) -> int:

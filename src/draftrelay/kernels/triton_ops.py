@@ -517,25 +517,37 @@ def _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """The rows' slice k0 .. k0 + BLOCK_K (SiLU * up computed for PRO 2) times the loaded weight tile."""
-    if DOT:
-        kk = k0 + tl.arange(0, BLOCK_K)
+              PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False):
+    """The rows' slice k0 .. k0 + BLOCK_K (SiLU * up computed for PRO 2) times the loaded weight tile.
+    SWAP (a looped dot, no prologue): acc is [BLOCK_N, M_PAD], the weight tile the dot's first operand
+    and the rows loaded transposed as its second, so that the tensor cores' 64-row side is the weight's
+    (the rows padded to 16 are the narrow side) and Hopper can take the warp-group dot from shared memory."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    if SWAP:
+        xt = tl.load(x_ptr + m.to(tl.int64)[None, :] * K + kk[:, None], mask=(kk < k_hi)[:, None] & mm[None, :],
+                     other=0.0)
+        if IEEE:
+            acc += tl.dot(w, xt, input_precision="ieee")
+        else:
+            acc += tl.dot(w, xt)
+    elif DOT:
         msk = mm[:, None] & (kk < k_hi)[None, :]
         if PRO == 2:
             xv = _silu_up(x_ptr, m.to(tl.int64)[:, None] * (2 * K) + kk[None, :], msk, K)
         else:
             xv = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + kk[None, :], mask=msk, other=0.0)
-        return _dot_acc(acc, xv, w, IEEE)
-    return _sum_rows(acc, w, x_ptr, x_ptr, x_ptr, w, m, M, k0, k_hi, K, 0.0, False, M_ROWS, BLOCK_K, PRO, False)
+        acc = _dot_acc(acc, xv, w, IEEE)
+    else:
+        acc = _sum_rows(acc, w, x_ptr, x_ptr, x_ptr, w, m, M, k0, k_hi, K, 0.0, False, M_ROWS, BLOCK_K, PRO, False)
+    return acc
 
 
 @triton.jit
 def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+                 PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False):
     """One BLOCK_K slice of K (up to k_hi): the weight tile, the rows' slice, the product."""
     w = _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K)
-    return _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE)
+    return _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE, SWAP)
 
 
 @triton.jit
@@ -618,7 +630,7 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
                    M_PAD: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRO: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                    IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr,
-                   PDL: tl.constexpr, K_TRIPS: tl.constexpr = 0):
+                   PDL: tl.constexpr, K_TRIPS: tl.constexpr = 0, SWAP: tl.constexpr = False):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
     x = [M, 2K] (gate | up). DOT with K_UNROLL: the compact-rows dot tile (the prologue on the M_ROWS
@@ -640,7 +652,10 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     wrow = n.to(tl.int64)[:, None] * K
     m = tl.arange(0, M_PAD)
     mm = m < M
-    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    if SWAP:  # the looped dot with the weight tile first: the accumulator transposed until the epilogue
+        acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    else:
+        acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     if DOT and K_UNROLL:  # the compact-rows dot tile: the prologue on the M_ROWS rows, the range unrolled
         k_lo = tl.program_id(1) * KS
         k_hi = tl.minimum(k_lo + KS, K)
@@ -699,11 +714,13 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
             if FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound
                 for it in range(0, FIXED_TRIPS):
                     acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k_lo + it * BLOCK_K, k_hi, K, M_ROWS,
-                                       BLOCK_K, PRO, DOT, IEEE)
+                                       BLOCK_K, PRO, DOT, IEEE, SWAP)
             else:
                 for k0 in range(k_lo, k_hi, BLOCK_K):
                     acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO,
-                                       DOT, IEEE)
+                                       DOT, IEEE, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
     out_mask = mm[:, None] & nm[None, :]
     if SPLIT > 1:
         wa = m.to(tl.int64)[:, None] * N + n[None, :]
@@ -785,6 +802,8 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         raise ValueError(f"skinny_linear: the compact-rows dot tile takes 1 to {P.MAX_ROWS} rows, got {M}")
     if pro == P.PRO_NORM and not rows_dot and (K > cfg.block_k or cfg.split > 1):
         raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k}), no split")
+    if cfg.swap and (not cfg.dot or rows_dot or pro != P.PRO_NONE):
+        raise ValueError(f"skinny_linear: {cfg.label()} is swapped: a looped dot tile with no prologue inside")
     ks, n_split = P.k_ranges(pro, K, cfg)
     n_blocks = triton.cdiv(N, cfg.block_n)
     ws = cnt = w
@@ -805,7 +824,8 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
         FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0,
         K_UNROLL=ks // cfg.block_k if cfg.unroll else 0, SPLIT=n_split, PDL=pdl,
-        K_TRIPS=P.norm_trips(pro, K, cfg), num_warps=cfg.warps, num_stages=cfg.stages, **_launch_kw(pdl))
+        K_TRIPS=P.norm_trips(pro, K, cfg), SWAP=cfg.swap, num_warps=cfg.warps, num_stages=cfg.stages,
+        **_launch_kw(pdl))
     return xo, y
 
 
