@@ -47,8 +47,9 @@ def variants() -> list[tuple[str, object, int, dict]]:
 def skinny_variants() -> list[tuple[str, object, int, int, int, int]]:
     """(label, plan configuration, rows, N, K, prologue) of the skinny GEMM's pipelined dot tiles at the
     7B verify's eight-row bucket (o_proj, down) and the 0.5B's four-row gate|up: the candidates' whole-K
-    tile of 64 columns and split tiles beside the tiles of 32 columns and over K ranges of ~1,024 (measured
-    on an H100 and not kept as candidates: docs/FAST_FORWARD.md)."""
+    tile of 64 columns, its swapped form (the weight tile the dot's first operand) and split tiles, beside
+    the rows-first tiles of 32 columns and over K ranges of ~1,024 (measured on an H100 and not kept as
+    candidates: docs/FAST_FORWARD.md)."""
     from draftrelay.kernels import plan as P
 
     S = P.SkinnyConfig
@@ -56,10 +57,11 @@ def skinny_variants() -> list[tuple[str, object, int, int, int, int]]:
     for name, N, K in (("7B o_proj", 3584, 3584), ("7B down", 3584, 18944)):
         r = -(-K // 1024)
         out += [(f"{name}, 8 rows", c, 8, N, K, P.PRO_NONE)
-                for c in (S(64, 128, True, 4, 4), S(64, 128, True, 4, 4, False, r), S(32, 128, True, 4, 4, False, r),
+                for c in (S(64, 128, True, 4, 4), S(64, 128, True, 4, 4, swap=True), S(64, 128, True, 4, 4, False, r),
+                          S(64, 128, True, 4, 4, False, r, swap=True), S(32, 128, True, 4, 4, False, r),
                           S(16, 128, True, 4, 3, False, r), S(32, 128, True, 4, 3, False, -(-K // 2048)))]
     out += [("0.5B gate|up after its norm, 4 rows", c, 4, 9728, 896, P.PRO_NONE)
-            for c in (S(64, 128, True, 4, 4), S(32, 128, True, 4, 4))]
+            for c in (S(64, 128, True, 4, 4), S(64, 128, True, 4, 4, swap=True), S(32, 128, True, 4, 4))]
     return out
 
 
@@ -74,7 +76,8 @@ def skinny_rows(arch: int) -> list[dict]:
     for label, cfg, m, N, K, pro in skinny_variants():
         ks, n_split = P.k_ranges(pro, K, cfg)
         c = dict(M_PAD=16, M_ROWS=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro, HAS_DELTA=False,
-                 HAS_BIAS=False, DOT=True, IEEE=False, FIXED_TRIPS=0, K_UNROLL=0, SPLIT=n_split, PDL=True)
+                 HAS_BIAS=False, DOT=True, IEEE=False, FIXED_TRIPS=0, K_UNROLL=0, SPLIT=n_split, PDL=True,
+                 SWAP=cfg.swap)
         k = offline.compile_for(TO._skinny_kernel, arch=arch, num_warps=cfg.warps, num_stages=cfg.stages,
                                 ints=dict(N=N, K=K, KS=ks), **c)
         r = offline.resources(k, arch=arch)
