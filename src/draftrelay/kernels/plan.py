@@ -193,8 +193,9 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     out.append(SkinnyConfig(64, 128, True, 4, 4))
     if K > 128:  # swapped: a prologue inside (the norm's RMS over the whole row in every program) or first
         pre = pro != PRO_NONE
-        out += [SkinnyConfig(64, 128, True, 4, 4, swap=True)] + ([SkinnyConfig(64, 128, True, 4, 4, pre=True, swap=True)]
-                                                                  if pre else [])
+        out.append(SkinnyConfig(64, 128, True, 4, 4, swap=True))
+        if pre:
+            out.append(SkinnyConfig(64, 128, True, 4, 4, pre=True, swap=True))
         if K > 1024 and math.ceil(N / 64) < ROWS_DOT_PROGRAMS:  # few column blocks: over K ranges of ~1,024 too
             out.append(SkinnyConfig(64, 128, True, 4, 4, False, math.ceil(K / 1024), pre, swap=True))
     if pro != PRO_NORM and K > 1024:

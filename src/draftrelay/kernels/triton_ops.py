@@ -824,7 +824,7 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     if pro == P.PRO_SILU and cfg.dot and not rows_dot and not cfg.swap:
         _, y = skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)
         return x, y
-    if pro == P.PRO_NORM and cfg.dot and not rows_dot and not cfg.swap and w.shape[1] > cfg.block_k:  # looped: the norm first
+    if pro == P.PRO_NORM and cfg.dot and not rows_dot and not cfg.swap and w.shape[1] > cfg.block_k:  # the norm first
         xo, h = add_rms_norm(x, delta, norm_w, eps)
         return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b)[1]
     N, K = w.shape
