@@ -153,10 +153,9 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
 
     The pipelined tile of 64 columns swapped (`swap`: the weight tile the dot's first operand, 64 rows a
     warp group, the rows transposed as the second: Hopper's warp-group dots from shared memory, where the
-    rows-first tile runs `mma.sync` on rows padded to 16), on the whole K with a norm or SiLU prologue
-    inside (each program the RMS over the whole row first, as the compact-rows tiles) and as its own
-    launch first (`pre`), and for weights of few column blocks over K ranges of ~1,024 (the prologue
-    first). The
+    rows-first tile runs `mma.sync` on rows padded to 16), on the whole K and, for weights of few column
+    blocks, over K ranges of ~1,024 (a norm or SiLU prologue its own launch first, as for the tile it
+    swaps). The
     pipelined tile of 32 columns, and both over K ranges of ~1,024 for the weights of few 64-column blocks
     (the 7B's q|k|v, o_proj, down; the 0.5B's gate|up), were measured on an H100 and lost to cuBLAS or the
     tiles here on every product but the 7B's q|k|v, whose verify they left as it was (docs/FAST_FORWARD.md)."""
@@ -191,13 +190,10 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     if pro == PRO_NORM and next_pow2(K) <= WHOLE_ROW_DOT_K:  # the whole row a tile: the norm inside, no loop
         out += [SkinnyConfig(bn, next_pow2(K), True, 8, 1) for bn in (16, 32)]
     out.append(SkinnyConfig(64, 128, True, 4, 4))
-    if K > 128:  # swapped: a prologue inside (the norm's RMS over the whole row in every program) or first
-        pre = pro != PRO_NONE
+    if K > 128:  # swapped (a prologue runs first: the tile loops over K)
         out.append(SkinnyConfig(64, 128, True, 4, 4, swap=True))
-        if pre:
-            out.append(SkinnyConfig(64, 128, True, 4, 4, pre=True, swap=True))
         if K > 1024 and math.ceil(N / 64) < ROWS_DOT_PROGRAMS:  # few column blocks: over K ranges of ~1,024 too
-            out.append(SkinnyConfig(64, 128, True, 4, 4, False, math.ceil(K / 1024), pre, swap=True))
+            out.append(SkinnyConfig(64, 128, True, 4, 4, False, math.ceil(K / 1024), swap=True))
     if pro != PRO_NORM and K > 1024:
         out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
     return out
@@ -272,8 +268,8 @@ def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, 
     on a CPU (benchmarks/plan_count.py); mirrors skinny_linear's launch, a looped dot tile with a
     prologue included (the prologue's own launch first, then the plain product). tiles: (M_PAD, M_ROWS)
     in place of row_tiles' (to count another row rule)."""
-    if not rows_dot_tile(cfg) and not cfg.swap and (pro == PRO_SILU and cfg.dot or pro == PRO_NORM and cfg.dot
-                                                    and K > cfg.block_k) or cfg.pre:
+    if not rows_dot_tile(cfg) and (pro == PRO_SILU and cfg.dot or pro == PRO_NORM and cfg.dot and K > cfg.block_k) \
+            or cfg.pre:
         pro, has_delta = PRO_NONE, False
     m_pad, m_rows = tiles or row_tiles(cfg, M)
     ks, n_split = k_ranges(pro, K, cfg)
@@ -287,10 +283,10 @@ def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, 
 
 
 def norm_trips(pro: int, K: int, cfg: SkinnyConfig) -> int:
-    """The tiles of the compact-rows (or swapped) dot tile's RMS pass over the whole row, block_k elements
-    each (the slice's own tile shape, so that the slice and the pass share one register layout): a
-    constexpr of its launch; 0 where there is none."""
-    return math.ceil(K / cfg.block_k) if pro == PRO_NORM and (rows_dot_tile(cfg) or cfg.swap) and not cfg.pre else 0
+    """The tiles of the compact-rows dot tile's RMS pass over the whole row, block_k elements each (the
+    slice's own tile shape, so that the slice and the pass share one register layout): a constexpr of
+    its launch; 0 where there is none."""
+    return math.ceil(K / cfg.block_k) if pro == PRO_NORM and rows_dot_tile(cfg) and not cfg.pre else 0
 
 
 Key = tuple  # (device index, pro, row bucket, N, K, dtype name, has bias, has residual)
