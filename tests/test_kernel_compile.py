@@ -1,4 +1,4 @@
-"""The attention kernels (and the logits' first passes) compile for a Hopper GPU (sm_90) on a machine without one
+"""The attention kernels (the logits' first passes, the skinny GEMM's pipelined dot tiles) compile for a Hopper GPU (sm_90) on a machine without one
 (draftrelay.kernels.offline: Triton's compiler runs to the cubin on the CPU). The interpreter tests
 (test_fast_forward.py, test_fork.py) check what the kernels compute, but the interpreter runs a kernel as
 Python: a name bound only in a branch the compiler also builds, or a shape the compiler refuses, passes
@@ -49,6 +49,15 @@ else:
     raise AssertionError("a constexpr given as an integer argument was not named")
 split = offline.compile_for(TO._attn_kernel, ints=offline.launch_ints(TO._attn_kernel), **attn)
 assert "cp.async" in split.asm["ptx"], "the split attention's key loop is not pipelined as launched"
+# the skinny GEMM's pipelined dot tile at the 7B's eight-row o_proj: rows first it runs mma.sync, swapped
+# (the weight tile the dot's first operand) the warp-group dot, both with the weight loads pipelined
+skinny = dict(M_PAD=16, M_ROWS=1, BLOCK_N=64, BLOCK_K=128, PRO=0, HAS_DELTA=False, HAS_BIAS=False, DOT=True,
+              IEEE=False, FIXED_TRIPS=0, K_UNROLL=0, SPLIT=1, PDL=True)
+for swap in (False, True):
+    ptx = offline.compile_for(TO._skinny_kernel, num_stages=4, ints=dict(N=3584, K=3584, KS=3584), SWAP=swap,
+                              **skinny).asm["ptx"]
+    assert "cp.async" in ptx and ("wgmma.mma_async" in ptx) == swap and ("mma.sync" in ptx) != swap, swap
+    n += 1
 
 print("compiled", n)
 '''
@@ -56,4 +65,4 @@ print("compiled", n)
 
 def test_attention_kernels_compile_for_sm90(tmp_path):
     out = run_interpreted(tmp_path, COMPILE, interpret=False)
-    assert "compiled 12" in out, out[-3000:]
+    assert "compiled 14" in out, out[-3000:]

@@ -151,14 +151,13 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     and lost to cuBLAS by up to 3 x; the compact-rows dot tiles won on the 0.5B's q|k|v and down at
     four rows and lost on the larger weights (gate|up, the head, every 7B product) and at one row.
 
-    The pipelined tile of 64 columns swapped (`swap`: the weight tile the dot's first operand, 64 rows a
-    warp group, the rows transposed as the second: Hopper's warp-group dots from shared memory, where the
-    rows-first tile runs `mma.sync` on rows padded to 16), on the whole K and, for weights of few column
-    blocks, over K ranges of ~1,024 (a norm or SiLU prologue its own launch first, as for the tile it
-    swaps). The
-    pipelined tile of 32 columns, and both over K ranges of ~1,024 for the weights of few 64-column blocks
-    (the 7B's q|k|v, o_proj, down; the 0.5B's gate|up), were measured on an H100 and lost to cuBLAS or the
-    tiles here on every product but the 7B's q|k|v, whose verify they left as it was (docs/FAST_FORWARD.md)."""
+    Beside the pipelined tile of 64 columns, the same swapped (`swap`: the weight tile the dot's first
+    operand, 64 rows a warp group, the rows transposed as the second: Hopper's warp-group dots from shared
+    memory, where the rows-first tile runs `mma.sync` on rows padded to 16), on the whole K and, for
+    weights of few column blocks, over K ranges of ~1,024 (a norm or SiLU prologue its own launch first,
+    as for the tile it swaps). On an H100 the plan chose it for the 0.5B's gate|up at 2-16 rows and the
+    7B's eight-row q|k|v, o_proj and head. The rows-first tile of 32 columns, and the rows-first tiles
+    over K ranges, were measured there too and lost (docs/FAST_FORWARD.md)."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
     out: list[SkinnyConfig] = []

@@ -635,7 +635,8 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
     x = [M, 2K] (gate | up). DOT with K_UNROLL: the compact-rows dot tile (the prologue on the M_ROWS
     real rows, the norm's RMS over all of K in K_TRIPS tiles, then padded to M_PAD for the dot; any
-    split). DOT: tensor-core dots over the rows padded to M_PAD >= 16; else the
+    split). DOT: tensor-core dots over the rows padded to M_PAD >= 16 (SWAP, a looped dot with no
+    prologue: the weight tile the dot's first operand, the accumulator [BLOCK_N, M_PAD]); else the
     multiply-and-sum tile over M_ROWS = M rows (a few). Each program reads its BLOCK_N weight rows
     once, over the K range program_id(1) * KS .. + KS (SPLIT ranges; SPLIT 1: all of K). With
     SPLIT > 1 each program stores its fp32 partial in ws, counts itself in cnt[column block]
