@@ -1,8 +1,8 @@
 """The attention kernels (the logits' first passes, the skinny GEMM's pipelined dot tiles) compile for a Hopper
-GPU (sm_90) on a machine without one (draftrelay.kernels.offline: Triton's compiler runs to the cubin on the CPU). The interpreter tests
-(test_fast_forward.py, test_fork.py) check what the kernels compute, but the interpreter runs a kernel as
-Python: a name bound only in a branch the compiler also builds, or a shape the compiler refuses, passes
-there and fails only on the GPU."""
+GPU (sm_90) on a machine without one (draftrelay.kernels.offline: Triton's compiler runs to the cubin on the
+CPU). The interpreter tests (test_fast_forward.py, test_fork.py) check what the kernels compute, but the
+interpreter runs a kernel as Python: a name bound only in a branch the compiler also builds, or a shape the
+compiler refuses, passes there and fails only on the GPU."""
 
 from __future__ import annotations
 
