@@ -26,6 +26,9 @@
 #  11. fast_forward.py drafter,target at context 128 on this build and, given BASE_TREE, on the build before,
 #      alternated ROUNDS times (default 2), each process planning every product itself (the plan seed off
 #      unless SEED=on: a seed names only the choices of the build that made it)
+#  12. plan_seed.py: the plan seed of this card made again (every product of the 7B and 0.5B shapes at every
+#      row bucket, timed), written to $OUT/plan_seed.json for kernels/plans/<device name>.json: a shipped seed
+#      that never timed a present candidate has those keys measured at every start (plan.PlanSeed.get)
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
 #   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
@@ -134,5 +137,9 @@ if part 11 "the fast forward at 128, this build and the build before alternated"
                 | grep "^drafter\|^target" | sed "s/^/$label $round: /"
         done
     done
+fi
+if part 12 "the plan seed made again"; then
+    DRAFTRELAY_PLAN_SEED=off timeout "${SEED_S:-200}" python3 benchmarks/plan_seed.py --shapes qwen2.5-7b,qwen2.5-0.5b \
+        --out "$OUT/plan_seed.json" 2>&1 | grep -v "^\[W" | tail -3
 fi
 echo "done in $(( $(date +%s) - T0 )) s"
