@@ -137,29 +137,34 @@ def test_disconnect_mid_stream_with_cache_frees_rows_both_sides(cached):
     before = _worker_rids(core)
     m0 = _scrape(srv)
     streams, opened = [], []
-    for _ in range(3):
-        cm = httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60)
-        resp = cm.__enter__()
-        lines = resp.iter_lines()
-        got = [ln for ln in (next(lines) for _ in range(8)) if ln.startswith("data: ")]
-        assert len(got) >= 3  # steps ran: rounds and tables went to the worker
-        streams.append(cm)
-        opened.append(lines)
-    held = _worker_rids(core) - before
-    assert len(held) == 3  # the worker holds draft KV for the three
-    last, _ = _branch_state(core)
-    assert held & last  # and branch state (the drafts its next table branches from)
-    m1 = _scrape(srv)
-    # the cache's lookups grew while the streams ran. On a loaded host (the whole suite on two cores) a slow
-    # round can open the round breaker, and the steps of that second run without rounds or lookups: read on
-    # (each stream has 400 tokens) until a cache step is counted
-    deadline = time.monotonic() + 30
-    while (m1["draftrelay_spec_cache_lookups_total"] <= m0["draftrelay_spec_cache_lookups_total"]
-           and time.monotonic() < deadline):
-        for lines in opened:
-            next(lines, None)
+    try:
+        for _ in range(3):
+            cm = httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60)
+            resp = cm.__enter__()
+            streams.append(cm)
+            lines = resp.iter_lines()
+            got = [ln for ln in (next(lines) for _ in range(8)) if ln.startswith("data: ")]
+            assert len(got) >= 3  # steps ran: rounds and tables went to the worker
+            opened.append(lines)
+        held = _worker_rids(core) - before
+        assert len(held) == 3  # the worker holds draft KV for the three
+        last, _ = _branch_state(core)
+        assert held & last  # and branch state (the drafts its next table branches from)
         m1 = _scrape(srv)
-    assert m1["draftrelay_spec_cache_lookups_total"] > m0["draftrelay_spec_cache_lookups_total"]
+        # the cache's lookups grew while the streams ran. On a loaded host (the whole suite on two cores) a
+        # slow round can open the round breaker, and the steps of that second run without rounds or lookups:
+        # read on (each stream has 400 tokens) until a cache step is counted
+        deadline = time.monotonic() + 30
+        while (m1["draftrelay_spec_cache_lookups_total"] <= m0["draftrelay_spec_cache_lookups_total"]
+               and time.monotonic() < deadline):
+            for lines in opened:
+                next(lines, None)
+            m1 = _scrape(srv)
+        assert m1["draftrelay_spec_cache_lookups_total"] > m0["draftrelay_spec_cache_lookups_total"]
+    except BaseException:  # a failure here leaves no stream running on into the next test's metrics
+        for cm in streams:
+            cm.__exit__(None, None, None)
+        raise
     # the clients go away mid-stream (some of their rounds in flight: the engine does not wait for them)
     done = threading.Event()
 
