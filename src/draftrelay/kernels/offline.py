@@ -41,7 +41,7 @@ def launch_ints(fn, kv_len: int = 32768, head_dim: int = 64, n_kv: int = 2) -> d
     would. Arguments it has no rule for are left out (no specialisation)."""
     pos = head_dim  # the caches' position stride: one head vector
     rule = {"T": 1, "H": 7 * n_kv, "chunk": 1024, "chunk_s": 1024, "n_split": 33, "n_own": 1, "B": 32}
-    for kind in ("c", "v", "p", "q"):  # the cache, its values, the parent's and the q|k|v rows' strides
+    for kind in ("c", "v", "p", "q"):  # the cache's keys and values, the parent's keys and values (s_q*)
         rule.update({f"s_{kind}row": n_kv * kv_len * pos, f"s_{kind}head": kv_len * pos, f"s_{kind}pos": pos})
     return {p.name: rule[p.name] for p in fn.params if not p.is_constexpr and p.name in rule}
 

@@ -451,13 +451,19 @@ def _attn_combine_kernel(o_ptr, acc_ptr, ml_ptr, T, H, n_split,
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in fp32 on the tensor cores (IEEE: fp32 operands at full precision, as the interpreter tests run)."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _dot_acc(acc, xv, w, IEEE: tl.constexpr):
     """acc [M_PAD, BLOCK_N] += xv [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in fp32 (tensor cores)."""
-    if IEEE:
-        acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
-    else:
-        acc += tl.dot(xv, tl.trans(w))
-    return acc
+    return acc + _dot(xv, tl.trans(w), IEEE)
 
 
 @triton.jit
@@ -526,10 +532,7 @@ def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_
     if SWAP:
         xt = tl.load(x_ptr + m.to(tl.int64)[None, :] * K + kk[:, None], mask=(kk < k_hi)[:, None] & mm[None, :],
                      other=0.0)
-        if IEEE:
-            acc += tl.dot(w, xt, input_precision="ieee")
-        else:
-            acc += tl.dot(w, xt)
+        acc += _dot(w, xt, IEEE)
     elif DOT:
         msk = mm[:, None] & (kk < k_hi)[None, :]
         if PRO == 2:
