@@ -80,6 +80,12 @@ PDL = env_choice("DRAFTRELAY_PDL", "on", ("on", "off")) == "on"
 # wait, so that its HBM read overlaps loading and rotating q instead of following it (the tile's own loads
 # come after the rotation and the new key's store). DRAFTRELAY_ATTN_PREFETCH=off leaves it out.
 ATTN_PREFETCH = env_choice("DRAFTRELAY_ATTN_PREFETCH", "on", ("on", "off")) == "on"
+# The attention and o_proj's product in one launch (rope_attention_out: one token per row, one chunk of up to
+# ATTN_OUT_MAX keys, ATTN_OUT_BLOCK rows of o_proj's weight a program). DRAFTRELAY_ATTN_OUT=off launches the
+# two apart.
+ATTN_OUT = env_choice("DRAFTRELAY_ATTN_OUT", "on", ("on", "off")) == "on"
+ATTN_OUT_MAX = 1024
+ATTN_OUT_BLOCK = 16
 
 
 @functools.lru_cache(maxsize=8)
@@ -281,12 +287,13 @@ def _rotate(x_ptr, src, d, c, sn, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv, s_cpos, s_vpos,
+def _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv, s_cpos, s_vpos, who,
                  D: tl.constexpr):
     """One token per row (q_ptr: the q|k|v product [B, 1, (H + 2 n_kv) * D]): the row's query rows of kv
     head g rotated to its position start ([R_PAD, D] in o_ptr's dtype, rows beyond rvalid zero), and its
-    new key (rotated) and value ([D]), both stored into the cache row (kb, vb) at position start. The
-    attention kernels' fused RoPE (_attn_kernel and the forked rows' kernel): rope_kv_write's values."""
+    new key (rotated) and value ([D]), both stored into the cache row (kb, vb) at position start by the
+    program whose `who` is 0 (one of those that compute them). The attention kernels' fused RoPE
+    (_attn_kernel, _attn_out_kernel and the forked rows' kernel): rope_kv_write's values."""
     ang = start.to(tl.float32) * tl.load(inv_ptr + d % (D // 2))  # the row's one position, per dim
     c = tl.cos(ang)
     sn = tl.sin(ang)
@@ -296,8 +303,9 @@ def _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_
     ksrc = base + (H + g) * D + tl.zeros([1], tl.int64)
     knew = tl.reshape(_rotate(q_ptr, ksrc, d, c, sn, D // 2), [D]).to(kb.dtype.element_ty)
     vnew = tl.load(q_ptr + ksrc + n_kv * D + d)
-    tl.store(kb + start.to(tl.int64) * s_cpos + d, knew)
-    tl.store(vb + start.to(tl.int64) * s_vpos + d, vnew)
+    sm = d * 0 + who == 0  # [D] (Triton's interpreter takes no scalar mask, and a bool & bool scalar is int there)
+    tl.store(kb + start.to(tl.int64) * s_cpos + d, knew, mask=sm)
+    tl.store(vb + start.to(tl.int64) * s_vpos + d, vnew, mask=sm)
     return q, knew, vnew
 
 
@@ -333,6 +341,20 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
     and decode_attention in one launch; the same values)."""
     bg, sp, n_kv, b, g, start, row, lo, hi, r, rvalid, h, d, qo, qpos = _attn_program(
         rows_ptr, start_ptr, T, H, chunk, REP, R_PAD, D, PDL)
+    m_i, l_i, acc = _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, o_ptr, b, g, n_kv, start, row, lo, hi, rvalid, h,
+                               d, qo, qpos, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, scale, sp,
+                               R_PAD, D, BLOCK, IEEE, FIXED_TRIPS, ROPE, PREFETCH)
+    _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, rvalid, d, R_PAD, D, SINGLE)
+
+
+@triton.jit
+def _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, o_ptr, b, g, n_kv, start, row, lo, hi, rvalid, h, d, qo, qpos, H,
+               s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, scale, who, R_PAD: tl.constexpr,
+               D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr,
+               ROPE: tl.constexpr, PREFETCH: tl.constexpr):
+    """An attention program's keys [lo, hi) of its (row, kv head) -> (running max, sum, unnormalised
+    output [R_PAD, D]). ROPE: its q rows and the new key rotated here (the new key and value stored into
+    the cache where `who` is 0), the cache's earlier keys read, the new key taken from registers."""
     kb = ck_ptr + row * s_crow + g * s_chead
     vb = cv_ptr + row * s_vrow + g * s_vhead
     if PREFETCH:  # the first tile's keys and values towards L2 now, while q (and the new key) load and rotate
@@ -343,7 +365,7 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
         _prefetch_l2(vb + pn.to(tl.int64)[:, None] * s_vpos + pl[None, :], pm[:, None])
     if ROPE:
         q, knew, vnew = _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv,
-                                     s_cpos, s_vpos, D)
+                                     s_cpos, s_vpos, who, D)
         hi = tl.minimum(hi, start)  # the cache's earlier keys; the new one is added from registers below
     else:
         q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
@@ -361,19 +383,22 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
                                        scale, BLOCK, IEEE)
     if ROPE:
         m_i, l_i, acc = _attn_new_key(q, knew, vnew, m_i, l_i, acc, scale)
-    _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, rvalid, d, R_PAD, D, SINGLE)
+    return m_i, l_i, acc
 
 
 @triton.jit
 def _attn_program(rows_ptr, start_ptr, T, H, chunk, REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
-                  PDL: tl.constexpr):
+                  PDL: tl.constexpr, CHUNKS: tl.constexpr = True):
     """Where an attention program works (the plain and the forked rows' kernels alike): its (row, kv head)
     bg = b * n_kv + g and key chunk sp, the row's cache row and start, the chunk's key range [lo, hi), and
     its query rows r (head g * REP + r // T, token r % T; rvalid: r < REP * T), their offsets qo into q and
     positions qpos. With PDL the next kernel may start its prologue now, and nothing is read before the
-    producer is done."""
+    producer is done. CHUNKS False: one chunk (sp 0), the grid's second axis is the caller's."""
     bg = tl.program_id(0)
-    sp = tl.program_id(1)
+    if CHUNKS:
+        sp = tl.program_id(1)
+    else:
+        sp = 0
     _pdl_entry(PDL)
     n_kv = H // REP
     b = bg // n_kv
@@ -405,6 +430,53 @@ def _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, r
         tl.store(acc_ptr + (part * R_PAD + r)[:, None] * D + d[None, :], acc)
         tl.store(ml_ptr + part * 2 * R_PAD + r, m_i)
         tl.store(ml_ptr + part * 2 * R_PAD + R_PAD + r, l_i)
+
+
+@triton.jit
+def _attn_out_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, inv_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr,
+                     H, N, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, scale,
+                     REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                     BLOCK_C: tl.constexpr, N_KV: tl.constexpr, R_W: tl.constexpr, IEEE: tl.constexpr,
+                     FIXED_TRIPS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
+    """rope_attention then o_proj, one token per row and one chunk of keys: y[b] = attention(b) @ W^T.
+    Program (row b, kv head g; column block c) does what _attn_kernel's fused-RoPE program (b, g) does
+    (every column block's program again: at a short context its keys are a few KB, read from L2 after
+    the first; only c = 0 stores the new key and value), rounds the output as the attention rounds it,
+    and multiplies its REP heads by their D * REP columns of W in the rows of block c: one kv head's
+    share of o_proj's sum. The N_KV shares of (b, c) are stored in fp32, counted on cnt[b, c]
+    (acquire-release, GPU scope) and summed in head order by the program that brings the count to a
+    multiple of N_KV, as a split product sums its ranges: the same bits whichever finishes last, one
+    launch where attention then o_proj are two (on a launch-bound drafter forward each launch costs
+    ~2 us more than its bytes). Its weight block is loaded before the PDL wait (no kernel writes W)."""
+    c = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+    g0 = tl.program_id(0) % N_KV
+    n = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    nm = n < N
+    k = tl.arange(0, R_W * D)  # the kv head's heads' columns g * REP * D + r * D + d (R_W: REP to a power of 2)
+    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * (H * D) + g0 * (REP * D) + k[None, :],
+                mask=nm[:, None] & (k < REP * D)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
+    bg, sp, n_kv, b, g, start, row, lo, hi, r, rvalid, h, d, qo, qpos = _attn_program(
+        rows_ptr, start_ptr, 1, H, chunk, REP, R_PAD, D, False, False)
+    m_i, l_i, acc = _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, y_ptr, b, g, n_kv, start, row, lo, hi, rvalid, h,
+                               d, qo, qpos, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, scale, c,
+                               R_PAD, D, BLOCK, IEEE, FIXED_TRIPS, True, PREFETCH)
+    o = tl.where(rvalid[:, None], acc / l_i[:, None], 0.0).to(y_ptr.dtype.element_ty)  # _attn_store's rounding
+    # o's first R_W rows flattened (the rows beyond REP are zero: summing the R_PAD // R_W blocks of R_W rows
+    # takes the first block as it is, and W is held for R_W heads, not for the attention's R_PAD padded rows)
+    of = tl.sum(tl.reshape(o.to(tl.float32), [R_PAD // R_W, R_W * D]), axis=0)
+    part = tl.sum(w.to(tl.float32) * of[None, :], axis=1)
+    tl.store(ws_ptr + bg.to(tl.int64) * N + n, part, mask=nm)
+    tl.debug_barrier()  # every thread's share stored before the count (released with it)
+    seen = tl.atomic_add(cnt_ptr + b * tl.num_programs(1) + c, 1, sem="acq_rel", scope="gpu")
+    if seen % N_KV == N_KV - 1:  # the last of (b, c): every head's share is visible
+        tot = tl.zeros([BLOCK_C], tl.float32)
+        for gg in tl.static_range(N_KV):
+            tot += tl.load(ws_ptr + (b * N_KV + gg).to(tl.int64) * N + n, mask=nm, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + b.to(tl.int64) * N + n, tot.to(y_ptr.dtype.element_ty), mask=nm)
 
 
 @triton.jit
@@ -751,10 +823,12 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
 _SPLIT_BUFS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def split_buffers(w: torch.Tensor, M: int, n_split: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(fp32 partials [n_split * M * N], int32 counts [n_blocks]) for a split product of w with M rows;
-    None while capturing if they do not exist yet (a capture cannot zero new memory before it runs)."""
-    key = (w.device, w.data_ptr(), tuple(w.shape), M, n_split, n_blocks)
+def split_buffers(w: torch.Tensor, M: int, n_split: int, n_blocks: int,
+                  tag: str = "") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fp32 partials [n_split * M * N], int32 counts [n_blocks]) for a split product of w with M rows
+    (tag: another kernel's, kept apart); None while capturing if they do not exist yet (a capture cannot
+    zero new memory before it runs)."""
+    key = (w.device, w.data_ptr(), tuple(w.shape), M, n_split, n_blocks, tag)
     bufs = _SPLIT_BUFS.get(key)
     if bufs is None:
         if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -1311,6 +1385,67 @@ def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tenso
     return decode_attention(q, ck, cv, rows, start, kv_len)
 
 
+def attention_fuses_out(kv_len: int, T: int) -> bool:
+    """Whether rope_attention_out is one launch (_attn_out_kernel): where rope_attention is one (one token
+    per row, one chunk), up to ATTN_OUT_MAX keys (each column block's programs read their row's keys
+    again), with the switch on (DRAFTRELAY_ATTN_OUT) and the plan on (plan.MODE off keeps every product
+    on cuBLAS)."""
+    return ATTN_OUT and P.MODE != "off" and attention_fuses_rope(kv_len, T) and kv_len <= ATTN_OUT_MAX
+
+
+def rope_attention_out(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
+                       ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int,
+                       wo: torch.Tensor) -> torch.Tensor:
+    """rope_attention then o_proj's product with wo [N, n_heads * D]: [B, T, N]. One launch where
+    attention_fuses_out, else the two as the fast forward runs them apart."""
+    B, T = qkv.shape[:2]
+    D = ck.shape[-1]
+    if attention_fuses_out(kv_len, T):
+        if not torch.cuda.is_available() or not torch.cuda.is_current_stream_capturing():
+            # o_proj planned now as its first product would plan it (kernels.plan, every row bucket): the
+            # start's planning forward (LlamaDrafter.plan_warm) is one token per row, fused here
+            _plan(P.PRO_NONE, qkv[..., :n_heads * D], wo, None, None)
+        out = guarded_launch(_FUSED_OUT_OK, qkv.device, "fused attention + o_proj",
+                             lambda: _attention_out(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, wo))
+        if out is not None:
+            return out
+    o = rope_attention(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len)
+    return linear(o.view(B, T, n_heads * D), wo)
+
+
+def _attention_out(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
+                   ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int,
+                   wo: torch.Tensor) -> torch.Tensor | None:
+    """The fused launch, or None where its shares' buffers would be made inside a capture."""
+    if not qkv.is_contiguous() or not wo.is_contiguous():
+        raise ValueError("rope_attention_out: qkv and wo must be contiguous")
+    if ck.dtype != qkv.dtype or cv.dtype != qkv.dtype or wo.dtype != qkv.dtype:
+        raise ValueError(f"rope_attention_out: cache {ck.dtype} and weight {wo.dtype} != activations {qkv.dtype}")
+    B = qkv.shape[0]
+    D = ck.shape[-1]
+    N = wo.shape[0]
+    if wo.shape[1] != n_heads * D:
+        raise ValueError(f"rope_attention_out: weight {tuple(wo.shape)} does not take {n_heads} heads of {D}")
+    rep = n_heads // n_kv
+    R_PAD = max(16, triton.next_power_of_2(rep))
+    n_c = triton.cdiv(N, ATTN_OUT_BLOCK)
+    bufs = split_buffers(wo, B, n_kv, B * n_c, tag="attn_out")
+    if bufs is None:
+        return None
+    sblock = SINGLE_BLOCK.get((D, R_PAD), BLOCK_N)
+    chunk, _ = split_plan(kv_len, 1, 1, sblock)
+    y = torch.empty(B, 1, N, device=qkv.device, dtype=qkv.dtype)
+    pdl = _pdl(qkv.device)
+    _attn_out_kernel[(B * n_kv, n_c)](
+        qkv, ck, cv, rows, start, inv_freq, wo, y, bufs[0], bufs[1], n_heads, N,
+        ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2), chunk, D ** -0.5,
+        REP=rep, R_PAD=R_PAD, D=D, BLOCK=sblock, BLOCK_C=ATTN_OUT_BLOCK, N_KV=n_kv, R_W=triton.next_power_of_2(rep),
+        IEEE=qkv.dtype == torch.float32, FIXED_TRIPS=chunk // sblock if _INTERPRETED else 0, PDL=pdl,
+        PREFETCH=ATTN_PREFETCH and not _INTERPRETED,
+        num_warps=4 if ATTN_OUT_BLOCK * triton.next_power_of_2(rep) * D <= 8192 else 8, num_stages=2, **_launch_kw(pdl))
+    return y
+
+
 def guarded_launch(ok: dict, device: torch.device, what: str, launch):
     """launch() of a fused kernel that may not build on every card or Triton, or None where the caller
     runs its unfused kernels instead: the kernel failed to launch on this device before (ok[device] False),
@@ -1333,3 +1468,4 @@ def guarded_launch(ok: dict, device: torch.device, what: str, launch):
 
 
 _FUSED_ROPE_OK: dict[torch.device, bool] = {}  # per device, once the fused kernel has been launched
+_FUSED_OUT_OK: dict[torch.device, bool] = {}  # the same for rope_attention_out's
