@@ -81,11 +81,18 @@ PDL = env_choice("DRAFTRELAY_PDL", "on", ("on", "off")) == "on"
 # come after the rotation and the new key's store). DRAFTRELAY_ATTN_PREFETCH=off leaves it out.
 ATTN_PREFETCH = env_choice("DRAFTRELAY_ATTN_PREFETCH", "on", ("on", "off")) == "on"
 # The attention and o_proj's product in one launch (rope_attention_out: one token per row, one chunk of up to
-# ATTN_OUT_MAX keys, ATTN_OUT_BLOCK rows of o_proj's weight a program). DRAFTRELAY_ATTN_OUT=off launches the
-# two apart.
+# ATTN_OUT_MAX keys, ATTN_OUT_BLOCK rows of o_proj's weight a program, for a model whose weight block of a
+# program, padded, is at most ATTN_OUT_MAX_W elements: 32 KB, 64 registers a thread of 4 warps; the 0.5B's
+# is, the 7B's is four times that). DRAFTRELAY_ATTN_OUT=off launches the two apart.
 ATTN_OUT = env_choice("DRAFTRELAY_ATTN_OUT", "on", ("on", "off")) == "on"
 ATTN_OUT_MAX = 1024
 ATTN_OUT_BLOCK = 16
+ATTN_OUT_MAX_W = 16384
+# keys per tile and warps of its programs: built for sm_90 (offline, the 0.5B's shapes) 128-key tiles at 4 warps
+# take 252 registers and no spills (two programs an SM: four requests' 224 programs in one wave), 256-key tiles
+# spill at 4 warps and take 185 registers at 8 (one program an SM)
+ATTN_OUT_TILE = 128
+ATTN_OUT_WARPS = 4
 
 
 @functools.lru_cache(maxsize=8)
@@ -433,50 +440,51 @@ def _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, r
 
 
 @triton.jit
-def _attn_out_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, inv_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr,
+def _attn_out_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, inv_ptr, w_ptr, y_ptr,
                      H, N, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, scale,
                      REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                     BLOCK_C: tl.constexpr, N_KV: tl.constexpr, R_W: tl.constexpr, IEEE: tl.constexpr,
-                     FIXED_TRIPS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
+                     BLOCK_C: tl.constexpr, N_KV: tl.constexpr, G_PAD: tl.constexpr, R_W: tl.constexpr,
+                     IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, PDL: tl.constexpr,
+                     PREFETCH: tl.constexpr = False):
     """rope_attention then o_proj, one token per row and one chunk of keys: y[b] = attention(b) @ W^T.
-    Program (row b, kv head g; column block c) does what _attn_kernel's fused-RoPE program (b, g) does
-    (every column block's program again: at a short context its keys are a few KB, read from L2 after
-    the first; only c = 0 stores the new key and value), rounds the output as the attention rounds it,
-    and multiplies its REP heads by their D * REP columns of W in the rows of block c: one kv head's
-    share of o_proj's sum. The N_KV shares of (b, c) are stored in fp32, counted on cnt[b, c]
-    (acquire-release, GPU scope) and summed in head order by the program that brings the count to a
-    multiple of N_KV, as a split product sums its ranges: the same bits whichever finishes last, one
-    launch where attention then o_proj are two (on a launch-bound drafter forward each launch costs
-    ~2 us more than its bytes). Its weight block is loaded before the PDL wait (no kernel writes W)."""
+    Program (row b, column block c) does what _attn_kernel's fused-RoPE programs (b, g) do for every kv
+    head g in turn (every column block's program again: at a short context a row's keys are a few tens
+    of KB, read from L2 after the first; only c = 0 stores the new keys and values), rounds each output
+    as the attention rounds it, and multiplies all heads by W's rows of block c: one launch and no sum
+    across programs, where attention then o_proj are two launches (on a launch-bound drafter forward each
+    launch costs ~2 us more than its bytes). The weight block is loaded before the PDL wait (no kernel
+    writes W), as [BLOCK_C, G_PAD kv heads, R_W * D] (R_W: REP to a power of two)."""
+    b = tl.program_id(0)
     c = tl.program_id(1)
     if PDL:
         gdc_launch_dependents()
-    g0 = tl.program_id(0) % N_KV
     n = c * BLOCK_C + tl.arange(0, BLOCK_C)
     nm = n < N
-    k = tl.arange(0, R_W * D)  # the kv head's heads' columns g * REP * D + r * D + d (R_W: REP to a power of 2)
-    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * (H * D) + g0 * (REP * D) + k[None, :],
-                mask=nm[:, None] & (k < REP * D)[None, :], other=0.0)
+    gi = tl.arange(0, G_PAD)
+    k = tl.arange(0, R_W * D)  # kv head g's heads' columns g * REP * D + r * D + d
+    wofs = n.to(tl.int64)[:, None, None] * (H * D) + (gi * (REP * D))[None, :, None] + k[None, None, :]
+    w = tl.load(w_ptr + wofs, mask=nm[:, None, None] & (gi < N_KV)[None, :, None] & (k < REP * D)[None, None, :],
+                other=0.0)
     if PDL:
         gdc_wait()
-    bg, sp, n_kv, b, g, start, row, lo, hi, r, rvalid, h, d, qo, qpos = _attn_program(
-        rows_ptr, start_ptr, 1, H, chunk, REP, R_PAD, D, False, False)
-    m_i, l_i, acc = _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, y_ptr, b, g, n_kv, start, row, lo, hi, rvalid, h,
-                               d, qo, qpos, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, scale, c,
-                               R_PAD, D, BLOCK, IEEE, FIXED_TRIPS, True, PREFETCH)
-    o = tl.where(rvalid[:, None], acc / l_i[:, None], 0.0).to(y_ptr.dtype.element_ty)  # _attn_store's rounding
-    # o's first R_W rows flattened (the rows beyond REP are zero: summing the R_PAD // R_W blocks of R_W rows
-    # takes the first block as it is, and W is held for R_W heads, not for the attention's R_PAD padded rows)
-    of = tl.sum(tl.reshape(o.to(tl.float32), [R_PAD // R_W, R_W * D]), axis=0)
-    part = tl.sum(w.to(tl.float32) * of[None, :], axis=1)
-    tl.store(ws_ptr + bg.to(tl.int64) * N + n, part, mask=nm)
-    tl.debug_barrier()  # every thread's share stored before the count (released with it)
-    seen = tl.atomic_add(cnt_ptr + b * tl.num_programs(1) + c, 1, sem="acq_rel", scope="gpu")
-    if seen % N_KV == N_KV - 1:  # the last of (b, c): every head's share is visible
-        tot = tl.zeros([BLOCK_C], tl.float32)
-        for gg in tl.static_range(N_KV):
-            tot += tl.load(ws_ptr + (b * N_KV + gg).to(tl.int64) * N + n, mask=nm, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + b.to(tl.int64) * N + n, tot.to(y_ptr.dtype.element_ty), mask=nm)
+    start = tl.load(start_ptr + b).to(tl.int32)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    r = tl.arange(0, R_PAD)
+    rvalid = r < REP
+    d = tl.arange(0, D)
+    o_all = tl.zeros([G_PAD, R_W * D], tl.float32)
+    for g in tl.static_range(N_KV):
+        m_i, l_i, acc = _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, y_ptr, b, g, N_KV, start, row, 0,
+                                   tl.minimum(chunk, start + 1), rvalid, g * REP + r, d, r, start + r * 0, H, s_crow,
+                                   s_chead, s_cpos, s_vrow, s_vhead, s_vpos, scale, c, R_PAD, D, BLOCK, IEEE,
+                                   FIXED_TRIPS, True, PREFETCH)
+        o = tl.where(rvalid[:, None], acc / l_i[:, None], 0.0).to(y_ptr.dtype.element_ty)  # as _attn_store rounds
+        # the first R_W rows flattened (rows beyond REP are zero: the sum of the R_PAD // R_W blocks of R_W
+        # rows is the first block as it is)
+        of = tl.sum(tl.reshape(o.to(tl.float32), [R_PAD // R_W, R_W * D]), axis=0)
+        o_all = tl.where((gi == g)[:, None], of[None, :], o_all)
+    y = tl.sum(tl.sum(w.to(tl.float32) * o_all[None, :, :], axis=2), axis=1)
+    tl.store(y_ptr + b.to(tl.int64) * N + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
 
 @triton.jit
@@ -823,12 +831,10 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
 _SPLIT_BUFS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def split_buffers(w: torch.Tensor, M: int, n_split: int, n_blocks: int,
-                  tag: str = "") -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(fp32 partials [n_split * M * N], int32 counts [n_blocks]) for a split product of w with M rows
-    (tag: another kernel's, kept apart); None while capturing if they do not exist yet (a capture cannot
-    zero new memory before it runs)."""
-    key = (w.device, w.data_ptr(), tuple(w.shape), M, n_split, n_blocks, tag)
+def split_buffers(w: torch.Tensor, M: int, n_split: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fp32 partials [n_split * M * N], int32 counts [n_blocks]) for a split product of w with M rows;
+    None while capturing if they do not exist yet (a capture cannot zero new memory before it runs)."""
+    key = (w.device, w.data_ptr(), tuple(w.shape), M, n_split, n_blocks)
     bufs = _SPLIT_BUFS.get(key)
     if bufs is None:
         if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -1416,7 +1422,7 @@ def rope_attention_out(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.T
 def _attention_out(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
                    ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int,
                    wo: torch.Tensor) -> torch.Tensor | None:
-    """The fused launch, or None where its shares' buffers would be made inside a capture."""
+    """The fused launch, or None where a program's weight block would exceed ATTN_OUT_MAX_W elements."""
     if not qkv.is_contiguous() or not wo.is_contiguous():
         raise ValueError("rope_attention_out: qkv and wo must be contiguous")
     if ck.dtype != qkv.dtype or cv.dtype != qkv.dtype or wo.dtype != qkv.dtype:
@@ -1428,21 +1434,21 @@ def _attention_out(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tenso
         raise ValueError(f"rope_attention_out: weight {tuple(wo.shape)} does not take {n_heads} heads of {D}")
     rep = n_heads // n_kv
     R_PAD = max(16, triton.next_power_of_2(rep))
-    n_c = triton.cdiv(N, ATTN_OUT_BLOCK)
-    bufs = split_buffers(wo, B, n_kv, B * n_c, tag="attn_out")
-    if bufs is None:
+    G_PAD, R_W = triton.next_power_of_2(n_kv), triton.next_power_of_2(rep)
+    if ATTN_OUT_BLOCK * G_PAD * R_W * D > ATTN_OUT_MAX_W:
         return None
-    sblock = SINGLE_BLOCK.get((D, R_PAD), BLOCK_N)
+    n_c = triton.cdiv(N, ATTN_OUT_BLOCK)
+    sblock = ATTN_OUT_TILE
     chunk, _ = split_plan(kv_len, 1, 1, sblock)
     y = torch.empty(B, 1, N, device=qkv.device, dtype=qkv.dtype)
     pdl = _pdl(qkv.device)
-    _attn_out_kernel[(B * n_kv, n_c)](
-        qkv, ck, cv, rows, start, inv_freq, wo, y, bufs[0], bufs[1], n_heads, N,
+    _attn_out_kernel[(B, n_c)](
+        qkv, ck, cv, rows, start, inv_freq, wo, y, n_heads, N,
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2), chunk, D ** -0.5,
-        REP=rep, R_PAD=R_PAD, D=D, BLOCK=sblock, BLOCK_C=ATTN_OUT_BLOCK, N_KV=n_kv, R_W=triton.next_power_of_2(rep),
+        REP=rep, R_PAD=R_PAD, D=D, BLOCK=sblock, BLOCK_C=ATTN_OUT_BLOCK, N_KV=n_kv, G_PAD=G_PAD, R_W=R_W,
         IEEE=qkv.dtype == torch.float32, FIXED_TRIPS=chunk // sblock if _INTERPRETED else 0, PDL=pdl,
         PREFETCH=ATTN_PREFETCH and not _INTERPRETED,
-        num_warps=4 if ATTN_OUT_BLOCK * triton.next_power_of_2(rep) * D <= 8192 else 8, num_stages=2, **_launch_kw(pdl))
+        num_warps=ATTN_OUT_WARPS, num_stages=2, **_launch_kw(pdl))
     return y
 
 
