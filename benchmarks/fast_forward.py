@@ -4,8 +4,7 @@ cuBLAS for every product ("graphs_fast_cublas"), graphs with the fused kernels a
 per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"; "graphs_fast_nopdl" the same launched
 without programmatic dependent launch, "graphs_fast_noprefetch" without the attention's L2 prefetch,
 "graphs_fast_norows" planned without the compact-rows dot tiles, "graphs_fast_nocublas" planned over the
-Triton candidates only, "graphs_fast_noattnout" with the attention and o_proj launched apart;
-for the drafter also its graph replayed alone,
+Triton candidates only; for the drafter also its graph replayed alone,
 "graphs_fast_replay_only", and the worker's host work of the step with the replay left out,
 "graphs_fast_host_only"), plain torch.compile of the same model
 (7B decode), and Hugging Face transformers (target decode). The "gemm" section and "plans" list each
@@ -141,15 +140,13 @@ def fast_path(model: M.Transformer, fast) -> None:
     "nopdl": the same launched plainly (triton_ops.PDL off); "noprefetch": the same without the
     attention's L2 prefetch of its first key tile (triton_ops.ATTN_PREFETCH off); "norows": the same
     planned without the compact-rows dot tiles (a plan of its own over the other candidates);
-    "nocublas": planned over the Triton candidates only (cuBLAS never chosen where one runs); "noattnout":
-    the attention and o_proj's product launched apart (triton_ops.ATTN_OUT off);
+    "nocublas": planned over the Triton candidates only (cuBLAS never chosen where one runs);
     "cublas": the same fused kernels with cuBLAS for every product and the separate norm / SiLU / pick
     kernels (plan MODE "off"); False: the plain forward. Graphs keep what was set when they were captured."""
     model.fast = bool(fast)
     P.MODE = "off" if fast == "cublas" else "auto"
     triton_ops.PDL = fast != "nopdl"
     triton_ops.ATTN_PREFETCH = fast != "noprefetch"
-    triton_ops.ATTN_OUT = fast != "noattnout"
     norows = fast == "norows"
     triton_ops.PLANNER = NOROWS_PLANNER if norows else NOCUBLAS_PLANNER if fast == "nocublas" else MAIN_PLANNER
     P.plan_key = _plan_key_norows if norows else PLAN_KEY
@@ -270,7 +267,7 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
     variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast_cublas": ("graph", "cublas"),
                 "graphs_fast_nopdl": ("graph", "nopdl"), "graphs_fast_noprefetch": ("graph", "noprefetch"),
                 "graphs_fast_norows": ("graph", "norows"), "graphs_fast_nocublas": ("graph", "nocublas"),
-                "graphs_fast_noattnout": ("graph", "noattnout"), "graphs_fast": ("graph", True),
+                "graphs_fast": ("graph", True),
                 "eager_fast": ("eager", True)}
     # the head restricted to a draft vocabulary (draft_vocab.py): the same forward, a head of N rows
     vocabs = {}
@@ -312,8 +309,6 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
                 # the same step's graph replayed alone: the STEP less the worker's host work and copies
                 step_graph(d).graph.replay()
             fns["graphs_fast_replay_only"] = replay_only
-            fns["graphs_fast_noattnout_replay_only"] = lambda d=drafters["graphs_fast_noattnout"]: \
-                step_graph(d).graph.replay()
 
             class NoReplay:
                 def replay(self) -> None:
@@ -335,8 +330,8 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
             kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)
             row["bytes_per_step"] = n_out * wb + kv_read
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
-            counted = ("graphs", "graphs_fast_cublas", "graphs_fast_noattnout", "graphs_fast", *vocabs)
-            row["kernels"] = {k: kernel_count(fns[k]) for k in counted}
+            row["kernels"] = {k: kernel_count(fns[k])
+                              for k in ("graphs", "graphs_fast_cublas", "graphs_fast", *vocabs)}
             fast_path(model, True)
             model.draft_vocab = None
             res["rows"].append(row)
@@ -366,7 +361,7 @@ def target_section(dev, ctxs, iters, out) -> None:
     plan_first(model, one_token)
     graphs = {}
     for T in (1, 5):
-        for fast in (False, "cublas", "nopdl", "noprefetch", "norows", "nocublas", "noattnout", True):
+        for fast in (False, "cublas", "nopdl", "noprefetch", "norows", "nocublas", True):
             fast_path(model, fast)
             t0 = time.perf_counter()
             graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
@@ -395,13 +390,12 @@ def target_section(dev, ctxs, iters, out) -> None:
             fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast_cublas": graph("cublas"),
                    "graphs_fast_nopdl": graph("nopdl"), "graphs_fast_noprefetch": graph("noprefetch"),
                    "graphs_fast_norows": graph("norows"), "graphs_fast_nocublas": graph("nocublas"),
-                   "graphs_fast_noattnout": graph("noattnout"), "graphs_fast": graph(True), "eager_fast": eager(True)}
+                   "graphs_fast": graph(True), "eager_fast": eager(True)}
             t = interleaved(fns, iters)
             row = {"context": ctx, "tokens": T, "step": t,
                    "bytes_per_step": wb + (ctx + T) * kv_bytes_per_token(cfg)}
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
-            row["kernels"] = {k: kernel_count(fns[k])
-                              for k in ("graphs", "graphs_fast_cublas", "graphs_fast_noattnout", "graphs_fast")}
+            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast_cublas", "graphs_fast")}
             fast_path(model, True)
             res["rows"].append(row)
             print(f"target 7B ctx {ctx} T={T}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())

@@ -426,25 +426,16 @@ def step_state(start: torch.Tensor, T: int, kv_len: int, rows: slice | torch.Ten
     return StepState(B, T, kv_len, start, rows, widx, pos, inv_freq, tables, kern, rows_t, fast_attn)
 
 
-def qk_normed(qkv: torch.Tensor, w: LayerWeights, D: int) -> torch.Tensor:
-    """qkv with q and k normalised per head (Qwen3's q_norm / k_norm; both paths see the normed qkv), or
-    qkv as it is for a model without them."""
-    if w.q_norm is None:
-        return qkv
-    B, T = qkv.shape[:2]
-    H, HK = w.n_heads, w.n_kv
-    q = rms_norm(qkv[..., :H * D].reshape(B, T, H, D), w.q_norm, w.qk_eps).reshape(B, T, H * D)
-    k = rms_norm(qkv[..., H * D:(H + HK) * D].reshape(B, T, HK, D), w.k_norm, w.qk_eps).reshape(B, T, HK * D)
-    return torch.cat((q, k, qkv[..., (H + HK) * D:]), -1)
-
-
 def attention(qkv: torch.Tensor, w: LayerWeights, st: StepState, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
     """qkv [B, T, (n_heads + 2 n_kv) * D] -> the attention heads' outputs [B, T, n_heads * D] (before
     o_proj), writing the T new K/V into the layer's cache ck / cv ([rows, n_kv, len, D]) at their positions."""
     B, T = st.B, st.T
     H, HK = w.n_heads, w.n_kv
     D = ck.shape[-1]
-    qkv = qk_normed(qkv, w, D)
+    if w.q_norm is not None:  # Qwen3: q and k normalised per head first (both paths see the normed qkv)
+        q = rms_norm(qkv[..., :H * D].reshape(B, T, H, D), w.q_norm, w.qk_eps).reshape(B, T, H * D)
+        k = rms_norm(qkv[..., H * D:(H + HK) * D].reshape(B, T, HK, D), w.k_norm, w.qk_eps).reshape(B, T, HK * D)
+        qkv = torch.cat((q, k, qkv[..., (H + HK) * D:]), -1)
     if st.fast_attn:
         # RoPE, the K/V write and the attention: one kernel for one token per row and a chunk of keys
         return st.kernels.rope_attention(qkv.contiguous(), st.start, st.inv_freq, H, HK, ck, cv, st.rows_t,
@@ -524,21 +515,6 @@ def mlp_half(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
 def out_product(o: torch.Tensor, wo: torch.Tensor, st: StepState) -> torch.Tensor:
     """o_proj's product on one card (the skinny GEMM or cuBLAS on the fast path, as measured)."""
     return linear(o, wo) if st.kernels is None else st.kernels.linear(o, wo)
-
-
-def attn_out_half(x: torch.Tensor, red: torch.Tensor | None, w: LayerWeights, st: StepState, ck: torch.Tensor,
-                  cv: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """attn_half then out_product on one card: (x, o_proj's product). On the fast path with one token
-    per row and one chunk of keys, the attention and o_proj are one kernel (kernels.rope_attention_out):
-    the same values, a launch fewer a layer."""
-    K = st.kernels
-    if K is None or not st.fast_attn or not K.attention_fuses_out(st.kv_len, st.T):
-        x, o = attn_half(x, red, w, st, ck, cv, eps)
-        return x, out_product(o, w.wo, st)
-    x, qkv = norm_linear(x, red, w.ln1, eps, w.wqkv, w.bqkv, st)
-    qkv = qk_normed(qkv, w, ck.shape[-1])
-    return x, K.rope_attention_out(qkv.contiguous(), st.start, st.inv_freq, w.n_heads, w.n_kv, ck, cv, st.rows_t,
-                                   st.kv_len, w.wo)
 
 
 def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
@@ -629,7 +605,8 @@ def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWei
     a tensor-parallel rank."""
     x, red = embedding(tokens, embed, st), None
     for i, w in enumerate(layers):
-        x, red = attn_out_half(x, red, w, st, k[i], v[i], eps)
+        x, o = attn_half(x, red, w, st, k[i], v[i], eps)
+        red = out_product(o, w.wo, st)
         x, red = mlp_down(x, red, w, st, eps)
     return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy, argmax_only, vocab)
 

@@ -18,8 +18,6 @@ plain-torch definitions: the same function, not faster). Both modules define
     rope_attention(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len) -> rope_kv_write then
         decode_attention (one kernel on CUDA for one token per row up to a chunk of keys:
         attention_fuses_rope(kv_len, T))
-    rope_attention_out(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, wo) -> rope_attention then
-        o_proj's product with wo (one kernel on CUDA where attention_fuses_out(kv_len, T))
 
 with the signatures and rounding documented in `reference`. On CUDA the products of decode and verify
 rows run cuBLAS or the skinny GEMM (multiply-and-sum, dot or split-K tiles), whichever `kernels.plan`

@@ -14,8 +14,8 @@ import tempfile
 
 # the kernels' pointer arguments by element type (the rest bf16: activations, weights, logits, caches);
 # `scale` is the one float scalar
-FP32_PTRS = frozenset({"acc_ptr", "ml_ptr", "inv_ptr", "pm_ptr", "ps_ptr", "tv_ptr", "ws_ptr"})
-INT32_PTRS = frozenset({"pi_ptr", "ti_ptr", "cnt_ptr"})
+FP32_PTRS = frozenset({"acc_ptr", "ml_ptr", "inv_ptr", "pm_ptr", "ps_ptr", "tv_ptr"})
+INT32_PTRS = frozenset({"pi_ptr", "ti_ptr"})
 INT64_PTRS = frozenset({"rows_ptr", "start_ptr", "parent_ptr", "pivot_ptr"})
 
 

@@ -152,18 +152,3 @@ def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tenso
     (rounded to the activation dtype) and attended over the cache rows -> [B, T, n_heads, D]."""
     q = rope_kv_write(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows)
     return decode_attention(q, ck, cv, rows, start, kv_len)
-
-
-def attention_fuses_out(kv_len: int, T: int) -> bool:
-    """Whether rope_attention_out runs as one kernel (on CUDA: where attention_fuses_rope, up to
-    triton_ops.ATTN_OUT_MAX keys); the definition is the same either way."""
-    return True
-
-
-def rope_attention_out(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
-                       ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int,
-                       wo: torch.Tensor) -> torch.Tensor:
-    """rope_attention (its output rounded to the activation dtype) then o_proj's product with wo
-    [N, n_heads * D], accumulated in fp32 and rounded once -> [B, T, N]."""
-    o = rope_attention(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len)
-    return linear(o.reshape(*o.shape[:2], -1), wo)

@@ -80,19 +80,6 @@ PDL = env_choice("DRAFTRELAY_PDL", "on", ("on", "off")) == "on"
 # wait, so that its HBM read overlaps loading and rotating q instead of following it (the tile's own loads
 # come after the rotation and the new key's store). DRAFTRELAY_ATTN_PREFETCH=off leaves it out.
 ATTN_PREFETCH = env_choice("DRAFTRELAY_ATTN_PREFETCH", "on", ("on", "off")) == "on"
-# The attention and o_proj's product in one launch (rope_attention_out: one token per row, one chunk of up to
-# ATTN_OUT_MAX keys, ATTN_OUT_BLOCK rows of o_proj's weight a program, for a model whose weight block of a
-# program, padded, is at most ATTN_OUT_MAX_W elements: 32 KB, 64 registers a thread of 4 warps; the 0.5B's
-# is, the 7B's is four times that). DRAFTRELAY_ATTN_OUT=off launches the two apart.
-ATTN_OUT = env_choice("DRAFTRELAY_ATTN_OUT", "on", ("on", "off")) == "on"
-ATTN_OUT_MAX = 1024
-ATTN_OUT_BLOCK = 16
-ATTN_OUT_MAX_W = 16384
-# keys per tile and warps of its programs: built for sm_90 (offline, the 0.5B's shapes) 128-key tiles at 4 warps
-# take 252 registers and no spills (two programs an SM: four requests' 224 programs in one wave), 256-key tiles
-# spill at 4 warps and take 185 registers at 8 (one program an SM)
-ATTN_OUT_TILE = 128
-ATTN_OUT_WARPS = 4
 
 
 @functools.lru_cache(maxsize=8)
@@ -294,13 +281,12 @@ def _rotate(x_ptr, src, d, c, sn, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv, s_cpos, s_vpos, who,
+def _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv, s_cpos, s_vpos,
                  D: tl.constexpr):
     """One token per row (q_ptr: the q|k|v product [B, 1, (H + 2 n_kv) * D]): the row's query rows of kv
     head g rotated to its position start ([R_PAD, D] in o_ptr's dtype, rows beyond rvalid zero), and its
-    new key (rotated) and value ([D]), both stored into the cache row (kb, vb) at position start by the
-    program whose `who` is 0 (one of those that compute them). The attention kernels' fused RoPE
-    (_attn_kernel, _attn_out_kernel and the forked rows' kernel): rope_kv_write's values."""
+    new key (rotated) and value ([D]), both stored into the cache row (kb, vb) at position start. The
+    attention kernels' fused RoPE (_attn_kernel and the forked rows' kernel): rope_kv_write's values."""
     ang = start.to(tl.float32) * tl.load(inv_ptr + d % (D // 2))  # the row's one position, per dim
     c = tl.cos(ang)
     sn = tl.sin(ang)
@@ -310,9 +296,8 @@ def _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_
     ksrc = base + (H + g) * D + tl.zeros([1], tl.int64)
     knew = tl.reshape(_rotate(q_ptr, ksrc, d, c, sn, D // 2), [D]).to(kb.dtype.element_ty)
     vnew = tl.load(q_ptr + ksrc + n_kv * D + d)
-    sm = d * 0 + who == 0  # [D] (Triton's interpreter takes no scalar mask, and a bool & bool scalar is int there)
-    tl.store(kb + start.to(tl.int64) * s_cpos + d, knew, mask=sm)
-    tl.store(vb + start.to(tl.int64) * s_vpos + d, vnew, mask=sm)
+    tl.store(kb + start.to(tl.int64) * s_cpos + d, knew)
+    tl.store(vb + start.to(tl.int64) * s_vpos + d, vnew)
     return q, knew, vnew
 
 
@@ -348,20 +333,6 @@ def _attn_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, o_ptr, acc_ptr, ml_
     and decode_attention in one launch; the same values)."""
     bg, sp, n_kv, b, g, start, row, lo, hi, r, rvalid, h, d, qo, qpos = _attn_program(
         rows_ptr, start_ptr, T, H, chunk, REP, R_PAD, D, PDL)
-    m_i, l_i, acc = _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, o_ptr, b, g, n_kv, start, row, lo, hi, rvalid, h,
-                               d, qo, qpos, H, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, scale, sp,
-                               R_PAD, D, BLOCK, IEEE, FIXED_TRIPS, ROPE, PREFETCH)
-    _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, rvalid, d, R_PAD, D, SINGLE)
-
-
-@triton.jit
-def _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, o_ptr, b, g, n_kv, start, row, lo, hi, rvalid, h, d, qo, qpos, H,
-               s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, scale, who, R_PAD: tl.constexpr,
-               D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr,
-               ROPE: tl.constexpr, PREFETCH: tl.constexpr):
-    """An attention program's keys [lo, hi) of its (row, kv head) -> (running max, sum, unnormalised
-    output [R_PAD, D]). ROPE: its q rows and the new key rotated here (the new key and value stored into
-    the cache where `who` is 0), the cache's earlier keys read, the new key taken from registers."""
     kb = ck_ptr + row * s_crow + g * s_chead
     vb = cv_ptr + row * s_vrow + g * s_vhead
     if PREFETCH:  # the first tile's keys and values towards L2 now, while q (and the new key) load and rotate
@@ -372,7 +343,7 @@ def _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, o_ptr, b, g, n_kv, start, row, lo
         _prefetch_l2(vb + pn.to(tl.int64)[:, None] * s_vpos + pl[None, :], pm[:, None])
     if ROPE:
         q, knew, vnew = _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv,
-                                     s_cpos, s_vpos, who, D)
+                                     s_cpos, s_vpos, D)
         hi = tl.minimum(hi, start)  # the cache's earlier keys; the new one is added from registers below
     else:
         q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
@@ -390,22 +361,19 @@ def _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, o_ptr, b, g, n_kv, start, row, lo
                                        scale, BLOCK, IEEE)
     if ROPE:
         m_i, l_i, acc = _attn_new_key(q, knew, vnew, m_i, l_i, acc, scale)
-    return m_i, l_i, acc
+    _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, rvalid, d, R_PAD, D, SINGLE)
 
 
 @triton.jit
 def _attn_program(rows_ptr, start_ptr, T, H, chunk, REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
-                  PDL: tl.constexpr, CHUNKS: tl.constexpr = True):
+                  PDL: tl.constexpr):
     """Where an attention program works (the plain and the forked rows' kernels alike): its (row, kv head)
     bg = b * n_kv + g and key chunk sp, the row's cache row and start, the chunk's key range [lo, hi), and
     its query rows r (head g * REP + r // T, token r % T; rvalid: r < REP * T), their offsets qo into q and
     positions qpos. With PDL the next kernel may start its prologue now, and nothing is read before the
-    producer is done. CHUNKS False: one chunk (sp 0), the grid's second axis is the caller's."""
+    producer is done."""
     bg = tl.program_id(0)
-    if CHUNKS:
-        sp = tl.program_id(1)
-    else:
-        sp = 0
+    sp = tl.program_id(1)
     _pdl_entry(PDL)
     n_kv = H // REP
     b = bg // n_kv
@@ -437,54 +405,6 @@ def _attn_store(o_ptr, acc_ptr, ml_ptr, acc, m_i, l_i, bg, sp, n_split, qo, r, r
         tl.store(acc_ptr + (part * R_PAD + r)[:, None] * D + d[None, :], acc)
         tl.store(ml_ptr + part * 2 * R_PAD + r, m_i)
         tl.store(ml_ptr + part * 2 * R_PAD + R_PAD + r, l_i)
-
-
-@triton.jit
-def _attn_out_kernel(q_ptr, ck_ptr, cv_ptr, rows_ptr, start_ptr, inv_ptr, w_ptr, y_ptr,
-                     H, N, s_crow, s_chead, s_cpos, s_vrow, s_vhead, s_vpos, chunk, scale,
-                     REP: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                     BLOCK_C: tl.constexpr, N_KV: tl.constexpr, G_PAD: tl.constexpr, R_W: tl.constexpr,
-                     IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, PDL: tl.constexpr,
-                     PREFETCH: tl.constexpr = False):
-    """rope_attention then o_proj, one token per row and one chunk of keys: y[b] = attention(b) @ W^T.
-    Program (row b, column block c) does what _attn_kernel's fused-RoPE programs (b, g) do for every kv
-    head g in turn (every column block's program again: at a short context a row's keys are a few tens
-    of KB, read from L2 after the first; only c = 0 stores the new keys and values), rounds each output
-    as the attention rounds it, and multiplies all heads by W's rows of block c: one launch and no sum
-    across programs, where attention then o_proj are two launches (on a launch-bound drafter forward each
-    launch costs ~2 us more than its bytes). The weight block is loaded before the PDL wait (no kernel
-    writes W), as [BLOCK_C, G_PAD kv heads, R_W * D] (R_W: REP to a power of two)."""
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-    n = c * BLOCK_C + tl.arange(0, BLOCK_C)
-    nm = n < N
-    gi = tl.arange(0, G_PAD)
-    k = tl.arange(0, R_W * D)  # kv head g's heads' columns g * REP * D + r * D + d
-    wofs = n.to(tl.int64)[:, None, None] * (H * D) + (gi * (REP * D))[None, :, None] + k[None, None, :]
-    w = tl.load(w_ptr + wofs, mask=nm[:, None, None] & (gi < N_KV)[None, :, None] & (k < REP * D)[None, None, :],
-                other=0.0)
-    if PDL:
-        gdc_wait()
-    start = tl.load(start_ptr + b).to(tl.int32)
-    row = tl.load(rows_ptr + b).to(tl.int64)
-    r = tl.arange(0, R_PAD)
-    rvalid = r < REP
-    d = tl.arange(0, D)
-    o_all = tl.zeros([G_PAD, R_W * D], tl.float32)
-    for g in tl.static_range(N_KV):
-        m_i, l_i, acc = _attn_rows(q_ptr, ck_ptr, cv_ptr, inv_ptr, y_ptr, b, g, N_KV, start, row, 0,
-                                   tl.minimum(chunk, start + 1), rvalid, g * REP + r, d, r, start + r * 0, H, s_crow,
-                                   s_chead, s_cpos, s_vrow, s_vhead, s_vpos, scale, c, R_PAD, D, BLOCK, IEEE,
-                                   FIXED_TRIPS, True, PREFETCH)
-        o = tl.where(rvalid[:, None], acc / l_i[:, None], 0.0).to(y_ptr.dtype.element_ty)  # as _attn_store rounds
-        # the first R_W rows flattened (rows beyond REP are zero: the sum of the R_PAD // R_W blocks of R_W
-        # rows is the first block as it is)
-        of = tl.sum(tl.reshape(o.to(tl.float32), [R_PAD // R_W, R_W * D]), axis=0)
-        o_all = tl.where((gi == g)[:, None], of[None, :], o_all)
-    y = tl.sum(tl.sum(w.to(tl.float32) * o_all[None, :, :], axis=2), axis=1)
-    tl.store(y_ptr + b.to(tl.int64) * N + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
 
 @triton.jit
@@ -1391,67 +1311,6 @@ def rope_attention(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tenso
     return decode_attention(q, ck, cv, rows, start, kv_len)
 
 
-def attention_fuses_out(kv_len: int, T: int) -> bool:
-    """Whether rope_attention_out is one launch (_attn_out_kernel): where rope_attention is one (one token
-    per row, one chunk), up to ATTN_OUT_MAX keys (each column block's programs read their row's keys
-    again), with the switch on (DRAFTRELAY_ATTN_OUT) and the plan on (plan.MODE off keeps every product
-    on cuBLAS)."""
-    return ATTN_OUT and P.MODE != "off" and attention_fuses_rope(kv_len, T) and kv_len <= ATTN_OUT_MAX
-
-
-def rope_attention_out(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
-                       ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int,
-                       wo: torch.Tensor) -> torch.Tensor:
-    """rope_attention then o_proj's product with wo [N, n_heads * D]: [B, T, N]. One launch where
-    attention_fuses_out, else the two as the fast forward runs them apart."""
-    B, T = qkv.shape[:2]
-    D = ck.shape[-1]
-    if attention_fuses_out(kv_len, T):
-        if not torch.cuda.is_available() or not torch.cuda.is_current_stream_capturing():
-            # o_proj planned now as its first product would plan it (kernels.plan, every row bucket): the
-            # start's planning forward (LlamaDrafter.plan_warm) is one token per row, fused here
-            _plan(P.PRO_NONE, qkv[..., :n_heads * D], wo, None, None)
-        out = guarded_launch(_FUSED_OUT_OK, qkv.device, "fused attention + o_proj",
-                             lambda: _attention_out(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len, wo))
-        if out is not None:
-            return out
-    o = rope_attention(qkv, start, inv_freq, n_heads, n_kv, ck, cv, rows, kv_len)
-    return linear(o.view(B, T, n_heads * D), wo)
-
-
-def _attention_out(qkv: torch.Tensor, start: torch.Tensor, inv_freq: torch.Tensor, n_heads: int, n_kv: int,
-                   ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, kv_len: int,
-                   wo: torch.Tensor) -> torch.Tensor | None:
-    """The fused launch, or None where a program's weight block would exceed ATTN_OUT_MAX_W elements."""
-    if not qkv.is_contiguous() or not wo.is_contiguous():
-        raise ValueError("rope_attention_out: qkv and wo must be contiguous")
-    if ck.dtype != qkv.dtype or cv.dtype != qkv.dtype or wo.dtype != qkv.dtype:
-        raise ValueError(f"rope_attention_out: cache {ck.dtype} and weight {wo.dtype} != activations {qkv.dtype}")
-    B = qkv.shape[0]
-    D = ck.shape[-1]
-    N = wo.shape[0]
-    if wo.shape[1] != n_heads * D:
-        raise ValueError(f"rope_attention_out: weight {tuple(wo.shape)} does not take {n_heads} heads of {D}")
-    rep = n_heads // n_kv
-    R_PAD = max(16, triton.next_power_of_2(rep))
-    G_PAD, R_W = triton.next_power_of_2(n_kv), triton.next_power_of_2(rep)
-    if ATTN_OUT_BLOCK * G_PAD * R_W * D > ATTN_OUT_MAX_W:
-        return None
-    n_c = triton.cdiv(N, ATTN_OUT_BLOCK)
-    sblock = ATTN_OUT_TILE
-    chunk, _ = split_plan(kv_len, 1, 1, sblock)
-    y = torch.empty(B, 1, N, device=qkv.device, dtype=qkv.dtype)
-    pdl = _pdl(qkv.device)
-    _attn_out_kernel[(B, n_c)](
-        qkv, ck, cv, rows, start, inv_freq, wo, y, n_heads, N,
-        ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2), chunk, D ** -0.5,
-        REP=rep, R_PAD=R_PAD, D=D, BLOCK=sblock, BLOCK_C=ATTN_OUT_BLOCK, N_KV=n_kv, G_PAD=G_PAD, R_W=R_W,
-        IEEE=qkv.dtype == torch.float32, FIXED_TRIPS=chunk // sblock if _INTERPRETED else 0, PDL=pdl,
-        PREFETCH=ATTN_PREFETCH and not _INTERPRETED,
-        num_warps=ATTN_OUT_WARPS, num_stages=2, **_launch_kw(pdl))
-    return y
-
-
 def guarded_launch(ok: dict, device: torch.device, what: str, launch):
     """launch() of a fused kernel that may not build on every card or Triton, or None where the caller
     runs its unfused kernels instead: the kernel failed to launch on this device before (ok[device] False),
@@ -1474,4 +1333,3 @@ def guarded_launch(ok: dict, device: torch.device, what: str, launch):
 
 
 _FUSED_ROPE_OK: dict[torch.device, bool] = {}  # per device, once the fused kernel has been launched
-_FUSED_OUT_OK: dict[torch.device, bool] = {}  # the same for rope_attention_out's

@@ -151,7 +151,7 @@ def _fork_own(q_ptr, ck_ptr, cv_ptr, o_ptr, acc_ptr, ml_ptr, inv_ptr, pkb, pvb, 
         _prefetch_l2(pvb + pn.to(tl.int64)[:, None] * s_qpos + pl[None, :], pm[:, None])
     if ROPE:
         q, knew, vnew = _rope_new_kv(q_ptr, inv_ptr, o_ptr, kb, vb, b, g, h, rvalid, d, start, H, n_kv,
-                                     s_cpos, s_vpos, sp, D)
+                                     s_cpos, s_vpos, D)
         hi = tl.minimum(hi, start)  # the earlier keys from the caches; the new one from registers below
     else:
         q = tl.load(q_ptr + qo[:, None] + d[None, :], mask=rvalid[:, None], other=0.0)
