@@ -211,18 +211,13 @@ def test_skinny_candidates_fit_the_kernel_rules():
                         if pro == P.PRO_NORM and not c.pre:  # the RMS pass: the row in tiles of the slice
                             assert P.norm_trips(pro, K, c) * c.block_k >= K > (P.norm_trips(pro, K, c) - 1) * c.block_k
                         continue
-                    if c.swap:  # the weight tile first: a warp group's 64 rows, a looped tile
-                        assert rows > 1 and c.dot and c.block_n == 64 and c.warps == 4 and K > c.block_k
-                        few = -(-N // 64) < P.ROWS_DOT_PROGRAMS
-                        assert c.split == 1 or (K > 1024 and few and c.pre == (pro > 0))
-                        assert P.k_ranges(pro, K, c) == P.split_range(K, c)  # the norm first or its RMS pass: ranges
-                        assert c.pre <= (pro != P.PRO_NONE)  # a prologue first only where there is one
-                        inside = pro == P.PRO_NORM and not c.pre  # the RMS pass over the row in tiles of the slice
-                        assert P.norm_trips(pro, K, c) == (-(-K // c.block_k) if inside else 0)
-                        continue
                     assert not c.pre and P.norm_trips(pro, K, c) == 0
+                    if c.swap:  # the weight tile first: a warp group's 64 rows, a looped tile (prologue first)
+                        assert rows > 1 and c.dot and c.block_n == 64 and c.warps == 4 and K > c.block_k
+                        assert c.split == 1 or (K > 1024 and -(-N // 64) < P.ROWS_DOT_PROGRAMS)
+                        assert P.k_ranges(pro, K, c) == P.split_range(K, c)  # the norm first: its ranges split
                     assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
-                    assert c.split == 1 or (K > 1024 and pro != P.PRO_NORM)  # split-K: long K, no norm
+                    assert c.split == 1 or (K > 1024 and (pro != P.PRO_NORM or c.swap))  # split-K: long K, no norm
                     if pro == P.PRO_NORM:  # the norm in the tile needs the whole row; a looped dot runs it first
                         assert c.block_k >= K or (c.dot and rows > 1 and c.block_k == 128)
                 if pro != P.PRO_NORM or K <= 1024 or rows > 1 or K <= P.NORM_MAX_K:

@@ -153,10 +153,9 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
 
     Beside the pipelined tile of 64 columns, the same swapped (`swap`: the weight tile the dot's first
     operand, 64 rows a warp group, the rows transposed as the second: Hopper's warp-group dots from shared
-    memory, where the rows-first tile runs `mma.sync` on rows padded to 16), on the whole K with a norm or
-    SiLU prologue inside (each program the norm's RMS over the whole row first, as the compact-rows tiles)
-    and as its own launch first (`pre`), and, for weights of few column blocks, over K ranges of ~1,024
-    (the prologue first). On an H100 the plan chose it for the 0.5B's gate|up at 2-16 rows and the
+    memory, where the rows-first tile runs `mma.sync` on rows padded to 16), on the whole K and, for
+    weights of few column blocks, over K ranges of ~1,024 (a norm or SiLU prologue its own launch first,
+    as for the tile it swaps). On an H100 the plan chose it for the 0.5B's gate|up at 2-16 rows and the
     7B's eight-row q|k|v, o_proj and head. The rows-first tile of 32 columns, and the rows-first tiles
     over K ranges, were measured there too and lost (docs/FAST_FORWARD.md)."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
@@ -190,12 +189,10 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     if pro == PRO_NORM and next_pow2(K) <= WHOLE_ROW_DOT_K:  # the whole row a tile: the norm inside, no loop
         out += [SkinnyConfig(bn, next_pow2(K), True, 8, 1) for bn in (16, 32)]
     out.append(SkinnyConfig(64, 128, True, 4, 4))
-    if K > 128:  # swapped: a prologue inside (the norm's RMS over the whole row in every program) or first
-        pre = pro != PRO_NONE
-        out += [SkinnyConfig(64, 128, True, 4, 4, swap=True)]
-        out += [SkinnyConfig(64, 128, True, 4, 4, pre=True, swap=True)] if pre else []
+    if K > 128:  # swapped (a prologue runs first: the tile loops over K)
+        out.append(SkinnyConfig(64, 128, True, 4, 4, swap=True))
         if K > 1024 and math.ceil(N / 64) < ROWS_DOT_PROGRAMS:  # few column blocks: over K ranges of ~1,024 too
-            out.append(SkinnyConfig(64, 128, True, 4, 4, False, math.ceil(K / 1024), pre, swap=True))
+            out.append(SkinnyConfig(64, 128, True, 4, 4, False, math.ceil(K / 1024), swap=True))
     if pro != PRO_NORM and K > 1024:
         out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
     return out
@@ -208,8 +205,8 @@ def rows_dot_tile(cfg: SkinnyConfig) -> bool:
 
 def k_ranges(pro: int, K: int, cfg: SkinnyConfig) -> tuple[int, int]:
     """(elements of K per range, ranges) of cfg's launch: split_range, except the norm's multiply-and-sum
-    and whole-row dot tiles, which hold the whole row (one range of K). (A swapped tile takes the norm's
-    RMS over the whole row in every program, or runs the norm first; either way over its ranges.)"""
+    and whole-row dot tiles, which hold the whole row (one range of K). (A swapped tile runs the norm
+    first, then the plain product over its ranges.)"""
     if pro == PRO_NORM and not rows_dot_tile(cfg) and not cfg.pre and not cfg.swap:
         return K, 1
     return split_range(K, cfg)
@@ -268,11 +265,10 @@ def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, 
     """What Triton compiles skinny_linear's kernel for (its constexprs and the specialisations of its
     integer arguments: == 1 and divisible by 16): equal keys share one compiled kernel. Counts compiles
     on a CPU (benchmarks/plan_count.py); mirrors skinny_linear's launch, a looped dot tile with a
-    prologue included (the prologue's own launch first, then the plain product; the swapped tile's is
-    inside unless `pre`). tiles: (M_PAD, M_ROWS)
+    prologue included (the prologue's own launch first, then the plain product). tiles: (M_PAD, M_ROWS)
     in place of row_tiles' (to count another row rule)."""
-    looped_first = pro == PRO_SILU and cfg.dot or pro == PRO_NORM and cfg.dot and K > cfg.block_k
-    if not rows_dot_tile(cfg) and not cfg.swap and looped_first or cfg.pre:
+    if not rows_dot_tile(cfg) and (pro == PRO_SILU and cfg.dot or pro == PRO_NORM and cfg.dot and K > cfg.block_k) \
+            or cfg.pre:
         pro, has_delta = PRO_NONE, False
     m_pad, m_rows = tiles or row_tiles(cfg, M)
     ks, n_split = k_ranges(pro, K, cfg)
@@ -286,10 +282,10 @@ def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, 
 
 
 def norm_trips(pro: int, K: int, cfg: SkinnyConfig) -> int:
-    """The tiles of the compact-rows (or swapped) dot tile's RMS pass over the whole row, block_k elements each (the
+    """The tiles of the compact-rows dot tile's RMS pass over the whole row, block_k elements each (the
     slice's own tile shape, so that the slice and the pass share one register layout): a constexpr of
     its launch; 0 where there is none."""
-    return math.ceil(K / cfg.block_k) if pro == PRO_NORM and (rows_dot_tile(cfg) or cfg.swap) and not cfg.pre else 0
+    return math.ceil(K / cfg.block_k) if pro == PRO_NORM and rows_dot_tile(cfg) and not cfg.pre else 0
 
 
 Key = tuple  # (device index, pro, row bucket, N, K, dtype name, has bias, has residual)

@@ -523,10 +523,17 @@ def _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """The rows' slice k0 .. k0 + BLOCK_K (SiLU * up computed for PRO 2) times the loaded weight tile."""
+              PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False):
+    """The rows' slice k0 .. k0 + BLOCK_K (SiLU * up computed for PRO 2) times the loaded weight tile.
+    SWAP (a looped dot, no prologue): acc is [BLOCK_N, M_PAD], the weight tile the dot's first operand
+    and the rows loaded transposed as its second, so that the tensor cores' 64-row side is the weight's
+    (the rows padded to 16 are the narrow side) and Hopper can take the warp-group dot from shared memory."""
     kk = k0 + tl.arange(0, BLOCK_K)
-    if DOT:
+    if SWAP:
+        xt = tl.load(x_ptr + m.to(tl.int64)[None, :] * K + kk[:, None], mask=(kk < k_hi)[:, None] & mm[None, :],
+                     other=0.0)
+        acc += _dot(w, xt, IEEE)
+    elif DOT:
         msk = mm[:, None] & (kk < k_hi)[None, :]
         if PRO == 2:
             xv = _silu_up(x_ptr, m.to(tl.int64)[:, None] * (2 * K) + kk[None, :], msk, K)
@@ -540,38 +547,10 @@ def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_
 
 @triton.jit
 def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+                 PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False):
     """One BLOCK_K slice of K (up to k_hi): the weight tile, the rows' slice, the product."""
     w = _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K)
-    return _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE)
-
-
-@triton.jit
-def _swap_step(acc, x_ptr, d_ptr, nw_ptr, w_ptr, wrow, m, mm, nm, rstd, k0, k_hi, K, BLOCK_K: tl.constexpr,
-               PRO: tl.constexpr, HAS_DELTA: tl.constexpr, IEEE: tl.constexpr):
-    """One BLOCK_K slice of the swapped dot tile: acc [BLOCK_N, M_PAD] += w [BLOCK_N, BLOCK_K] @ x^T
-    [BLOCK_K, M_PAD], the weight tile the dot's first operand, so that the tensor cores' 64-row side is
-    the weight's (the rows padded to 16 are the narrow side) and Hopper can take the warp-group dot from
-    shared memory; the rows loaded transposed as its second. The prologue on the slice, rounded as
-    add_rms_norm / silu_mul round (PRO 1: x + delta normed with the rows' rstd, times nw; PRO 2:
-    SiLU(gate) * up); PRO 0 where there is none or the caller ran it first."""
-    w = _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K)
-    kk = k0 + tl.arange(0, BLOCK_K)
-    km = kk < k_hi
-    msk = km[:, None] & mm[None, :]
-    if PRO == 2:
-        xt = _silu_up(x_ptr, m.to(tl.int64)[None, :] * (2 * K) + kk[:, None], msk, K)
-    else:
-        xa = m.to(tl.int64)[None, :] * K + kk[:, None]
-        xt = tl.load(x_ptr + xa, mask=msk, other=0.0)
-        if PRO == 1:
-            if HAS_DELTA:
-                dv = tl.load(d_ptr + xa, mask=msk, other=0.0)
-                xt = (xt.to(tl.float32) + dv.to(xt.dtype).to(tl.float32)).to(xt.dtype)
-            nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
-            xt = ((xt.to(tl.float32) * rstd[None, :]).to(xt.dtype).to(tl.float32)
-                  * nw.to(tl.float32)[:, None]).to(xt.dtype)
-    return acc + _dot(w, xt, IEEE)
+    return _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE, SWAP)
 
 
 @triton.jit
@@ -659,9 +638,8 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
     x = [M, 2K] (gate | up). DOT with K_UNROLL: the compact-rows dot tile (the prologue on the M_ROWS
     real rows, the norm's RMS over all of K in K_TRIPS tiles, then padded to M_PAD for the dot; any
-    split). DOT: tensor-core dots over the rows padded to M_PAD >= 16 (SWAP, a looped dot: the weight
-    tile the dot's first operand, the accumulator [BLOCK_N, M_PAD], any prologue on each slice, the
-    norm's RMS over all of K in K_TRIPS tiles first); else the
+    split). DOT: tensor-core dots over the rows padded to M_PAD >= 16 (SWAP, a looped dot with no
+    prologue: the weight tile the dot's first operand, the accumulator [BLOCK_N, M_PAD]); else the
     multiply-and-sum tile over M_ROWS = M rows (a few). Each program reads its BLOCK_N weight rows
     once, over the K range program_id(1) * KS .. + KS (SPLIT ranges; SPLIT 1: all of K). With
     SPLIT > 1 each program stores its fp32 partial in ws, counts itself in cnt[column block]
@@ -703,7 +681,7 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
         if PRO == 1 and HAS_DELTA:
             if (pid == 0) & (tl.program_id(1) == 0):  # x + delta stored once, off the other programs' path
                 _rows_store_sum(x_ptr, d_ptr, xo_ptr, r, rm, K, BLOCK_K, K_TRIPS)
-    elif PRO == 1 and not SWAP:
+    elif PRO == 1:
         kk = tl.arange(0, BLOCK_K)
         km = kk < K
         w = tl.load(w_ptr + wrow + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
@@ -734,35 +712,19 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
             for it in tl.static_range(1, K_UNROLL):
                 acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k_lo + it * BLOCK_K, k_hi, K, M_ROWS,
                                    BLOCK_K, PRO, DOT, IEEE)
-        elif SWAP:  # the swapped dot tile: the weight tile first, the accumulator transposed back below
-            if PDL:
-                gdc_wait()
-            rstd = tl.zeros([M_PAD], tl.float32)
-            if PRO == 1:  # every program takes the RMS over all of K (the rows are tiny)
-                rstd = _rows_rstd(x_ptr, d_ptr, m, mm, K, eps, M_PAD, BLOCK_K, K_TRIPS, HAS_DELTA)
-            if FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound
-                for it in range(0, FIXED_TRIPS):
-                    acc = _swap_step(acc, x_ptr, d_ptr, nw_ptr, w_ptr, wrow, m, mm, nm, rstd, k_lo + it * BLOCK_K,
-                                     k_hi, K, BLOCK_K, PRO, HAS_DELTA, IEEE)
-            else:
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    acc = _swap_step(acc, x_ptr, d_ptr, nw_ptr, w_ptr, wrow, m, mm, nm, rstd, k0, k_hi, K, BLOCK_K,
-                                     PRO, HAS_DELTA, IEEE)
-            if PRO == 1 and HAS_DELTA:
-                if (pid == 0) & (tl.program_id(1) == 0):  # x + delta stored once, off the other programs' path
-                    _rows_store_sum(x_ptr, d_ptr, xo_ptr, m, mm, K, BLOCK_K, K_TRIPS)
-            acc = tl.trans(acc)
         else:
             if PDL:
                 gdc_wait()
             if FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound
                 for it in range(0, FIXED_TRIPS):
                     acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k_lo + it * BLOCK_K, k_hi, K, M_ROWS,
-                                       BLOCK_K, PRO, DOT, IEEE)
+                                       BLOCK_K, PRO, DOT, IEEE, SWAP)
             else:
                 for k0 in range(k_lo, k_hi, BLOCK_K):
                     acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO,
-                                       DOT, IEEE)
+                                       DOT, IEEE, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
     out_mask = mm[:, None] & nm[None, :]
     if SPLIT > 1:
         wa = m.to(tl.int64)[:, None] * N + n[None, :]
@@ -819,9 +781,8 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     """One launch of the skinny GEMM with configuration cfg -> (x + delta or x, the product [..., N]).
     pro: plan.PRO_NONE (x @ w^T + b), PRO_NORM (norm_linear's product), PRO_SILU (act_linear's; x holds
     gate | up, 2K wide). A looped dot configuration with a prologue runs silu_mul / add_rms_norm first and
-    the plain product on its output: the prologue inside the rows-first pipelined K loop costs more than
-    the launch (measured on the H200). The swapped tile takes it inside unless `pre`. The forward calls
-    it through `linear` / `norm_linear` / `act_linear`."""
+    the plain product on its output: the prologue inside the pipelined K loop costs more than the launch
+    (measured on the H200). The forward calls it through `linear` / `norm_linear` / `act_linear`."""
     x = x.contiguous()
     rows_dot = P.rows_dot_tile(cfg)  # the prologue inside, on the real rows
     if cfg.pre and pro != P.PRO_NONE:  # the prologue as its own launch, then the plain tile
@@ -829,10 +790,10 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
             xo, h = add_rms_norm(x, delta, norm_w, eps)
             return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b)[1]
         return x, skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)[1]
-    if pro == P.PRO_SILU and cfg.dot and not rows_dot and not cfg.swap:
+    if pro == P.PRO_SILU and cfg.dot and not rows_dot:
         _, y = skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)
         return x, y
-    if pro == P.PRO_NORM and cfg.dot and not rows_dot and not cfg.swap and w.shape[1] > cfg.block_k:  # the norm first
+    if pro == P.PRO_NORM and cfg.dot and not rows_dot and w.shape[1] > cfg.block_k:  # looped: the norm first
         xo, h = add_rms_norm(x, delta, norm_w, eps)
         return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b)[1]
     N, K = w.shape
@@ -843,10 +804,10 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         raise ValueError(f"skinny_linear: the multiply-and-sum tile takes 1 to {P.SUM_MAX_ROWS} rows, got {M}")
     if rows_dot and not 1 <= M <= P.MAX_ROWS:
         raise ValueError(f"skinny_linear: the compact-rows dot tile takes 1 to {P.MAX_ROWS} rows, got {M}")
-    if pro == P.PRO_NORM and not rows_dot and not cfg.swap and (K > cfg.block_k or cfg.split > 1):
+    if pro == P.PRO_NORM and not rows_dot and (K > cfg.block_k or cfg.split > 1):
         raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k}), no split")
-    if cfg.swap and (not cfg.dot or rows_dot):
-        raise ValueError(f"skinny_linear: {cfg.label()} is swapped: a looped dot tile")
+    if cfg.swap and (not cfg.dot or rows_dot or pro != P.PRO_NONE):
+        raise ValueError(f"skinny_linear: {cfg.label()} is swapped: a looped dot tile with no prologue inside")
     ks, n_split = P.k_ranges(pro, K, cfg)
     n_blocks = triton.cdiv(N, cfg.block_n)
     ws = cnt = w
