@@ -58,6 +58,19 @@ for swap in (False, True):
                               **skinny).asm["ptx"]
     assert "cp.async" in ptx and ("wgmma.mma_async" in ptx) == swap and ("mma.sync" in ptx) != swap, swap
     n += 1
+# the multiply-and-sum tile over one tile of K (the 0.5B's one-row o_proj, sum16x1024w8): launched with
+# K_UNROLL 1 (plan.k_unroll) its weight tile is loaded before the PDL wait, as a one-trip loop's is not
+from draftrelay.kernels import plan as P
+cfg = P.SkinnyConfig(16, 1024, False, 8, 1)
+for k_unroll in (0, 1):
+    one = dict(skinny, BLOCK_N=16, BLOCK_K=1024, DOT=False, K_UNROLL=k_unroll)
+    ptx = offline.compile_for(TO._skinny_kernel, num_warps=8, num_stages=1, ints=dict(N=896, K=896, KS=1024),
+                              **one).asm["ptx"]
+    before = ptx[:ptx.index("griddepcontrol.wait")]
+    assert ("ld.global" in before) == bool(k_unroll), k_unroll
+    n += 1
+assert P.k_unroll(P.PRO_NONE, cfg, 1024) == 1 and P.k_unroll(P.PRO_SILU, cfg, 1024) == 1
+assert P.k_unroll(P.PRO_NORM, cfg, 1024) == 0 and P.k_unroll(P.PRO_NONE, cfg, 2048) == 0  # the norm's; a loop
 
 print("compiled", n)
 '''
@@ -65,4 +78,4 @@ print("compiled", n)
 
 def test_attention_kernels_compile_for_sm90(tmp_path):
     out = run_interpreted(tmp_path, COMPILE, interpret=False)
-    assert "compiled 14" in out, out[-3000:]
+    assert "compiled 16" in out, out[-3000:]

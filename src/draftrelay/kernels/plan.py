@@ -277,8 +277,20 @@ def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, 
         return v == 1, v % 16 == 0
 
     return (pro, cfg.block_n, cfg.block_k, cfg.dot, cfg.warps, cfg.stages, m_pad, m_rows, has_delta, has_bias,
-            ks // cfg.block_k if cfg.unroll else 0, n_split, dtype, spec(M), spec(N), spec(K), spec(ks),
+            k_unroll(pro, cfg, ks), n_split, dtype, spec(M), spec(N), spec(K), spec(ks),
             norm_trips(pro, K, cfg), cfg.swap)
+
+
+def k_unroll(pro: int, cfg: SkinnyConfig, ks: int) -> int:
+    """The K_UNROLL constexpr of cfg's launch over ranges of ks elements: the tiles of a range as
+    straight-line code (an unrolled configuration), 1 for a multiply-and-sum tile whose range is one tile
+    (the same code as its one-trip loop, but its weight tile is then loaded before the PDL wait, while the
+    kernel before it runs, where the loop waits first), 0 for a loop. (A norm's multiply-and-sum tile
+    holds the whole row and loads it before the wait anyway; a dot tile with K_UNROLL is the compact-rows
+    tile.)"""
+    if cfg.unroll:
+        return ks // cfg.block_k
+    return 1 if not cfg.dot and pro != PRO_NORM and ks <= cfg.block_k else 0
 
 
 def norm_trips(pro: int, K: int, cfg: SkinnyConfig) -> int:

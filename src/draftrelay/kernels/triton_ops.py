@@ -827,7 +827,7 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         M_PAD=m_pad, M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
         HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
         FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0,
-        K_UNROLL=ks // cfg.block_k if cfg.unroll else 0, SPLIT=n_split, PDL=pdl,
+        K_UNROLL=P.k_unroll(pro, cfg, ks), SPLIT=n_split, PDL=pdl,
         K_TRIPS=P.norm_trips(pro, K, cfg), SWAP=cfg.swap, num_warps=cfg.warps, num_stages=cfg.stages,
         **_launch_kw(pdl))
     return xo, y
