@@ -645,9 +645,10 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     SPLIT > 1 each program stores its fp32 partial in ws, counts itself in cnt[column block]
     (acquire-release, GPU scope), and the one that brings the count to a multiple of SPLIT sums the
     SPLIT partials in range order and writes y: the same bits whichever finishes last, and the count
-    is left a multiple of SPLIT for the next launch. PDL (programmatic dependent launch): the first
-    weight tile is loaded before waiting for the previous kernel (no kernel writes weights),
-    everything else after."""
+    is left a multiple of SPLIT for the next launch. PDL (programmatic dependent launch): the straight-line
+    tiles (K_UNROLL: unrolled, compact-rows, or one tile) and the norm's whole-row tiles load their (first)
+    weight tile before waiting for the previous kernel (no kernel writes weights), everything else after;
+    the looped tiles wait first."""
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
