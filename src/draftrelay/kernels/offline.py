@@ -12,16 +12,18 @@ import re
 import subprocess
 import tempfile
 
-# the kernels' pointer arguments by element type (the rest bf16: activations, weights, logits, caches);
-# `scale` is the one float scalar
-FP32_PTRS = frozenset({"acc_ptr", "ml_ptr", "inv_ptr", "pm_ptr", "ps_ptr", "tv_ptr"})
-INT32_PTRS = frozenset({"pi_ptr", "ti_ptr"})
+# the kernels' pointer arguments by element type (the rest bf16: activations, weights, logits, caches; the
+# skinny GEMM's split partials `ws_ptr` are fp32 and its counts `cnt_ptr` int32); `scale` (the attention's)
+# and `eps` (the norm's) are the float scalars
+FP32_PTRS = frozenset({"acc_ptr", "ml_ptr", "inv_ptr", "pm_ptr", "ps_ptr", "tv_ptr", "ws_ptr"})
+INT32_PTRS = frozenset({"pi_ptr", "ti_ptr", "cnt_ptr"})
+FP32_SCALARS = frozenset({"scale", "eps"})
 INT64_PTRS = frozenset({"rows_ptr", "start_ptr", "parent_ptr", "pivot_ptr"})
 
 
 def signature(fn) -> dict[str, str]:
     """Triton's signature of a jit function of this package: constexprs as such, pointers by their names,
-    `scale` fp32, every other scalar i32."""
+    `scale` and `eps` fp32, every other scalar i32."""
     sig = {}
     for p in fn.params:
         if p.is_constexpr:
@@ -30,7 +32,7 @@ def signature(fn) -> dict[str, str]:
             sig[p.name] = ("*fp32" if p.name in FP32_PTRS else "*i32" if p.name in INT32_PTRS
                            else "*i64" if p.name in INT64_PTRS else "*bf16")
         else:
-            sig[p.name] = "fp32" if p.name == "scale" else "i32"
+            sig[p.name] = "fp32" if p.name in FP32_SCALARS else "i32"
     return sig
 
 
