@@ -74,13 +74,9 @@ def skinny_rows(arch: int) -> list[dict]:
 
     rows = []
     for label, cfg, m, N, K, pro in skinny_variants():
-        ks, n_split = P.k_ranges(pro, K, cfg)
-        m_pad, m_rows = P.row_tiles(cfg, m)  # as skinny_linear launches m rows
-        c = dict(M_PAD=m_pad, M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro, HAS_DELTA=False,
-                 HAS_BIAS=False, DOT=True, IEEE=False, FIXED_TRIPS=0, K_UNROLL=0, SPLIT=n_split, PDL=True,
-                 SWAP=cfg.swap)
+        ks, n_split, c = P.launch(P.kernel_pro(pro, cfg, K), cfg, m, K, False, False)  # as skinny_linear launches
         k = offline.compile_for(TO._skinny_kernel, arch=arch, num_warps=cfg.warps, num_stages=cfg.stages,
-                                ints=dict(N=N, K=K, KS=ks), **c)
+                                ints=dict(N=N, K=K, KS=ks), IEEE=False, FIXED_TRIPS=0, PDL=True, **c)
         r = offline.resources(k, arch=arch)
         ptx = k.asm["ptx"]
         row = {"kernel": "_skinny_kernel", "label": label, "config": cfg.label(), "N": N, "K": K, "rows": m,

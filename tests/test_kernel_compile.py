@@ -51,21 +51,22 @@ split = offline.compile_for(TO._attn_kernel, ints=offline.launch_ints(TO._attn_k
 assert "cp.async" in split.asm["ptx"], "the split attention's key loop is not pipelined as launched"
 # the skinny GEMM's pipelined dot tile at the 7B's eight-row o_proj: rows first it runs mma.sync, swapped
 # (the weight tile the dot's first operand) the warp-group dot, both with the weight loads pipelined
-skinny = dict(M_PAD=16, M_ROWS=1, BLOCK_N=64, BLOCK_K=128, PRO=0, HAS_DELTA=False, HAS_BIAS=False, DOT=True,
-              IEEE=False, FIXED_TRIPS=0, K_UNROLL=0, SPLIT=1, PDL=True)
+from draftrelay.kernels import plan as P
+run = dict(IEEE=False, FIXED_TRIPS=0, PDL=True)  # what the launch adds to plan.launch's constexprs
 for swap in (False, True):
-    ptx = offline.compile_for(TO._skinny_kernel, num_stages=4, ints=dict(N=3584, K=3584, KS=3584), SWAP=swap,
+    ks, _, skinny = P.launch(P.PRO_NONE, P.SkinnyConfig(64, 128, True, 4, 4, swap=swap), 8, 3584, False, False)
+    ptx = offline.compile_for(TO._skinny_kernel, num_stages=4, ints=dict(N=3584, K=3584, KS=ks), **run,
                               **skinny).asm["ptx"]
     assert "cp.async" in ptx and ("wgmma.mma_async" in ptx) == swap and ("mma.sync" in ptx) != swap, swap
     n += 1
 # the multiply-and-sum tile over one tile of K (the 0.5B's one-row o_proj, sum16x1024w8): launched with
 # K_UNROLL 1 (plan.k_unroll) its weight tile is loaded before the PDL wait, as a one-trip loop's is not
-from draftrelay.kernels import plan as P
 cfg = P.SkinnyConfig(16, 1024, False, 8, 1)
+ks, _, one = P.launch(P.PRO_NONE, cfg, 1, 896, False, False)
+assert one["K_UNROLL"] == 1, one
 for k_unroll in (0, 1):
-    one = dict(skinny, BLOCK_N=16, BLOCK_K=1024, DOT=False, K_UNROLL=k_unroll)
-    ptx = offline.compile_for(TO._skinny_kernel, num_warps=8, num_stages=1, ints=dict(N=896, K=896, KS=1024),
-                              **one).asm["ptx"]
+    ptx = offline.compile_for(TO._skinny_kernel, num_warps=8, num_stages=1, ints=dict(N=896, K=896, KS=ks), **run,
+                              **dict(one, K_UNROLL=k_unroll)).asm["ptx"]
     before = ptx[:ptx.index("griddepcontrol.wait")]
     assert ("ld.global" in before) == bool(k_unroll), k_unroll
     n += 1

@@ -260,25 +260,41 @@ def row_tiles(cfg: SkinnyConfig, M: int) -> tuple[int, int]:
     return top, top
 
 
+def kernel_pro(pro: int, cfg: SkinnyConfig, K: int) -> int:
+    """The prologue cfg's kernel computes itself: pro, or PRO_NONE where skinny_linear runs it as its own
+    launch first (`pre`; a looped rows-first or swapped dot tile's SiLU, and its norm over a row longer
+    than one tile: inside the pipelined K loop they cost more than the launch)."""
+    looped = cfg.dot and not rows_dot_tile(cfg) and (pro == PRO_SILU or pro == PRO_NORM and K > cfg.block_k)
+    return PRO_NONE if looped or cfg.pre else pro
+
+
+def launch(pro: int, cfg: SkinnyConfig, M: int, K: int, has_delta: bool, has_bias: bool,
+           tiles: tuple[int, int] | None = None) -> tuple[int, int, dict]:
+    """(K elements per range, ranges, the kernel's constexprs) of skinny_linear's launch of cfg for M rows
+    of a weight of K columns, pro the prologue the kernel computes (kernel_pro) and has_delta whether it
+    adds a residual: the one place those constexprs are made (the launch, launch_key, the offline compile
+    of benchmarks/kernel_registers.py). The launch adds what depends on the run (IEEE, FIXED_TRIPS, PDL).
+    tiles: (M_PAD, M_ROWS) in place of row_tiles' (to count another row rule)."""
+    m_pad, m_rows = tiles or row_tiles(cfg, M)
+    ks, n_split = k_ranges(pro, K, cfg)
+    return ks, n_split, dict(M_PAD=m_pad, M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
+                             HAS_DELTA=has_delta, HAS_BIAS=has_bias, DOT=cfg.dot, K_UNROLL=k_unroll(pro, cfg, ks),
+                             SPLIT=n_split, K_TRIPS=norm_trips(pro, K, cfg), SWAP=cfg.swap)
+
+
 def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, has_bias: bool,
                has_delta: bool, tiles: tuple[int, int] | None = None) -> tuple:
     """What Triton compiles skinny_linear's kernel for (its constexprs and the specialisations of its
     integer arguments: == 1 and divisible by 16): equal keys share one compiled kernel. Counts compiles
-    on a CPU (benchmarks/plan_count.py); mirrors skinny_linear's launch, a looped dot tile with a
-    prologue included (the prologue's own launch first, then the plain product). tiles: (M_PAD, M_ROWS)
-    in place of row_tiles' (to count another row rule)."""
-    if not rows_dot_tile(cfg) and (pro == PRO_SILU and cfg.dot or pro == PRO_NORM and cfg.dot and K > cfg.block_k) \
-            or cfg.pre:
-        pro, has_delta = PRO_NONE, False
-    m_pad, m_rows = tiles or row_tiles(cfg, M)
-    ks, n_split = k_ranges(pro, K, cfg)
+    on a CPU (benchmarks/plan_count.py); a prologue run as its own launch first (kernel_pro) is not in
+    the key. tiles: (M_PAD, M_ROWS) in place of row_tiles' (to count another row rule)."""
+    kpro = kernel_pro(pro, cfg, K)
+    ks, _, constexprs = launch(kpro, cfg, M, K, has_delta and kpro == pro, has_bias, tiles)
 
     def spec(v: int) -> tuple[bool, bool]:
         return v == 1, v % 16 == 0
 
-    return (pro, cfg.block_n, cfg.block_k, cfg.dot, cfg.warps, cfg.stages, m_pad, m_rows, has_delta, has_bias,
-            k_unroll(pro, cfg, ks), n_split, dtype, spec(M), spec(N), spec(K), spec(ks),
-            norm_trips(pro, K, cfg), cfg.swap)
+    return (*sorted(constexprs.items()), cfg.warps, cfg.stages, dtype, spec(M), spec(N), spec(K), spec(ks))
 
 
 def k_unroll(pro: int, cfg: SkinnyConfig, ks: int) -> int:

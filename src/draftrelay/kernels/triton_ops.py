@@ -782,21 +782,16 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     """One launch of the skinny GEMM with configuration cfg -> (x + delta or x, the product [..., N]).
     pro: plan.PRO_NONE (x @ w^T + b), PRO_NORM (norm_linear's product), PRO_SILU (act_linear's; x holds
     gate | up, 2K wide). A looped dot configuration with a prologue runs silu_mul / add_rms_norm first and
-    the plain product on its output: the prologue inside the pipelined K loop costs more than the launch
-    (measured on the H200). The forward calls it through `linear` / `norm_linear` / `act_linear`."""
+    the plain product on its output (plan.kernel_pro): the prologue inside the pipelined K loop costs more
+    than the launch (measured on the H200 and, swapped, on an H100). The kernel's constexprs are
+    plan.launch's. The forward calls it through `linear` / `norm_linear` / `act_linear`."""
     x = x.contiguous()
     rows_dot = P.rows_dot_tile(cfg)  # the prologue inside, on the real rows
-    if cfg.pre and pro != P.PRO_NONE:  # the prologue as its own launch, then the plain tile
+    if P.kernel_pro(pro, cfg, w.shape[1]) != pro:  # the prologue as its own launch, then the plain tile
         if pro == P.PRO_NORM:
             xo, h = add_rms_norm(x, delta, norm_w, eps)
             return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b)[1]
         return x, skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)[1]
-    if pro == P.PRO_SILU and cfg.dot and not rows_dot:
-        _, y = skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)
-        return x, y
-    if pro == P.PRO_NORM and cfg.dot and not rows_dot and w.shape[1] > cfg.block_k:  # looped: the norm first
-        xo, h = add_rms_norm(x, delta, norm_w, eps)
-        return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b)[1]
     N, K = w.shape
     M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
     if not w.is_contiguous():
@@ -809,7 +804,7 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k}), no split")
     if cfg.swap and (not cfg.dot or rows_dot or pro != P.PRO_NONE):
         raise ValueError(f"skinny_linear: {cfg.label()} is swapped: a looped dot tile with no prologue inside")
-    ks, n_split = P.k_ranges(pro, K, cfg)
+    ks, n_split, constexprs = P.launch(pro, cfg, M, K, delta is not None, b is not None)  # per row bucket
     n_blocks = triton.cdiv(N, cfg.block_n)
     ws = cnt = w
     if n_split > 1:
@@ -821,16 +816,11 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     xo = torch.empty_like(x) if delta is not None else x
     pdl = _pdl(x.device)
-    m_pad, m_rows = P.row_tiles(cfg, M)  # one compiled kernel per row bucket (plan.row_tiles)
     _skinny_kernel[(n_blocks, n_split)](
         x, delta if delta is not None else x, norm_w if norm_w is not None else w, xo, w,
-        b if b is not None else w, y, ws, cnt, M, N, K, ks, eps,
-        M_PAD=m_pad, M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
-        HAS_DELTA=delta is not None, HAS_BIAS=b is not None, DOT=cfg.dot, IEEE=x.dtype == torch.float32,
-        FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0,
-        K_UNROLL=P.k_unroll(pro, cfg, ks), SPLIT=n_split, PDL=pdl,
-        K_TRIPS=P.norm_trips(pro, K, cfg), SWAP=cfg.swap, num_warps=cfg.warps, num_stages=cfg.stages,
-        **_launch_kw(pdl))
+        b if b is not None else w, y, ws, cnt, M, N, K, ks, eps, IEEE=x.dtype == torch.float32,
+        FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0, PDL=pdl, **constexprs,
+        num_warps=cfg.warps, num_stages=cfg.stages, **_launch_kw(pdl))
     return xo, y
 
 
