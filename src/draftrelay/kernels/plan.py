@@ -190,7 +190,7 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
         out += [SkinnyConfig(bn, next_pow2(K), True, 8, 1) for bn in (16, 32)]
     out.append(SkinnyConfig(64, 128, True, 4, 4))
     if K > 128:  # swapped (a prologue runs first: the tile loops over K)
-        out.append(SkinnyConfig(64, 128, True, 4, 4, swap=True))
+        out += [SkinnyConfig(64, 128, True, 4, s, swap=True) for s in (4, 3, 2)]
         if K > 1024 and math.ceil(N / 64) < ROWS_DOT_PROGRAMS:  # few column blocks: over K ranges of ~1,024 too
             out.append(SkinnyConfig(64, 128, True, 4, 4, False, math.ceil(K / 1024), swap=True))
     if pro != PRO_NORM and K > 1024:
