@@ -126,6 +126,18 @@ def _measure_nocublas(key, cands):
 NOCUBLAS_PLANNER = P.Planner(_measure_nocublas)
 
 
+# the plan without the swapped tiles of 3 stages and over two K ranges (its own choice table): the "s4" variant
+S4_PLANNER = P.Planner(triton_ops._measure)
+
+
+def _plan_key_s4(*args, **kw):
+    planned = PLAN_KEY(*args, **kw)
+    if planned is None:
+        return None
+    key, cands = planned
+    return key, [c for c in cands if not (c.swap and (c.stages != 4 or c.split == 2))]
+
+
 def _plan_key_norows(*args, **kw):
     planned = PLAN_KEY(*args, **kw)
     if planned is None:
@@ -148,8 +160,9 @@ def fast_path(model: M.Transformer, fast) -> None:
     triton_ops.PDL = fast != "nopdl"
     triton_ops.ATTN_PREFETCH = fast != "noprefetch"
     norows = fast == "norows"
-    triton_ops.PLANNER = NOROWS_PLANNER if norows else NOCUBLAS_PLANNER if fast == "nocublas" else MAIN_PLANNER
-    P.plan_key = _plan_key_norows if norows else PLAN_KEY
+    triton_ops.PLANNER = NOROWS_PLANNER if norows else NOCUBLAS_PLANNER if fast == "nocublas" else \
+        S4_PLANNER if fast == "s4" else MAIN_PLANNER
+    P.plan_key = _plan_key_norows if norows else _plan_key_s4 if fast == "s4" else PLAN_KEY
 
 
 def plan_first(model: M.Transformer, forward) -> None:
@@ -267,6 +280,7 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
     variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast_cublas": ("graph", "cublas"),
                 "graphs_fast_nopdl": ("graph", "nopdl"), "graphs_fast_noprefetch": ("graph", "noprefetch"),
                 "graphs_fast_norows": ("graph", "norows"), "graphs_fast_nocublas": ("graph", "nocublas"),
+                "graphs_fast_s4": ("graph", "s4"),
                 "graphs_fast": ("graph", True),
                 "eager_fast": ("eager", True)}
     # the head restricted to a draft vocabulary (draft_vocab.py): the same forward, a head of N rows
@@ -361,7 +375,7 @@ def target_section(dev, ctxs, iters, out) -> None:
     plan_first(model, one_token)
     graphs = {}
     for T in (1, 5):
-        for fast in (False, "cublas", "nopdl", "noprefetch", "norows", "nocublas", True):
+        for fast in (False, "cublas", "nopdl", "noprefetch", "norows", "nocublas", "s4", True):
             fast_path(model, fast)
             t0 = time.perf_counter()
             graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
@@ -390,6 +404,7 @@ def target_section(dev, ctxs, iters, out) -> None:
             fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast_cublas": graph("cublas"),
                    "graphs_fast_nopdl": graph("nopdl"), "graphs_fast_noprefetch": graph("noprefetch"),
                    "graphs_fast_norows": graph("norows"), "graphs_fast_nocublas": graph("nocublas"),
+                   "graphs_fast_s4": graph("s4"),
                    "graphs_fast": graph(True), "eager_fast": eager(True)}
             t = interleaved(fns, iters)
             row = {"context": ctx, "tokens": T, "step": t,
@@ -536,6 +551,7 @@ def main(argv=None) -> int:
         out["plans"] = plan_rows()  # every product shape measured so far, the forwards' own included
         out["plans_norows"] = plan_rows(NOROWS_PLANNER)  # the "norows" variant's plan
         out["plans_nocublas"] = plan_rows(NOCUBLAS_PLANNER)  # the "nocublas" variant's plan
+        out["plans_s4"] = plan_rows(S4_PLANNER)  # the "s4" variant's plan
         save()
         torch.cuda.empty_cache()  # the section's models are gone: their blocks back for the next one
     out["wall_s"] = round(time.perf_counter() - t_start, 1)

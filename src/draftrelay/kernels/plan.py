@@ -190,7 +190,9 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
         out += [SkinnyConfig(bn, next_pow2(K), True, 8, 1) for bn in (16, 32)]
     out.append(SkinnyConfig(64, 128, True, 4, 4))
     if K > 128:  # swapped (a prologue runs first: the tile loops over K)
-        out += [SkinnyConfig(64, 128, True, 4, s, swap=True) for s in (4, 3, 2)]
+        out += [SkinnyConfig(64, 128, True, 4, s, swap=True) for s in (4, 3)]
+        if pro != PRO_NORM and K > 1024:  # the long-K products (down, the 7B's o_proj) over two K ranges too
+            out.append(SkinnyConfig(64, 128, True, 4, 4, False, 2, swap=True))
         if K > 1024 and math.ceil(N / 64) < ROWS_DOT_PROGRAMS:  # few column blocks: over K ranges of ~1,024 too
             out.append(SkinnyConfig(64, 128, True, 4, 4, False, math.ceil(K / 1024), swap=True))
     if pro != PRO_NORM and K > 1024:
