@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -126,7 +127,8 @@ def _measure_nocublas(key, cands):
 NOCUBLAS_PLANNER = P.Planner(_measure_nocublas)
 
 
-# the plan without the swapped tiles of 3 stages and over two K ranges (its own choice table): the "s4" variant
+# the plan without the swapped tiles of 3 stages and over two K ranges (plan.candidates, for K > 1,024; its own
+# choice table): the "s4" variant
 S4_PLANNER = P.Planner(triton_ops._measure)
 
 
@@ -135,7 +137,8 @@ def _plan_key_s4(*args, **kw):
     if planned is None:
         return None
     key, cands = planned
-    return key, [c for c in cands if not (c.swap and (c.stages != 4 or c.split == 2))]
+    K = key[4]  # (the ranged swapped tile of a K of 1,025 to 2,048 is split 2 too: it stays)
+    return key, [c for c in cands if not (c.swap and (c.stages == 3 or c.split == 2 != math.ceil(K / 1024)))]
 
 
 def _plan_key_norows(*args, **kw):

@@ -190,11 +190,14 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
         out += [SkinnyConfig(bn, next_pow2(K), True, 8, 1) for bn in (16, 32)]
     out.append(SkinnyConfig(64, 128, True, 4, 4))
     if K > 128:  # swapped (a prologue runs first: the tile loops over K)
-        out += [SkinnyConfig(64, 128, True, 4, s, swap=True) for s in (4, 3)]
-        if pro != PRO_NORM and K > 1024:  # the long-K products (down, the 7B's o_proj) over two K ranges too
-            out.append(SkinnyConfig(64, 128, True, 4, 4, False, 2, swap=True))
+        out.append(SkinnyConfig(64, 128, True, 4, 4, swap=True))
+        if K > 1024:  # long rows: also at 3 stages (60 KiB a program, three an SM where 4 stages fit two)
+            out.append(SkinnyConfig(64, 128, True, 4, 3, swap=True))
         if K > 1024 and math.ceil(N / 64) < ROWS_DOT_PROGRAMS:  # few column blocks: over K ranges of ~1,024 too
             out.append(SkinnyConfig(64, 128, True, 4, 4, False, math.ceil(K / 1024), swap=True))
+        two = SkinnyConfig(64, 128, True, 4, 4, False, 2, swap=True)
+        if pro != PRO_NORM and K > 1024 and two not in out:  # long K (down, the 7B's o_proj): two K ranges
+            out.append(two)
     if pro != PRO_NORM and K > 1024:
         out += [SkinnyConfig(bn, 128, True, 4, 3, False, math.ceil(K / ks)) for bn, ks in ((16, 1024), (32, 2048))]
     return out
