@@ -47,7 +47,8 @@ def variants() -> list[tuple[str, object, int, dict]]:
 def skinny_variants() -> list[tuple[str, object, int, int, int, int]]:
     """(label, plan configuration, rows, N, K, prologue) of the skinny GEMM's pipelined dot tiles at the
     7B verify's eight-row bucket (o_proj, down) and the 0.5B's four-row gate|up: the candidates' whole-K
-    tile of 64 columns, its swapped form (the weight tile the dot's first operand) and split tiles, beside
+    tile of 64 columns, its swapped form (the weight tile the dot's first operand; at 3 stages and over two K
+    ranges too, and the 7B gate|up's at 4 and 3 stages) and split tiles, beside
     the rows-first tiles of 32 columns and over K ranges of ~1,024 (measured on an H100 and not kept as
     candidates: docs/FAST_FORWARD.md)."""
     from draftrelay.kernels import plan as P
@@ -59,7 +60,10 @@ def skinny_variants() -> list[tuple[str, object, int, int, int, int]]:
         out += [(f"{name}, 8 rows", c, 8, N, K, P.PRO_NONE)
                 for c in (S(64, 128, True, 4, 4), S(64, 128, True, 4, 4, swap=True), S(64, 128, True, 4, 4, False, r),
                           S(64, 128, True, 4, 4, False, r, swap=True), S(32, 128, True, 4, 4, False, r),
-                          S(16, 128, True, 4, 3, False, r), S(32, 128, True, 4, 3, False, -(-K // 2048)))]
+                          S(16, 128, True, 4, 3, False, r), S(32, 128, True, 4, 3, False, -(-K // 2048)),
+                          S(64, 128, True, 4, 3, swap=True), S(64, 128, True, 4, 4, False, 2, swap=True))]
+    out += [("7B gate|up after its norm, 8 rows", c, 8, 37888, 3584, P.PRO_NONE)
+            for c in (S(64, 128, True, 4, 4, swap=True), S(64, 128, True, 4, 3, swap=True))]
     out += [("0.5B gate|up after its norm, 4 rows", c, 4, 9728, 896, P.PRO_NONE)
             for c in (S(64, 128, True, 4, 4), S(64, 128, True, 4, 4, swap=True), S(32, 128, True, 4, 4))]
     return out

@@ -214,7 +214,9 @@ def test_skinny_candidates_fit_the_kernel_rules():
                     assert not c.pre and P.norm_trips(pro, K, c) == 0
                     if c.swap:  # the weight tile first: a warp group's 64 rows, a looped tile (prologue first)
                         assert rows > 1 and c.dot and c.block_n == 64 and c.warps == 4 and K > c.block_k
-                        assert c.split == 1 or (K > 1024 and -(-N // 64) < P.ROWS_DOT_PROGRAMS)
+                        assert c.stages == 4 or (c.stages == 3 and c.split == 1 and K > 1024)  # 3: long rows only
+                        two = c.split == 2 and pro != P.PRO_NORM  # long K, no norm: two ranges whatever N is
+                        assert c.split == 1 or (K > 1024 and (-(-N // 64) < P.ROWS_DOT_PROGRAMS or two))
                         assert P.k_ranges(pro, K, c) == P.split_range(K, c)  # the norm first: its ranges split
                     assert not c.unroll or (K > 1024 and not c.dot and pro != P.PRO_NORM)
                     assert c.split == 1 or (K > 1024 and (pro != P.PRO_NORM or c.swap))  # split-K: long K, no norm
@@ -222,6 +224,7 @@ def test_skinny_candidates_fit_the_kernel_rules():
                         assert c.block_k >= K or (c.dot and rows > 1 and c.block_k == 128)
                 if pro != P.PRO_NORM or K <= 1024 or rows > 1 or K <= P.NORM_MAX_K:
                     assert cands, (pro, rows, N, K)
+                assert len(set(cands)) == len(cands), (pro, rows, N, K)  # each configuration measured once
             assert P.candidates(pro, 17, 896, 896) == [] and P.candidates(pro, 0, 896, 896) == []
     assert P.candidates(P.PRO_NORM, 1, 10, 5000) == []  # K beyond one tile: add_rms_norm + cuBLAS
     whole = [P.SkinnyConfig(16, 1024, True, 8, 1), P.SkinnyConfig(32, 1024, True, 8, 1)]
@@ -230,6 +233,15 @@ def test_skinny_candidates_fit_the_kernel_rules():
         assert not any(c.dot and c.block_k >= 3584 for c in P.candidates(P.PRO_NORM, rows, 4608, 3584)), rows
         assert not any(c in P.candidates(P.PRO_NONE, rows, 896, 896) for c in whole), rows
     assert not any(c in P.candidates(P.PRO_NORM, 1, 9728, 896) for c in whole)  # one row: the sum tiles
+    # the swapped tile at 3 stages for long rows (the 7B's; at the 0.5B's 896 it slowed the four-request STEP),
+    # and over two K ranges for long K without a norm (the 7B's down and o_proj)
+    s3, two = P.SkinnyConfig(64, 128, True, 4, 3, swap=True), P.SkinnyConfig(64, 128, True, 4, 4, False, 2, swap=True)
+    for rows in (2, 8, 16):
+        assert s3 in P.candidates(P.PRO_NORM, rows, 37888, 3584) and s3 not in P.candidates(P.PRO_NORM, rows, 9728, 896)
+        assert two in P.candidates(P.PRO_SILU, rows, 3584, 18944) and two in P.candidates(P.PRO_NONE, rows, 3584, 3584)
+        assert two not in P.candidates(P.PRO_NORM, rows, 37888, 3584)
+        assert two not in P.candidates(P.PRO_NONE, rows, 896, 896)
+    assert s3 not in P.candidates(P.PRO_NONE, 1, 3584, 18944)  # one row: the multiply-and-sum tiles
 
 
 def test_planner_measures_each_key_once_and_keeps_cublas_unless_clearly_faster():

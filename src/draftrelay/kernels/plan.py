@@ -156,8 +156,12 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     memory, where the rows-first tile runs `mma.sync` on rows padded to 16), on the whole K and, for
     weights of few column blocks, over K ranges of ~1,024 (a norm or SiLU prologue its own launch first,
     as for the tile it swaps). On an H100 the plan chose it for the 0.5B's gate|up at 2-16 rows and the
-    7B's eight-row q|k|v, o_proj and head. The rows-first tile of 32 columns, and the rows-first tiles
-    over K ranges, were measured there too and lost (docs/FAST_FORWARD.md)."""
+    7B's eight-row q|k|v, o_proj and head. For K beyond 1,024 (the 7B's rows) also the swapped tile at 3
+    stages (60 KiB of shared memory: three programs an SM, where 4 stages fit two) and, without a norm, over
+    two K ranges: on an H100 the 7B verify took them for its gate|up, down and o_proj and ran 0.09-0.10 ms
+    shorter; at the 0.5B's rows of 896 the 3-stage tile timed faster alone on the four-row gate|up and head,
+    yet the four-request STEP ran 0.04-0.05 ms slower with it. The rows-first tile of 32 columns, and the
+    rows-first tiles over K ranges, were measured there too and lost (docs/FAST_FORWARD.md)."""
     if not 1 <= M <= MAX_ROWS or N < 1 or K < 1:
         return []
     out: list[SkinnyConfig] = []
