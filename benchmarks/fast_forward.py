@@ -4,7 +4,8 @@ cuBLAS for every product ("graphs_fast_cublas"), graphs with the fused kernels a
 per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"; "graphs_fast_nopdl" the same launched
 without programmatic dependent launch, "graphs_fast_noprefetch" without the attention's L2 prefetch,
 "graphs_fast_norows" planned without the compact-rows dot tiles, "graphs_fast_nocublas" planned over the
-Triton candidates only; for the drafter also its graph replayed alone,
+Triton candidates only, "graphs_fast_s4" planned without the swapped tiles of 3 stages and over two K ranges;
+for the drafter also its graph replayed alone,
 "graphs_fast_replay_only", and the worker's host work of the step with the replay left out,
 "graphs_fast_host_only"), plain torch.compile of the same model
 (7B decode), and Hugging Face transformers (target decode). The "gemm" section and "plans" list each
@@ -155,7 +156,8 @@ def fast_path(model: M.Transformer, fast) -> None:
     "nopdl": the same launched plainly (triton_ops.PDL off); "noprefetch": the same without the
     attention's L2 prefetch of its first key tile (triton_ops.ATTN_PREFETCH off); "norows": the same
     planned without the compact-rows dot tiles (a plan of its own over the other candidates);
-    "nocublas": planned over the Triton candidates only (cuBLAS never chosen where one runs);
+    "nocublas": planned over the Triton candidates only (cuBLAS never chosen where one runs); "s4": planned
+    without the swapped tiles of 3 stages and over two K ranges (a plan of its own);
     "cublas": the same fused kernels with cuBLAS for every product and the separate norm / SiLU / pick
     kernels (plan MODE "off"); False: the plain forward. Graphs keep what was set when they were captured."""
     model.fast = bool(fast)
