@@ -11,6 +11,11 @@ without seed or cache pays) and writes the file.
 
 `--repick FILE` (no GPU): choose again from the times a seed or cache file recorded, under the present
 choice rule (`plan.pick`: MARGIN, CHAIN_S), and rewrite the file's choices; prints each choice it changes.
+
+`--from-benchmark FILE --out SEED` (no GPU): a seed from the plans a `fast_forward.py` run measured (its
+"plans": the planner's own times of cuBLAS and every candidate, in that process, on that run's card), each
+key chosen again under the present rule among the present candidates; a key with a present candidate that
+run never timed is left out (a start measures it).
 """
 
 from __future__ import annotations
@@ -65,16 +70,59 @@ def repick(path: str) -> int:
     return 0
 
 
+def from_benchmark(path: str, out: str) -> int:
+    """Write seed `out` from the "plans" of fast_forward.py's result file `path` (one card, bf16 weights)."""
+    with open(path) as f:
+        data = json.load(f)
+    gpus = set(data.get("machine", {}).get("gpus") or [])
+    if len(gpus) != 1:
+        raise SystemExit(f"plan_seed.py --from-benchmark {path}: its machine names the cards {sorted(gpus)!r}, "
+                         "not one card")
+    if "bf16" not in str(data.get("weights", "")):
+        raise SystemExit(f"plan_seed.py --from-benchmark {path}: weights {data.get('weights')!r}, not bf16")
+    pros = {name: pro for pro, name in P.PRO_NAMES.items()}
+    plans, left_out = {}, []
+    for row in data.get("plans", []):
+        pro, M, N, K = pros[row["product"]], row["M"], row["N"], row["K"]
+        key = (pro, M, N, K, "bfloat16", bool(row["bias"]), bool(row["residual"]))
+        times = {label: us / 1e6 for label, us in row["us"].items()}
+        times.update({label: float("inf") for label in row.get("failed", [])})
+        cands = P.bucket_candidates(pro, M, N, K)
+        if "cublas" not in times or any(c.label() not in times for c in cands):
+            left_out.append(P.PlanCache.entry_key(key))
+            continue
+        kept = {"cublas": times["cublas"], **{c.label(): times[c.label()] for c in cands}}
+        choice = P.pick({None if label == "cublas" else label: t for label, t in kept.items()})
+        plans[P.PlanCache.entry_key(key)] = {
+            "choice": "cublas" if choice is None else choice,
+            "us": {label: (round(t * 1e6, 3) if t != float("inf") else None) for label, t in kept.items()}}
+    if not plans:
+        raise SystemExit(f"plan_seed.py --from-benchmark {path}: no plan there timed every present candidate")
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"format": P.PlanCache.FORMAT, "meta": {"device": gpus.pop()}, "plans": plans}, f, indent=0,
+                  sort_keys=True)
+    print(f"{len(plans)} keys from {path}; left out (a present candidate untimed there): "
+          f"{', '.join(left_out) or 'none'}; wrote {out}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repick", metavar="FILE", help="re-choose FILE's entries from its recorded times (no GPU)")
     ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-0.5b",
                     help="model shapes (draftrelay.worker.drafters.SHAPES), comma separated; NAME:float32 for fp32")
     ap.add_argument("--k", type=int, default=4, help="drafts per round (the verify's width is k + 1)")
+    ap.add_argument("--from-benchmark", metavar="FILE",
+                    help="make the seed from the plans of a fast_forward.py result file (no GPU)")
     ap.add_argument("--out", help="the seed file to write")
     args = ap.parse_args()
     if args.repick:
         return repick(args.repick)
+    if args.from_benchmark:
+        if not args.out:
+            ap.error("--from-benchmark FILE needs --out SEED")
+        return from_benchmark(args.from_benchmark, args.out)
     if not args.out:
         ap.error("--out FILE is required (or --repick FILE)")
     if not torch.cuda.is_available():

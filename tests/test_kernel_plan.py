@@ -384,6 +384,51 @@ def test_repick_rewrites_a_files_choices_under_the_present_rule(tmp_path, capsys
     assert "2 of 4 choices changed" in capsys.readouterr().out
 
 
+def test_a_seed_from_a_benchmarks_plans_keeps_only_fully_timed_keys_chosen_anew(tmp_path, capsys):
+    """benchmarks/plan_seed.py --from-benchmark: each plan a fast_forward.py run measured becomes a seed entry
+    chosen again among the present candidates (a label that is no longer one is dropped from its times); a
+    key with a present candidate the run never timed is left out; the file loads as that card's seed."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("plan_seed_under_test", root / "plan_seed.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(root))
+    gate = P.bucket_candidates(P.PRO_NORM, 4, 9728, 896)
+    us = {c.label(): 10.0 for c in gate}
+    us[gate[-1].label()] = 9.5
+    rows = [  # the fastest label is not a present candidate here: the choice is the best present one
+        {"product": "norm_linear", "M": 4, "N": 9728, "K": 896, "bias": False, "residual": True, "failed": [],
+         "us": {"cublas": 12.0, "dot64x128w4s3sw": 8.0, **us}},
+        # one present candidate never timed: left out
+        {"product": "linear", "M": 8, "N": 3584, "K": 3584, "bias": False, "residual": False, "failed": [],
+         "us": {"cublas": 11.0, "dot64x128w4s4": 9.0}},
+        # every candidate failed or lost: cuBLAS
+        {"product": "act_linear", "M": 1, "N": 896, "K": 4864, "bias": False, "residual": False,
+         "us": {"cublas": 5.0}, "failed": [c.label() for c in P.bucket_candidates(P.PRO_SILU, 1, 896, 4864)]}]
+    bench = tmp_path / "fast_forward.json"
+    bench.write_text(json.dumps({"machine": {"gpus": ["Card X"]}, "weights": "random bf16, real shapes",
+                                 "plans": rows}))
+    out = tmp_path / "seed.json"
+    assert mod.from_benchmark(str(bench), str(out)) == 0
+    assert "left out (a present candidate untimed there): 0|8|3584|3584|bfloat16|False|False" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["meta"] == {"device": "Card X"} and len(data["plans"]) == 2
+    e = data["plans"]["1|4|9728|896|bfloat16|False|True"]
+    assert e["choice"] == gate[-1].label() and "dot64x128w4s3sw" not in e["us"]
+    assert data["plans"]["2|1|896|4864|bfloat16|False|False"]["choice"] == "cublas"
+    seed = P.PlanSeed(str(out), "Card X")
+    assert seed.get((P.PRO_NORM, 4, 9728, 896, "bfloat16", False, True), gate) == gate[-1]
+    bench.write_text(json.dumps({"machine": {"gpus": ["Card X", "Card Y"]}, "weights": "bf16", "plans": rows}))
+    with pytest.raises(SystemExit, match="not one card"):
+        mod.from_benchmark(str(bench), str(out))
+
+
 def test_every_shipped_seed_follows_the_present_choice_rule():
     """Each shipped choice is what plan.pick makes of the times the seed recorded: a change of the rule
     (MARGIN, CHAIN_S) without `benchmarks/plan_seed.py --repick` would ship choices the rule no longer
