@@ -528,19 +528,20 @@ def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_
     SWAP (a looped dot, no prologue): acc is [BLOCK_N, M_PAD], the weight tile the dot's first operand
     and the rows loaded transposed as its second, so that the tensor cores' 64-row side is the weight's
     (the rows padded to 16 are the narrow side) and Hopper can take the warp-group dot from shared memory."""
-    kk = k0 + tl.arange(0, BLOCK_K)
     if SWAP:
+        kk = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + m.to(tl.int64)[None, :] * K + kk[:, None], mask=(kk < k_hi)[:, None] & mm[None, :],
                      other=0.0)
         acc += _dot(w, xt, IEEE)
     elif DOT:
+        kk = k0 + tl.arange(0, BLOCK_K)
         msk = mm[:, None] & (kk < k_hi)[None, :]
         if PRO == 2:
             xv = _silu_up(x_ptr, m.to(tl.int64)[:, None] * (2 * K) + kk[None, :], msk, K)
         else:
             xv = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + kk[None, :], mask=msk, other=0.0)
         acc = _dot_acc(acc, xv, w, IEEE)
-    else:
+    else:  # the multiply-and-sum rows make their own slice offsets
         acc = _sum_rows(acc, w, x_ptr, x_ptr, x_ptr, w, m, M, k0, k_hi, K, 0.0, False, M_ROWS, BLOCK_K, PRO, False)
     return acc
 
