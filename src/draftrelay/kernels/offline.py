@@ -51,7 +51,8 @@ def launch_ints(fn, kv_len: int = 32768, head_dim: int = 64, n_kv: int = 2) -> d
 def compile_for(fn, arch: int = 90, num_warps: int = 4, num_stages: int = 2, ints: dict[str, int] | None = None,
                 **constexprs):
     """fn compiled for sm_<arch> with these constexprs (every one without a default must be given:
-    ValueError naming those missing), specialised as Triton's launcher specialises a launch: every pointer
+    ValueError naming those missing; the others take their defaults), specialised as Triton's launcher
+    specialises a launch: every pointer
     16-byte aligned (torch's allocations are), and each integer argument named in `ints` by its value there:
     1 a constant, a multiple of 16 marked divisible by 16. Without those marks the compiler knows nothing of
     the loads' alignment: it neither vectorises them nor pipelines the loops through shared memory, and the
@@ -70,7 +71,8 @@ def compile_for(fn, arch: int = 90, num_warps: int = 4, num_stages: int = 2, int
     if unknown:
         raise ValueError(f"compile_for({fn.__name__}): not integer arguments: {', '.join(unknown)}")
     names = [p.name for p in fn.params]
-    consts = dict(constexprs)
+    # a constexpr left out takes its default, as a launch's does (Triton's source object alone would leave it None)
+    consts = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
     attrs = {}
     for i, name in enumerate(names):
         if sig[name].startswith("*") or ints.get(name, 1) % 16 == 0:
