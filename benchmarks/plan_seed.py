@@ -50,6 +50,13 @@ def shapes_of(shape: str, dtype: torch.dtype, k: int) -> set[tuple]:
     return {(pro, N, K, dt, bias, delta) for pro, _, N, K, dt, bias, delta in rec.calls}
 
 
+def write_seed(path: str, meta: dict, plans: dict) -> None:
+    """A plan file (PlanCache's format) at path: meta names the card, plans its entries."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"format": P.PlanCache.FORMAT, "meta": meta, "plans": plans}, f, indent=0, sort_keys=True)
+
+
 def repick(path: str) -> int:
     """Rewrite the choices of plan file `path` from its recorded times under the present rule."""
     with open(path) as f:
@@ -84,24 +91,17 @@ def from_benchmark(path: str, out: str) -> int:
     plans, left_out = {}, []
     for row in data.get("plans", []):
         pro, M, N, K = pros[row["product"]], row["M"], row["N"], row["K"]
-        key = (pro, M, N, K, "bfloat16", bool(row["bias"]), bool(row["residual"]))
-        times = {label: us / 1e6 for label, us in row["us"].items()}
-        times.update({label: float("inf") for label in row.get("failed", [])})
-        cands = P.bucket_candidates(pro, M, N, K)
-        if "cublas" not in times or any(c.label() not in times for c in cands):
-            left_out.append(P.PlanCache.entry_key(key))
+        key = P.PlanCache.entry_key((pro, M, N, K, "bfloat16", bool(row["bias"]), bool(row["residual"])))
+        us = {**row["us"], **{label: None for label in row.get("failed", [])}}  # a plan file's form: None failed
+        labels = ["cublas", *(c.label() for c in P.bucket_candidates(pro, M, N, K))]
+        if any(label not in us for label in labels):
+            left_out.append(key)
             continue
-        kept = {"cublas": times["cublas"], **{c.label(): times[c.label()] for c in cands}}
-        choice = P.pick({None if label == "cublas" else label: t for label, t in kept.items()})
-        plans[P.PlanCache.entry_key(key)] = {
-            "choice": "cublas" if choice is None else choice,
-            "us": {label: (round(t * 1e6, 3) if t != float("inf") else None) for label, t in kept.items()}}
+        kept = {label: us[label] for label in labels}
+        plans[key] = {"choice": P.pick_recorded(kept), "us": kept}
     if not plans:
         raise SystemExit(f"plan_seed.py --from-benchmark {path}: no plan there timed every present candidate")
-    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"format": P.PlanCache.FORMAT, "meta": {"device": gpus.pop()}, "plans": plans}, f, indent=0,
-                  sort_keys=True)
+    write_seed(out, {"device": gpus.pop()}, plans)
     print(f"{len(plans)} keys from {path}; left out (a present candidate untimed there): "
           f"{', '.join(left_out) or 'none'}; wrote {out}")
     return 0
@@ -147,9 +147,7 @@ def main() -> int:
         plans[P.PlanCache.entry_key(key[1:])] = {
             "choice": "cublas" if choice is None else choice.label(),
             "us": {k: (round(v * 1e6, 3) if v != float("inf") else None) for k, v in rep.items()}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"format": P.PlanCache.FORMAT, "meta": meta, "plans": plans}, f, indent=0, sort_keys=True)
+    write_seed(args.out, meta, plans)
     st = pl.stats
     print(f"{len(todo)} shapes, {len(plans)} keys in {time.perf_counter() - t0:.1f} s ({st.line()}); wrote {args.out}")
     return 0
