@@ -349,10 +349,8 @@ def test_every_shipped_seed_names_present_candidates():
             assert seed.get(key, cands) is not P.MISSING, (path, key_str, e["choice"])
 
 
-def test_repick_rewrites_a_files_choices_under_the_present_rule(tmp_path, capsys):
-    """benchmarks/plan_seed.py --repick: each entry is chosen again from its recorded times with plan.pick
-    (cuBLAS charged CHAIN_S, then MARGIN), so a seed measured under an older rule can follow the present
-    one without a GPU; entries without a cuBLAS time keep their choice."""
+def _plan_seed_script():
+    """benchmarks/plan_seed.py as a module (it imports its neighbours from benchmarks/)."""
     import importlib.util
     from pathlib import Path
 
@@ -364,6 +362,14 @@ def test_repick_rewrites_a_files_choices_under_the_present_rule(tmp_path, capsys
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(root))
+    return mod
+
+
+def test_repick_rewrites_a_files_choices_under_the_present_rule(tmp_path, capsys):
+    """benchmarks/plan_seed.py --repick: each entry is chosen again from its recorded times with plan.pick
+    (cuBLAS charged CHAIN_S, then MARGIN), so a seed measured under an older rule can follow the present
+    one without a GPU; entries without a cuBLAS time keep their choice."""
+    mod = _plan_seed_script()
     chained_us = (10e-6 + P.CHAIN_S) * (1 - P.MARGIN) * 1e6
     plans = {
         "1|4|9728|896|bfloat16|False|True": {"choice": "cublas", "us": {"cublas": 10.0, "dot64x128w4s4": 10.3}},
@@ -388,17 +394,7 @@ def test_a_seed_from_a_benchmarks_plans_keeps_only_fully_timed_keys_chosen_anew(
     """benchmarks/plan_seed.py --from-benchmark: each plan a fast_forward.py run measured becomes a seed entry
     chosen again among the present candidates (a label that is no longer one is dropped from its times); a
     key with a present candidate the run never timed is left out; the file loads as that card's seed."""
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(root))
-    try:
-        spec = importlib.util.spec_from_file_location("plan_seed_under_test", root / "plan_seed.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(root))
+    mod = _plan_seed_script()
     gate = P.bucket_candidates(P.PRO_NORM, 4, 9728, 896)
     us = {c.label(): 10.0 for c in gate}
     us[gate[-1].label()] = 9.5
