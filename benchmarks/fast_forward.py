@@ -133,21 +133,20 @@ NOCUBLAS_PLANNER = P.Planner(_measure_nocublas)
 S4_PLANNER = P.Planner(triton_ops._measure)
 
 
-def _plan_key_s4(*args, **kw):
-    planned = PLAN_KEY(*args, **kw)
-    if planned is None:
-        return None
-    key, cands = planned
-    K = key[4]  # (the ranged swapped tile of a K of 1,025 to 2,048 is split 2 too: it stays)
-    return key, [c for c in cands if not (c.swap and (c.stages == 3 or c.split == 2 != math.ceil(K / 1024)))]
+def _plan_key_without(drop):
+    """plan.plan_key with the candidates for which drop(K, cfg) holds left out (a variant's own plan)."""
+    def plan_key(*args, **kw):
+        planned = PLAN_KEY(*args, **kw)
+        if planned is None:
+            return None
+        key, cands = planned
+        return key, [c for c in cands if not drop(key[4], c)]
+    return plan_key
 
 
-def _plan_key_norows(*args, **kw):
-    planned = PLAN_KEY(*args, **kw)
-    if planned is None:
-        return None
-    key, cands = planned
-    return key, [c for c in cands if not P.rows_dot_tile(c)]
+# (the ranged swapped tile of a K of 1,025 to 2,048 is split 2 too: it stays)
+_plan_key_s4 = _plan_key_without(lambda K, c: c.swap and (c.stages == 3 or c.split == 2 != math.ceil(K / 1024)))
+_plan_key_norows = _plan_key_without(lambda K, c: P.rows_dot_tile(c))
 
 
 def fast_path(model: M.Transformer, fast) -> None:

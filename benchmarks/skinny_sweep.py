@@ -65,10 +65,11 @@ def main() -> None:
         print(f"{label}, {M} rows ({wbytes / 1e6:.1f} MB): best {best[1]} {best[0]:.2f} us; "
               + "  ".join(f"{k}{'*' if k in extra_labels else ''} {v:.2f}" if v is not None else f"{k} failed"
                           for k, v in us.items()), flush=True)
+        chosen = P.pick({c: t for c, t in times.items() if c is None or c in cands})  # among the plan's own
+        plan_choice = "cublas" if chosen is None else chosen.label()
         rows.append({"product": label, "pro": P.PRO_NAMES[pro], "M": M, "N": N, "K": K, "us": us,
                      "GBps": {k: round(wbytes / v / 1e3, 1) for k, v in us.items() if v is not None},
-                     "extra": sorted(extra_labels), "plan_choice": (lambda c: "cublas" if c is None else c.label())(
-                         P.pick({c: t for c, t in times.items() if c is None or c in cands}))})
+                     "extra": sorted(extra_labels), "plan_choice": plan_choice})
     out = {"benchmark": "skinny_sweep", "machine": machine_info(), "dtype": args.dtype, "rows": rows,
            "wall_s": round(time.perf_counter() - t0, 1)}
     write_json(args.out, out)
