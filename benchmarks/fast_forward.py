@@ -4,7 +4,8 @@ cuBLAS for every product ("graphs_fast_cublas"), graphs with the fused kernels a
 per shape (skinny GEMM or cuBLAS, kernels.plan: "graphs_fast"; "graphs_fast_nopdl" the same launched
 without programmatic dependent launch, "graphs_fast_noprefetch" without the attention's L2 prefetch,
 "graphs_fast_norows" planned without the compact-rows dot tiles, "graphs_fast_nocublas" planned over the
-Triton candidates only, "graphs_fast_s4" planned without the swapped tiles of 3 stages and over two K ranges;
+Triton candidates only, "graphs_fast_s4" planned without the swapped tiles of 3 stages and over two K ranges,
+"graphs_fast_nosiluepi" with SiLU * up computed by the down product or its own launch, not stored by gate|up;
 for the drafter also its graph replayed alone,
 "graphs_fast_replay_only", and the worker's host work of the step with the replay left out,
 "graphs_fast_host_only"), plain torch.compile of the same model
@@ -156,13 +157,15 @@ def fast_path(model: M.Transformer, fast) -> None:
     attention's L2 prefetch of its first key tile (triton_ops.ATTN_PREFETCH off); "norows": the same
     planned without the compact-rows dot tiles (a plan of its own over the other candidates);
     "nocublas": planned over the Triton candidates only (cuBLAS never chosen where one runs); "s4": planned
-    without the swapped tiles of 3 stages and over two K ranges (a plan of its own);
+    without the swapped tiles of 3 stages and over two K ranges (a plan of its own); "nosiluepi": the gate|up
+    product not storing SiLU * up (triton_ops.SILU_EPILOGUE off: act_linear's way);
     "cublas": the same fused kernels with cuBLAS for every product and the separate norm / SiLU / pick
     kernels (plan MODE "off"); False: the plain forward. Graphs keep what was set when they were captured."""
     model.fast = bool(fast)
     P.MODE = "off" if fast == "cublas" else "auto"
     triton_ops.PDL = fast != "nopdl"
     triton_ops.ATTN_PREFETCH = fast != "noprefetch"
+    triton_ops.SILU_EPILOGUE = fast != "nosiluepi"
     norows = fast == "norows"
     triton_ops.PLANNER = NOROWS_PLANNER if norows else NOCUBLAS_PLANNER if fast == "nocublas" else \
         S4_PLANNER if fast == "s4" else MAIN_PLANNER
@@ -284,7 +287,7 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
     variants = {"eager": ("eager", False), "graphs": ("graph", False), "graphs_fast_cublas": ("graph", "cublas"),
                 "graphs_fast_nopdl": ("graph", "nopdl"), "graphs_fast_noprefetch": ("graph", "noprefetch"),
                 "graphs_fast_norows": ("graph", "norows"), "graphs_fast_nocublas": ("graph", "nocublas"),
-                "graphs_fast_s4": ("graph", "s4"),
+                "graphs_fast_s4": ("graph", "s4"), "graphs_fast_nosiluepi": ("graph", "nosiluepi"),
                 "graphs_fast": ("graph", True),
                 "eager_fast": ("eager", True)}
     # the head restricted to a draft vocabulary (draft_vocab.py): the same forward, a head of N rows
@@ -348,13 +351,14 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
             kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)
             row["bytes_per_step"] = n_out * wb + kv_read
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
-            row["kernels"] = {k: kernel_count(fns[k])
-                              for k in ("graphs", "graphs_fast_cublas", "graphs_fast", *vocabs)}
+            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast_cublas", "graphs_fast",
+                                                                 "graphs_fast_nosiluepi", *vocabs)}
             fast_path(model, True)
             model.draft_vocab = None
             res["rows"].append(row)
             print(f"drafter 0.5B ctx {ctx} B={B}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
-                  + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}",
+                  + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}"
+                  f" (nosiluepi {row['kernels']['graphs_fast_nosiluepi']['kernels']})",
                   flush=True)
     # graph == eager (fast path), drafts of the timed steps: identical by construction of the same kernels
     model.fast = None
@@ -379,7 +383,7 @@ def target_section(dev, ctxs, iters, out) -> None:
     plan_first(model, one_token)
     graphs = {}
     for T in (1, 5):
-        for fast in (False, "cublas", "nopdl", "noprefetch", "norows", "nocublas", "s4", True):
+        for fast in (False, "cublas", "nopdl", "noprefetch", "norows", "nocublas", "s4", "nosiluepi", True):
             fast_path(model, fast)
             t0 = time.perf_counter()
             graphs[T, fast] = DecodeGraphs(model, cache, 2, T, sizes=[1], min_kv=1024)
@@ -408,17 +412,19 @@ def target_section(dev, ctxs, iters, out) -> None:
             fns = {"eager": eager(False), "graphs": graph(False), "graphs_fast_cublas": graph("cublas"),
                    "graphs_fast_nopdl": graph("nopdl"), "graphs_fast_noprefetch": graph("noprefetch"),
                    "graphs_fast_norows": graph("norows"), "graphs_fast_nocublas": graph("nocublas"),
-                   "graphs_fast_s4": graph("s4"),
+                   "graphs_fast_s4": graph("s4"), "graphs_fast_nosiluepi": graph("nosiluepi"),
                    "graphs_fast": graph(True), "eager_fast": eager(True)}
             t = interleaved(fns, iters)
             row = {"context": ctx, "tokens": T, "step": t,
                    "bytes_per_step": wb + (ctx + T) * kv_bytes_per_token(cfg)}
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
-            row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast_cublas", "graphs_fast")}
+            row["kernels"] = {k: kernel_count(fns[k])
+                              for k in ("graphs", "graphs_fast_cublas", "graphs_fast", "graphs_fast_nosiluepi")}
             fast_path(model, True)
             res["rows"].append(row)
             print(f"target 7B ctx {ctx} T={T}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
-                  + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}",
+                  + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}"
+                  f" (nosiluepi {row['kernels']['graphs_fast_nosiluepi']['kernels']})",
                   flush=True)
     model.fast = None
 

@@ -2,11 +2,12 @@
 
 Counted on a CPU, deterministically: the forwards a start-up runs are run on the meta device (shapes
 only, no arithmetic) with the fast forward's structure, and every product call the fused-kernel
-backend receives (`linear`, `norm_linear`, `act_linear` with 1..16 rows: the planned ones) goes
+backend receives (`linear`, `norm_linear`, `act_linear`, `norm_mlp` with 1..16 rows: the planned ones) goes
 through `kernels.plan`'s key, candidate and choice logic with a fake timer (seconds drawn from a hash
 of the shape and configuration: which configuration wins changes only the few compiles of a bucket's
 other row counts). A compile is a distinct `plan.launch_key` (the kernel's constexprs and integer
-specialisations: what Triton compiles for), over every candidate measured and every product run; the
+specialisations: what Triton compiles for), over every candidate measured and every product run (a
+gate|up product that stores SiLU * up, norm_mlp's, is a compile of its own beside the one timed); the
 separate norm / SiLU / pick kernels are not counted (a handful each).
 
 The start-up forwards, as the code runs them:
@@ -50,6 +51,9 @@ from machine import write_json  # benchmarks/machine.py (the script's own folder
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+MLP_DOWN = -1  # a call's pro: norm_mlp's down product, PRO_NONE or PRO_SILU as its gate|up's choice decides
+
+
 class Recorder:
     """A kernels backend: the reference functions, each planned product call recorded as
     (pro, rows, N, K, dtype, has bias, has residual)."""
@@ -59,6 +63,7 @@ class Recorder:
         mod = types.ModuleType("recording_backend")
         mod.__dict__.update({k: v for k, v in vars(R).items() if not k.startswith("__")})
         mod.linear, mod.norm_linear, mod.act_linear = self.linear, self.norm_linear, self.act_linear
+        mod.norm_mlp = self.norm_mlp
         self.module = mod
 
     def _rec(self, pro: int, rows: int, w: torch.Tensor, b, delta) -> None:
@@ -77,6 +82,11 @@ class Recorder:
     def norm_linear(self, x, delta, norm_w, eps, w, b):
         self._rec(P.PRO_NORM, x.numel() // w.shape[1], w, b, delta)
         return R.norm_linear(x, delta, norm_w, eps, w, b)
+
+    def norm_mlp(self, x, delta, norm_w, eps, wgu, wd):
+        self._rec(P.PRO_NORM, x.numel() // wgu.shape[1], wgu, None, delta)
+        self._rec(MLP_DOWN, x.numel() // wgu.shape[1], wd, None, None)
+        return R.norm_mlp(x, delta, norm_w, eps, wgu, wd)
 
 
 def meta_model(shape: str, n_layers: int) -> Transformer:
@@ -142,15 +152,20 @@ def simulate(calls: list[tuple], rule: str, cache: P.PlanCache | None = None) ->
         return fake_times(key, cands)
 
     pl = P.Planner(measure, (lambda dev: cache) if cache is not None else None)
-    for pro, M, N, K, dt, bias, delta in calls:
+    fused = False  # the last norm_mlp gate|up stored SiLU * up
+    for i, (pro, M, N, K, dt, bias, delta) in enumerate(calls):
+        silu_out = i + 1 < len(calls) and calls[i + 1][0] == MLP_DOWN  # norm_mlp's gate|up, as triton_ops's
+        if pro == MLP_DOWN:  # reads the activations its gate|up stored, or computes them (act_linear)
+            pro = P.PRO_NONE if fused else P.PRO_SILU
         if rule == "bucket":  # as triton_ops._plan
             key, cands = P.plan_key(0, pro, M, N, K, dt, bias, delta)
         else:
             key, cands = (0, pro, M, N, K, dt, bias, delta), P.candidates(pro, M, N, K)
         cfg = pl.choose(key, cands)
+        fused = silu_out and cfg is not None and cfg.block_n >= 2
         if cfg is not None:
             tiles = None if rule == "bucket" else (16 if cfg.dot else P.next_pow2(M), M)
-            compiled.add(P.launch_key(pro, cfg, M, N, K, dt, bias, delta, tiles))
+            compiled.add(P.launch_key(pro, cfg, M, N, K, dt, bias, delta, tiles, fused))
     return {"keys_measured": pl.stats.measured, "candidates_timed": pl.stats.candidates,
             "from_cache": pl.stats.from_cache, "compiles": len(compiled),
             "keys_skinny": sum(c is not None for c in pl.table.values())}

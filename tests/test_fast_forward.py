@@ -327,11 +327,12 @@ import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
 from draftrelay.kernels import plan as P, reference as R, triton_ops as T
 g = torch.Generator().manual_seed(int(sys.argv[1]))
-n = splits = 0
+n = splits = silus = 0
 
 
 def check(pro, cfg, M, N, K, launches):
     """One configuration on fresh inputs against the definition, launched `launches` times."""
+    global silus
     x = torch.randn(M, 2 * K if pro == P.PRO_SILU else K, generator=g)
     w, b = torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
     d, nw = torch.randn(M, K, generator=g), torch.randn(K, generator=g)
@@ -343,6 +344,12 @@ def check(pro, cfg, M, N, K, launches):
         gx, got = T.skinny_linear(pro, cfg, x, w, b, d if pro == P.PRO_NORM else None, nw, 1e-6)
         assert torch.equal(gx, rx), (pro, cfg)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
+    if pro == P.PRO_NORM and N % 2 == 0 and cfg.block_n >= 2:  # norm_mlp's gate|up: silu_mul stored by it
+        for _ in range(launches):
+            gx, got = T.skinny_linear(pro, cfg, x, w, b, d, nw, 1e-6, silu_out=True)
+            assert torch.equal(gx, rx) and got.shape == (M, N // 2), (cfg, got.shape)
+            torch.testing.assert_close(got, R.silu_mul(ref), atol=3e-5, rtol=3e-5, msg=f"silu {cfg} {M} {N} {K}")
+        silus += 1
 
 
 for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (16, 17, 64), (1, 20, 4500), (3, 40, 2300),
@@ -407,7 +414,7 @@ ew2 = torch.randn(10, 1500, generator=g)
 assert torch.equal(T.embedding(torch.tensor([9, 0, 4]), ew2), ew2[[9, 0, 4]])
 got = T.embedding(torch.tensor([[-1, 10, 2]]), ew2)  # ids outside the table: zeros, nothing read out of it
 assert got.shape == (1, 3, 1500) and not got[0, :2].any() and torch.equal(got[0, 2], ew2[2])
-assert splits >= 6, splits
+assert splits >= 6 and silus >= 10, (splits, silus)
 print("checked", n)
 '''
 
@@ -441,7 +448,9 @@ def test_the_attention_split_count_is_not_compiled_in():
 @pytest.mark.parametrize("var,module,name", [("DRAFTRELAY_PDL", "draftrelay.kernels.triton_ops", "PDL"),
                                              ("DRAFTRELAY_ATTN_PREFETCH", "draftrelay.kernels.triton_ops",
                                               "ATTN_PREFETCH"),
-                                             ("DRAFTRELAY_FORK_SHARE", "draftrelay.worker.fork_triton", "SHARE")])
+                                             ("DRAFTRELAY_FORK_SHARE", "draftrelay.worker.fork_triton", "SHARE"),
+                                             ("DRAFTRELAY_SILU_EPILOGUE", "draftrelay.kernels.triton_ops",
+                                              "SILU_EPILOGUE")])
 def test_a_kernel_switch_takes_on_or_off_and_names_any_other_value(var, module, name):
     """The fused kernels' on/off switches read at import: `off` switches off, and a value such as `0` (which
     a reader may take for off) is refused with the variable and the value named, not taken as on."""

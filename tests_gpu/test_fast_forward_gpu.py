@@ -96,7 +96,8 @@ def test_kernels_equal_their_definitions(H, HK, D, T, kv, starts):
 @pytest.mark.parametrize("M", [1, 5])
 def test_every_skinny_config_equals_its_definition(pro, K, N, bias, M):
     """Each configuration the planner may choose, at the 0.5B and 7B product shapes, against the plain
-    product (and x + delta bit for bit)."""
+    product (and x + delta bit for bit); a gate|up product's also storing SiLU * up (norm_mlp's) against
+    silu_mul of the plain product, and whether it has the bits of silu_mul of its own product."""
     from draftrelay.kernels import triton_ops as TO
     g = fresh()
     bf = torch.bfloat16
@@ -110,11 +111,17 @@ def test_every_skinny_config_equals_its_definition(pro, K, N, bias, M):
     else:
         ref_x, ref = x, (R.act_linear(x, w, b) if pro == P.PRO_SILU else R.linear(x, w, b))
     cands = P.candidates(pro, M, N, K)
-    errs = {}
+    errs, silu_errs, silu_same = {}, {}, {}
     for cfg in cands:
         got_x, got = TO.skinny_linear(pro, cfg, x, w, b, d, nw, 1e-6)
         errs[cfg.label()] = rel(got, ref)
         assert torch.equal(got_x, ref_x) and errs[cfg.label()] < 1e-2, (cfg, errs)
+        if pro == P.PRO_NORM and N in (9728, 4608) and cfg.block_n >= 2:  # the 0.5B gate|up, the 7B K
+            sx, act = TO.skinny_linear(pro, cfg, x, w, b, d, nw, 1e-6, silu_out=True)
+            silu_errs[cfg.label()] = rel(act, R.silu_mul(ref))
+            silu_same[cfg.label()] = bool(torch.equal(act, TO.silu_mul(got)))
+            assert torch.equal(sx, ref_x) and act.shape == (M, N // 2) and silu_errs[cfg.label()] < 1e-2, (
+                cfg, silu_errs)
         if cfg.split > 1:  # again, in a graph replayed twice: the counts left ready, the same bits every time
             again = [TO.skinny_linear(pro, cfg, x, w, b, d, nw, 1e-6)[1] for _ in range(2)]
             gr = torch.cuda.CUDAGraph()
@@ -125,7 +132,9 @@ def test_every_skinny_config_equals_its_definition(pro, K, N, bias, M):
                 gr.replay()
                 assert torch.equal(out, got)
             assert all(torch.equal(a, got) for a in again), cfg
-    REPORT.setdefault("skinny", []).append({"product": P.PRO_NAMES[pro], "M": M, "N": N, "K": K, "rel": errs})
+    REPORT.setdefault("skinny", []).append({"product": P.PRO_NAMES[pro], "M": M, "N": N, "K": K, "rel": errs,
+                                           **({"silu_rel": silu_errs, "silu_same_bits": silu_same} if silu_errs
+                                              else {})})
 
 
 def test_embedding_gather_equals_its_definition_bit_for_bit():

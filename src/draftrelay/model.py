@@ -520,12 +520,16 @@ def out_product(o: torch.Tensor, wo: torch.Tensor, st: StepState) -> torch.Tenso
 def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's second half on one card, down_proj included: (x, down_proj's product). The same values
-    as mlp_half then the product; on the fast path SiLU * up is computed where the down product reads
-    it (kernels.act_linear) instead of by a launch of its own."""
+    as mlp_half then the product; on the fast path SiLU * up is computed where the gate|up product is
+    stored (kernels.norm_mlp, decode and verify rows) or where the down product reads it
+    (kernels.act_linear), not by a launch of its own."""
+    K = st.kernels
+    if K is not None and K.use_norm_linear(st.B * st.T, w.wgu):
+        return K.norm_mlp(x, red, w.ln2, eps, w.wgu, w.wd)
     x, gu = norm_linear(x, red, w.ln2, eps, w.wgu, None, st)
-    if st.kernels is None:
+    if K is None:
         return x, linear(mlp_act(gu, st), w.wd)
-    return x, st.kernels.act_linear(gu, w.wd)
+    return x, K.act_linear(gu, w.wd)
 
 
 def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: torch.Tensor, head: torch.Tensor,

@@ -10,6 +10,8 @@ plain-torch definitions: the same function, not faster). Both modules define
     use_norm_linear(rows, w) -> whether the forward takes norm_linear for that product
     linear(x, w, b) -> x @ w^T + b
     act_linear(gu, w, b) -> silu_mul(gu) @ w^T + b
+    norm_mlp(x, delta, weight, eps, wgu, wd) -> (x + delta, act_linear(norm_linear(x, delta, weight, eps,
+        wgu, None)'s product, wd)): on CUDA a skinny gate|up product stores silu_mul of itself
     greedy_pick(logits, ids=None) -> (argmax, its softmax probability); ids: columns -> token ids
     greedy_top(logits, m, ids=None) -> greedy_pick's two and the m most likely ids with their probabilities
     silu_mul(gu) -> silu(gate) * up

@@ -278,27 +278,29 @@ def kernel_pro(pro: int, cfg: SkinnyConfig, K: int) -> int:
 
 
 def launch(pro: int, cfg: SkinnyConfig, M: int, K: int, has_delta: bool, has_bias: bool,
-           tiles: tuple[int, int] | None = None) -> tuple[int, int, dict]:
+           tiles: tuple[int, int] | None = None, silu_out: bool = False) -> tuple[int, int, dict]:
     """(K elements per range, ranges, the kernel's constexprs) of skinny_linear's launch of cfg for M rows
     of a weight of K columns, pro the prologue the kernel computes (kernel_pro) and has_delta whether it
     adds a residual: the one place those constexprs are made (the launch, launch_key, the offline compile
     of benchmarks/kernel_registers.py). The launch adds what depends on the run (IEEE, FIXED_TRIPS, PDL).
-    tiles: (M_PAD, M_ROWS) in place of row_tiles' (to count another row rule)."""
+    tiles: (M_PAD, M_ROWS) in place of row_tiles' (to count another row rule). silu_out: the output is
+    silu(gate) * up of a gate | up product (triton_ops._store_y)."""
     m_pad, m_rows = tiles or row_tiles(cfg, M)
     ks, n_split = k_ranges(pro, K, cfg)
     return ks, n_split, dict(M_PAD=m_pad, M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
                              HAS_DELTA=has_delta, HAS_BIAS=has_bias, DOT=cfg.dot, K_UNROLL=k_unroll(pro, cfg, ks),
-                             SPLIT=n_split, K_TRIPS=norm_trips(pro, K, cfg), SWAP=cfg.swap)
+                             SPLIT=n_split, K_TRIPS=norm_trips(pro, K, cfg), SWAP=cfg.swap, SILU_OUT=silu_out)
 
 
 def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, has_bias: bool,
-               has_delta: bool, tiles: tuple[int, int] | None = None) -> tuple:
+               has_delta: bool, tiles: tuple[int, int] | None = None, silu_out: bool = False) -> tuple:
     """What Triton compiles skinny_linear's kernel for (its constexprs and the specialisations of its
     integer arguments: == 1 and divisible by 16): equal keys share one compiled kernel. Counts compiles
     on a CPU (benchmarks/plan_count.py); a prologue run as its own launch first (kernel_pro) is not in
-    the key. tiles: (M_PAD, M_ROWS) in place of row_tiles' (to count another row rule)."""
+    the key. tiles: (M_PAD, M_ROWS) in place of row_tiles' (to count another row rule); silu_out: as
+    launch's."""
     kpro = kernel_pro(pro, cfg, K)
-    ks, _, constexprs = launch(kpro, cfg, M, K, has_delta and kpro == pro, has_bias, tiles)
+    ks, _, constexprs = launch(kpro, cfg, M, K, has_delta and kpro == pro, has_bias, tiles, silu_out)
 
     def spec(v: int) -> tuple[bool, bool]:
         return v == 1, v % 16 == 0

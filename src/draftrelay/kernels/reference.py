@@ -46,6 +46,14 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tenso
     return x, torch.nn.functional.linear(h, w, b)
 
 
+def norm_mlp(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, wgu: torch.Tensor,
+             wd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, the MLP's down product): norm_linear's gate|up product, silu_mul of it (rounded to its
+    dtype, as the product is stored), then the down product."""
+    x, gu = norm_linear(x, delta, norm_w, eps, wgu, None)
+    return x, act_linear(gu, wd)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T + b, accumulated in fp32 and rounded once (a GEMM): the row-parallel products (o_proj)
     and the head."""

@@ -80,6 +80,11 @@ PDL = env_choice("DRAFTRELAY_PDL", "on", ("on", "off")) == "on"
 # wait, so that its HBM read overlaps loading and rotating q instead of following it (the tile's own loads
 # come after the rotation and the new key's store). DRAFTRELAY_ATTN_PREFETCH=off leaves it out.
 ATTN_PREFETCH = env_choice("DRAFTRELAY_ATTN_PREFETCH", "on", ("on", "off")) == "on"
+# A skinny gate|up product stores silu(gate) * up itself (norm_mlp: its tile holds matching gate and up
+# columns), so the down product reads the activations instead of computing them (a multiply-and-sum or
+# compact-rows tile: again in every column block) or waiting for silu_mul's launch (a looped tile).
+# DRAFTRELAY_SILU_EPILOGUE=off keeps act_linear's way.
+SILU_EPILOGUE = env_choice("DRAFTRELAY_SILU_EPILOGUE", "on", ("on", "off")) == "on"
 
 
 @functools.lru_cache(maxsize=8)
@@ -634,7 +639,8 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
                    M_PAD: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRO: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                    IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr,
-                   PDL: tl.constexpr, K_TRIPS: tl.constexpr = 0, SWAP: tl.constexpr = False):
+                   PDL: tl.constexpr, K_TRIPS: tl.constexpr = 0, SWAP: tl.constexpr = False,
+                   SILU_OUT: tl.constexpr = False):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
     x = [M, 2K] (gate | up). DOT with K_UNROLL: the compact-rows dot tile (the prologue on the M_ROWS
@@ -649,12 +655,19 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     is left a multiple of SPLIT for the next launch. PDL (programmatic dependent launch): the straight-line
     tiles (K_UNROLL: unrolled, compact-rows, or one tile) and the norm's whole-row tiles load their (first)
     weight tile before waiting for the previous kernel (no kernel writes weights), everything else after;
-    the looped tiles wait first."""
+    the looped tiles wait first. SILU_OUT (W a gate | up weight, N = 2 n): each program's BLOCK_N weight
+    rows are BLOCK_N / 2 gate rows and the up rows n further, and it writes silu(gate) * up [M, n] of its
+    rounded outputs (_store_y): SwiGLU's activations without a launch of their own."""
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
+    if SILU_OUT:  # the first half of the tile gate columns, the second the up columns of the same indices
+        j = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        nm = pid * (BLOCK_N // 2) + j < N // 2
+        n = pid * (BLOCK_N // 2) + j + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * (N // 2)
+    else:
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
     wrow = n.to(tl.int64)[:, None] * K
     m = tl.arange(0, M_PAD)
     mm = m < M
@@ -737,14 +750,30 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
             tot = tl.zeros([M_PAD, BLOCK_N], tl.float32)
             for sp in tl.static_range(SPLIT):
                 tot += tl.load(ws_ptr + sp * M * N + wa, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], tot.to(y_ptr.dtype.element_ty),
-                     mask=out_mask)
+            _store_y(y_ptr, b_ptr, tot, pid, m, mm, n, nm, N, M_PAD, BLOCK_N, HAS_BIAS, SILU_OUT)
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        _store_y(y_ptr, b_ptr, acc, pid, m, mm, n, nm, N, M_PAD, BLOCK_N, HAS_BIAS, SILU_OUT)
+
+
+@triton.jit
+def _store_y(y_ptr, b_ptr, acc, pid, m, mm, n, nm, N, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+             HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr):
+    """The product's tile acc [M_PAD, BLOCK_N] (fp32, columns n) plus the bias, rounded to y's dtype and
+    stored; SILU_OUT: the tile's gate and up halves taken apart and silu(gate) * up stored into y [M, N / 2]
+    at the program's BLOCK_N / 2 columns, rounded as silu_mul rounds its rounded input (the same bits as
+    the product stored, then silu_mul)."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    yv = acc.to(y_ptr.dtype.element_ty)
+    if SILU_OUT:
+        g, u = tl.split(tl.permute(tl.reshape(yv, [M_PAD, 2, BLOCK_N // 2]), (0, 2, 1)))
+        gf = g.to(tl.float32)
+        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        c = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + m.to(tl.int64)[:, None] * (N // 2) + c[None, :],
+                 (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mm[:, None] & (c < N // 2)[None, :])
+    else:
+        tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], yv, mask=mm[:, None] & nm[None, :])
 
 
 # Split-K partials and counts, per (device, weight, rows, ranges): allocated (zeroed) outside any capture
@@ -779,21 +808,26 @@ class SplitUnavailable(RuntimeError):
 
 def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                   delta: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
-                  eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float = 0.0, silu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of the skinny GEMM with configuration cfg -> (x + delta or x, the product [..., N]).
     pro: plan.PRO_NONE (x @ w^T + b), PRO_NORM (norm_linear's product), PRO_SILU (act_linear's; x holds
     gate | up, 2K wide). A looped dot configuration with a prologue runs silu_mul / add_rms_norm first and
     the plain product on its output (plan.kernel_pro): the prologue inside the pipelined K loop costs more
-    than the launch (measured on the H200 and, swapped, on an H100). The kernel's constexprs are
-    plan.launch's. The forward calls it through `linear` / `norm_linear` / `act_linear`."""
+    than the launch (measured on the H200 and, swapped, on an H100). silu_out (w a gate | up weight, N
+    even): the product's silu_mul [..., N / 2] instead, computed where the product is stored. The kernel's
+    constexprs are plan.launch's. The forward calls it through `linear` / `norm_linear` / `act_linear` /
+    `norm_mlp`."""
     x = x.contiguous()
     rows_dot = P.rows_dot_tile(cfg)  # the prologue inside, on the real rows
     if P.kernel_pro(pro, cfg, w.shape[1]) != pro:  # the prologue as its own launch, then the plain tile
         if pro == P.PRO_NORM:
             xo, h = add_rms_norm(x, delta, norm_w, eps)
-            return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b)[1]
-        return x, skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b)[1]
+            return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b, silu_out=silu_out)[1]
+        return x, skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b, silu_out=silu_out)[1]
     N, K = w.shape
+    if silu_out and (N % 2 or cfg.block_n < 2):
+        raise ValueError(f"skinny_linear: silu_out takes a gate | up weight of an even row count (not {N}) and "
+                         f"a tile of at least 2 columns ({cfg.label()})")
     M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
     if not w.is_contiguous():
         raise ValueError("skinny_linear: the weight must be contiguous")
@@ -805,8 +839,9 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         raise ValueError(f"skinny_linear: the norm prologue needs K ({K}) <= block_k ({cfg.block_k}), no split")
     if cfg.swap and (not cfg.dot or rows_dot or pro != P.PRO_NONE):
         raise ValueError(f"skinny_linear: {cfg.label()} is swapped: a looped dot tile with no prologue inside")
-    ks, n_split, constexprs = P.launch(pro, cfg, M, K, delta is not None, b is not None)  # per row bucket
-    n_blocks = triton.cdiv(N, cfg.block_n)
+    ks, n_split, constexprs = P.launch(pro, cfg, M, K, delta is not None, b is not None,
+                                       silu_out=silu_out)  # per row bucket
+    n_blocks = triton.cdiv(N, cfg.block_n)  # silu_out: cdiv(N / 2, block_n / 2), the same for an even N
     ws = cnt = w
     if n_split > 1:
         bufs = split_buffers(w, M, n_split, n_blocks)
@@ -814,7 +849,7 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
             raise SplitUnavailable(f"split product {cfg.label()} of a new weight inside a capture")
         ws, cnt = bufs
     delta = None if delta is None else delta.contiguous()
-    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], N // 2 if silu_out else N, device=x.device, dtype=x.dtype)
     xo = torch.empty_like(x) if delta is not None else x
     pdl = _pdl(x.device)
     _skinny_kernel[(n_blocks, n_split)](
@@ -1009,6 +1044,18 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tenso
     if cfg is None:
         return _fallback(P.PRO_NORM, x, w, b, delta, norm_w, eps)
     return skinny_linear(P.PRO_NORM, cfg, x, w, b, delta, norm_w, eps)
+
+
+def norm_mlp(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, wgu: torch.Tensor,
+             wd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP of decode and verify rows: where the gate|up product is a skinny tile (as planned) it stores
+    SiLU * up itself and the down product reads that (SILU_EPILOGUE); else norm_linear then act_linear."""
+    cfg = _plan(P.PRO_NORM, x, wgu, None, delta) if SILU_EPILOGUE else None
+    if cfg is None or cfg.block_n < 2:  # one column a program holds no gate and up pair
+        x, gu = norm_linear(x, delta, norm_w, eps, wgu, None)
+        return x, act_linear(gu, wd)
+    x, act = skinny_linear(P.PRO_NORM, cfg, x, wgu, None, delta, norm_w, eps, silu_out=True)
+    return x, linear(act, wd)
 
 
 PICK_CHUNK = 4096  # vocabulary entries per program of greedy_pick's first pass
