@@ -32,11 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay import kernels  # noqa: E402
 from draftrelay.kernels import plan as P  # noqa: E402
-from plan_count import Recorder, meta_model, z  # noqa: E402
+from plan_count import MLP_DOWN, Recorder, meta_model, z  # noqa: E402
 
 
 def shapes_of(shape: str, dtype: torch.dtype, k: int) -> set[tuple]:
-    """The distinct planned products (pro, N, K, dtype, bias, residual) of a decode and a k+1 verify."""
+    """The distinct planned products (pro, N, K, dtype, bias, residual) of a decode and a k+1 verify; the
+    down product of norm_mlp both ways it runs (reading the activations its gate|up stored, or act_linear's
+    where the gate|up is cuBLAS or DRAFTRELAY_SILU_EPILOGUE=off)."""
     rec = Recorder()
     saved = kernels.backend
     kernels.backend = lambda device: rec.module
@@ -47,7 +49,8 @@ def shapes_of(shape: str, dtype: torch.dtype, k: int) -> set[tuple]:
             m(z(1, T), z(1), cache, z(1), kv_len=256)
     finally:
         kernels.backend = saved
-    return {(pro, N, K, dt, bias, delta) for pro, _, N, K, dt, bias, delta in rec.calls}
+    return {(p, N, K, dt, bias, delta) for pro, _, N, K, dt, bias, delta in rec.calls
+            for p in ((P.PRO_NONE, P.PRO_SILU) if pro == MLP_DOWN else (pro,))}
 
 
 def write_seed(path: str, meta: dict, plans: dict) -> None:
