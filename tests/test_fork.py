@@ -96,6 +96,9 @@ from draftrelay.kernels import triton_ops as TO
 from draftrelay.worker import fork, fork_triton as FT
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 n = 0
+made = []  # the partials each launch allocates: once, sized for every program that stores one
+_partials = TO.partials
+TO.partials = lambda n_parts, *a: made.append(n_parts) or _partials(n_parts, *a)
 # one program per (row, kv head) and, at 2048 keys, a split over chunks with the combine kernel
 for B, Tq, kv, starts, pivots in ((2, 1, 256, [100, 3], [60, 3]), (3, 2, 512, [400, 10, 0], [400, 0, 0]),
                                   (1, 5, 2048, [1500], [1200])):
@@ -104,9 +107,11 @@ for B, Tq, kv, starts, pivots in ((2, 1, 256, [100, 3], [60, 3]), (3, 2, 512, [4
     pk, pv = torch.randn(5, 2, kv + 8, 16, generator=g), torch.randn(5, 2, kv + 8, 16, generator=g)
     rows, st = torch.arange(B, 0, -1), torch.tensor(starts)
     parent, pivot = torch.arange(B) % 5 + 1, torch.tensor(pivots)
+    made.clear()
     torch.testing.assert_close(FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, parent, pivot),
                                fork.fork_attention_reference(q, ck, cv, rows, st, kv, pk, pv, parent, pivot),
                                atol=1e-5, rtol=1e-5)
+    assert len(made) == (kv > 1024), made
     zero = torch.zeros(B, dtype=torch.long)  # pivot 0: the plain attention over the row itself
     torch.testing.assert_close(FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, parent, zero),
                                R.decode_attention(q, ck, cv, rows, st, kv), atol=1e-5, rtol=1e-5)
@@ -125,9 +130,11 @@ for Tq, starts, pivots, parent in ((1, [1500, 1502, 1501, 1505, 900, 903], [1500
     rows, st, par, piv = torch.arange(B, 0, -1), torch.tensor(starts), torch.tensor(parent), torch.tensor(pivots)
     assert FT.group_rows(B, 2, Tq, False) == 8
     TO.SPLIT_TILE[16, 16] = (32, 4) if Tq == 1 else (64, 4)  # the shared programs' tile is the split's
+    made.clear()
     torch.testing.assert_close(FT.fork_attention(q, ck, cv, rows, st, kv, pk, pv, par, piv),
                                fork.fork_attention_reference(q, ck, cv, rows, st, kv, pk, pv, par, piv),
                                atol=1e-5, rtol=1e-5)
+    assert len(made) == 1 and made[0] > B * 2, made  # one allocation: the rows' own parts and the shared ones
     n += 1
 TO.SPLIT_TILE.clear()
 # the 0.5B's 7 query heads a kv head: 8 rows at one token, 4 at two, none where one row fills a program

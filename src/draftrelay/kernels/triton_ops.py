@@ -1261,10 +1261,13 @@ def attn_warps(rows: int, D: int) -> int:
     return 4 if rows * D <= 64 * 64 else 8
 
 
-def attn_launch(who: str, q: torch.Tensor, ck: torch.Tensor, kv_len: int, rope: tuple | None) -> AttnLaunch:
+def attn_launch(who: str, q: torch.Tensor, ck: torch.Tensor, kv_len: int, rope: tuple | None,
+                with_partials: bool = True) -> AttnLaunch:
     """The launch of an attention over q [B, T, H, D] (with rope = (inv_freq, n_heads, n_kv): q is the q|k|v
     product [B, 1, (H + 2 n_kv) D]) and a cache of ck's head dim; ValueError (prefixed `who`) where a fused
-    RoPE is asked of more than one token per row or one chunk of keys (attention_fuses_rope)."""
+    RoPE is asked of more than one token per row or one chunk of keys (attention_fuses_rope). with_partials
+    False: a split launch's partials are left to the caller (acc and ml stand in as out), which sizes them
+    for programs of its own (fork_attention's shared ones)."""
     if rope is None:
         B, T, H, D = q.shape
         n_kv = ck.shape[1]
@@ -1281,7 +1284,7 @@ def attn_launch(who: str, q: torch.Tensor, ck: torch.Tensor, kv_len: int, rope: 
         raise ValueError(f"{who}: the fused RoPE takes one token per row and one chunk, not T={T} over "
                          f"{n_split} chunks (attention_fuses_rope)")
     out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
-    acc, ml = (out, out) if n_split == 1 else partials(B * n_kv * n_split, R_PAD, D, q.device)  # 1: unused
+    acc, ml = (out, out) if n_split == 1 or not with_partials else partials(B * n_kv * n_split, R_PAD, D, q.device)
     if n_split == 1:
         tile, warps = sblock, attn_warps(R_PAD, D)
     return AttnLaunch(B, T, H, n_kv, D, rep, R_PAD, chunk, n_split, tile, warps, out, acc, ml)

@@ -236,7 +236,7 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
             raise ValueError(f"fork_attention: {name} needs a dense last dim and q's dtype")
     if not q.is_contiguous():
         raise ValueError("fork_attention: q must be contiguous")
-    a = TO.attn_launch("fork_attention", q, ck, kv_len, rope)
+    a = TO.attn_launch("fork_attention", q, ck, kv_len, rope, with_partials=False)  # sized below, once
     pdl = TO._pdl(q.device)
     n_own, G, chunk_s, n_s, rg_pad, warps = a.n_split, group_rows(a.B, a.rep, a.T, a.single), 0, 0, 16, a.warps
     if G:  # the shared chunks: as if each block's rows were one row of G * n_rep * T query rows
@@ -249,6 +249,9 @@ def fork_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: to
         a = dataclasses.replace(a, chunk=triton.cdiv(kv_len, a.block) * a.block, n_split=n_own + n_s, acc=acc,
                                 ml=ml)
         warps = SHARED_WARPS or max(warps, TO.attn_warps(rg_pad, a.D))
+    elif not a.single:
+        acc, ml = TO.partials(a.B * a.n_kv * a.n_split, a.R_PAD, a.D, q.device)
+        a = dataclasses.replace(a, acc=acc, ml=ml)
     # the shared programs, one per (block of G rows, kv head, chunk), fill the grid's rows after the own ones
     extra = triton.cdiv(triton.cdiv(a.B, G) * a.n_kv * n_s, a.B * a.n_kv) if G else 0
     _fork_attn_kernel[(a.B * a.n_kv, n_own + extra)](
