@@ -363,6 +363,21 @@ for M, N, K in ((1, 40, 96), (1, 24, 1100)):  # the compact-rows dot tile at one
     for pro in (P.PRO_NONE, P.PRO_NORM, P.PRO_SILU):
         check(pro, P.rows_dot(N, K, 32, pro == P.PRO_NORM and K > 1024), M, N, K, 2)
         n += 1
+# norm_mlp: with the gate|up planned on a skinny tile it stores SiLU * up and the down reads that; unplanned (a
+# CPU tensor, or cuBLAS on a GPU) norm_linear then act_linear; a one-column tile (no gate and up pair) the same
+x, d, nw = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
+wgu, wd = torch.randn(48, 64, generator=g) * 0.125, torch.randn(64, 24, generator=g) * 0.2
+rx, want = R.norm_mlp(x, d, nw, 1e-6, wgu, wd)
+planned, kernel_calls = T._plan, []
+launch = T.skinny_linear
+T.skinny_linear = lambda *a, **k: kernel_calls.append(k.get("silu_out", False)) or launch(*a, **k)
+for cfg in (None, P.SkinnyConfig(16, 64, False, 4, 1), P.SkinnyConfig(1, 64, False, 4, 1)):
+    T._plan = lambda pro, *a, cfg=cfg: cfg if pro == P.PRO_NORM else None
+    kernel_calls.clear()
+    gx, got = T.norm_mlp(x, d, nw, 1e-6, wgu, wd)
+    assert torch.equal(gx, rx) and kernel_calls == ([True] if cfg and cfg.block_n > 1 else [False] if cfg else [])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+T._plan, T.skinny_linear = planned, launch
 lg = torch.randn(3, 9000, generator=g)
 lg[0, 8999] = lg[0, 4100] = lg[0].max() + 1  # tied across two chunks of the first pass
 tok, conf = T.greedy_pick(lg)
