@@ -162,7 +162,7 @@ def simulate(calls: list[tuple], rule: str, cache: P.PlanCache | None = None) ->
         else:
             key, cands = (0, pro, M, N, K, dt, bias, delta), P.candidates(pro, M, N, K)
         cfg = pl.choose(key, cands)
-        fused = silu_out and cfg is not None and cfg.block_n >= 2
+        fused = silu_out and cfg is not None and P.holds_silu_pairs(cfg)
         if cfg is not None:
             tiles = None if rule == "bucket" else (16 if cfg.dot else P.next_pow2(M), M)
             compiled.add(P.launch_key(pro, cfg, M, N, K, dt, bias, delta, tiles, fused))

@@ -207,6 +207,12 @@ def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
     return out
 
 
+def holds_silu_pairs(cfg: SkinnyConfig) -> bool:
+    """Whether cfg's tile can store SiLU(gate) * up of a gate|up product itself (launch's silu_out): its
+    block_n columns split into gate and up halves, so it needs two or more."""
+    return cfg.block_n >= 2
+
+
 def rows_dot_tile(cfg: SkinnyConfig) -> bool:
     """Whether cfg is a compact-rows dot tile (the prologue inside, K slices unrolled)."""
     return cfg.dot and cfg.unroll

@@ -825,7 +825,7 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
             return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b, silu_out=silu_out)[1]
         return x, skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b, silu_out=silu_out)[1]
     N, K = w.shape
-    if silu_out and (N % 2 or cfg.block_n < 2):
+    if silu_out and (N % 2 or not P.holds_silu_pairs(cfg)):
         raise ValueError(f"skinny_linear: silu_out takes a gate | up weight of an even row count (not {N}) and "
                          f"a tile of at least 2 columns ({cfg.label()})")
     M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
@@ -1038,21 +1038,27 @@ def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
     return rows <= P.MAX_ROWS
 
 
-def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
-                b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = _plan(P.PRO_NORM, x, w, b, delta)
+def _norm_product(cfg: P.SkinnyConfig | None, x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor,
+                  eps: float, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_linear's product with its planned configuration (None: cuBLAS after the norm's own kernel)."""
     if cfg is None:
         return _fallback(P.PRO_NORM, x, w, b, delta, norm_w, eps)
     return skinny_linear(P.PRO_NORM, cfg, x, w, b, delta, norm_w, eps)
 
 
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
+                b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm_product(_plan(P.PRO_NORM, x, w, b, delta), x, delta, norm_w, eps, w, b)
+
+
 def norm_mlp(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, wgu: torch.Tensor,
              wd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MLP of decode and verify rows: where the gate|up product is a skinny tile (as planned) it stores
-    SiLU * up itself and the down product reads that (SILU_EPILOGUE); else norm_linear then act_linear."""
-    cfg = _plan(P.PRO_NORM, x, wgu, None, delta) if SILU_EPILOGUE else None
-    if cfg is None or cfg.block_n < 2:  # one column a program holds no gate and up pair
-        x, gu = norm_linear(x, delta, norm_w, eps, wgu, None)
+    """The MLP of decode and verify rows: where the gate|up product is a skinny tile of gate and up pairs (as
+    planned) it stores SiLU * up itself and the down product reads that (SILU_EPILOGUE); else norm_linear's
+    product then act_linear."""
+    cfg = _plan(P.PRO_NORM, x, wgu, None, delta)
+    if cfg is None or not SILU_EPILOGUE or not P.holds_silu_pairs(cfg):
+        x, gu = _norm_product(cfg, x, delta, norm_w, eps, wgu, None)
         return x, act_linear(gu, wd)
     x, act = skinny_linear(P.PRO_NORM, cfg, x, wgu, None, delta, norm_w, eps, silu_out=True)
     return x, linear(act, wd)
