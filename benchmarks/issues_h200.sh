@@ -27,7 +27,8 @@
 #      alternated ROUNDS times (default 2), each process planning every product itself (the plan seed off
 #      unless SEED=on: a seed names only the choices of the build that made it)
 #  12. plan_seed.py: the plan seed of this card made again (every product of the 7B and 0.5B shapes at every
-#      row bucket, timed), written to $OUT/plan_seed.json for kernels/plans/<device name>.json: a shipped seed
+#      row bucket, the 0.5B's head restricted to 32,768 ids too, timed), written to $OUT/plan_seed.json for
+#      kernels/plans/<device name>.json as it stands: a shipped seed
 #      that never timed a present candidate has those keys measured at every start (plan.PlanSeed.get)
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
@@ -139,7 +140,8 @@ if part 11 "the fast forward at 128, this build and the build before alternated"
     done
 fi
 if part 12 "the plan seed made again"; then
-    DRAFTRELAY_PLAN_SEED=off timeout "${SEED_S:-200}" python3 benchmarks/plan_seed.py --shapes qwen2.5-7b,qwen2.5-0.5b \
+    DRAFTRELAY_PLAN_SEED=off timeout "${SEED_S:-200}" python3 benchmarks/plan_seed.py \
+        --shapes qwen2.5-7b,qwen2.5-0.5b@32768 \
         --out "$OUT/plan_seed.json" 2>&1 | grep -v "^\[W" | tail -3
 fi
 echo "done in $(( $(date +%s) - T0 )) s"

@@ -7,7 +7,12 @@ only; `plan_count.Recorder`); each is planned at every row bucket by the process
 the file holds exactly what a start-up would measure. Prints the cold planning cost (what a start
 without seed or cache pays) and writes the file.
 
-    python benchmarks/plan_seed.py --shapes qwen2.5-7b,qwen2.5-0.5b --out src/draftrelay/kernels/plans/NVIDIA_H200.json
+    python benchmarks/plan_seed.py --shapes qwen2.5-7b,qwen2.5-0.5b@32768 \
+        --out src/draftrelay/kernels/plans/NVIDIA_H200.json
+
+A shape's `@N` also plans its head restricted to a draft vocabulary of ids 0..N-1 (`draftrelay worker
+--draft-vocab N`, draft_vocab.py): a product of N rows that only such a drafter runs, so the one command
+makes the whole seed a card ships.
 
 `--repick FILE` (no GPU): choose again from the times a seed or cache file recorded, under the present
 choice rule (`plan.pick`: MARGIN, CHAIN_S), and rewrite the file's choices; prints each choice it changes.
@@ -31,14 +36,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay import kernels  # noqa: E402
+from draftrelay.draft_vocab import DraftVocab, DraftVocabError  # noqa: E402
 from draftrelay.kernels import plan as P  # noqa: E402
+from draftrelay.worker.drafters import SHAPES  # noqa: E402
 from plan_count import MLP_DOWN, Recorder, meta_model, z  # noqa: E402
 
 
-def shapes_of(shape: str, dtype: torch.dtype, k: int) -> set[tuple]:
+def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0) -> set[tuple]:
     """The distinct planned products (pro, N, K, dtype, bias, residual) of a decode and a k+1 verify; the
     down product of norm_mlp both ways it runs (reading the activations its gate|up stored, or act_linear's
-    where the gate|up is cuBLAS or DRAFTRELAY_SILU_EPILOGUE=off)."""
+    where the gate|up is cuBLAS or DRAFTRELAY_SILU_EPILOGUE=off); draft_vocab > 0: the same again with the
+    head restricted to ids 0..draft_vocab-1."""
     rec = Recorder()
     saved = kernels.backend
     kernels.backend = lambda device: rec.module
@@ -47,10 +55,34 @@ def shapes_of(shape: str, dtype: torch.dtype, k: int) -> set[tuple]:
         cache = m.new_cache(2, 512)
         for T in (1, k + 1):
             m(z(1, T), z(1), cache, z(1), kv_len=256)
+        if draft_vocab:  # a drafter's forwards (greedy: the restricted head is only read by the pick)
+            m.draft_vocab = DraftVocab.top(draft_vocab, m.cfg.vocab_size)
+            for T in (1, k + 1):
+                m(z(1, T), z(1), cache, z(1), kv_len=256, logits_at=z(1), greedy=True)
     finally:
         kernels.backend = saved
     return {(p, N, K, dt, bias, delta) for pro, _, N, K, dt, bias, delta in rec.calls
             for p in ((P.PRO_NONE, P.PRO_SILU) if pro == MLP_DOWN else (pro,))}
+
+
+def parse_shape(spec: str) -> tuple[str, torch.dtype, int]:
+    """--shapes' item NAME[@N][:DTYPE] as (name, dtype, draft vocabulary size or 0); a clear error names a
+    bad one."""
+    head, _, dt = spec.partition(":")
+    name, at, n = head.partition("@")
+    if name not in SHAPES:
+        raise SystemExit(f"plan_seed.py --shapes: unknown shape {name!r} in {spec!r} (known: {', '.join(SHAPES)})")
+    dtype = getattr(torch, dt or "bfloat16", None)
+    if not isinstance(dtype, torch.dtype):
+        raise SystemExit(f"plan_seed.py --shapes: {dt!r} in {spec!r} is not a torch dtype")
+    vocab = 0
+    if at:
+        try:
+            vocab = int(n)
+            DraftVocab.top(vocab, SHAPES[name]["vocab_size"])
+        except (ValueError, DraftVocabError) as e:
+            raise SystemExit(f"plan_seed.py --shapes: draft vocabulary {n!r} in {spec!r}: {e}") from None
+    return name, dtype, vocab
 
 
 def write_seed(path: str, meta: dict, plans: dict) -> None:
@@ -114,7 +146,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repick", metavar="FILE", help="re-choose FILE's entries from its recorded times (no GPU)")
     ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-0.5b",
-                    help="model shapes (draftrelay.worker.drafters.SHAPES), comma separated; NAME:float32 for fp32")
+                    help="model shapes (draftrelay.worker.drafters.SHAPES), comma separated; NAME:float32 for fp32; "
+                         "NAME@N also plans the head restricted to ids 0..N-1 (--draft-vocab N)")
     ap.add_argument("--k", type=int, default=4, help="drafts per round (the verify's width is k + 1)")
     ap.add_argument("--from-benchmark", metavar="FILE",
                     help="make the seed from the plans of a fast_forward.py result file (no GPU)")
@@ -134,8 +167,8 @@ def main() -> int:
 
     todo: set[tuple] = set()
     for spec in filter(None, args.shapes.split(",")):
-        name, _, dt = spec.partition(":")
-        todo |= shapes_of(name, getattr(torch, dt or "bfloat16"), args.k)
+        name, dtype, vocab = parse_shape(spec)
+        todo |= shapes_of(name, dtype, args.k, draft_vocab=vocab)
     t0 = time.perf_counter()
     pl = triton_ops.PLANNER
     for i, (pro, N, K, dt, bias, delta) in enumerate(sorted(todo)):

@@ -425,6 +425,28 @@ def test_a_seed_from_a_benchmarks_plans_keeps_only_fully_timed_keys_chosen_anew(
         mod.from_benchmark(str(bench), str(out))
 
 
+def test_a_seeds_shapes_take_a_draft_vocabulary_head():
+    """benchmarks/plan_seed.py --shapes NAME@N: the products of a decode and a verify, and those of a drafter's
+    forwards with the head restricted to ids 0..N-1 (the norm's product at one position, the plain one
+    where a catch-up picks its row first), so one command makes every key a card's seed ships; a bad item
+    is a clear error naming it."""
+    import torch
+
+    mod = _plan_seed_script()
+    name, dtype, vocab = mod.parse_shape("qwen2.5-0.5b@32768")
+    assert (name, dtype, vocab) == ("qwen2.5-0.5b", torch.bfloat16, 32768)
+    whole = mod.shapes_of(name, dtype, 4)
+    both = mod.shapes_of(name, dtype, 4, draft_vocab=vocab)
+    assert both - whole == {(P.PRO_NONE, 32768, 896, "bfloat16", False, False),
+                            (P.PRO_NORM, 32768, 896, "bfloat16", False, True)}
+    assert (P.PRO_NORM, 151936, 896, "bfloat16", False, True) in whole <= both
+    assert mod.parse_shape("qwen2.5-7b:float32") == ("qwen2.5-7b", torch.float32, 0)
+    for bad, says in (("qwen9", "unknown shape 'qwen9'"), ("qwen2.5-0.5b@x", "draft vocabulary 'x'"),
+                      ("qwen2.5-0.5b@0", "between 1 and"), ("qwen2.5-0.5b:float99", "'float99'")):
+        with pytest.raises(SystemExit, match=says):
+            mod.parse_shape(bad)
+
+
 def test_every_shipped_seed_follows_the_present_choice_rule():
     """Each shipped choice is what plan.pick makes of the times the seed recorded: a change of the rule
     (MARGIN, CHAIN_S) without `benchmarks/plan_seed.py --repick` would ship choices the rule no longer
