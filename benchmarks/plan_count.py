@@ -52,6 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 MLP_DOWN = -1  # a call's pro: norm_mlp's down product, PRO_NONE or PRO_SILU as its gate|up's choice decides
+MLP_GATE = -2  # a call's pro: norm_mlp's gate|up, a PRO_NORM product that stores SiLU * up where its tile can
 
 
 class Recorder:
@@ -84,7 +85,7 @@ class Recorder:
         return R.norm_linear(x, delta, norm_w, eps, w, b)
 
     def norm_mlp(self, x, delta, norm_w, eps, wgu, wd):
-        self._rec(P.PRO_NORM, x.numel() // wgu.shape[1], wgu, None, delta)
+        self._rec(MLP_GATE, x.numel() // wgu.shape[1], wgu, None, delta)
         self._rec(MLP_DOWN, x.numel() // wgu.shape[1], wd, None, None)
         return R.norm_mlp(x, delta, norm_w, eps, wgu, wd)
 
@@ -153,9 +154,11 @@ def simulate(calls: list[tuple], rule: str, cache: P.PlanCache | None = None) ->
 
     pl = P.Planner(measure, (lambda dev: cache) if cache is not None else None)
     fused = False  # the last norm_mlp gate|up stored SiLU * up
-    for i, (pro, M, N, K, dt, bias, delta) in enumerate(calls):
-        silu_out = i + 1 < len(calls) and calls[i + 1][0] == MLP_DOWN  # norm_mlp's gate|up, as triton_ops's
-        if pro == MLP_DOWN:  # reads the activations its gate|up stored, or computes them (act_linear)
+    for pro, M, N, K, dt, bias, delta in calls:
+        silu_out = pro == MLP_GATE  # norm_mlp's gate|up, as triton_ops's
+        if silu_out:
+            pro = P.PRO_NORM
+        elif pro == MLP_DOWN:  # reads the activations its gate|up stored, or computes them (act_linear)
             pro = P.PRO_NONE if fused else P.PRO_SILU
         if rule == "bucket":  # as triton_ops._plan
             key, cands = P.plan_key(0, pro, M, N, K, dt, bias, delta)

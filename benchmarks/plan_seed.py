@@ -39,7 +39,7 @@ from draftrelay import kernels  # noqa: E402
 from draftrelay.draft_vocab import DraftVocab, DraftVocabError  # noqa: E402
 from draftrelay.kernels import plan as P  # noqa: E402
 from draftrelay.worker.drafters import SHAPES  # noqa: E402
-from plan_count import MLP_DOWN, Recorder, meta_model, z  # noqa: E402
+from plan_count import MLP_DOWN, MLP_GATE, Recorder, meta_model, z  # noqa: E402
 
 
 def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0) -> set[tuple]:
@@ -62,7 +62,7 @@ def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0) -> s
     finally:
         kernels.backend = saved
     return {(p, N, K, dt, bias, delta) for pro, _, N, K, dt, bias, delta in rec.calls
-            for p in ((P.PRO_NONE, P.PRO_SILU) if pro == MLP_DOWN else (pro,))}
+            for p in {MLP_DOWN: (P.PRO_NONE, P.PRO_SILU), MLP_GATE: (P.PRO_NORM,)}.get(pro, (pro,))}
 
 
 def parse_shape(spec: str) -> tuple[str, torch.dtype, int]:
