@@ -86,6 +86,25 @@ for pro, cfg, M, N, K in ((P.PRO_NONE, P.SkinnyConfig(64, 128, True, 4, 3, swap=
     assert r["spill_stores"] == 0, (cfg, r)
     assert not cfg.swap or ("wgmma.mma_async" in k.asm["ptx"] and "cp.async" in k.asm["ptx"]), cfg
     n += 1
+# the int8 head's tiles (int8_head.py: W_SCALE, the weight int8), as the 0.5B's one-row head runs them: the
+# norm's whole-row tile and the plain one over one tile of K; each loads its weight tile before the PDL wait
+# and spills nothing
+for pro, cfg in ((P.PRO_NORM, P.SkinnyConfig(4, 1024, False, 4, 1)),
+                 (P.PRO_NONE, P.SkinnyConfig(4, 1024, False, 4, 2))):
+    ks, _, c = P.launch(pro, cfg, 1, 896, pro == P.PRO_NORM, False, w_scale=True)
+    assert c["W_SCALE"], c
+    k = offline.compile_for(TO._skinny_kernel, num_warps=cfg.warps, num_stages=cfg.stages, types={"w_ptr": "*i8"},
+                            ints=dict(N=151936, K=896, KS=ks, M=1), **run, **c)
+    ptx = k.asm["ptx"]
+    assert "ld.global" in ptx[:ptx.index("griddepcontrol.wait")], pro
+    assert offline.resources(k)["spill_stores"] == 0, (cfg, offline.resources(k))
+    n += 1
+try:
+    offline.compile_for(TO._skinny_kernel, types={"v_ptr": "*i8"}, **run, **c)
+except ValueError as e:
+    assert "no such arguments: v_ptr" in str(e), e
+else:
+    raise AssertionError("a type for an argument the kernel lacks was not named")
 
 print("compiled", n)
 '''
@@ -93,4 +112,4 @@ print("compiled", n)
 
 def test_attention_kernels_compile_for_sm90(tmp_path):
     out = run_interpreted(tmp_path, COMPILE, interpret=False)
-    assert "compiled 19" in out, out[-3000:]
+    assert "compiled 21" in out, out[-3000:]

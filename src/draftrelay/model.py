@@ -26,6 +26,7 @@ from draftrelay.memory import check_fits
 
 if TYPE_CHECKING:
     from draftrelay.draft_vocab import DraftVocab
+    from draftrelay.int8_head import Int8Head
 
 TINY_SEED = 0  # the built-in tiny pair's default seed: engine and worker must use the same one
 TINY_TOKENIZER_ID = "bytes-256"  # the tiny models' vocabulary is the 256 byte values
@@ -534,8 +535,9 @@ def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
 
 def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: torch.Tensor, head: torch.Tensor,
                 eps: float, last_only: bool = False, logits_at: torch.Tensor | None = None,
-                greedy: bool = False, argmax_only: bool = False,
-                vocab: DraftVocab | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                greedy: bool = False, argmax_only: bool = False, vocab: DraftVocab | None = None,
+                qhead: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The last product added, the positions wanted picked, the final norm and the head -> fp32 logits
     [B, T, V] ([B, 1, V] with last_only or logits_at [B]). greedy (one position per row: last_only,
     logits_at or T = 1): (argmax [B], its softmax probability [B]) instead of the logits, computed from
@@ -543,7 +545,9 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
     every position's logits instead, int64 [B, T] (or [B, 1]); on the plain CPU path screened through an
     int8 copy of the head (greedy_head: a fraction of the head's bytes read, the same argmax).
     vocab: `head` holds only a draft vocabulary's rows (draft_vocab.py): picks map back to token ids,
-    logits come back at the vocabulary's width with -inf outside it."""
+    logits come back at the vocabulary's width with -inf outside it. qhead (greedy on the fast path): the
+    head's int8 copy (q, row scales; int8_head.py), read where the backend has a tile for the rows
+    (kernels' int8_norm_linear / int8_linear return None where not: the bf16 head then)."""
     if vocab is not None and not greedy:
         out = head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, argmax_only=argmax_only)
         return vocab.token(out) if argmax_only else vocab.widen(out)
@@ -557,8 +561,12 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
         h = rms_norm(x, final_norm, eps)
         from draftrelay.greedy_head import head_argmax
         return head_argmax(h.reshape(-1, h.shape[-1]), head, linear).view(h.shape[:-1])
+    qhead = qhead if greedy and K is not None else None
     if K is not None and st.T == 1:  # one position per row: nothing to pick (logits_at can only be 0)
-        if K.use_norm_linear(st.B, head):  # the add and the final norm inside the head's product
+        got = None if qhead is None else K.int8_norm_linear(x, red, final_norm, eps, *qhead)
+        if got is not None:
+            out = got[1]
+        elif K.use_norm_linear(st.B, head):  # the add and the final norm inside the head's product
             _, out = K.norm_linear(x, red, final_norm, eps, head, None)
         else:
             _, x = K.add_rms_norm(x, red, final_norm, eps)
@@ -573,7 +581,9 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
         elif logits_at is not None:
             x = x[torch.arange(st.B, device=x.device), logits_at][:, None]
         if K is not None:
-            out = K.linear(x.contiguous(), head)
+            out = None if qhead is None else K.int8_linear(x.contiguous(), *qhead)
+            if out is None:
+                out = K.linear(x.contiguous(), head)
         else:
             out = linear(rms_norm(x, final_norm, eps), head)
     if argmax_only:
@@ -603,16 +613,18 @@ def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWei
             v: torch.Tensor, st: StepState, eps: float, final_norm: torch.Tensor, head: torch.Tensor,
             last_only: bool = False, logits_at: torch.Tensor | None = None,
             greedy: bool = False, argmax_only: bool = False,
-            vocab: DraftVocab | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            vocab: DraftVocab | None = None,
+            qhead: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The decoder stack on one card: embedding, the layers (k / v: caches [L, rows, n_kv, len, D]), the
-    head (vocab: a draft vocabulary's rows only, see head_logits). `decoder_steps` is the same stack for
-    a tensor-parallel rank."""
+    head (vocab: a draft vocabulary's rows only, see head_logits; qhead: its int8 copy for greedy picks).
+    `decoder_steps` is the same stack for a tensor-parallel rank."""
     x, red = embedding(tokens, embed, st), None
     for i, w in enumerate(layers):
         x, o = attn_half(x, red, w, st, k[i], v[i], eps)
         red = out_product(o, w.wo, st)
         x, red = mlp_down(x, red, w, st, eps)
-    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy, argmax_only, vocab)
+    return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy, argmax_only, vocab, qhead)
 
 
 def decoder_steps(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWeights], k: torch.Tensor,
@@ -661,6 +673,8 @@ class Transformer(nn.Module):
         self.fast: bool | None = None
         # a drafter's head restricted to a draft vocabulary (draft_vocab.py); None: the whole head
         self.draft_vocab: DraftVocab | None = None
+        # a GPU drafter's head read as int8 by its greedy forwards (int8_head.py; worker --head-int8); None: bf16
+        self.int8_head: Int8Head | None = None
 
     def head_weight(self) -> torch.Tensor:
         """The head the forward multiplies by: the (tied or untied) head, or its draft vocabulary's rows."""
@@ -739,9 +753,11 @@ class Transformer(nn.Module):
             inv = self._inv_freq[dev] = rope_inv_freq(self.cfg).to(dev)
         st = step_state(start_pos, T, kv_len, rows, self.cfg.n_rep, inv, self.dtype, self.fast_path())
         logits_at = None if logits_at is None else to_device(logits_at, dev)
+        head = self.head_weight()
+        qhead = self.int8_head.of(head) if self.int8_head is not None and greedy and st.kernels is not None else None
         logits = decoder(tokens, self.embed_tokens.weight, self.layer_weights(), cache.k, cache.v, st,
-                         self.cfg.rms_norm_eps, self.norm.weight, self.head_weight(), last_only, logits_at, greedy,
-                         argmax_only, self.draft_vocab)
+                         self.cfg.rms_norm_eps, self.norm.weight, head, last_only, logits_at, greedy,
+                         argmax_only, self.draft_vocab, qhead)
         if eager:
             for s, r in zip(sp, rw, strict=True):
                 cache.lengths[r] = s + T

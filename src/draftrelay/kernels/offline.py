@@ -13,9 +13,10 @@ import subprocess
 import tempfile
 
 # the kernels' pointer arguments by element type (the rest bf16: activations, weights, logits, caches; the
-# skinny GEMM's split partials `ws_ptr` are fp32 and its counts `cnt_ptr` int32); `scale` (the attention's)
+# skinny GEMM's split partials `ws_ptr` and an int8 weight's row scales `s_ptr` are fp32, its counts `cnt_ptr`
+# int32; compile_for's `types` names others, e.g. an int8 weight's "*i8"); `scale` (the attention's)
 # and `eps` (the norm's) are the float scalars
-FP32_PTRS = frozenset({"acc_ptr", "ml_ptr", "inv_ptr", "pm_ptr", "ps_ptr", "tv_ptr", "ws_ptr"})
+FP32_PTRS = frozenset({"acc_ptr", "ml_ptr", "inv_ptr", "pm_ptr", "ps_ptr", "tv_ptr", "ws_ptr", "s_ptr"})
 INT32_PTRS = frozenset({"pi_ptr", "ti_ptr", "cnt_ptr"})
 FP32_SCALARS = frozenset({"scale", "eps"})
 INT64_PTRS = frozenset({"rows_ptr", "start_ptr", "parent_ptr", "pivot_ptr"})
@@ -49,7 +50,7 @@ def launch_ints(fn, kv_len: int = 32768, head_dim: int = 64, n_kv: int = 2) -> d
 
 
 def compile_for(fn, arch: int = 90, num_warps: int = 4, num_stages: int = 2, ints: dict[str, int] | None = None,
-                **constexprs):
+                types: dict[str, str] | None = None, **constexprs):
     """fn compiled for sm_<arch> with these constexprs (every one without a default must be given:
     ValueError naming those missing; the others take their defaults), specialised as Triton's launcher
     specialises a launch: every pointer
@@ -57,7 +58,8 @@ def compile_for(fn, arch: int = 90, num_warps: int = 4, num_stages: int = 2, int
     1 a constant, a multiple of 16 marked divisible by 16. Without those marks the compiler knows nothing of
     the loads' alignment: it neither vectorises them nor pipelines the loops through shared memory, and the
     registers and spills ptxas reports are not those of the kernel a GPU runs (an attention kernel at
-    64-key tiles: 197 registers unmarked, 64 as launched)."""
+    64-key tiles: 197 registers unmarked, 64 as launched). types: arguments' Triton types in place of
+    `signature`'s (e.g. {"w_ptr": "*i8"}: the skinny GEMM on an int8 weight)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -66,6 +68,10 @@ def compile_for(fn, arch: int = 90, num_warps: int = 4, num_stages: int = 2, int
     if missing:
         raise ValueError(f"compile_for({fn.__name__}): constexprs without a value: {', '.join(missing)}")
     sig = signature(fn)
+    bad = sorted(set(types or {}) - set(sig))
+    if bad:
+        raise ValueError(f"compile_for({fn.__name__}): no such arguments: {', '.join(bad)}")
+    sig.update(types or {})
     ints = dict(ints or {})
     unknown = sorted(set(ints) - {n for n, t in sig.items() if t == "i32"})
     if unknown:

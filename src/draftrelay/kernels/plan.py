@@ -254,13 +254,19 @@ def supports(cfg: SkinnyConfig, M: int) -> bool:
     return 1 <= M <= MAX_ROWS and (cfg.dot or M <= SUM_MAX_ROWS)
 
 
-def bucket_candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
+INT8 = "int8"  # a key's dtype for int8 weights with one fp32 scale per row (bf16 rows: kernels.int8_head)
+
+
+def bucket_candidates(pro: int, M: int, N: int, K: int, dtype: str = "") -> list[SkinnyConfig]:
     """The candidates measured for M rows: those of the bucket's top row count that run every row
-    count of the bucket (a bucket's choice serves all of them)."""
-    if not 1 <= M <= MAX_ROWS:
+    count of the bucket (a bucket's choice serves all of them). dtype INT8 (int8 weights, a scale per
+    row): the multiply-and-sum tiles only (the dot tiles take bf16 operands), and none of another
+    prologue than the norm's or none."""
+    if not 1 <= M <= MAX_ROWS or (dtype == INT8 and pro == PRO_SILU):
         return []
     rows = bucket_rows(M)
-    return [c for c in candidates(pro, rows[-1], N, K) if all(supports(c, m) for m in rows)]
+    return [c for c in candidates(pro, rows[-1], N, K) if all(supports(c, m) for m in rows)
+            and not (dtype == INT8 and c.dot)]
 
 
 def row_tiles(cfg: SkinnyConfig, M: int) -> tuple[int, int]:
@@ -284,18 +290,21 @@ def kernel_pro(pro: int, cfg: SkinnyConfig, K: int) -> int:
 
 
 def launch(pro: int, cfg: SkinnyConfig, M: int, K: int, has_delta: bool, has_bias: bool,
-           tiles: tuple[int, int] | None = None, silu_out: bool = False) -> tuple[int, int, dict]:
+           tiles: tuple[int, int] | None = None, silu_out: bool = False,
+           w_scale: bool = False) -> tuple[int, int, dict]:
     """(K elements per range, ranges, the kernel's constexprs) of skinny_linear's launch of cfg for M rows
     of a weight of K columns, pro the prologue the kernel computes (kernel_pro) and has_delta whether it
     adds a residual: the one place those constexprs are made (the launch, launch_key, the offline compile
     of benchmarks/kernel_registers.py). The launch adds what depends on the run (IEEE, FIXED_TRIPS, PDL).
     tiles: (M_PAD, M_ROWS) in place of row_tiles' (to count another row rule). silu_out: the output is
-    silu(gate) * up of a gate | up product (triton_ops._store_y)."""
+    silu(gate) * up of a gate | up product (triton_ops._store_y). w_scale: int8 weights, each output
+    column times its row's scale before it is stored (an INT8 key)."""
     m_pad, m_rows = tiles or row_tiles(cfg, M)
     ks, n_split = k_ranges(pro, K, cfg)
     return ks, n_split, dict(M_PAD=m_pad, M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO=pro,
                              HAS_DELTA=has_delta, HAS_BIAS=has_bias, DOT=cfg.dot, K_UNROLL=k_unroll(pro, cfg, ks),
-                             SPLIT=n_split, K_TRIPS=norm_trips(pro, K, cfg), SWAP=cfg.swap, SILU_OUT=silu_out)
+                             SPLIT=n_split, K_TRIPS=norm_trips(pro, K, cfg), SWAP=cfg.swap, SILU_OUT=silu_out,
+                             W_SCALE=w_scale)
 
 
 def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, has_bias: bool,
@@ -306,7 +315,8 @@ def launch_key(pro: int, cfg: SkinnyConfig, M: int, N: int, K: int, dtype: str, 
     the key. tiles: (M_PAD, M_ROWS) in place of row_tiles' (to count another row rule); silu_out: as
     launch's."""
     kpro = kernel_pro(pro, cfg, K)
-    ks, _, constexprs = launch(kpro, cfg, M, K, has_delta and kpro == pro, has_bias, tiles, silu_out)
+    ks, _, constexprs = launch(kpro, cfg, M, K, has_delta and kpro == pro, has_bias, tiles, silu_out,
+                               dtype == INT8)
 
     def spec(v: int) -> tuple[bool, bool]:
         return v == 1, v % 16 == 0
@@ -343,7 +353,7 @@ def plan_key(dev: int, pro: int, M: int, N: int, K: int, dtype: str, has_bias: b
     serves every row count of the bucket."""
     if not 1 <= M <= MAX_ROWS:
         return None
-    return (dev, pro, row_bucket(M), N, K, dtype, has_bias, has_delta), bucket_candidates(pro, M, N, K)
+    return (dev, pro, row_bucket(M), N, K, dtype, has_bias, has_delta), bucket_candidates(pro, M, N, K, dtype)
 
 
 MISSING = object()  # PlanCache.get: no usable entry
@@ -580,7 +590,7 @@ class Planner:
             for b in ROW_BUCKETS:  # the shape's other buckets now, off every later step's path
                 sib = (dev, pro, b, *key[3:])
                 if sib not in self.table:
-                    self._resolve(sib, bucket_candidates(pro, b, N, K))
+                    self._resolve(sib, bucket_candidates(pro, b, N, K, key[5]))
         return got
 
     def _resolve(self, key: Key, cands: list[SkinnyConfig]) -> SkinnyConfig | None:

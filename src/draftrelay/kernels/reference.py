@@ -60,6 +60,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return torch.nn.functional.linear(x, w, b)
 
 
+def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (q * s[:, None])^T + b for int8 q [N, K] and fp32 row scales s [N] (draftrelay.int8_head): the rows
+    times the int8 values summed in fp32, each column times its scale, plus b, rounded once to x's dtype.
+    On CUDA a multiply-and-sum tile that converts q where it multiplies (`triton_ops.int8_linear`, which
+    returns None where no tile is planned for the rows: the caller then runs its own bf16 weight)."""
+    y = torch.nn.functional.linear(x.float(), q.float()) * s.float()
+    if b is not None:
+        y = y + b.float()
+    return y.to(x.dtype)
+
+
+def int8_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, q: torch.Tensor,
+                     s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, int8_linear of add_rms_norm's normed rows): norm_linear with an int8 weight."""
+    x, h = add_rms_norm(x, delta, norm_w, eps)
+    return x, int8_linear(h, q, s)
+
+
 def act_linear(gu: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """silu_mul(gu) @ w^T + b: SwiGLU's activations and the down product that reads them (the
     activations rounded to gu's dtype first, as silu_mul rounds)."""

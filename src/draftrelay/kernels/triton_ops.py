@@ -635,12 +635,12 @@ def _rows_dot_step(acc, w, xv, dv, nw, rstd, M_PAD: tl.constexpr, M_ROWS: tl.con
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, KS, eps,
+def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, s_ptr, M, N, K, KS, eps,
                    M_PAD: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRO: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                    IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr,
                    PDL: tl.constexpr, K_TRIPS: tl.constexpr = 0, SWAP: tl.constexpr = False,
-                   SILU_OUT: tl.constexpr = False):
+                   SILU_OUT: tl.constexpr = False, W_SCALE: tl.constexpr = False):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
     x = [M, 2K] (gate | up). DOT with K_UNROLL: the compact-rows dot tile (the prologue on the M_ROWS
@@ -657,7 +657,9 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     weight tile before waiting for the previous kernel (no kernel writes weights), everything else after;
     the looped tiles wait first. SILU_OUT (W a gate | up weight, N = 2 n): each program's BLOCK_N weight
     rows are BLOCK_N / 2 gate rows and the up rows n further, and it writes silu(gate) * up [M, n] of its
-    rounded outputs (_store_y): SwiGLU's activations without a launch of their own."""
+    rounded outputs (_store_y): SwiGLU's activations without a launch of their own. W_SCALE (a
+    multiply-and-sum tile): W is int8, converted to fp32 where it is multiplied, and each output column
+    is its sum times s[n] (the row's scale) before the bias and the one rounding (_store_y)."""
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -750,18 +752,20 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
             tot = tl.zeros([M_PAD, BLOCK_N], tl.float32)
             for sp in tl.static_range(SPLIT):
                 tot += tl.load(ws_ptr + sp * M * N + wa, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_y(y_ptr, b_ptr, tot, pid, m, mm, n, nm, N, M_PAD, BLOCK_N, HAS_BIAS, SILU_OUT)
+            _store_y(y_ptr, b_ptr, s_ptr, tot, pid, m, mm, n, nm, N, M_PAD, BLOCK_N, HAS_BIAS, SILU_OUT, W_SCALE)
     else:
-        _store_y(y_ptr, b_ptr, acc, pid, m, mm, n, nm, N, M_PAD, BLOCK_N, HAS_BIAS, SILU_OUT)
+        _store_y(y_ptr, b_ptr, s_ptr, acc, pid, m, mm, n, nm, N, M_PAD, BLOCK_N, HAS_BIAS, SILU_OUT, W_SCALE)
 
 
 @triton.jit
-def _store_y(y_ptr, b_ptr, acc, pid, m, mm, n, nm, N, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-             HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr):
+def _store_y(y_ptr, b_ptr, s_ptr, acc, pid, m, mm, n, nm, N, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+             HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr, W_SCALE: tl.constexpr):
     """The product's tile acc [M_PAD, BLOCK_N] (fp32, columns n) plus the bias, rounded to y's dtype and
     stored; SILU_OUT: the tile's gate and up halves taken apart and silu(gate) * up stored into y [M, N / 2]
     at the program's BLOCK_N / 2 columns, rounded as silu_mul rounds its rounded input (the same bits as
-    the product stored, then silu_mul)."""
+    the product stored, then silu_mul). W_SCALE: each column first times its int8 row's scale s[n]."""
+    if W_SCALE:
+        acc = acc * tl.load(s_ptr + n, mask=nm, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     yv = acc.to(y_ptr.dtype.element_ty)
@@ -808,21 +812,28 @@ class SplitUnavailable(RuntimeError):
 
 def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                   delta: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
-                  eps: float = 0.0, silu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float = 0.0, silu_out: bool = False,
+                  w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of the skinny GEMM with configuration cfg -> (x + delta or x, the product [..., N]).
     pro: plan.PRO_NONE (x @ w^T + b), PRO_NORM (norm_linear's product), PRO_SILU (act_linear's; x holds
     gate | up, 2K wide). A looped dot configuration with a prologue runs silu_mul / add_rms_norm first and
     the plain product on its output (plan.kernel_pro): the prologue inside the pipelined K loop costs more
     than the launch (measured on the H200 and, swapped, on an H100). silu_out (w a gate | up weight, N
     even): the product's silu_mul [..., N / 2] instead, computed where the product is stored. The kernel's
-    constexprs are plan.launch's. The forward calls it through `linear` / `norm_linear` / `act_linear` /
-    `norm_mlp`."""
+    constexprs are plan.launch's. w_scale (fp32 [N]): w is int8 and its row n stands for w[n] * w_scale[n]
+    (a multiply-and-sum tile, no SiLU prologue: int8_linear / int8_norm_linear). The forward calls it
+    through `linear` / `norm_linear` / `act_linear` / `norm_mlp` and the int8 pair."""
     x = x.contiguous()
+    if w_scale is not None and (w.dtype != torch.int8 or cfg.dot or pro == P.PRO_SILU or silu_out
+                                or w_scale.shape != (w.shape[0],) or w_scale.dtype != torch.float32):
+        raise ValueError(f"skinny_linear: a scaled weight is int8 with fp32 scales [{w.shape[0]}], on a "
+                         f"multiply-and-sum tile without SiLU (got {w.dtype}, scales {tuple(w_scale.shape)} "
+                         f"{w_scale.dtype}, {cfg.label()}, pro {P.PRO_NAMES[pro]})")
     rows_dot = P.rows_dot_tile(cfg)  # the prologue inside, on the real rows
     if P.kernel_pro(pro, cfg, w.shape[1]) != pro:  # the prologue as its own launch, then the plain tile
         if pro == P.PRO_NORM:
             xo, h = add_rms_norm(x, delta, norm_w, eps)
-            return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b, silu_out=silu_out)[1]
+            return xo, skinny_linear(P.PRO_NONE, cfg, h, w, b, silu_out=silu_out, w_scale=w_scale)[1]
         return x, skinny_linear(P.PRO_NONE, cfg, silu_mul(x), w, b, silu_out=silu_out)[1]
     N, K = w.shape
     if silu_out and (N % 2 or not P.holds_silu_pairs(cfg)):
@@ -840,7 +851,7 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     if cfg.swap and (not cfg.dot or rows_dot or pro != P.PRO_NONE):
         raise ValueError(f"skinny_linear: {cfg.label()} is swapped: a looped dot tile with no prologue inside")
     ks, n_split, constexprs = P.launch(pro, cfg, M, K, delta is not None, b is not None,
-                                       silu_out=silu_out)  # per row bucket
+                                       silu_out=silu_out, w_scale=w_scale is not None)  # per row bucket
     n_blocks = triton.cdiv(N, cfg.block_n)  # silu_out: cdiv(N / 2, block_n / 2), the same for an even N
     ws = cnt = w
     if n_split > 1:
@@ -854,14 +865,19 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     pdl = _pdl(x.device)
     _skinny_kernel[(n_blocks, n_split)](
         x, delta if delta is not None else x, norm_w if norm_w is not None else w, xo, w,
-        b if b is not None else w, y, ws, cnt, M, N, K, ks, eps, IEEE=x.dtype == torch.float32,
+        b if b is not None else w, y, ws, cnt, w_scale if w_scale is not None else w, M, N, K, ks, eps,
+        IEEE=x.dtype == torch.float32,
         FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0, PDL=pdl, **constexprs,
         num_warps=cfg.warps, num_stages=cfg.stages, **_launch_kw(pdl))
     return xo, y
 
 
-def _fallback(pro: int, x, w, b, delta, norm_w, eps) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same product with cuBLAS (and the separate norm / SiLU kernel before it)."""
+def _fallback(pro: int, x, w, b, delta, norm_w, eps, w_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same product with cuBLAS (and the separate norm / SiLU kernel before it); an int8 weight (w_scale
+    given): its definition, reference.int8_linear (a dequantized copy: a measurement's yardstick only)."""
+    if w_scale is not None:
+        xo, h = add_rms_norm(x, delta, norm_w, eps) if pro == P.PRO_NORM else (x, x)
+        return xo, R.int8_linear(h, w, w_scale, b)
     if pro == P.PRO_NORM:
         xo, h = add_rms_norm(x, delta, norm_w, eps)
         return xo, F.linear(h, w, b)
@@ -875,20 +891,26 @@ MEASURE_CALLS = 64  # launches per timed graph
 
 
 def _product_inputs(key: P.Key, copies: int, seed: int) -> tuple:
-    """Random inputs of key's product on its card: (copies weights [N, K], x, delta, norm weight, bias),
-    None where the product has none."""
+    """Random inputs of key's product on its card: (copies weights [N, K], x, delta, norm weight, bias,
+    the weights' row scales), None where the product has none; an INT8 key: int8 weights with fp32 scales,
+    the rest bf16."""
     dev_index, pro, M, N, K, dtype_name, has_bias, has_delta = key
     dev = torch.device("cuda", dev_index)
-    dtype = getattr(torch, dtype_name)
+    scaled = dtype_name == P.INT8
+    dtype = torch.bfloat16 if scaled else getattr(torch, dtype_name)
     gen = torch.Generator(device=dev).manual_seed(seed)
 
     def rnd(*shape, std=1.0):
         return (torch.randn(*shape, device=dev, generator=gen) * std).to(dtype)
 
-    ws = [rnd(N, K, std=K ** -0.5) for _ in range(copies)]
+    if scaled:
+        ws = [torch.randint(-127, 128, (N, K), device=dev, generator=gen, dtype=torch.int8) for _ in range(copies)]
+        scales = torch.rand(N, device=dev, generator=gen) * (K ** -0.5 / 64)
+    else:
+        ws, scales = [rnd(N, K, std=K ** -0.5) for _ in range(copies)], None
     x = rnd(M, 2 * K if pro == P.PRO_SILU else K)
     return (ws, x, rnd(M, K) if has_delta else None, rnd(K) if pro == P.PRO_NORM else None,
-            rnd(N) if has_bias else None)
+            rnd(N) if has_bias else None, scales)
 
 
 def _output_error(got_x, got, ref_x, ref) -> float | None:
@@ -906,9 +928,9 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     dev = torch.device("cuda", dev_index)
     wbytes = N * K * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
     copies = max(2, min(64, math.ceil(L2_BEAT_BYTES / wbytes)))
-    ws, x, delta, nw, b = _product_inputs(key, copies, 1234)
+    ws, x, delta, nw, b, sc = _product_inputs(key, copies, 1234)
     eps = 1e-6
-    ref_x, ref = _fallback(pro, x, ws[0], b, delta, nw, eps)
+    ref_x, ref = _fallback(pro, x, ws[0], b, delta, nw, eps, sc)
     for c in cands:  # the split configurations' buffers for every copy, made before any capture
         _, n_split = P.k_ranges(pro, K, c)
         if n_split > 1:
@@ -918,8 +940,8 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     times: dict = {}
     for cfg in [None, *cands]:
         def call(w, cfg=cfg):
-            return _fallback(pro, x, w, b, delta, nw, eps) if cfg is None else \
-                skinny_linear(pro, cfg, x, w, b, delta, nw, eps)
+            return _fallback(pro, x, w, b, delta, nw, eps, sc) if cfg is None else \
+                skinny_linear(pro, cfg, x, w, b, delta, nw, eps, w_scale=sc)
         try:
             got_x, got = call(ws[0])
             torch.cuda.synchronize(dev)
@@ -956,10 +978,10 @@ def _check(key: P.Key, cfg: P.SkinnyConfig) -> bool:
     """Whether cfg computes key's product as cuBLAS does on this card (a seeded choice's check: one
     build and one call on fresh random inputs, the tolerance of _measure; no timing)."""
     pro, dev = key[1], torch.device("cuda", key[0])
-    (w,), x, delta, nw, b = _product_inputs(key, 1, 4321)
+    (w,), x, delta, nw, b, sc = _product_inputs(key, 1, 4321)
     try:
-        ref_x, ref = _fallback(pro, x, w, b, delta, nw, 1e-6)
-        got_x, got = skinny_linear(pro, cfg, x, w, b, delta, nw, 1e-6)
+        ref_x, ref = _fallback(pro, x, w, b, delta, nw, 1e-6, sc)
+        got_x, got = skinny_linear(pro, cfg, x, w, b, delta, nw, 1e-6, w_scale=sc)
         torch.cuda.synchronize(dev)
         return _output_error(got_x, got, ref_x, ref) is not None
     finally:
@@ -1000,8 +1022,9 @@ def _plan(pro: int, x: torch.Tensor, w: torch.Tensor, b, delta) -> P.SkinnyConfi
         return None
     N, K = w.shape
     M = x.numel() // (2 * K if pro == P.PRO_SILU else K)
+    dtype = P.INT8 if w.dtype == torch.int8 else str(x.dtype).replace("torch.", "")
     planned = P.plan_key(x.device.index if x.device.index is not None else torch.cuda.current_device(), pro, M,
-                         N, K, str(x.dtype).replace("torch.", ""), b is not None, delta is not None)
+                         N, K, dtype, b is not None, delta is not None)
     if planned is None:
         return None  # prefill chunks and large batches: cuBLAS, nothing to measure
     key, cands = planned  # per row bucket, measured at its top
@@ -1062,6 +1085,21 @@ def norm_mlp(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, 
         return x, act_linear(gu, wd)
     x, act = skinny_linear(P.PRO_NORM, cfg, x, wgu, None, delta, norm_w, eps, silu_out=True)
     return x, linear(act, wd)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+    """reference.int8_linear on the planned multiply-and-sum tile; None where none is planned for these rows
+    (past SUM_MAX_ROWS, or on the large weights a bucket of several rows offers none): the caller runs its
+    bf16 weight instead."""
+    cfg = _plan(P.PRO_NONE, x, q, None, None)
+    return None if cfg is None else skinny_linear(P.PRO_NONE, cfg, x, q, w_scale=s)[1]
+
+
+def int8_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, q: torch.Tensor,
+                     s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """reference.int8_norm_linear on the planned multiply-and-sum tile (the norm inside); None as int8_linear."""
+    cfg = _plan(P.PRO_NORM, x, q, None, delta)
+    return None if cfg is None else skinny_linear(P.PRO_NORM, cfg, x, q, None, delta, norm_w, eps, w_scale=s)
 
 
 PICK_CHUNK = 4096  # vocabulary entries per program of greedy_pick's first pass

@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "smaller), or FILE.npy[:N], the first N ids of a ranking file (most frequent first). "
                         "Tokens outside it are never drafted (lower acceptance); the output is the target's "
                         "either way. Default: the whole head")
+    p.add_argument("--head-int8", action="store_true",
+                   help="a CUDA drafter's greedy forwards read its head (the draft vocabulary's rows, if any) as "
+                        "int8 with one scale per row: half the bytes of the largest product of a one-request "
+                        "draft step. The drafts are approximate (a near-tie can go the other way), the target's "
+                        "verify keeps its output. Default: the bf16 head")
     p.add_argument("--rows", type=int, default=16, help="draft-KV rows shared by all sessions")
     p.add_argument("--max-requests", type=int, default=0,
                    help="most requests (rows) one session may hold (0: half of --rows, so one client cannot take "
@@ -161,6 +166,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--draft-vocab {args.draft_vocab}: for a one-card drafter, not with --tp"
     if args.draft_vocab and args.model == "test":
         return f"--draft-vocab {args.draft_vocab}: the 'test' drafter has no head to restrict"
+    if args.head_int8 and (args.tp > 1 or args.tp_mode != "auto"):
+        return "--head-int8: for a one-card drafter, not with --tp"
+    if args.head_int8 and (args.model == "test" or args.device == "cpu"):
+        return f"--head-int8: for a CUDA drafter with a head, not --model {args.model} --device {args.device}"
     if args.quant != "none" and (args.tp > 1 or args.tp_mode != "auto"):
         return f"--quant {args.quant}: for a one-card CPU drafter, not with --tp"
     if args.quant != "none" and args.device not in ("cpu", "auto"):
@@ -281,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
                                    model_id=args.model_id, test_vocab=args.test_vocab,
                                    slow_token=args.test_slow_token, delay_ms=args.test_delay_ms,
                                    fail_token=args.test_fail_token, mode=args.mode, quant=args.quant,
-                                   draft_vocab=args.draft_vocab)
+                                   draft_vocab=args.draft_vocab, head_int8=args.head_int8)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"draftrelay worker: cannot load drafter: {exc}", file=sys.stderr)
         return 2

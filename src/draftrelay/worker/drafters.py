@@ -553,17 +553,33 @@ def _planned() -> int:
     return 0 if st is None else st.measured + st.from_seed
 
 
+def torch_device_type(device: str) -> str:
+    """The device type a --device string names ("auto": cuda where available), without importing torch for
+    'cpu'."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
 def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows: int = 16, max_ctx: int = 4096,
                  n_out_max: int = 8, seed: int | None = None, model_id: str = "", test_vocab: int = 1000,
                  slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1, mode: str = "auto",
-                 quant: str = "none", draft_vocab: str = "") -> Drafter:
+                 quant: str = "none", draft_vocab: str = "", head_int8: bool = False) -> Drafter:
     """`tiny` (the drafter half of model.tiny_pair), `test` (TestDrafter), `random:SHAPE`
     (SHAPES at seeded random weights), a local HF model directory, a GGUF file, or (benchmarks only)
     `replay:TRACE.json:INNER` / `replay:TRACE.json:emulated=COST.json` (draftrelay.replay).
     quant "int8" / "int4": the layers' products on int8 / int4 weights (worker/quant.py; a CPU drafter in the
     lean loop). draft_vocab: the head restricted to a draft vocabulary (draft_vocab.DraftVocab.parse: N
     for ids 0..N-1, FILE.npy[:N] for a ranking file's first N; '' the whole head); a replay drafter
-    restricts its trace's drafts to the same ids (replay.Trace.restricted)."""
+    restricts its trace's drafts to the same ids (replay.Trace.restricted). head_int8 (a CUDA drafter): its
+    greedy forwards read the head (the draft vocabulary's rows, if any) as int8 (int8_head.py)."""
+    if head_int8 and (spec == "test" or torch_device_type(device) != "cuda"):
+        raise ValueError(f"--head-int8: for a CUDA drafter with a head (the fast path's int8 tile), not "
+                         f"{spec!r} on {device!r}")
     if draft_vocab and spec == "test":
         raise ValueError(f"--draft-vocab {draft_vocab}: the 'test' drafter has no head to restrict")
     if quant != "none" and (spec == "test" or spec.startswith("replay:")):
@@ -575,7 +591,8 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
 
         return load_replay_drafter(spec, lambda inner: load_drafter(
             inner, device=device, dtype=dtype, n_rows=n_rows, max_ctx=max_ctx, n_out_max=n_out_max, seed=seed,
-            model_id=model_id, mode=mode, draft_vocab=draft_vocab), n_rows=n_rows, max_ctx=max_ctx,
+            model_id=model_id, mode=mode, draft_vocab=draft_vocab, head_int8=head_int8), n_rows=n_rows,
+            max_ctx=max_ctx,
             n_out_max=n_out_max, model_id=model_id, draft_vocab=draft_vocab)
     import torch
 
@@ -596,6 +613,11 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         from draftrelay.draft_vocab import DraftVocab
 
         net.draft_vocab = DraftVocab.parse(draft_vocab, net.cfg.vocab_size)
+        if head_int8:  # the copy made now, eagerly (never inside a capture), of the head as restricted
+            from draftrelay.int8_head import Int8Head
+
+            net.int8_head = Int8Head()
+            net.int8_head.of(net.head_weight())
         return net
 
     if dtype == "auto":

@@ -1,0 +1,199 @@
+"""A GPU drafter's head read as int8 (int8_head.py): the quantization, the plan's int8 candidates, the
+multiply-and-sum tile with a row scale under Triton's interpreter against its definition, the forward's
+wiring (greedy picks from the int8 copy, everything else from the bf16 head) and the worker's refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import run_interpreted
+from draftrelay import model as M
+from draftrelay.int8_head import Int8Head, quantize_rows
+from draftrelay.kernels import plan as P
+from draftrelay.kernels import reference as R
+
+
+def test_quantize_rows_is_within_half_a_step_of_each_row():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 70, generator=g) * torch.linspace(0.01, 3, 300)[:, None]
+    w[5] = 0  # a zero row: scale 0, q 0 (no division by zero)
+    w[9, 3] = 50.0  # an outlier sets its row's step
+    q, s = quantize_rows(w.to(torch.bfloat16))
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == w.shape and s.shape == (300,)
+    assert int(q.abs().max()) == 127 and not q[5].any() and float(s[5]) == 0.0
+    wb = w.to(torch.bfloat16).float()
+    err = (wb - q.float() * s[:, None]).abs()
+    assert bool((err <= s[:, None] * (0.5 + 1e-4)).all())  # half a step (and fp32 rounding of w / s)
+    assert torch.allclose(s, wb.abs().amax(1) / 127)
+    bad = w.clone()
+    bad[250, 1] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        quantize_rows(bad)
+    with pytest.raises(ValueError, match="2-D float"):
+        quantize_rows(q)
+
+
+def test_int8_head_copies_once_per_head_tensor():
+    h = Int8Head()
+    w = torch.randn(40, 16)
+    a, b = h.of(w), h.of(w)
+    assert a[0] is b[0] and h.nbytes() == 40 * 16 + 4 * 40
+    w2 = w[:20].clone()  # another tensor (a draft vocabulary's rows): its own copy
+    assert h.of(w2)[0].shape == (20, 16) and h.nbytes() == 60 * 16 + 4 * 60
+
+
+def test_int8_keys_offer_only_multiply_and_sum_tiles():
+    """An INT8 key's candidates are the bf16 key's multiply-and-sum tiles (the dot tiles take bf16 operands):
+    the 0.5B head at one row gets them, at four rows none (its weight is past SMALL_WEIGHT: the bf16 head
+    then), the SiLU prologue none."""
+    head = P.bucket_candidates(P.PRO_NORM, 1, 151936, 896, P.INT8)
+    assert head and head == [c for c in P.bucket_candidates(P.PRO_NORM, 1, 151936, 896) if not c.dot]
+    assert P.bucket_candidates(P.PRO_NONE, 1, 151936, 896, P.INT8)
+    assert P.bucket_candidates(P.PRO_NORM, 4, 151936, 896, P.INT8) == []
+    assert any(c.dot for c in P.bucket_candidates(P.PRO_NORM, 4, 151936, 896))
+    small = P.bucket_candidates(P.PRO_NONE, 4, 512, 896, P.INT8)
+    assert small and not any(c.dot for c in small)
+    assert P.bucket_candidates(P.PRO_SILU, 1, 896, 4864, P.INT8) == []
+    key, cands = P.plan_key(0, P.PRO_NORM, 1, 151936, 896, P.INT8, False, True)
+    assert key[5] == P.INT8 and cands == head
+    # the compiled kernel is another one (W_SCALE), not the bf16 head's
+    cfg = head[0]
+    assert P.launch_key(P.PRO_NORM, cfg, 1, 151936, 896, P.INT8, False, True) != \
+        P.launch_key(P.PRO_NORM, cfg, 1, 151936, 896, "bfloat16", False, True)
+
+
+INT8_INTERPRETED = r'''
+import os, sys, torch
+os.environ["TRITON_INTERPRET"] = "1"
+from draftrelay.kernels import plan as P, reference as R, triton_ops as T
+from draftrelay.int8_head import quantize_rows
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+n = 0
+for M, N, K in ((1, 40, 96), (3, 33, 200), (1, 24, 1100), (2, 20, 300), (1, 20, 4500)):
+    for pro in (P.PRO_NONE, P.PRO_NORM):
+        cands = P.bucket_candidates(pro, M, N, K, P.INT8)
+        if not cands:  # a norm over rows longer than one tile holds: none at one row either
+            assert pro == P.PRO_NORM and P.next_pow2(K) > P.NORM_MAX_K, (pro, M, N, K)
+            continue
+        assert not any(c.dot for c in cands), (pro, M, N, K)
+        for cfg in cands:
+            x = torch.randn(M, K, generator=g)
+            q, s = quantize_rows(torch.randn(N, K, generator=g) * K ** -0.5)
+            d, nw = torch.randn(M, K, generator=g), torch.randn(K, generator=g)
+            if pro == P.PRO_NORM:
+                rx, ref = R.int8_norm_linear(x, d, nw, 1e-6, q, s)
+            else:
+                rx, ref = x, R.int8_linear(x, q, s)
+            for _ in range(2 if cfg.split > 1 else 1):
+                gx, got = T.skinny_linear(pro, cfg, x, q, None, d if pro == P.PRO_NORM else None, nw, 1e-6,
+                                          w_scale=s)
+                assert torch.equal(gx, rx), (pro, cfg)
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"{pro} {cfg} {M} {N} {K}")
+            wrong = T.skinny_linear(pro, cfg, x, q, None, d if pro == P.PRO_NORM else None, nw, 1e-6,
+                                    w_scale=s * 2)[1]
+            assert not torch.allclose(wrong, ref, atol=1e-3), "the scale is applied"
+            n += 1
+try:
+    T.skinny_linear(P.PRO_NONE, P.SkinnyConfig(64, 128, True, 4, 4), torch.randn(2, 256), q[:, :256].contiguous(),
+                    w_scale=s)
+    raise SystemExit("a dot tile took an int8 weight")
+except ValueError as e:
+    assert "multiply-and-sum" in str(e), e
+# the public pair: on a CPU tensor nothing is planned (None: the caller reads its bf16 head)
+assert T.int8_linear(torch.randn(1, 1100), q, s) is None
+print("checked", n)
+'''
+
+
+def test_int8_tiles_under_the_interpreter_equal_their_definition(tmp_path):
+    """Every INT8 candidate (the multiply-and-sum tiles, split ones too, each prologue) on int8 weights with
+    row scales against reference.int8_linear / int8_norm_linear, in fp32 under Triton's interpreter; the
+    scale doubled is caught; a dot tile refuses an int8 weight."""
+    out = run_interpreted(tmp_path, INT8_INTERPRETED)
+    assert "checked" in out and int(out.split("checked")[1]) >= 15, out[-2000:]
+
+
+def _with_head(d: M.Transformer, head: torch.Tensor) -> M.Transformer:
+    """A copy of d whose head is `head` (the tiny drafter's head is a weight of its own, not the embedding):
+    the forward an int8 head must equal."""
+    e = copy.deepcopy(d)
+    assert e.lm_head is not None
+    e.int8_head = None
+    e.lm_head.weight.data.copy_(head)
+    return e
+
+
+def test_greedy_picks_read_the_int8_copy_and_nothing_else_does():
+    """On the fast path (the CPU runs it with the definitions) a greedy forward with an int8 head picks as the
+    same model whose head is the dequantized copy (q * s); its non-greedy logits, and the plain path, stay
+    the bf16 head's. A draft vocabulary's rows are quantized after they are picked."""
+    _, d = M.tiny_pair()
+    d.fast = True
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, d.cfg.vocab_size, (2, 5), generator=g)
+    start, rows = torch.tensor([0, 0]), torch.tensor([0, 1])
+
+    def run(m, **kw):
+        return m(toks, start, m.new_cache(2, 64), rows, **kw)
+
+    full = run(d)
+    want_tok, want_conf = run(d, last_only=True, greedy=True)
+    d.int8_head = Int8Head()
+    q, s = d.int8_head.of(d.head_weight())
+    deq = _with_head(d, q.float() * s[:, None])
+    deq.fast = True
+    for kw in ({"last_only": True}, {"logits_at": torch.tensor([4, 2])}):
+        tok, conf = run(d, greedy=True, **kw)
+        rt, rc = run(deq, greedy=True, **kw)
+        assert torch.equal(tok, rt), kw
+        torch.testing.assert_close(conf, rc, atol=1e-5, rtol=1e-5)
+    tok, conf = run(d, last_only=True, greedy=True)
+    assert not torch.equal(conf, want_conf)  # the int8 copy was read (its logits are not the bf16 head's)
+    assert torch.equal(run(d), full)  # the logits themselves: the bf16 head
+    d.fast = False
+    assert torch.equal(run(d, last_only=True, greedy=True)[0], want_tok)  # the plain path: the bf16 head
+    d.fast = True
+    from draftrelay.draft_vocab import DraftVocab
+
+    d.draft_vocab = DraftVocab.top(100, d.cfg.vocab_size)
+    tok, _ = run(d, last_only=True, greedy=True)
+    assert int(tok.max()) < 100 and d.int8_head.of(d.head_weight())[0].shape[0] == 100
+
+
+def test_reference_int8_linear_rounds_once():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    q, s = quantize_rows(torch.randn(10, 64, generator=g))
+    b = torch.randn(10, generator=g)
+    want = ((x.float() @ q.float().T) * s + b).to(torch.bfloat16)
+    assert torch.equal(R.int8_linear(x, q, s, b), want)
+    xo, y = R.int8_norm_linear(x, x, torch.ones(64, dtype=torch.bfloat16), 1e-6, q, s)
+    assert torch.equal(xo, x + x) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "test", "--head-int8"], "CUDA drafter with a head"),
+    (["--model", "tiny", "--device", "cpu", "--head-int8"], "CUDA drafter with a head"),
+    (["--model", "tiny", "--tp", "2", "--head-int8"], "one-card drafter"),
+])
+def test_worker_cli_refuses_head_int8_where_it_cannot_apply(args, words):
+    import argparse
+
+    from draftrelay.worker import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    problem = cli._check(p.parse_args(args))
+    assert problem and words in problem and "--head-int8" in problem, problem
+
+
+def test_load_drafter_refuses_head_int8_off_a_gpu():
+    from draftrelay.worker.drafters import load_drafter
+
+    with pytest.raises(ValueError, match="--head-int8: for a CUDA drafter"):
+        load_drafter("tiny", device="cpu", head_int8=True)
+    with pytest.raises(ValueError, match="--head-int8"):
+        load_drafter("test", device="cpu", head_int8=True)
