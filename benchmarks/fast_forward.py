@@ -39,6 +39,7 @@ from draftrelay.capture import kv_bucket
 from draftrelay.draft_vocab import DraftVocab
 from draftrelay.engine.graphs import DecodeGraphs
 from draftrelay.handoff.procinfo import machine_info
+from draftrelay.int8_head import Int8Head
 from draftrelay.kernels import plan as P
 from draftrelay.kernels import reference as R
 from draftrelay.kernels import triton_ops
@@ -295,9 +296,18 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
     if draft_vocab:
         variants[f"graphs_fast_vocab{draft_vocab}"] = ("graph", True)
         vocabs[f"graphs_fast_vocab{draft_vocab}"] = DraftVocab.top(draft_vocab, cfg.vocab_size)
+    # the head read as int8 by the greedy picks (int8_head.py, worker --head-int8), the whole head and restricted
+    int8 = Int8Head()
+    int8s = ["graphs_fast_int8head", *(f"{k}_int8head" for k in list(vocabs))]
+    for k in int8s:
+        variants[k] = ("graph", True)
+    for k in list(vocabs):
+        vocabs[f"{k}_int8head"] = vocabs[k]
     drafters = {}
     for k, (m, _) in variants.items():
         model.draft_vocab = vocabs.get(k)  # LlamaDrafter's lean loop and graphs take the head as set now
+        if k in int8s:
+            int8.of(model.head_weight())  # the int8 copy made now, eagerly
         drafters[k] = LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m)
     model.draft_vocab = None
     plan_first(model, lambda: drafters["graphs_fast"].plan_warm())
@@ -313,15 +323,17 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
                 d.cache.k.copy_(base.cache.k)
                 d.cache.v.copy_(base.cache.v)
         for B in (1, 4):
-            def step(d, fast, B=B, ctx=ctx, vocab=None):
+            def step(d, fast, B=B, ctx=ctx, vocab=None, head8=None):
                 def go():
                     fast_path(model, fast)
                     model.draft_vocab = vocab  # read when a graph is captured (the first call) and eagerly
+                    model.int8_head = head8
                     for r in range(B):
                         d.cache.lens[r] = ctx  # the numpy view: a torch scalar write costs 2 us a row here
                     d.run([Job(r, ctx, np.array([17 + r], np.int32)) for r in range(B)], n_out)
                 return go
-            fns = {k: step(drafters[k], f, vocab=vocabs.get(k)) for k, (_, f) in variants.items()}
+            fns = {k: step(drafters[k], f, vocab=vocabs.get(k), head8=int8 if k in int8s else None)
+                   for k, (_, f) in variants.items()}
 
             def step_graph(d, B=B, ctx=ctx):  # the static step this STEP runs (one new token per request)
                 return d._static[B, 1, n_out, kv_bucket(ctx + 1 + n_out, d.cache.max_len)]
@@ -344,17 +356,20 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
                 finally:
                     g.graph = graph
             fns["graphs_fast_host_only"] = host_only
-            for k in vocabs:  # the restricted head's step graph replayed alone too
-                fns[f"{k}_replay_only"] = lambda d=drafters[k]: step_graph(d).graph.replay()
+            for k in [*vocabs, *int8s]:  # the restricted and int8 heads' step graphs replayed alone too
+                if f"{k}_replay_only" not in fns:
+                    fns[f"{k}_replay_only"] = lambda d=drafters[k]: step_graph(d).graph.replay()
             t = interleaved(fns, iters)
             row = {"context": ctx, "requests": B, "step": t}
             kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)
             row["bytes_per_step"] = n_out * wb + kv_read
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
             row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast_cublas", "graphs_fast",
-                                                                 "graphs_fast_nosiluepi", *vocabs)}
+                                                                 "graphs_fast_nosiluepi", *vocabs, *int8s)}
+            row["int8_head_rows"] = B  # the int8 tile runs where the plan offers one (one row); else the bf16 head
             fast_path(model, True)
             model.draft_vocab = None
+            model.int8_head = None
             res["rows"].append(row)
             print(f"drafter 0.5B ctx {ctx} B={B}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
                   + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}"

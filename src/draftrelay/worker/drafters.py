@@ -274,6 +274,10 @@ class LlamaDrafter(Drafter):
             self.cache.truncate(self.n_rows, 0)
             self.model(torch.zeros((1, 1), dtype=torch.int64, device=dev), torch.tensor([0]), self.cache,
                        torch.tensor([self.n_rows]), logits_at=torch.zeros(1, dtype=torch.int64, device=dev))
+            if getattr(self.model, "int8_head", None) is not None:  # a greedy pick reads the int8 head: its keys
+                self.cache.truncate(self.n_rows, 0)
+                self.model(torch.zeros((1, 1), dtype=torch.int64, device=dev), torch.tensor([0]), self.cache,
+                           torch.tensor([self.n_rows]), greedy=True)
             self.cache.truncate(self.n_rows, 0)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)

@@ -1,0 +1,85 @@
+"""A drafter's head read as int8 (int8_head.py) on a real GPU (not collected by CI):
+`pytest -q tests_gpu/test_int8_head_gpu.py`.
+
+Each int8 candidate at the 0.5B head's shape (one row, bf16 activations) against its definition
+(`reference.int8_linear` / `int8_norm_linear`), and x + delta bit for bit; then the 0.5B shape's drafter
+with the int8 head: graph replay equals eager in >= 95 % of request-rounds, and each round's first draft is
+the bf16 head's argmax up to a near-tie (the int8 rounding moves a logit by at most absmax * ||h||_1 / 254).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from draftrelay import kernels
+from draftrelay import model as M
+from draftrelay.int8_head import Int8Head, quantize_rows
+from draftrelay.kernels import plan as P
+from draftrelay.kernels import reference as R
+from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton_available("cuda")),
+                                reason="needs a CUDA GPU with Triton")
+DEV = torch.device("cuda")
+
+
+@pytest.mark.parametrize("pro", [P.PRO_NORM, P.PRO_NONE])
+@pytest.mark.parametrize("N", [151936, 32768])
+def test_int8_candidates_equal_their_definition(pro, N):
+    from draftrelay.kernels import triton_ops as TO
+    g = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(2), "little"))
+    K, bf = 896, torch.bfloat16
+    x = torch.randn(1, K, device=DEV, generator=g).to(bf)
+    q, s = quantize_rows((torch.randn(N, K, device=DEV, generator=g) * K ** -0.5).to(bf))
+    d = torch.randn(1, K, device=DEV, generator=g).to(bf) if pro == P.PRO_NORM else None
+    nw = torch.randn(K, device=DEV, generator=g).to(bf)
+    ref_x, ref = R.int8_norm_linear(x, d, nw, 1e-6, q, s) if pro == P.PRO_NORM else (x, R.int8_linear(x, q, s))
+    cands = P.bucket_candidates(pro, 1, N, K, P.INT8)
+    assert cands
+    for cfg in cands:
+        got_x, got = TO.skinny_linear(pro, cfg, x, q, None, d, nw, 1e-6, w_scale=s)
+        err = float((got.double() - ref.double()).norm() / ref.double().norm())
+        assert torch.equal(got_x, ref_x) and err < 1e-2, (cfg, err)
+    # the public pair plans one (INT8 key) and runs it
+    out = TO.int8_norm_linear(x, d, nw, 1e-6, q, s) if pro == P.PRO_NORM else (x, TO.int8_linear(x, q, s))
+    assert out is not None and float((out[1].double() - ref.double()).norm() / ref.double().norm()) < 1e-2
+
+
+def test_int8_head_drafts_graph_equals_eager_and_first_draft_is_the_bf16_argmax_up_to_a_near_tie():
+    cfg = M.ModelConfig(**SHAPES["qwen2.5-0.5b"], name="qwen2.5-0.5b")
+    model = M.Transformer.random(cfg, seed=int.from_bytes(os.urandom(2), "little"), device=DEV,
+                                 dtype=torch.bfloat16, draw_on="device")
+    model.int8_head = Int8Head()
+    q, s = model.int8_head.of(model.head_weight())
+    ds = {"graph": LlamaDrafter(model, 4, 2048, 8, "d", "", mode="graph"),
+          "eager": LlamaDrafter(model, 4, 2048, 8, "d", "", mode="eager")}
+    ds["graph"].plan_warm()
+    n_out, rounds = 4, 20
+    rng = np.random.default_rng(0)
+    ctx = list(rng.integers(0, cfg.vocab_size, 60))
+    synced, same, moved, far = 0, 0, 0, []
+    for _ in range(rounds):
+        job = Job(0, synced, np.array(ctx[synced:], np.int32))
+        res = {k: d.run([Job(job.row, job.keep, job.tokens.copy())], n_out)[0][0] for k, d in ds.items()}
+        same += int(np.array_equal(res["graph"], res["eager"]))
+        head8, model.int8_head = model.int8_head, None  # the bf16 head's logits after the context
+        cache = model.new_cache(1, len(ctx) + 1)
+        with torch.inference_mode():
+            full = model(torch.tensor([ctx]), torch.tensor([0]), cache, torch.tensor([0]), last_only=True)[0, 0].float()
+        model.int8_head = head8
+        pick, best = int(res["eager"][0]), int(full.argmax())
+        if pick != best:
+            moved += 1
+            if float(full[best] - full[pick]) > 0.05 * float(full.abs().max()):
+                far.append({"pick": pick, "best": best, "gap": float(full[best] - full[pick])})
+        keep = int(rng.integers(0, n_out + 1))
+        synced = len(ctx)
+        ctx += list(res["eager"][:keep]) + [int(rng.integers(0, cfg.vocab_size))]
+    assert same >= 0.95 * rounds, (same, rounds)
+    assert not far, far
+    assert moved <= 0.3 * rounds, moved
+    assert q.dtype == torch.int8 and model.int8_head.nbytes() == q.numel() + 4 * s.numel()
