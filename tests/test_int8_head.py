@@ -197,3 +197,29 @@ def test_load_drafter_refuses_head_int8_off_a_gpu():
         load_drafter("tiny", device="cpu", head_int8=True)
     with pytest.raises(ValueError, match="--head-int8"):
         load_drafter("test", device="cpu", head_int8=True)
+
+
+def test_generate_and_serve_pass_head_int8_to_the_local_gpu_worker_only(monkeypatch, capsys):
+    """--drafter-head-int8: the local worker's --head-int8 (start_local_worker adds it); refused with a remote
+    worker (it takes the flag itself) and on a CPU device, naming the flag."""
+    import argparse
+
+    from draftrelay import cli
+    from draftrelay.engine import loading as L
+    from draftrelay.serve import cli as serve_cli
+    from draftrelay.worker import process
+
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    assert serve_cli._check(p.parse_args(["--drafter-head-int8", "--worker", "h:1"])).startswith(
+        "--drafter-head-int8: the local worker's setting")
+    assert serve_cli._check(p.parse_args(["--drafter-head-int8", "--device", "cpu"])).startswith(
+        "--drafter-head-int8: for a GPU drafter")
+    assert serve_cli._check(p.parse_args(["--drafter-head-int8", "--device", "cuda"])) == ""
+    assert cli.main(["generate", "x", "--drafter-head-int8", "--device", "cpu"]) == 2
+    assert "--drafter-head-int8: for a GPU drafter" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(process, "start_worker_process", lambda args, env=None: seen.append(args))
+    L.start_local_worker("tiny", torch.device("cuda"), 4, 256, 1, head_int8=True)
+    L.start_local_worker("tiny", torch.device("cuda"), 4, 256, 1)
+    assert "--head-int8" in seen[0] and "--head-int8" not in seen[1]

@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-threads", type=int, default=0, help="CPU threads of the local worker (0: all cores)")
     add_drafter_quant(p)
     add_drafter_vocab(p)
+    add_drafter_head_int8(p)
     add_cpu_placement(p)
     p.add_argument("--spec-cache", type=int, default=0, nargs="?", const=8, metavar="F",
                    help="speculation cache (async): the worker pre-drafts F branches per request during each "
@@ -110,6 +111,26 @@ def add_drafter_quant(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-quant", default="none", choices=["none", "int8", "int4"],
                    help="the local CPU worker's --quant: int8 or int4 layer weights for its drafts (faster, "
                         "approximate drafts; the output is the target's either way)")
+
+
+def add_drafter_head_int8(p: argparse.ArgumentParser) -> None:
+    """--drafter-head-int8, as `draftrelay generate` and `draftrelay serve` take it (checked by
+    local_head_int8_problems): the local GPU worker's --head-int8."""
+    p.add_argument("--drafter-head-int8", action="store_true",
+                   help="the local GPU worker's --head-int8: its greedy drafts read the head as int8 (half its "
+                        "bytes; approximate drafts, the output is the target's either way). Default: bf16")
+
+
+def local_head_int8_problems(on: bool, device: str, worker: str) -> list[str]:
+    """Why --drafter-head-int8 cannot apply (none when it can): a remote worker takes --head-int8 itself; the
+    local worker shares the target's device, which must be a GPU."""
+    if not on:
+        return []
+    if worker:
+        return ["--drafter-head-int8: the local worker's setting; a remote worker takes --head-int8 itself"]
+    if str(device) == "cpu":
+        return ["--drafter-head-int8: for a GPU drafter (the fast path's int8 tile), not --device cpu"]
+    return []
 
 
 def add_drafter_vocab(p: argparse.ArgumentParser) -> None:
@@ -214,6 +235,8 @@ def check_flags(args: argparse.Namespace) -> list[str]:
     bad += local_quant_problems(getattr(args, "drafter_quant", "none"), getattr(args, "device", "cpu"),
                                 getattr(args, "worker", ""))
     bad += local_vocab_problems(getattr(args, "drafter_vocab", ""), getattr(args, "worker", ""))
+    bad += local_head_int8_problems(getattr(args, "drafter_head_int8", False), getattr(args, "device", "cpu"),
+                                    getattr(args, "worker", ""))
     if hasattr(args, "drafter_cpus"):  # generate's (demo has no placement flags)
         bad += cpu_placement_problems(args)
     if getattr(args, "metrics_port", 0) and not 0 < args.metrics_port < 65536:
@@ -352,6 +375,7 @@ def _run(args: argparse.Namespace, prompt: str) -> int:
                     t_start = time.perf_counter()
                     worker = L.start_local_worker(args.drafter, dev, k_max, max_len + 64, 1, args.worker_threads,
                                                   quant=args.drafter_quant, draft_vocab=args.drafter_vocab,
+                                                  head_int8=args.drafter_head_int8,
                                                   cpus=args.drafter_cpus, warm_batch=1 if policy else 0,
                                                   warm_depths=policy, warm_min_kv=len(ids))
                     if warming:

@@ -133,7 +133,7 @@ def default_threads() -> int:
 def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx: int, rows: int,
                        threads: int = 0, dtype: str = "", warm_batch: int = 0, warm_max_kv: int = 0,
                        quant: str = "none", draft_vocab: str = "", cpus: str = "", warm_depths: bool = False,
-                       warm_min_kv: int = 0):
+                       warm_min_kv: int = 0, head_int8: bool = False):
     """A `draftrelay worker` child process on a free loopback port.
 
     threads (CPU): the worker's torch threads; 0 = every core this process may use. The target and
@@ -149,7 +149,8 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
     so every depth would cost, and be measured at, the deepest round's forwards). warm_min_kv > 0: none for
     contexts shorter than that (one request whose prompt is that long). quant: the worker's
     --quant (int8 / int4: a CPU drafter's products on int8 / int4 weights, worker/quant.py). draft_vocab:
-    the worker's --draft-vocab (its head restricted, draft_vocab.py).
+    the worker's --draft-vocab (its head restricted, draft_vocab.py). head_int8: the worker's --head-int8 (a GPU
+    drafter's greedy picks read its head as int8, int8_head.py).
     cpus (CPU): the worker's --cpus, its own cores (cpus.py); its threads default to one a CPU there."""
     from draftrelay.worker.process import start_worker_process
 
@@ -157,7 +158,8 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
             *(["--dtype", dtype or "float32"] if drafter == "tiny" or dtype else []),
             "--max-ctx", str(max_ctx), "--rows", str(max(16, rows)), "--max-requests", str(max(16, rows)),
             *(["--quant", quant] if quant != "none" else []),
-            *(["--draft-vocab", draft_vocab] if draft_vocab else [])]
+            *(["--draft-vocab", draft_vocab] if draft_vocab else []),
+            *(["--head-int8"] if head_int8 else [])]
     if warm_batch > 0 and device.type == "cuda" and n_draft > 0:
         steps = range(1, n_draft + 1) if warm_depths else [n_draft]
         args += ["--warm-graphs", ",".join(map(str, steps)), "--warm-batch", str(warm_batch)]

@@ -22,10 +22,12 @@ import time
 
 from draftrelay.engine.cli_generate import (
     add_cpu_placement,
+    add_drafter_head_int8,
     add_drafter_quant,
     add_drafter_vocab,
     apply_cpu_placement,
     cpu_placement_problems,
+    local_head_int8_problems,
     local_quant_problems,
     local_vocab_problems,
 )
@@ -47,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", default="", metavar="HOST:PORT", help="use a running `draftrelay worker`")
     add_drafter_quant(p)
     add_drafter_vocab(p)
+    add_drafter_head_int8(p)
     add_cpu_placement(p)
     p.add_argument("--mode", default="async", choices=["off", "sync", "async"], help="round mode")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -119,7 +122,9 @@ def _check(args: argparse.Namespace) -> str:
     if args.spec_cache and args.k < 1:
         return f"--spec-cache needs --k >= 1 (drafts to branch), got --k {args.k}"
     return next(iter(local_quant_problems(args.drafter_quant, args.device, args.worker)
-                     + local_vocab_problems(args.drafter_vocab, args.worker) + cpu_placement_problems(args)), "")
+                     + local_vocab_problems(args.drafter_vocab, args.worker)
+                     + local_head_int8_problems(args.drafter_head_int8, args.device, args.worker)
+                     + cpu_placement_problems(args)), "")
 
 
 def fit_context(model, dev, args: argparse.Namespace, say) -> int:
@@ -356,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
                     worker = L.start_local_worker(args.drafter, dev, args.k, max_len + 64, args.max_batch,
                                                   warm_batch=0 if args.no_warmup else args.max_batch,
                                                   warm_max_kv=args.worker_warm_max_kv, quant=args.drafter_quant,
-                                                  draft_vocab=args.drafter_vocab, cpus=args.drafter_cpus)
+                                                  draft_vocab=args.drafter_vocab, cpus=args.drafter_cpus,
+                                                  head_int8=args.drafter_head_int8)
                 except RuntimeError as exc:
                     say(f"the local worker did not start: {exc}")
                     return 1
