@@ -1,0 +1,96 @@
+"""How often the drafter's head read as int8 (`draftrelay worker --head-int8`, int8_head.py) changes its greedy
+draft, on the real reference drafter (Qwen2.5-Coder 0.5B Instruct, GGUF) over the recorded trace's contexts.
+
+For each trace entry the drafter runs once over its prompt and the target's recorded continuation (the
+contexts a drafter meets in that run); at every position of the continuation its next-token pick is taken
+from the head as the GPU drafter reads it in bf16 (the head rounded to bf16) and from the int8 copy of that
+bf16 head (quantize_rows: one fp32 scale per row; the product as reference.int8_linear computes it, here
+through the dequantized rows, the same sums up to fp32 rounding). Reports, per entry and over all: the
+positions where the two picks differ, how many of the picks equal the target's next token (the first
+draft's acceptance, each way), and the largest change of the pick's softmax probability (the confidence).
+The rest of the drafter runs in fp32 on this CPU; the GPU drafter's bf16 layers move its hidden states by
+more than this, so the figure isolates the head's rounding.
+
+    python benchmarks/int8_head_agreement.py --drafter /work/refpair/qwen2.5-coder-0.5b-instruct.gguf
+
+(`python3 scripts/fetch_reference_pair.py --dest /work/refpair` fetches the GGUF files.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from draftrelay.checkpoint import gguf  # noqa: E402
+from draftrelay.int8_head import quantize_rows  # noqa: E402
+from machine import write_json  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def picks(model, ids: list[int], head: torch.Tensor, n_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, its softmax probability) of `head` over the final-norm hidden states at the positions that
+    predict the continuation's tokens (n_prompt - 1 .. len(ids) - 2)."""
+    model.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
+    model.lm_head.weight.data = head
+    cache = model.new_cache(1, len(ids) + 1)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids]), torch.tensor([0]), cache, torch.tensor([0]))[0].float()
+    lg = logits[n_prompt - 1:len(ids) - 1]
+    return lg.argmax(-1), torch.softmax(lg, -1).max(-1).values
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", default="/work/refpair/qwen2.5-coder-0.5b-instruct.gguf",
+                    help="the reference drafter's GGUF file (scripts/fetch_reference_pair.py)")
+    ap.add_argument("--trace", default=os.path.join(HERE, "data", "trace_qwen2.5-coder-0.5b-1.5b.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "int8_head_agreement.json"))
+    args = ap.parse_args()
+    if not os.path.exists(args.drafter):
+        ap.error(f"--drafter {args.drafter}: no such file (python3 scripts/fetch_reference_pair.py --dest DIR)")
+    t0 = time.perf_counter()
+    model = gguf.load_gguf(args.drafter, dtype=torch.float32)
+    model.fast = False
+    tied = model.head_weight().detach()
+    bf16 = tied.to(torch.bfloat16).float()  # the head as the GPU drafter holds it
+    q, s = quantize_rows(tied.to(torch.bfloat16))
+    int8 = q.float() * s[:, None]
+    with open(args.trace) as f:
+        trace = json.load(f)
+    rows, total = [], {"positions": 0, "differ": 0, "target_bf16": 0, "target_int8": 0, "max_conf_change": 0.0}
+    for e in trace["entries"]:
+        prompt, cont = list(e["prompt"]), list(e["target"])
+        ids = prompt + cont
+        tb, cb = picks(model, ids, bf16, len(prompt))
+        ti, ci = picks(model, ids, int8, len(prompt))
+        want = torch.tensor(cont)
+        row = {"name": e["name"], "positions": len(cont), "differ": int((tb != ti).sum()),
+               "target_bf16": int((tb == want).sum()), "target_int8": int((ti == want).sum()),
+               "max_conf_change": round(float((cb - ci).abs().max()), 5)}
+        rows.append(row)
+        for k in ("positions", "differ", "target_bf16", "target_int8"):
+            total[k] += row[k]
+        total["max_conf_change"] = max(total["max_conf_change"], row["max_conf_change"])
+        print(f"{row['name']:24s} positions {row['positions']:4d}  picks differ {row['differ']:3d}  "
+              f"first draft = target: bf16 {row['target_bf16']:4d}  int8 {row['target_int8']:4d}  "
+              f"max |conf change| {row['max_conf_change']:.4f}", flush=True)
+    print(f"all: {total['differ']} of {total['positions']} picks differ "
+          f"({100 * total['differ'] / total['positions']:.2f} %); first draft = target: bf16 {total['target_bf16']}, "
+          f"int8 {total['target_int8']}; max |conf change| {total['max_conf_change']:.4f}")
+    write_json(args.out, {"benchmark": "int8_head_agreement", "drafter": os.path.basename(args.drafter),
+                          "trace": os.path.basename(args.trace), "head_bytes": {"bf16": tied.numel() * 2,
+                                                                                 "int8": q.numel() + 4 * s.numel()},
+                          "rows": rows, "all": total, "wall_s": round(time.perf_counter() - t0, 1)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
