@@ -192,8 +192,9 @@ def plan_rows(planner: P.Planner = MAIN_PLANNER) -> list[dict]:
     for key, times in planner.report.items():
         _, pro, m, n, k, dtype, bias, delta = key
         choice = planner.table[key]
-        nbytes = n * k * 2
-        rows.append({"product": P.PRO_NAMES[pro], "M": m, "N": n, "K": k, "bias": bias, "residual": delta,
+        nbytes = n * k * (1 if dtype == P.INT8 else 2)
+        rows.append({"product": P.PRO_NAMES[pro], "M": m, "N": n, "K": k, "dtype": dtype, "bias": bias,
+                     "residual": delta,
                      "us": {c: round(t * 1e6, 2) for c, t in times.items() if np.isfinite(t)},
                      "failed": [c for c, t in times.items() if not np.isfinite(t)],
                      "GBps": {c: round(nbytes / t / 1e9, 1) for c, t in times.items() if np.isfinite(t)},
@@ -311,6 +312,10 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
         drafters[k] = LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m)
     model.draft_vocab = None
     plan_first(model, lambda: drafters["graphs_fast"].plan_warm())
+    for k in int8s:  # the int8 heads' keys planned eagerly too, as a worker's plan_warm does with --head-int8
+        model.draft_vocab, model.int8_head = vocabs.get(k), int8
+        drafters[k].plan_warm()
+    model.draft_vocab = model.int8_head = None
     wb = weight_bytes(model)
     res = out.setdefault("drafter_0p5b", {"weight_bytes": wb, "n_out": n_out, "rows": []})
     for ctx in ctxs:

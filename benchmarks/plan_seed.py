@@ -120,15 +120,16 @@ def from_benchmark(path: str, out: str) -> int:
     if len(gpus) != 1:
         raise SystemExit(f"plan_seed.py --from-benchmark {path}: its machine names the cards {sorted(gpus)!r}, "
                          "not one card")
-    if "bf16" not in str(data.get("weights", "")):
+    if "bf16" not in str(data.get("weights", "")):  # its products' activations (int8 keys: int8 weights on them)
         raise SystemExit(f"plan_seed.py --from-benchmark {path}: weights {data.get('weights')!r}, not bf16")
     pros = {name: pro for pro, name in P.PRO_NAMES.items()}
     plans, left_out = {}, []
     for row in data.get("plans", []):
         pro, M, N, K = pros[row["product"]], row["M"], row["N"], row["K"]
-        key = P.PlanCache.entry_key((pro, M, N, K, "bfloat16", bool(row["bias"]), bool(row["residual"])))
+        dtype = row.get("dtype", "bfloat16")  # a run before rows named theirs: bf16 (int8 keys came later)
+        key = P.PlanCache.entry_key((pro, M, N, K, dtype, bool(row["bias"]), bool(row["residual"])))
         us = {**row["us"], **{label: None for label in row.get("failed", [])}}  # a plan file's form: None failed
-        labels = ["cublas", *(c.label() for c in P.bucket_candidates(pro, M, N, K))]
+        labels = ["cublas", *(c.label() for c in P.bucket_candidates(pro, M, N, K, dtype))]
         if any(label not in us for label in labels):
             left_out.append(key)
             continue

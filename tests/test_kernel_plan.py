@@ -396,6 +396,7 @@ def test_a_seed_from_a_benchmarks_plans_keeps_only_fully_timed_keys_chosen_anew(
     key with a present candidate the run never timed is left out; the file loads as that card's seed."""
     mod = _plan_seed_script()
     gate = P.bucket_candidates(P.PRO_NORM, 4, 9728, 896)
+    q8 = P.bucket_candidates(P.PRO_NORM, 1, 9728, 896, P.INT8)
     us = {c.label(): 10.0 for c in gate}
     us[gate[-1].label()] = 9.5
     rows = [  # the fastest label is not a present candidate here: the choice is the best present one
@@ -406,7 +407,10 @@ def test_a_seed_from_a_benchmarks_plans_keeps_only_fully_timed_keys_chosen_anew(
          "us": {"cublas": 11.0, "dot64x128w4s4": 9.0}},
         # every candidate failed or lost: cuBLAS
         {"product": "act_linear", "M": 1, "N": 896, "K": 4864, "bias": False, "residual": False,
-         "us": {"cublas": 5.0}, "failed": [c.label() for c in P.bucket_candidates(P.PRO_SILU, 1, 896, 4864)]}]
+         "us": {"cublas": 5.0}, "failed": [c.label() for c in P.bucket_candidates(P.PRO_SILU, 1, 896, 4864)]},
+        # an int8 head's key (int8_head.py) keeps its dtype: its own entry, its own (multiply-and-sum) candidates
+        {"product": "norm_linear", "M": 1, "N": 9728, "K": 896, "dtype": P.INT8, "bias": False, "residual": True,
+         "failed": [], "us": {"cublas": 30.0, **{c.label(): 4.0 for c in q8}}}]
     bench = tmp_path / "fast_forward.json"
     bench.write_text(json.dumps({"machine": {"gpus": ["Card X"]}, "weights": "random bf16, real shapes",
                                  "plans": rows}))
@@ -414,7 +418,8 @@ def test_a_seed_from_a_benchmarks_plans_keeps_only_fully_timed_keys_chosen_anew(
     assert mod.from_benchmark(str(bench), str(out)) == 0
     assert "left out (a present candidate untimed there): 0|8|3584|3584|bfloat16|False|False" in capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert data["meta"] == {"device": "Card X"} and len(data["plans"]) == 2
+    assert data["meta"] == {"device": "Card X"} and len(data["plans"]) == 3
+    assert data["plans"]["1|1|9728|896|int8|False|True"]["choice"] == q8[0].label()
     e = data["plans"]["1|4|9728|896|bfloat16|False|True"]
     assert e["choice"] == gate[-1].label() and "dot64x128w4s3sw" not in e["us"]
     assert data["plans"]["2|1|896|4864|bfloat16|False|False"]["choice"] == "cublas"
