@@ -304,6 +304,7 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
         variants[k] = ("graph", True)
     for k in list(vocabs):
         vocabs[f"{k}_int8head"] = vocabs[k]
+    heads = list(dict.fromkeys([*vocabs, *int8s]))  # the variants of another head: each named once
     drafters = {}
     for k, (m, _) in variants.items():
         model.draft_vocab = vocabs.get(k)  # LlamaDrafter's lean loop and graphs take the head as set now
@@ -361,17 +362,15 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
                 finally:
                     g.graph = graph
             fns["graphs_fast_host_only"] = host_only
-            for k in [*vocabs, *int8s]:  # the restricted and int8 heads' step graphs replayed alone too
-                if f"{k}_replay_only" not in fns:
-                    fns[f"{k}_replay_only"] = lambda d=drafters[k]: step_graph(d).graph.replay()
+            for k in heads:  # the restricted and int8 heads' step graphs replayed alone too
+                fns[f"{k}_replay_only"] = lambda d=drafters[k]: step_graph(d).graph.replay()
             t = interleaved(fns, iters)
             row = {"context": ctx, "requests": B, "step": t}
             kv_read = B * n_out * (ctx + 4) * kv_bytes_per_token(cfg)
             row["bytes_per_step"] = n_out * wb + kv_read
             row["achieved_GBps"] = gbps(row["bytes_per_step"], t)
             row["kernels"] = {k: kernel_count(fns[k]) for k in ("graphs", "graphs_fast_cublas", "graphs_fast",
-                                                                 "graphs_fast_nosiluepi", *vocabs, *int8s)}
-            row["int8_head_rows"] = B  # the int8 tile runs where the plan offers one (one row); else the bf16 head
+                                                                 "graphs_fast_nosiluepi", *heads)}
             fast_path(model, True)
             model.draft_vocab = None
             model.int8_head = None

@@ -271,13 +271,13 @@ class LlamaDrafter(Drafter):
         torch = self.torch
         with self._on_model_gpu(), torch.inference_mode():
             dev = self.model.device
-            self.cache.truncate(self.n_rows, 0)
-            self.model(torch.zeros((1, 1), dtype=torch.int64, device=dev), torch.tensor([0]), self.cache,
-                       torch.tensor([self.n_rows]), logits_at=torch.zeros(1, dtype=torch.int64, device=dev))
+            ways = [{"logits_at": torch.zeros(1, dtype=torch.int64, device=dev)}]
             if getattr(self.model, "int8_head", None) is not None:  # a greedy pick reads the int8 head: its keys
+                ways.append({"greedy": True})
+            for kw in ways:
                 self.cache.truncate(self.n_rows, 0)
                 self.model(torch.zeros((1, 1), dtype=torch.int64, device=dev), torch.tensor([0]), self.cache,
-                           torch.tensor([self.n_rows]), greedy=True)
+                           torch.tensor([self.n_rows]), **kw)
             self.cache.truncate(self.n_rows, 0)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -557,18 +557,6 @@ def _planned() -> int:
     return 0 if st is None else st.measured + st.from_seed
 
 
-def torch_device_type(device: str) -> str:
-    """The device type a --device string names ("auto": cuda where available), without importing torch for
-    'cpu'."""
-    if device == "cpu":
-        return "cpu"
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
-
-
 def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows: int = 16, max_ctx: int = 4096,
                  n_out_max: int = 8, seed: int | None = None, model_id: str = "", test_vocab: int = 1000,
                  slow_token: int = -1, delay_ms: float = 0.0, fail_token: int = -1, mode: str = "auto",
@@ -581,9 +569,8 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     for ids 0..N-1, FILE.npy[:N] for a ranking file's first N; '' the whole head); a replay drafter
     restricts its trace's drafts to the same ids (replay.Trace.restricted). head_int8 (a CUDA drafter): its
     greedy forwards read the head (the draft vocabulary's rows, if any) as int8 (int8_head.py)."""
-    if head_int8 and (spec == "test" or torch_device_type(device) != "cuda"):
-        raise ValueError(f"--head-int8: for a CUDA drafter with a head (the fast path's int8 tile), not "
-                         f"{spec!r} on {device!r}")
+    if head_int8 and spec == "test":
+        raise ValueError(f"--head-int8: for a CUDA drafter with a head (the fast path's int8 tile), not {spec!r}")
     if draft_vocab and spec == "test":
         raise ValueError(f"--draft-vocab {draft_vocab}: the 'test' drafter has no head to restrict")
     if quant != "none" and (spec == "test" or spec.startswith("replay:")):
@@ -604,6 +591,9 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     from draftrelay.checkpoint import hf
 
     dev = torch.device(device)
+    if head_int8 and dev.type != "cuda":
+        raise ValueError(f"--head-int8: for a CUDA drafter with a head (the fast path's int8 tile), not {spec!r} "
+                         f"on {device!r}")
     asked = mode
 
     def mode_for(net) -> str:  # auto: CUDA graphs on a GPU, the lean loop on a CPU where it applies
