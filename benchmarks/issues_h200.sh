@@ -141,7 +141,7 @@ if part 11 "the fast forward at 128, this build and the build before alternated"
 fi
 if part 12 "the plan seed made again"; then
     DRAFTRELAY_PLAN_SEED=off timeout "${SEED_S:-200}" python3 benchmarks/plan_seed.py \
-        --shapes qwen2.5-7b,qwen2.5-0.5b@32768 \
+        --shapes qwen2.5-7b,qwen2.5-0.5b@32768+int8 \
         --out "$OUT/plan_seed.json" 2>&1 | grep -v "^\[W" | tail -3
 fi
 echo "done in $(( $(date +%s) - T0 )) s"

@@ -65,6 +65,7 @@ class Recorder:
         mod.__dict__.update({k: v for k, v in vars(R).items() if not k.startswith("__")})
         mod.linear, mod.norm_linear, mod.act_linear = self.linear, self.norm_linear, self.act_linear
         mod.norm_mlp = self.norm_mlp
+        mod.int8_linear, mod.int8_norm_linear = self.int8_linear, self.int8_norm_linear
         self.module = mod
 
     def _rec(self, pro: int, rows: int, w: torch.Tensor, b, delta) -> None:
@@ -83,6 +84,14 @@ class Recorder:
     def norm_linear(self, x, delta, norm_w, eps, w, b):
         self._rec(P.PRO_NORM, x.numel() // w.shape[1], w, b, delta)
         return R.norm_linear(x, delta, norm_w, eps, w, b)
+
+    def int8_linear(self, x, q, s):  # the int8 head's greedy pick (worker --head-int8): an INT8 key
+        self._rec(P.PRO_NONE, x.numel() // q.shape[1], q, None, None)
+        return R.int8_linear(x, q, s)
+
+    def int8_norm_linear(self, x, delta, norm_w, eps, q, s):
+        self._rec(P.PRO_NORM, x.numel() // q.shape[1], q, None, delta)
+        return R.int8_norm_linear(x, delta, norm_w, eps, q, s)
 
     def norm_mlp(self, x, delta, norm_w, eps, wgu, wd):
         self._rec(MLP_GATE, x.numel() // wgu.shape[1], wgu, None, delta)

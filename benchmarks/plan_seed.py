@@ -7,12 +7,13 @@ only; `plan_count.Recorder`); each is planned at every row bucket by the process
 the file holds exactly what a start-up would measure. Prints the cold planning cost (what a start
 without seed or cache pays) and writes the file.
 
-    python benchmarks/plan_seed.py --shapes qwen2.5-7b,qwen2.5-0.5b@32768 \
+    python benchmarks/plan_seed.py --shapes qwen2.5-7b,qwen2.5-0.5b@32768+int8 \
         --out src/draftrelay/kernels/plans/NVIDIA_H200.json
 
 A shape's `@N` also plans its head restricted to a draft vocabulary of ids 0..N-1 (`draftrelay worker
---draft-vocab N`, draft_vocab.py): a product of N rows that only such a drafter runs, so the one command
-makes the whole seed a card ships.
+--draft-vocab N`, draft_vocab.py): a product of N rows that only such a drafter runs; `+int8` the head
+(each head: with `@N` the restricted one too) read as int8 by the greedy forwards (`worker --head-int8`,
+int8_head.py: keys of dtype int8). So the one command makes the whole seed a card ships.
 
 `--repick FILE` (no GPU): choose again from the times a seed or cache file recorded, under the present
 choice rule (`plan.pick`: MARGIN, CHAIN_S), and rewrite the file's choices; prints each choice it changes.
@@ -42,11 +43,20 @@ from draftrelay.worker.drafters import SHAPES  # noqa: E402
 from plan_count import MLP_DOWN, MLP_GATE, Recorder, meta_model, z  # noqa: E402
 
 
-def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0) -> set[tuple]:
+class _MetaInt8Head:
+    """int8_head.Int8Head's interface on the meta device: the copy's shapes without quantizing anything."""
+
+    def of(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty(w.shape, dtype=torch.int8, device="meta"),
+                torch.empty(w.shape[0], dtype=torch.float32, device="meta"))
+
+
+def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0, head_int8: bool = False) -> set[tuple]:
     """The distinct planned products (pro, N, K, dtype, bias, residual) of a decode and a k+1 verify; the
     down product of norm_mlp both ways it runs (reading the activations its gate|up stored, or act_linear's
     where the gate|up is cuBLAS or DRAFTRELAY_SILU_EPILOGUE=off); draft_vocab > 0: the same again with the
-    head restricted to ids 0..draft_vocab-1."""
+    head restricted to ids 0..draft_vocab-1; head_int8: the drafter's greedy forwards again with the head
+    (each head above) read as int8 (worker --head-int8: keys of dtype plan.INT8)."""
     rec = Recorder()
     saved = kernels.backend
     kernels.backend = lambda device: rec.module
@@ -55,8 +65,14 @@ def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0) -> s
         cache = m.new_cache(2, 512)
         for T in (1, k + 1):
             m(z(1, T), z(1), cache, z(1), kv_len=256)
-        if draft_vocab:  # a drafter's forwards (greedy: the restricted head is only read by the pick)
-            m.draft_vocab = DraftVocab.top(draft_vocab, m.cfg.vocab_size)
+        # a drafter's greedy forwards as (vocabulary, int8 head): the restricted head is only read by the
+        # pick, the int8 one only by a greedy pick; the whole bf16 head's keys are the decode's and verify's
+        runs = [(draft_vocab, None)] if draft_vocab else []
+        if head_int8:
+            runs += [(v, _MetaInt8Head()) for v in {0, draft_vocab}]
+        for vocab, qhead in runs:
+            m.draft_vocab = DraftVocab.top(vocab, m.cfg.vocab_size) if vocab else None
+            m.int8_head = qhead
             for T in (1, k + 1):
                 m(z(1, T), z(1), cache, z(1), kv_len=256, logits_at=z(1), greedy=True)
     finally:
@@ -65,10 +81,13 @@ def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0) -> s
             for p in {MLP_DOWN: (P.PRO_NONE, P.PRO_SILU), MLP_GATE: (P.PRO_NORM,)}.get(pro, (pro,))}
 
 
-def parse_shape(spec: str) -> tuple[str, torch.dtype, int]:
-    """--shapes' item NAME[@N][:DTYPE] as (name, dtype, draft vocabulary size or 0); a clear error names a
-    bad one."""
+def parse_shape(spec: str) -> tuple[str, torch.dtype, int, bool]:
+    """--shapes' item NAME[@N][+int8][:DTYPE] as (name, dtype, draft vocabulary size or 0, int8 head); a
+    clear error names a bad one."""
     head, _, dt = spec.partition(":")
+    head, plus, opt = head.partition("+")
+    if plus and opt != "int8":
+        raise SystemExit(f"plan_seed.py --shapes: {'+' + opt!r} in {spec!r}: the one option is +int8 (the int8 head)")
     name, at, n = head.partition("@")
     if name not in SHAPES:
         raise SystemExit(f"plan_seed.py --shapes: unknown shape {name!r} in {spec!r} (known: {', '.join(SHAPES)})")
@@ -82,7 +101,7 @@ def parse_shape(spec: str) -> tuple[str, torch.dtype, int]:
             DraftVocab.top(vocab, SHAPES[name]["vocab_size"])
         except (ValueError, DraftVocabError) as e:
             raise SystemExit(f"plan_seed.py --shapes: draft vocabulary {n!r} in {spec!r}: {e}") from None
-    return name, dtype, vocab
+    return name, dtype, vocab, bool(plus)
 
 
 def write_seed(path: str, meta: dict, plans: dict) -> None:
@@ -148,7 +167,8 @@ def main() -> int:
     ap.add_argument("--repick", metavar="FILE", help="re-choose FILE's entries from its recorded times (no GPU)")
     ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-0.5b",
                     help="model shapes (draftrelay.worker.drafters.SHAPES), comma separated; NAME:float32 for fp32; "
-                         "NAME@N also plans the head restricted to ids 0..N-1 (--draft-vocab N)")
+                         "NAME@N also plans the head restricted to ids 0..N-1 (--draft-vocab N); NAME+int8 the "
+                         "head read as int8 by a drafter's greedy forwards (worker --head-int8), both with @N+int8")
     ap.add_argument("--k", type=int, default=4, help="drafts per round (the verify's width is k + 1)")
     ap.add_argument("--from-benchmark", metavar="FILE",
                     help="make the seed from the plans of a fast_forward.py result file (no GPU)")
@@ -168,8 +188,8 @@ def main() -> int:
 
     todo: set[tuple] = set()
     for spec in filter(None, args.shapes.split(",")):
-        name, dtype, vocab = parse_shape(spec)
-        todo |= shapes_of(name, dtype, args.k, draft_vocab=vocab)
+        name, dtype, vocab, head_int8 = parse_shape(spec)
+        todo |= shapes_of(name, dtype, args.k, draft_vocab=vocab, head_int8=head_int8)
     t0 = time.perf_counter()
     pl = triton_ops.PLANNER
     for i, (pro, N, K, dt, bias, delta) in enumerate(sorted(todo)):

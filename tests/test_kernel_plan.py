@@ -431,23 +431,32 @@ def test_a_seed_from_a_benchmarks_plans_keeps_only_fully_timed_keys_chosen_anew(
 
 
 def test_a_seeds_shapes_take_a_draft_vocabulary_head():
-    """benchmarks/plan_seed.py --shapes NAME@N: the products of a decode and a verify, and those of a drafter's
+    """benchmarks/plan_seed.py --shapes NAME@N[+int8]: the products of a decode and a verify, and those of a drafter's
     forwards with the head restricted to ids 0..N-1 (the norm's product at one position, the plain one
     where a catch-up picks its row first), so one command makes every key a card's seed ships; a bad item
     is a clear error naming it."""
     import torch
 
     mod = _plan_seed_script()
-    name, dtype, vocab = mod.parse_shape("qwen2.5-0.5b@32768")
-    assert (name, dtype, vocab) == ("qwen2.5-0.5b", torch.bfloat16, 32768)
+    name, dtype, vocab, head_int8 = mod.parse_shape("qwen2.5-0.5b@32768")
+    assert (name, dtype, vocab, head_int8) == ("qwen2.5-0.5b", torch.bfloat16, 32768, False)
     whole = mod.shapes_of(name, dtype, 4)
     both = mod.shapes_of(name, dtype, 4, draft_vocab=vocab)
     assert both - whole == {(P.PRO_NONE, 32768, 896, "bfloat16", False, False),
                             (P.PRO_NORM, 32768, 896, "bfloat16", False, True)}
     assert (P.PRO_NORM, 151936, 896, "bfloat16", False, True) in whole <= both
-    assert mod.parse_shape("qwen2.5-7b:float32") == ("qwen2.5-7b", torch.float32, 0)
+    assert mod.parse_shape("qwen2.5-7b:float32") == ("qwen2.5-7b", torch.float32, 0, False)
+    # +int8 (worker --head-int8): each head read as int8 by the greedy forwards, the norm's product at one
+    # position and the plain one after a catch-up picks its row; nothing else changes
+    assert mod.parse_shape("qwen2.5-0.5b@32768+int8") == ("qwen2.5-0.5b", torch.bfloat16, 32768, True)
+    quant = mod.shapes_of(name, dtype, 4, draft_vocab=vocab, head_int8=True)
+    assert quant - both == {(pro, n, 896, P.INT8, False, pro == P.PRO_NORM)
+                            for pro in (P.PRO_NONE, P.PRO_NORM) for n in (32768, 151936)}
+    assert mod.shapes_of(name, dtype, 4, head_int8=True) - whole == {
+        (pro, 151936, 896, P.INT8, False, pro == P.PRO_NORM) for pro in (P.PRO_NONE, P.PRO_NORM)}
     for bad, says in (("qwen9", "unknown shape 'qwen9'"), ("qwen2.5-0.5b@x", "draft vocabulary 'x'"),
-                      ("qwen2.5-0.5b@0", "between 1 and"), ("qwen2.5-0.5b:float99", "'float99'")):
+                      ("qwen2.5-0.5b@0", "between 1 and"), ("qwen2.5-0.5b:float99", "'float99'"),
+                      ("qwen2.5-0.5b+int4", "'\\+int4'.*the one option is \\+int8")):
         with pytest.raises(SystemExit, match=says):
             mod.parse_shape(bad)
 
