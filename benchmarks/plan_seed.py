@@ -201,6 +201,8 @@ def main() -> int:
     plans = {}
     for key, choice in pl.table.items():
         rep = pl.report.get(key, {})
+        if not rep:  # a bucket without candidates (an int8 head's above one row): cuBLAS or bf16, unmeasured
+            continue
         plans[P.PlanCache.entry_key(key[1:])] = {
             "choice": "cublas" if choice is None else choice.label(),
             "us": {k: (round(v * 1e6, 3) if v != float("inf") else None) for k, v in rep.items()}}
