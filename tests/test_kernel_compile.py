@@ -99,6 +99,17 @@ for pro, cfg in ((P.PRO_NORM, P.SkinnyConfig(4, 1024, False, 4, 1)),
     assert "ld.global" in ptx[:ptx.index("griddepcontrol.wait")], pro
     assert offline.resources(k)["spill_stores"] == 0, (cfg, offline.resources(k))
     n += 1
+# and at four rows, where the 0.5B's head takes a looped dot (the norm its own launch first): the int8 tile
+# converted to bf16 before the dot, the swapped tile's still Hopper's warp-group dot, nothing spilled
+for cfg in (P.SkinnyConfig(64, 128, True, 4, 4, swap=True), P.SkinnyConfig(64, 128, True, 4, 4)):
+    ks, _, c = P.launch(P.kernel_pro(P.PRO_NORM, cfg, 896), cfg, 4, 896, False, False, w_scale=True)
+    assert c["W_SCALE"] and c["PRO"] == P.PRO_NONE, c
+    k = offline.compile_for(TO._skinny_kernel, num_warps=cfg.warps, num_stages=cfg.stages, types={"w_ptr": "*i8"},
+                            ints=dict(N=151936, K=896, KS=ks, M=4), **run, **c)
+    ptx = k.asm["ptx"]
+    assert ("wgmma.mma_async" if cfg.swap else "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16") in ptx, cfg
+    assert offline.resources(k)["spill_stores"] == 0, (cfg, offline.resources(k))
+    n += 1
 try:
     offline.compile_for(TO._skinny_kernel, types={"v_ptr": "*i8"}, **run, **c)
 except ValueError as e:
@@ -112,4 +123,4 @@ print("compiled", n)
 
 def test_attention_kernels_compile_for_sm90(tmp_path):
     out = run_interpreted(tmp_path, COMPILE, interpret=False)
-    assert "compiled 21" in out, out[-3000:]
+    assert "compiled 23" in out, out[-3000:]

@@ -1,8 +1,9 @@
 """A drafter's head read as int8 (int8_head.py) on a real GPU (not collected by CI):
 `pytest -q tests_gpu/test_int8_head_gpu.py`.
 
-Each int8 candidate at the 0.5B head's shape (one row, bf16 activations) against its definition
-(`reference.int8_linear` / `int8_norm_linear`), and x + delta bit for bit; then the 0.5B shape's drafter
+Each int8 candidate at the 0.5B head's shape (one row and four, bf16 activations) against its definition
+(`reference.int8_linear` / `int8_norm_linear`), and x + delta bit for bit, and the plan's yardstick of an
+int8 key the bf16 product it replaces; then the 0.5B shape's drafter
 with the int8 head: graph replay equals eager in >= 95 % of request-rounds, and each round's first draft is
 the bf16 head's argmax up to a near-tie (the int8 rounding moves a logit by at most absmax * ||h||_1 / 254).
 """
@@ -27,26 +28,36 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.trito
 DEV = torch.device("cuda")
 
 
+@pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("pro", [P.PRO_NORM, P.PRO_NONE])
 @pytest.mark.parametrize("N", [151936, 32768])
-def test_int8_candidates_equal_their_definition(pro, N):
+def test_int8_candidates_equal_their_definition(pro, N, rows):
     from draftrelay.kernels import triton_ops as TO
     g = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(2), "little"))
     K, bf = 896, torch.bfloat16
-    x = torch.randn(1, K, device=DEV, generator=g).to(bf)
+    x = torch.randn(rows, K, device=DEV, generator=g).to(bf)
     q, s = quantize_rows((torch.randn(N, K, device=DEV, generator=g) * K ** -0.5).to(bf))
-    d = torch.randn(1, K, device=DEV, generator=g).to(bf) if pro == P.PRO_NORM else None
+    d = torch.randn(rows, K, device=DEV, generator=g).to(bf) if pro == P.PRO_NORM else None
     nw = torch.randn(K, device=DEV, generator=g).to(bf)
     ref_x, ref = R.int8_norm_linear(x, d, nw, 1e-6, q, s) if pro == P.PRO_NORM else (x, R.int8_linear(x, q, s))
-    cands = P.bucket_candidates(pro, 1, N, K, P.INT8)
-    assert cands
+    cands = P.bucket_candidates(pro, rows, N, K, P.INT8)
+    assert cands and (rows == 1 or all(c.dot for c in cands))  # four rows: the dot tiles on int8 tiles
     for cfg in cands:
         got_x, got = TO.skinny_linear(pro, cfg, x, q, None, d, nw, 1e-6, w_scale=s)
         err = float((got.double() - ref.double()).norm() / ref.double().norm())
         assert torch.equal(got_x, ref_x) and err < 1e-2, (cfg, err)
-    # the public pair plans one (INT8 key) and runs it
+    # the public pair plans the INT8 key against the bf16 product it replaces (not the dequantizing
+    # definition, some 6x slower) and runs its choice, or returns None (the caller's bf16 head)
     out = TO.int8_norm_linear(x, d, nw, 1e-6, q, s) if pro == P.PRO_NORM else (x, TO.int8_linear(x, q, s))
-    assert out is not None and float((out[1].double() - ref.double()).norm() / ref.double().norm()) < 1e-2
+    key = P.plan_key(0, pro, rows, N, K, P.INT8, False, pro == P.PRO_NORM)[0]
+    bf_key = P.plan_key(0, pro, rows, N, K, "bfloat16", False, pro == P.PRO_NORM)[0]
+    TO.PLANNER.choose(bf_key, P.bucket_candidates(pro, rows, N, K))
+    q_rep, bf_rep = TO.PLANNER.report.get(key), TO.PLANNER.report.get(bf_key)
+    if q_rep and bf_rep:  # both measured in this process (a plan cache or seed may have answered instead)
+        assert 0.7 < q_rep["cublas"] / bf_rep["cublas"] < 1.4, (q_rep, bf_rep)
+    assert (out is None) == (TO.PLANNER.table[key] is None)
+    if out is not None:
+        assert float((out[1].double() - ref.double()).norm() / ref.double().norm()) < 1e-2
 
 
 def test_int8_head_drafts_graph_equals_eager_and_first_draft_is_the_bf16_argmax_up_to_a_near_tie():

@@ -15,8 +15,9 @@ the output does not change, only how many drafts it keeps (greedy_head.py does t
 CPU with an exact argmax; here the int8 logits are taken as they are).
 
 Where it runs: the greedy forwards of the one-card fast path (`Transformer.forward(..., greedy=True)`), on
-rows the plan gives an int8 tile (multiply-and-sum tiles: up to plan.SUM_MAX_ROWS rows; on the large heads
-only one row is offered, kernels.plan.bucket_candidates), else the bf16 head as before; the plain path,
+rows the plan gives an int8 tile (the bf16 key's candidates, kernels.plan.bucket_candidates: on the large
+heads the multiply-and-sum tiles at one row and the dot tiles, each int8 tile converted to bf16 before its
+dot, at more; chosen only where one beats the bf16 product it replaces), else the bf16 head as before; the plain path,
 the forked rows' logits and the tensor-parallel ranks read the bf16 head. The int8 copy is made once per
 head tensor (a draft vocabulary's rows are quantized after they are picked) and kept beside the bf16 one,
 which the embedding (tied) and the other paths still read.

@@ -260,13 +260,12 @@ INT8 = "int8"  # a key's dtype for int8 weights with one fp32 scale per row (bf1
 def bucket_candidates(pro: int, M: int, N: int, K: int, dtype: str = "") -> list[SkinnyConfig]:
     """The candidates measured for M rows: those of the bucket's top row count that run every row
     count of the bucket (a bucket's choice serves all of them). dtype INT8 (int8 weights, a scale per
-    row): the multiply-and-sum tiles only (the dot tiles take bf16 operands), and none of another
+    row): the same tiles (a dot tile converts each int8 tile to bf16 before its dot), none of another
     prologue than the norm's or none."""
     if not 1 <= M <= MAX_ROWS or (dtype == INT8 and pro == PRO_SILU):
         return []
     rows = bucket_rows(M)
-    return [c for c in candidates(pro, rows[-1], N, K) if all(supports(c, m) for m in rows)
-            and not (dtype == INT8 and c.dot)]
+    return [c for c in candidates(pro, rows[-1], N, K) if all(supports(c, m) for m in rows)]
 
 
 def row_tiles(cfg: SkinnyConfig, M: int) -> tuple[int, int]:

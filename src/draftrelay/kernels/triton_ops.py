@@ -467,8 +467,10 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _dot_acc(acc, xv, w, IEEE: tl.constexpr):
-    """acc [M_PAD, BLOCK_N] += xv [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in fp32 (tensor cores)."""
-    return acc + _dot(xv, tl.trans(w), IEEE)
+    """acc [M_PAD, BLOCK_N] += xv [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in fp32 (tensor cores). An int8
+    tile (W_SCALE) is converted to the rows' dtype first: exact, |q| <= 127 fits bf16's 8 significant bits;
+    the same dtype is no conversion at all."""
+    return acc + _dot(xv, tl.trans(w.to(xv.dtype)), IEEE)
 
 
 @triton.jit
@@ -537,7 +539,7 @@ def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_
         kk = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + m.to(tl.int64)[None, :] * K + kk[:, None], mask=(kk < k_hi)[:, None] & mm[None, :],
                      other=0.0)
-        acc += _dot(w, xt, IEEE)
+        acc += _dot(w.to(xt.dtype), xt, IEEE)  # an int8 tile converted as in _dot_acc
     elif DOT:
         kk = k0 + tl.arange(0, BLOCK_K)
         msk = mm[:, None] & (kk < k_hi)[None, :]
@@ -659,7 +661,8 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     rows are BLOCK_N / 2 gate rows and the up rows n further, and it writes silu(gate) * up [M, n] of its
     rounded outputs (_store_y): SwiGLU's activations without a launch of their own. W_SCALE (a
     multiply-and-sum tile): W is int8, converted to fp32 where it is multiplied, and each output column
-    is its sum times s[n] (the row's scale) before the bias and the one rounding (_store_y)."""
+    is its sum times s[n] (the row's scale) before the bias and the one rounding (_store_y); the dot
+    tiles take such a W too, each int8 tile converted to the rows' dtype before its dot (_dot_acc)."""
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -821,14 +824,14 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     than the launch (measured on the H200 and, swapped, on an H100). silu_out (w a gate | up weight, N
     even): the product's silu_mul [..., N / 2] instead, computed where the product is stored. The kernel's
     constexprs are plan.launch's. w_scale (fp32 [N]): w is int8 and its row n stands for w[n] * w_scale[n]
-    (a multiply-and-sum tile, no SiLU prologue: int8_linear / int8_norm_linear). The forward calls it
-    through `linear` / `norm_linear` / `act_linear` / `norm_mlp` and the int8 pair."""
+    (no SiLU prologue or output: int8_linear / int8_norm_linear). The forward calls it through `linear` /
+    `norm_linear` / `act_linear` / `norm_mlp` and the int8 pair."""
     x = x.contiguous()
-    if w_scale is not None and (w.dtype != torch.int8 or cfg.dot or pro == P.PRO_SILU or silu_out
+    if w_scale is not None and (w.dtype != torch.int8 or pro == P.PRO_SILU or silu_out
                                 or w_scale.shape != (w.shape[0],) or w_scale.dtype != torch.float32):
-        raise ValueError(f"skinny_linear: a scaled weight is int8 with fp32 scales [{w.shape[0]}], on a "
-                         f"multiply-and-sum tile without SiLU (got {w.dtype}, scales {tuple(w_scale.shape)} "
-                         f"{w_scale.dtype}, {cfg.label()}, pro {P.PRO_NAMES[pro]})")
+        raise ValueError(f"skinny_linear: a scaled weight is int8 with fp32 scales [{w.shape[0]}], without SiLU "
+                         f"(got {w.dtype}, scales {tuple(w_scale.shape)} {w_scale.dtype}, {cfg.label()}, "
+                         f"pro {P.PRO_NAMES[pro]}{', silu_out' if silu_out else ''})")
     rows_dot = P.rows_dot_tile(cfg)  # the prologue inside, on the real rows
     if P.kernel_pro(pro, cfg, w.shape[1]) != pro:  # the prologue as its own launch, then the plain tile
         if pro == P.PRO_NORM:
@@ -923,7 +926,9 @@ def _output_error(got_x, got, ref_x, ref) -> float | None:
 
 def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     """Seconds per call of cuBLAS (None) and each candidate for `key`, timed in a CUDA graph over
-    distinct weight copies; a candidate that fails to build or to match cuBLAS's output gets inf."""
+    distinct weight copies; a candidate that fails to build or to match cuBLAS's output gets inf. An INT8
+    key's None is the product it would replace, cuBLAS on bf16 weights of the same shape (int8_linear's
+    None: the caller's bf16 head), and its candidates must match the int8 definition (_fallback's)."""
     dev_index, pro, M, N, K, dtype_name, has_bias, has_delta = key
     dev = torch.device("cuda", dev_index)
     wbytes = N * K * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
@@ -937,21 +942,22 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
             for w in ws:
                 split_buffers(w, M, n_split, triton.cdiv(N, c.block_n))
     reps = max(1, math.ceil(MEASURE_CALLS / copies))
+    yard = ws if sc is None else [w.to(x.dtype) for w in ws]  # bf16 copies: as many bytes as a bf16 key's
     times: dict = {}
     for cfg in [None, *cands]:
         def call(w, cfg=cfg):
-            return _fallback(pro, x, w, b, delta, nw, eps, sc) if cfg is None else \
+            return _fallback(pro, x, w, b, delta, nw, eps) if cfg is None else \
                 skinny_linear(pro, cfg, x, w, b, delta, nw, eps, w_scale=sc)
         try:
-            got_x, got = call(ws[0])
+            got_x, got = call(yard[0] if cfg is None else ws[0])
             torch.cuda.synchronize(dev)
-            if _output_error(got_x, got, ref_x, ref) is None:
+            if (cfg is not None or sc is None) and _output_error(got_x, got, ref_x, ref) is None:
                 err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
                 raise ValueError(f"output differs from cuBLAS's (relative error {err:.2e})")
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, capture_error_mode="thread_local"):
                 for _ in range(reps):
-                    for w in ws:
+                    for w in (yard if cfg is None else ws):
                         call(w)
             g.replay()
             best = math.inf
@@ -970,7 +976,7 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     torch.cuda.synchronize(dev)
     for w in ws:
         drop_split_buffers(w)
-    del ws
+    del ws, yard
     return times
 
 
@@ -1088,16 +1094,17 @@ def norm_mlp(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, 
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
-    """reference.int8_linear on the planned multiply-and-sum tile; None where none is planned for these rows
-    (past SUM_MAX_ROWS, or on the large weights a bucket of several rows offers none): the caller runs its
-    bf16 weight instead."""
+    """reference.int8_linear on the planned tile; None where the plan chose none for these rows (none beat
+    the bf16 product, _measure's yardstick of an INT8 key, or the rows are past MAX_ROWS): the caller runs
+    its bf16 weight instead."""
     cfg = _plan(P.PRO_NONE, x, q, None, None)
     return None if cfg is None else skinny_linear(P.PRO_NONE, cfg, x, q, w_scale=s)[1]
 
 
 def int8_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, q: torch.Tensor,
                      s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """reference.int8_norm_linear on the planned multiply-and-sum tile (the norm inside); None as int8_linear."""
+    """reference.int8_norm_linear on the planned tile (the norm inside, or its own launch first where the tile
+    is a looped dot: plan.kernel_pro); None as int8_linear."""
     cfg = _plan(P.PRO_NORM, x, q, None, delta)
     return None if cfg is None else skinny_linear(P.PRO_NORM, cfg, x, q, None, delta, norm_w, eps, w_scale=s)
 
