@@ -5,8 +5,8 @@ token, about 87 us of a forward near 0.7 ms on an H100, and nothing else in the 
 A greedy drafter needs the argmax of the head's output (and its softmax probability, the draft's
 confidence), not exact logits. So `draftrelay worker --head-int8` reads the head as int8 with one fp32
 scale per row (absmax / 127, rounded to nearest): 136 MB, the rows times the int8 values summed in fp32
-and each sum times its row's scale (`kernels.reference.int8_linear`; on CUDA the plan's multiply-and-sum
-tile with the int8 conversion where it multiplies, `triton_ops.int8_linear` / `int8_norm_linear`).
+and each sum times its row's scale (`kernels.reference.int8_linear`; on CUDA the plan's tile with the int8
+conversion where it multiplies, `triton_ops.int8_linear` / `int8_norm_linear`).
 
 The drafts are then approximate: each weight moves by at most half its row's step (absmax / 254), so a
 logit moves by at most absmax * ||h||_1 / 254, and where the drafter's top two logits are closer than

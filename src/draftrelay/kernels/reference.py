@@ -63,8 +63,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ (q * s[:, None])^T + b for int8 q [N, K] and fp32 row scales s [N] (draftrelay.int8_head): the rows
     times the int8 values summed in fp32, each column times its scale, plus b, rounded once to x's dtype.
-    On CUDA a multiply-and-sum tile that converts q where it multiplies (`triton_ops.int8_linear`, which
-    returns None where no tile is planned for the rows: the caller then runs its own bf16 weight)."""
+    On CUDA the planned tile converts q where it multiplies (`triton_ops.int8_linear`, which returns None
+    where no int8 tile beats the bf16 product for the rows: the caller then runs its own bf16 weight)."""
     y = torch.nn.functional.linear(x.float(), q.float()) * s.float()
     if b is not None:
         y = y + b.float()

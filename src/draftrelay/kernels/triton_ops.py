@@ -659,10 +659,10 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     weight tile before waiting for the previous kernel (no kernel writes weights), everything else after;
     the looped tiles wait first. SILU_OUT (W a gate | up weight, N = 2 n): each program's BLOCK_N weight
     rows are BLOCK_N / 2 gate rows and the up rows n further, and it writes silu(gate) * up [M, n] of its
-    rounded outputs (_store_y): SwiGLU's activations without a launch of their own. W_SCALE (a
-    multiply-and-sum tile): W is int8, converted to fp32 where it is multiplied, and each output column
-    is its sum times s[n] (the row's scale) before the bias and the one rounding (_store_y); the dot
-    tiles take such a W too, each int8 tile converted to the rows' dtype before its dot (_dot_acc)."""
+    rounded outputs (_store_y): SwiGLU's activations without a launch of their own. W_SCALE: W is int8,
+    converted where it is multiplied (to fp32 in the multiply-and-sum tile, to the rows' dtype before a
+    dot: _dot_acc), and each output column is its sum times s[n] (the row's scale) before the bias and
+    the one rounding (_store_y)."""
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -877,7 +877,8 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
 
 def _fallback(pro: int, x, w, b, delta, norm_w, eps, w_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same product with cuBLAS (and the separate norm / SiLU kernel before it); an int8 weight (w_scale
-    given): its definition, reference.int8_linear (a dequantized copy: a measurement's yardstick only)."""
+    given): its definition, reference.int8_linear (a dequantized copy: what a candidate's output is checked
+    against, never a choice; _measure times the bf16 product as an INT8 key's yardstick)."""
     if w_scale is not None:
         xo, h = add_rms_norm(x, delta, norm_w, eps) if pro == P.PRO_NORM else (x, x)
         return xo, R.int8_linear(h, w, w_scale, b)
