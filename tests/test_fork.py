@@ -61,10 +61,16 @@ def test_fork_rope_setting_names_a_bad_value(monkeypatch):
         kern.rope_attention(*args)
 
 
-def test_fork_forward_equals_the_forward_over_a_copied_row():
+@pytest.mark.parametrize("int8", [False, True])
+def test_fork_forward_equals_the_forward_over_a_copied_row(int8):
+    """int8: the layers' int8 copies (int8_layers.py), which the forked rows read as the forward does."""
     torch.manual_seed(0)
     _, net = M.tiny_pair(M.TINY_SEED)
     net.fast = True  # the fast forward's structure (reference kernels on a CPU), what fork_forward runs
+    if int8:
+        from draftrelay.int8_layers import quantize_layers
+
+        net.int8_layers = quantize_layers(net)
     parent_cache = net.new_cache(3, 64)
     ctx = torch.randint(0, net.cfg.vocab_size, (2, 20))
     net(ctx, torch.tensor([0, 0]), parent_cache, torch.tensor([0, 2]))

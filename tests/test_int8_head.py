@@ -102,10 +102,33 @@ try:
     T.skinny_linear(P.PRO_SILU, cands[0], torch.randn(2, 512), q[:, :256].contiguous(), w_scale=s)
     raise SystemExit("a SiLU prologue took an int8 weight")
 except ValueError as e:
-    assert "without SiLU" in str(e), e
+    assert "without the SiLU prologue" in str(e), e
+# the layers' products (int8_layers.py): a bias (q|k|v) and the SiLU output of a gate|up tile (N even), each
+# with the scale applied before them, against the definitions; a mutated bias is caught
+silu = 0
+for M, N, K in ((1, 48, 96), (4, 64, 200), (2, 40, 1100)):
+    for pro in (P.PRO_NONE, P.PRO_NORM):
+        for cfg in P.bucket_candidates(pro, M, N, K, P.INT8):
+            x, d, nw = torch.randn(M, K, generator=g), torch.randn(M, K, generator=g), torch.randn(K, generator=g)
+            q, s = quantize_rows(torch.randn(N, K, generator=g) * K ** -0.5)
+            b = torch.randn(N, generator=g)
+            dd = d if pro == P.PRO_NORM else None
+            rx, h = R.add_rms_norm(x, d, nw, 1e-6) if pro == P.PRO_NORM else (x, x)
+            ref = R.int8_linear(h, q, s, b)
+            gx, got = T.skinny_linear(pro, cfg, x, q, b, dd, nw, 1e-6, w_scale=s)
+            assert torch.equal(gx, rx), (pro, cfg)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"bias {pro} {cfg} {M} {N} {K}")
+            assert not torch.allclose(T.skinny_linear(pro, cfg, x, q, b * 2, dd, nw, 1e-6, w_scale=s)[1], ref,
+                                      atol=1e-3), "the bias is added"
+            if P.holds_silu_pairs(cfg):
+                got = T.skinny_linear(pro, cfg, x, q, None, dd, nw, 1e-6, silu_out=True, w_scale=s)[1]
+                torch.testing.assert_close(got, R.silu_mul(R.int8_linear(h, q, s)), atol=1e-5, rtol=1e-5,
+                                           msg=f"silu_out {pro} {cfg} {M} {N} {K}")
+                silu += 1
+assert silu >= 4, silu
 # the public pair: on a CPU tensor nothing is planned (None: the caller reads its bf16 head)
 assert T.int8_linear(torch.randn(1, 1100), q, s) is None
-print("checked", n, "dots", dots)
+print("checked", n, "dots", dots, "silu", silu)
 '''
 
 

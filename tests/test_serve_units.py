@@ -212,7 +212,7 @@ def test_serve_flags_refused_by_name(tmp_path):
                          (["--deadline-ms", "0"], "--deadline-ms"),
                          (["--max-round-tokens", "0"], "--max-round-tokens"),
                          (["--worker-warm-max-kv", "-1"], "--worker-warm-max-kv"),
-                         (["--drafter-quant", "int8", "--device", "cuda"], "--drafter-quant int8: for a CPU"),
+                         (["--drafter-quant", "int4", "--device", "cuda"], "--drafter-quant int4: for a CPU"),
                          (["--drafter-quant", "int8", "--worker", "h:1"], "--drafter-quant int8: the local")]:
         assert cli._check(p.parse_args(flags)).startswith(words)
     assert cli._check(p.parse_args([])) == ""

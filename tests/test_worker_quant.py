@@ -152,14 +152,20 @@ def test_int8_refuses_what_it_does_not_run_on(capsys):
         load_drafter("tiny", device="cpu", n_rows=2, max_ctx=64, n_out_max=4, quant="int3")
     with pytest.raises(ValueError, match="lean loop"):
         load_drafter("tiny", device="cpu", n_rows=2, max_ctx=64, n_out_max=4, mode="eager", quant="int4")
-    for q in Q.QUANTS:  # every quant the module has, each CLI takes
+    for q in Q.QUANTS:  # every quant the module has but int8 (a GPU drafter's too): each CLI refuses it on CUDA
         args = (["worker", "--model", "tiny", "--quant", q, "--device", "cuda"], f"--quant {q}: for a CPU drafter",
                 ["generate", "x", "--drafter-quant", q, "--device", "cuda:0"], f"--drafter-quant {q}: for a CPU")
-        if q == "none":
+        if q in ("none", "int8"):
             continue
         assert cli.main(args[0]) == 2 and args[1] in capsys.readouterr().err
         assert cli.main(args[2]) == 2 and args[3] in capsys.readouterr().err
-    assert cli.main(["worker", "--model", "tiny", "--quant", "int8", "--device", "cuda"]) == 2
-    assert "--quant int8: for a CPU drafter" in capsys.readouterr().err
-    assert cli.main(["generate", "x", "--drafter-quant", "int8", "--device", "cuda:0"]) == 2
-    assert "--drafter-quant int8: for a CPU drafter" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--quant int4: for a CPU drafter"):
+        load_drafter("tiny", device="cuda", quant="int4")  # refused before anything touches the device
+    assert cli.main(["worker", "--model", "test", "--quant", "int8"]) == 2
+    assert "--quant int8: the 'test' drafter has no weights" in capsys.readouterr().err
+    assert cli.main(["worker", "--model", "tiny", "--quant", "int8", "--tp", "2"]) == 2
+    assert "--quant int8: for a one-card drafter, not with --tp" in capsys.readouterr().err
+    from draftrelay.engine.cli_generate import local_quant_problems
+
+    assert local_quant_problems("int8", "cuda:0", "") == []  # a GPU drafter takes int8 (int8_layers.py)
+    assert local_quant_problems("int4", "cuda:0", "")[0].startswith("--drafter-quant int4: for a CPU drafter")

@@ -27,6 +27,7 @@ from draftrelay.memory import check_fits
 if TYPE_CHECKING:
     from draftrelay.draft_vocab import DraftVocab
     from draftrelay.int8_head import Int8Head
+    from draftrelay.int8_layers import LayerInt8
 
 TINY_SEED = 0  # the built-in tiny pair's default seed: engine and worker must use the same one
 TINY_TOKENIZER_ID = "bytes-256"  # the tiny models' vocabulary is the 256 byte values
@@ -328,6 +329,7 @@ class LayerWeights(NamedTuple):
     q_norm: torch.Tensor | None = None  # Qwen3: per-head RMSNorm of q and k before RoPE
     k_norm: torch.Tensor | None = None
     qk_eps: float = 0.0
+    q8: LayerInt8 | None = None  # int8 copies of the four products (int8_layers.py): read on the fast path only
 
 
 class Attention(nn.Module):
@@ -465,12 +467,15 @@ def attention(qkv: torch.Tensor, w: LayerWeights, st: StepState, ck: torch.Tenso
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, w: torch.Tensor,
-                b: torch.Tensor | None, st: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+                b: torch.Tensor | None, st: StepState,
+                q: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, add_norm's output @ w^T + b): on the fast path one kernel for decode and verify rows
-    (the norm computed where the product reads it), else add_norm then the GEMM."""
+    (the norm computed where the product reads it), else add_norm then the GEMM. q: w's int8 copy (q, row
+    scales), read on the fast path where the backend has an int8 tile for the rows (else w)."""
     K = st.kernels
     if K is not None and K.use_norm_linear(st.B * st.T, w):
-        return K.norm_linear(x, delta, weight, eps, w, b)
+        got = None if q is None else K.int8_norm_linear(x, delta, weight, eps, *q, b)
+        return got if got is not None else K.norm_linear(x, delta, weight, eps, w, b)
     x, h = add_norm(x, delta, weight, eps, st)
     return x, linear(h, w, b)
 
@@ -501,7 +506,7 @@ def attn_half(x: torch.Tensor, red: torch.Tensor | None, w: LayerWeights, st: St
               cv: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's first half: the previous product `red` added to the residual stream x, the input norm,
     attention -> (x, the input of o_proj)."""
-    x, qkv = norm_linear(x, red, w.ln1, eps, w.wqkv, w.bqkv, st)
+    x, qkv = norm_linear(x, red, w.ln1, eps, w.wqkv, w.bqkv, st, None if w.q8 is None else w.q8.wqkv)
     return x, attention(qkv, w, st, ck, cv)
 
 
@@ -513,9 +518,14 @@ def mlp_half(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
     return x, mlp_act(gu, st)
 
 
-def out_product(o: torch.Tensor, wo: torch.Tensor, st: StepState) -> torch.Tensor:
-    """o_proj's product on one card (the skinny GEMM or cuBLAS on the fast path, as measured)."""
-    return linear(o, wo) if st.kernels is None else st.kernels.linear(o, wo)
+def out_product(o: torch.Tensor, wo: torch.Tensor, st: StepState,
+                q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """o_proj's product on one card (the skinny GEMM or cuBLAS on the fast path, as measured; q: wo's int8
+    copy, read on the fast path where the backend has an int8 tile for the rows)."""
+    if st.kernels is None:
+        return linear(o, wo)
+    got = None if q is None else st.kernels.int8_linear(o, *q)
+    return st.kernels.linear(o, wo) if got is None else got
 
 
 def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
@@ -526,6 +536,8 @@ def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
     (kernels.act_linear), not by a launch of its own."""
     K = st.kernels
     if K is not None and K.use_norm_linear(st.B * st.T, w.wgu):
+        if w.q8 is not None:  # the int8 copies where the backend has tiles for them
+            return K.norm_mlp(x, red, w.ln2, eps, w.wgu, w.wd, w.q8.wgu, w.q8.wd)
         return K.norm_mlp(x, red, w.ln2, eps, w.wgu, w.wd)
     x, gu = norm_linear(x, red, w.ln2, eps, w.wgu, None, st)
     if K is None:
@@ -622,7 +634,7 @@ def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWei
     x, red = embedding(tokens, embed, st), None
     for i, w in enumerate(layers):
         x, o = attn_half(x, red, w, st, k[i], v[i], eps)
-        red = out_product(o, w.wo, st)
+        red = out_product(o, w.wo, st, None if w.q8 is None else w.q8.wo)
         x, red = mlp_down(x, red, w, st, eps)
     return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy, argmax_only, vocab, qhead)
 
@@ -675,6 +687,9 @@ class Transformer(nn.Module):
         self.draft_vocab: DraftVocab | None = None
         # a GPU drafter's head read as int8 by its greedy forwards (int8_head.py; worker --head-int8); None: bf16
         self.int8_head: Int8Head | None = None
+        # a GPU drafter's layer products read as int8 on the fast path (int8_layers.py; worker --quant int8 on
+        # CUDA): one LayerInt8 per layer, or None (bf16)
+        self.int8_layers: list[LayerInt8] | None = None
 
     def head_weight(self) -> torch.Tensor:
         """The head the forward multiplies by: the (tied or untied) head, or its draft vocabulary's rows."""
@@ -688,7 +703,13 @@ class Transformer(nn.Module):
         return bool(self.fast)
 
     def layer_weights(self) -> list[LayerWeights]:
-        return [blk.weights() for blk in self.layers]
+        """Each layer's tensors as the forward takes them, with its int8 copies (q8) where int8_layers is set."""
+        ws = [blk.weights() for blk in self.layers]
+        if self.int8_layers is None:
+            return ws
+        if len(self.int8_layers) != len(ws):
+            raise ModelError(f"int8_layers holds {len(self.int8_layers)} layers' copies, the model {len(ws)} layers")
+        return [w._replace(q8=q) for w, q in zip(ws, self.int8_layers, strict=True)]
 
     @property
     def device(self) -> torch.device:

@@ -109,8 +109,9 @@ class Progress:
 def add_drafter_quant(p: argparse.ArgumentParser) -> None:
     """--drafter-quant, as `draftrelay generate` and `draftrelay serve` take it (checked by local_quant_problems)."""
     p.add_argument("--drafter-quant", default="none", choices=["none", "int8", "int4"],
-                   help="the local CPU worker's --quant: int8 or int4 layer weights for its drafts (faster, "
-                        "approximate drafts; the output is the target's either way)")
+                   help="the local worker's --quant: int8 or int4 layer weights for its drafts (faster, "
+                        "approximate drafts; the output is the target's either way). int4 on a CPU drafter only; "
+                        "int8 on a CPU (the lean loop) or a GPU (the fast path's int8 tiles)")
 
 
 def add_drafter_head_int8(p: argparse.ArgumentParser) -> None:
@@ -199,15 +200,17 @@ def apply_cpu_placement(args: argparse.Namespace) -> int:
 
 
 def local_quant_problems(quant: str, device: str, worker: str) -> list[str]:
-    """Why --drafter-quant cannot apply (none when it can): it sets the local worker's --quant, which runs
-    on a CPU drafter only; a remote worker (--worker) is started with its own. Shared with `draftrelay serve`."""
+    """Why --drafter-quant cannot apply (none when it can): it sets the local worker's --quant (int4: a CPU
+    drafter only; int8: a CPU or GPU drafter); a remote worker (--worker) is started with its own. Shared with
+    `draftrelay serve`."""
     if quant == "none":
         return []
     bad = []
     if worker:
         bad.append(f"--drafter-quant {quant}: the local worker's setting; a remote worker takes --quant itself")
-    if str(device).startswith("cuda"):
-        bad.append(f"--drafter-quant {quant}: for a CPU drafter (the local worker's lean loop), not --device {device}")
+    if quant != "int8" and str(device).startswith("cuda"):
+        bad.append(f"--drafter-quant {quant}: for a CPU drafter (the local worker's lean loop), not --device {device}"
+                   " (a GPU drafter takes int8)")
     return bad
 
 

@@ -10,11 +10,13 @@ plain-torch definitions: the same function, not faster). Both modules define
     use_norm_linear(rows, w) -> whether the forward takes norm_linear for that product
     linear(x, w, b) -> x @ w^T + b
     act_linear(gu, w, b) -> silu_mul(gu) @ w^T + b
-    norm_mlp(x, delta, weight, eps, wgu, wd) -> (x + delta, act_linear(norm_linear(x, delta, weight, eps,
-        wgu, None)'s product, wd)): on CUDA a skinny gate|up product stores silu_mul of itself
-    int8_linear(x, q, s) -> x @ (q * s)^T for int8 q with fp32 row scales s (int8_head.py); on CUDA None where
-        no int8 tile is planned for the rows (the caller reads its bf16 weight)
-    int8_norm_linear(x, delta, weight, eps, q, s) -> norm_linear's pair with int8_linear's product (or None)
+    norm_mlp(x, delta, weight, eps, wgu, wd, qgu=None, qd=None) -> (x + delta, act_linear(norm_linear(x,
+        delta, weight, eps, wgu, None)'s product, wd)): on CUDA a skinny gate|up product stores silu_mul of
+        itself; qgu / qd: int8 copies of wgu / wd read in their place (on CUDA where an int8 tile is planned)
+    int8_linear(x, q, s, b=None) -> x @ (q * s)^T + b for int8 q with fp32 row scales s (int8_head.py); on
+        CUDA None where no int8 tile is planned for the rows (the caller reads its bf16 weight)
+    int8_norm_linear(x, delta, weight, eps, q, s, b=None) -> norm_linear's pair with int8_linear's product
+        (or None)
     greedy_pick(logits, ids=None) -> (argmax, its softmax probability); ids: columns -> token ids
     greedy_top(logits, m, ids=None) -> greedy_pick's two and the m most likely ids with their probabilities
     silu_mul(gu) -> silu(gate) * up

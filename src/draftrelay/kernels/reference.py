@@ -47,11 +47,18 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tenso
 
 
 def norm_mlp(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, wgu: torch.Tensor,
-             wd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             wd: torch.Tensor, qgu: tuple[torch.Tensor, torch.Tensor] | None = None,
+             qd: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, the MLP's down product): norm_linear's gate|up product, silu_mul of it (rounded to its
-    dtype, as the product is stored), then the down product."""
-    x, gu = norm_linear(x, delta, norm_w, eps, wgu, None)
-    return x, act_linear(gu, wd)
+    dtype, as the product is stored), then the down product. qgu / qd: the int8 copies (q, row scales) of
+    wgu / wd (int8_layers.py), read in their place (int8_norm_linear's and int8_linear's products)."""
+    if qgu is None:
+        x, gu = norm_linear(x, delta, norm_w, eps, wgu, None)
+    else:
+        x, gu = int8_norm_linear(x, delta, norm_w, eps, *qgu)
+    if qd is None:
+        return x, act_linear(gu, wd)
+    return x, int8_linear(silu_mul(gu), *qd)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,10 +79,10 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tens
 
 
 def int8_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, q: torch.Tensor,
-                     s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, int8_linear of add_rms_norm's normed rows): norm_linear with an int8 weight."""
+                     s: torch.Tensor, b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, int8_linear of add_rms_norm's normed rows, plus b): norm_linear with an int8 weight."""
     x, h = add_rms_norm(x, delta, norm_w, eps)
-    return x, int8_linear(h, q, s)
+    return x, int8_linear(h, q, s, b)
 
 
 def act_linear(gu: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -824,14 +824,15 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
     than the launch (measured on the H200 and, swapped, on an H100). silu_out (w a gate | up weight, N
     even): the product's silu_mul [..., N / 2] instead, computed where the product is stored. The kernel's
     constexprs are plan.launch's. w_scale (fp32 [N]): w is int8 and its row n stands for w[n] * w_scale[n]
-    (no SiLU prologue or output: int8_linear / int8_norm_linear). The forward calls it through `linear` /
-    `norm_linear` / `act_linear` / `norm_mlp` and the int8 pair."""
+    (no SiLU prologue; the SiLU output takes the scaled columns: int8_linear / int8_norm_linear / norm_mlp's
+    int8 copies). The forward calls it through `linear` / `norm_linear` / `act_linear` / `norm_mlp` and the
+    int8 pair."""
     x = x.contiguous()
-    if w_scale is not None and (w.dtype != torch.int8 or pro == P.PRO_SILU or silu_out
+    if w_scale is not None and (w.dtype != torch.int8 or pro == P.PRO_SILU
                                 or w_scale.shape != (w.shape[0],) or w_scale.dtype != torch.float32):
-        raise ValueError(f"skinny_linear: a scaled weight is int8 with fp32 scales [{w.shape[0]}], without SiLU "
-                         f"(got {w.dtype}, scales {tuple(w_scale.shape)} {w_scale.dtype}, {cfg.label()}, "
-                         f"pro {P.PRO_NAMES[pro]}{', silu_out' if silu_out else ''})")
+        raise ValueError(f"skinny_linear: a scaled weight is int8 with fp32 scales [{w.shape[0]}], without the "
+                         f"SiLU prologue (got {w.dtype}, scales {tuple(w_scale.shape)} {w_scale.dtype}, "
+                         f"{cfg.label()}, pro {P.PRO_NAMES[pro]})")
     rows_dot = P.rows_dot_tile(cfg)  # the prologue inside, on the real rows
     if P.kernel_pro(pro, cfg, w.shape[1]) != pro:  # the prologue as its own launch, then the plain tile
         if pro == P.PRO_NORM:
@@ -1069,11 +1070,13 @@ def use_norm_linear(rows: int, w: torch.Tensor) -> bool:
 
 
 def _norm_product(cfg: P.SkinnyConfig | None, x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor,
-                  eps: float, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_linear's product with its planned configuration (None: cuBLAS after the norm's own kernel)."""
+                  eps: float, w: torch.Tensor, b: torch.Tensor | None,
+                  w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_linear's product with its planned configuration (None: cuBLAS after the norm's own kernel; a bf16
+    weight only, an int8 one always has a planned tile here)."""
     if cfg is None:
         return _fallback(P.PRO_NORM, x, w, b, delta, norm_w, eps)
-    return skinny_linear(P.PRO_NORM, cfg, x, w, b, delta, norm_w, eps)
+    return skinny_linear(P.PRO_NORM, cfg, x, w, b, delta, norm_w, eps, w_scale=w_scale)
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
@@ -1082,32 +1085,46 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tenso
 
 
 def norm_mlp(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, wgu: torch.Tensor,
-             wd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             wd: torch.Tensor, qgu: tuple[torch.Tensor, torch.Tensor] | None = None,
+             qd: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MLP of decode and verify rows: where the gate|up product is a skinny tile of gate and up pairs (as
     planned) it stores SiLU * up itself and the down product reads that (SILU_EPILOGUE); else norm_linear's
-    product then act_linear."""
-    cfg = _plan(P.PRO_NORM, x, wgu, None, delta)
+    product then act_linear. qgu / qd: int8 copies (q, row scales) of wgu / wd (int8_layers.py), each read
+    where the plan has an int8 tile for the rows, else its bf16 weight (int8_linear's None); act_linear's
+    path (no tile of gate and up pairs) reads the bf16 down: no int8 tile takes the SiLU prologue."""
+    cfg = None if qgu is None else _plan(P.PRO_NORM, x, qgu[0], None, delta)
+    wg, sc = (wgu, None) if cfg is None else qgu
+    if cfg is None:
+        cfg = _plan(P.PRO_NORM, x, wgu, None, delta)
     if cfg is None or not SILU_EPILOGUE or not P.holds_silu_pairs(cfg):
-        x, gu = _norm_product(cfg, x, delta, norm_w, eps, wgu, None)
+        x, gu = _norm_product(cfg, x, delta, norm_w, eps, wg, None, sc)
         return x, act_linear(gu, wd)
-    x, act = skinny_linear(P.PRO_NORM, cfg, x, wgu, None, delta, norm_w, eps, silu_out=True)
-    return x, linear(act, wd)
+    x, act = skinny_linear(P.PRO_NORM, cfg, x, wg, None, delta, norm_w, eps, silu_out=True, w_scale=sc)
+    down = None if qd is None else int8_linear(act, *qd)
+    return x, linear(act, wd) if down is None else down
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                b: torch.Tensor | None = None) -> torch.Tensor | None:
     """reference.int8_linear on the planned tile; None where the plan chose none for these rows (none beat
-    the bf16 product, _measure's yardstick of an INT8 key, or the rows are past MAX_ROWS): the caller runs
-    its bf16 weight instead."""
-    cfg = _plan(P.PRO_NONE, x, q, None, None)
-    return None if cfg is None else skinny_linear(P.PRO_NONE, cfg, x, q, w_scale=s)[1]
+    the bf16 product, _measure's yardstick of an INT8 key, or the rows are past MAX_ROWS), or where a split
+    tile's buffers would be made inside a capture: the caller runs its bf16 weight instead."""
+    cfg = _plan(P.PRO_NONE, x, q, b, None)
+    if cfg is None:
+        return None
+    try:
+        return skinny_linear(P.PRO_NONE, cfg, x, q, b, w_scale=s)[1]
+    except SplitUnavailable:  # an int8 copy first read inside a capture: this capture keeps the bf16 weight
+        log.warning("split int8 product of a weight first seen inside a capture: its bf16 weight in this graph")
+        return None
 
 
 def int8_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, q: torch.Tensor,
-                     s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     s: torch.Tensor, b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """reference.int8_norm_linear on the planned tile (the norm inside, or its own launch first where the tile
     is a looped dot: plan.kernel_pro); None as int8_linear."""
-    cfg = _plan(P.PRO_NORM, x, q, None, delta)
-    return None if cfg is None else skinny_linear(P.PRO_NORM, cfg, x, q, None, delta, norm_w, eps, w_scale=s)
+    cfg = _plan(P.PRO_NORM, x, q, b, delta)
+    return None if cfg is None else skinny_linear(P.PRO_NORM, cfg, x, q, b, delta, norm_w, eps, w_scale=s)
 
 
 PICK_CHUNK = 4096  # vocabulary entries per program of greedy_pick's first pass

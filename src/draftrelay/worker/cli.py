@@ -43,10 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
-                   help="a CPU drafter's layer products (its lean loop) on quantized weights: int8 (one scale per "
-                        "row, a quarter of fp32's bytes; 1.4x faster drafts on the reference 0.5B) or int4 (groups "
-                        "of 32, an eighth; 1.9x, its drafts less like the fp32 drafter's). The drafts are approximate, "
-                        "the target's verify keeps its output")
+                   help="the drafter's layer products on quantized weights. On a CPU (its lean loop): int8 (one "
+                        "scale per row, a quarter of fp32's bytes; 1.4x faster drafts on the reference 0.5B) or int4 "
+                        "(groups of 32, an eighth; 1.9x, its drafts less like the fp32 drafter's). On a GPU: int8 "
+                        "(one scale per row, half of bf16's bytes, the fast path's int8 tiles where they beat the "
+                        "bf16 product; the bf16 weights stay loaded too). The drafts are approximate, the target's "
+                        "verify keeps its output")
     p.add_argument("--draft-vocab", default="", metavar="N|FILE.npy[:N]",
                    help="restrict the drafter's head to a draft vocabulary: N = ids 0..N-1 (a byte-level BPE "
                         "numbers tokens in merge order, frequent ones first; 32768 on Qwen2.5: a head 4.6x "
@@ -171,9 +173,11 @@ def _check(args: argparse.Namespace) -> str | None:
     if args.head_int8 and (args.model == "test" or args.device == "cpu"):
         return f"--head-int8: for a CUDA drafter with a head, not --model {args.model} --device {args.device}"
     if args.quant != "none" and (args.tp > 1 or args.tp_mode != "auto"):
-        return f"--quant {args.quant}: for a one-card CPU drafter, not with --tp"
-    if args.quant != "none" and args.device not in ("cpu", "auto"):
-        return f"--quant {args.quant}: for a CPU drafter (its lean loop), not --device {args.device}"
+        return f"--quant {args.quant}: for a one-card drafter, not with --tp"
+    if args.quant == "int4" and args.device not in ("cpu", "auto"):
+        return f"--quant {args.quant}: for a CPU drafter (its lean loop), not --device {args.device} (a GPU takes int8)"
+    if args.quant != "none" and args.model == "test":
+        return f"--quant {args.quant}: the 'test' drafter has no weights to quantize"
     return None
 
 

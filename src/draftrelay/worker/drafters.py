@@ -214,7 +214,9 @@ class LlamaDrafter(Drafter):
         self._lean = lean.LeanSteps(model, self.cache, quant=quant) if mode == "lean" else None
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
                      f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}"
-                     + (f", {quant} products" if quant != "none" else ""))
+                     + (f", {quant} products" if quant != "none" else "")
+                     + (", int8 layer products" if getattr(model, "int8_layers", None) is not None else "")
+                     + (", int8 head" if getattr(model, "int8_head", None) is not None else ""))
 
     def _on_model_gpu(self):
         # the server calls from its own threads, whose current CUDA device is GPU 0 whatever the
@@ -564,8 +566,9 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     """`tiny` (the drafter half of model.tiny_pair), `test` (TestDrafter), `random:SHAPE`
     (SHAPES at seeded random weights), a local HF model directory, a GGUF file, or (benchmarks only)
     `replay:TRACE.json:INNER` / `replay:TRACE.json:emulated=COST.json` (draftrelay.replay).
-    quant "int8" / "int4": the layers' products on int8 / int4 weights (worker/quant.py; a CPU drafter in the
-    lean loop). draft_vocab: the head restricted to a draft vocabulary (draft_vocab.DraftVocab.parse: N
+    quant "int8" / "int4": the layers' products on int8 / int4 weights (worker/quant.py: a CPU drafter in the
+    lean loop; int8 on a CUDA drafter: int8_layers.py, the fast path's int8 tiles). draft_vocab: the head
+    restricted to a draft vocabulary (draft_vocab.DraftVocab.parse: N
     for ids 0..N-1, FILE.npy[:N] for a ranking file's first N; '' the whole head); a replay drafter
     restricts its trace's drafts to the same ids (replay.Trace.restricted). head_int8 (a CUDA drafter): its
     greedy forwards read the head (the draft vocabulary's rows, if any) as int8 (int8_head.py)."""
@@ -591,6 +594,11 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
     from draftrelay.checkpoint import hf
 
     dev = torch.device(device)
+    gpu_int8 = quant == "int8" and dev.type == "cuda"  # the fast path's int8 tiles, not the lean loop's
+    if quant not in ("none", "int8") and dev.type == "cuda":
+        raise ValueError(f"--quant {quant}: for a CPU drafter (its lean loop), not {device!r}; a CUDA drafter "
+                         "takes --quant int8")
+    lean_quant = "none" if gpu_int8 else quant
     if head_int8 and dev.type != "cuda":
         raise ValueError(f"--head-int8: for a CUDA drafter with a head (the fast path's int8 tile), not {spec!r} "
                          f"on {device!r}")
@@ -612,6 +620,10 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
 
             net.int8_head = Int8Head()
             net.int8_head.of(net.head_weight())
+        if gpu_int8:  # the layers' copies, made now (before any forward or capture)
+            from draftrelay.int8_layers import quantize_layers
+
+            net.int8_layers = quantize_layers(net)
         return net
 
     if dtype == "auto":
@@ -625,7 +637,7 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         _, net = M.tiny_pair(s, device=dev, dtype=tdtype)
         net = restricted(net)
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or M.tiny_model_id(s), M.TINY_TOKENIZER_ID,
-                            mode_for(net), quant)
+                            mode_for(net), lean_quant)
     if spec.startswith("random:"):
         name = spec.split(":", 1)[1]
         if name not in SHAPES:
@@ -633,17 +645,17 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         cfg = M.ModelConfig(**SHAPES[name], name=name)
         net = restricted(M.Transformer.random(cfg, seed=seed or 0, device=dev, dtype=tdtype, draw_on="device"))
         return LlamaDrafter(net, n_rows, max_ctx, n_out_max, model_id or f"random-{name}-s{seed or 0}", "",
-                            mode_for(net), quant)
+                            mode_for(net), lean_quant)
     if spec.lower().endswith(".gguf") and not os.path.isdir(spec):
         from draftrelay.checkpoint import gguf
 
         ck = gguf.read_gguf(spec)
         net = restricted(gguf.load_gguf(spec, device=dev, dtype=None if dtype == "auto" else tdtype, checkpoint=ck))
         mid = model_id or os.path.basename(os.path.abspath(spec))
-        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, ck.vocab.digest(), mode_for(net), quant)
+        return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, ck.vocab.digest(), mode_for(net), lean_quant)
     if not os.path.isdir(spec):
         raise M.ModelError(f"--model {spec!r}: not 'tiny', 'test', 'random:SHAPE', an existing directory, "
                            "nor a .gguf file")
     net = restricted(hf.load_hf_dir(spec, device=dev, dtype=None if dtype == "auto" else tdtype))
     mid = model_id or os.path.basename(os.path.abspath(spec))
-    return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode_for(net), quant)
+    return LlamaDrafter(net, n_rows, max_ctx, n_out_max, mid, tokenizer_hash_of_dir(spec), mode_for(net), lean_quant)
