@@ -6,7 +6,8 @@ without programmatic dependent launch, "graphs_fast_noprefetch" without the atte
 "graphs_fast_norows" planned without the compact-rows dot tiles, "graphs_fast_nocublas" planned over the
 Triton candidates only, "graphs_fast_s4" planned without the swapped tiles of 3 stages and over two K ranges,
 "graphs_fast_nosiluepi" with SiLU * up computed by the down product or its own launch, not stored by gate|up;
-for the drafter also its graph replayed alone,
+for the drafter also its head read as int8 ("graphs_fast_int8head"), its layers' products read as int8
+("graphs_fast_int8layers", worker --quant int8) and both ("graphs_fast_int8all"), its graph replayed alone,
 "graphs_fast_replay_only", and the worker's host work of the step with the replay left out,
 "graphs_fast_host_only"), plain torch.compile of the same model
 (7B decode), and Hugging Face transformers (target decode). The "gemm" section and "plans" list each
@@ -40,6 +41,7 @@ from draftrelay.draft_vocab import DraftVocab
 from draftrelay.engine.graphs import DecodeGraphs
 from draftrelay.handoff.procinfo import machine_info
 from draftrelay.int8_head import Int8Head
+from draftrelay.int8_layers import quantize_layers
 from draftrelay.kernels import plan as P
 from draftrelay.kernels import reference as R
 from draftrelay.kernels import triton_ops
@@ -300,11 +302,16 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
     # the head read as int8 by the greedy picks (int8_head.py, worker --head-int8), the whole head and restricted
     int8 = Int8Head()
     int8s = ["graphs_fast_int8head", *(f"{k}_int8head" for k in list(vocabs))]
-    for k in int8s:
+    # the layers' products read as int8 (int8_layers.py, worker --quant int8 on a GPU), with the bf16 head and
+    # with the int8 head (whole and restricted): "int8all" is every large product of the step in int8
+    layers8 = ["graphs_fast_int8layers", "graphs_fast_int8all", *(f"{k}_int8all" for k in list(vocabs))]
+    int8s += layers8[1:]
+    q8 = quantize_layers(model)
+    for k in int8s + layers8:
         variants[k] = ("graph", True)
     for k in list(vocabs):
-        vocabs[f"{k}_int8head"] = vocabs[k]
-    heads = list(dict.fromkeys([*vocabs, *int8s]))  # the variants of another head: each named once
+        vocabs[f"{k}_int8head"] = vocabs[f"{k}_int8all"] = vocabs[k]
+    heads = list(dict.fromkeys([*vocabs, *int8s, *layers8]))  # the variants of another head or layers: each once
     drafters = {}
     for k, (m, _) in variants.items():
         model.draft_vocab = vocabs.get(k)  # LlamaDrafter's lean loop and graphs take the head as set now
@@ -313,10 +320,12 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
         drafters[k] = LlamaDrafter(model, 5, max_ctx, 8, "d", "", mode=m)
     model.draft_vocab = None
     plan_first(model, lambda: drafters["graphs_fast"].plan_warm())
-    for k in int8s:  # the int8 heads' keys planned eagerly too, as a worker's plan_warm does with --head-int8
-        model.draft_vocab, model.int8_head = vocabs.get(k), int8
+    for k in dict.fromkeys(int8s + layers8):  # their int8 keys planned eagerly too, as a worker's plan_warm does
+        model.draft_vocab = vocabs.get(k)
+        model.int8_head = int8 if k in int8s else None
+        model.int8_layers = q8 if k in layers8 else None
         drafters[k].plan_warm()
-    model.draft_vocab = model.int8_head = None
+    model.draft_vocab = model.int8_head = model.int8_layers = None
     wb = weight_bytes(model)
     res = out.setdefault("drafter_0p5b", {"weight_bytes": wb, "n_out": n_out, "rows": []})
     for ctx in ctxs:
@@ -329,16 +338,18 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
                 d.cache.k.copy_(base.cache.k)
                 d.cache.v.copy_(base.cache.v)
         for B in (1, 4):
-            def step(d, fast, B=B, ctx=ctx, vocab=None, head8=None):
+            def step(d, fast, B=B, ctx=ctx, vocab=None, head8=None, lay8=None):
                 def go():
                     fast_path(model, fast)
                     model.draft_vocab = vocab  # read when a graph is captured (the first call) and eagerly
                     model.int8_head = head8
+                    model.int8_layers = lay8
                     for r in range(B):
                         d.cache.lens[r] = ctx  # the numpy view: a torch scalar write costs 2 us a row here
                     d.run([Job(r, ctx, np.array([17 + r], np.int32)) for r in range(B)], n_out)
                 return go
-            fns = {k: step(drafters[k], f, vocab=vocabs.get(k), head8=int8 if k in int8s else None)
+            fns = {k: step(drafters[k], f, vocab=vocabs.get(k), head8=int8 if k in int8s else None,
+                           lay8=q8 if k in layers8 else None)
                    for k, (_, f) in variants.items()}
 
             def step_graph(d, B=B, ctx=ctx):  # the static step this STEP runs (one new token per request)
@@ -362,7 +373,7 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
                 finally:
                     g.graph = graph
             fns["graphs_fast_host_only"] = host_only
-            for k in heads:  # the restricted and int8 heads' step graphs replayed alone too
+            for k in heads:  # the restricted and int8 heads' and int8 layers' step graphs replayed alone too
                 fns[f"{k}_replay_only"] = lambda d=drafters[k]: step_graph(d).graph.replay()
             t = interleaved(fns, iters)
             row = {"context": ctx, "requests": B, "step": t}
@@ -373,7 +384,7 @@ def drafter_section(dev, ctxs, iters, out, draft_vocab: int = 0) -> None:
                                                                  "graphs_fast_nosiluepi", *heads)}
             fast_path(model, True)
             model.draft_vocab = None
-            model.int8_head = None
+            model.int8_head = model.int8_layers = None
             res["rows"].append(row)
             print(f"drafter 0.5B ctx {ctx} B={B}: " + "  ".join(f"{k} {v['p50_ms']:.2f}" for k, v in t.items())
                   + f"  kernels {row['kernels']['graphs']['kernels']} -> {row['kernels']['graphs_fast']['kernels']}"

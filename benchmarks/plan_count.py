@@ -85,18 +85,18 @@ class Recorder:
         self._rec(P.PRO_NORM, x.numel() // w.shape[1], w, b, delta)
         return R.norm_linear(x, delta, norm_w, eps, w, b)
 
-    def int8_linear(self, x, q, s):  # the int8 head's greedy pick (worker --head-int8): an INT8 key
-        self._rec(P.PRO_NONE, x.numel() // q.shape[1], q, None, None)
-        return R.int8_linear(x, q, s)
+    def int8_linear(self, x, q, s, b=None):  # the int8 head's pick, an int8 o_proj or down: an INT8 key
+        self._rec(P.PRO_NONE, x.numel() // q.shape[1], q, b, None)
+        return R.int8_linear(x, q, s, b)
 
-    def int8_norm_linear(self, x, delta, norm_w, eps, q, s):
-        self._rec(P.PRO_NORM, x.numel() // q.shape[1], q, None, delta)
-        return R.int8_norm_linear(x, delta, norm_w, eps, q, s)
+    def int8_norm_linear(self, x, delta, norm_w, eps, q, s, b=None):
+        self._rec(P.PRO_NORM, x.numel() // q.shape[1], q, b, delta)
+        return R.int8_norm_linear(x, delta, norm_w, eps, q, s, b)
 
-    def norm_mlp(self, x, delta, norm_w, eps, wgu, wd):
-        self._rec(MLP_GATE, x.numel() // wgu.shape[1], wgu, None, delta)
-        self._rec(MLP_DOWN, x.numel() // wgu.shape[1], wd, None, None)
-        return R.norm_mlp(x, delta, norm_w, eps, wgu, wd)
+    def norm_mlp(self, x, delta, norm_w, eps, wgu, wd, qgu=None, qd=None):  # q*: int8 copies (int8_layers.py)
+        self._rec(MLP_GATE, x.numel() // wgu.shape[1], wgu if qgu is None else qgu[0], None, delta)
+        self._rec(MLP_DOWN, x.numel() // wgu.shape[1], wd if qd is None else qd[0], None, None)
+        return R.norm_mlp(x, delta, norm_w, eps, wgu, wd, qgu, qd)
 
 
 def meta_model(shape: str, n_layers: int) -> Transformer:

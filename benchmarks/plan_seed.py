@@ -11,9 +11,10 @@ without seed or cache pays) and writes the file.
         --out src/draftrelay/kernels/plans/NVIDIA_H200.json
 
 A shape's `@N` also plans its head restricted to a draft vocabulary of ids 0..N-1 (`draftrelay worker
---draft-vocab N`, draft_vocab.py): a product of N rows that only such a drafter runs; `+int8` the head
-(each head: with `@N` the restricted one too) read as int8 by the greedy forwards (`worker --head-int8`,
-int8_head.py: keys of dtype int8). So the one command makes the whole seed a card ships.
+--draft-vocab N`, draft_vocab.py): a product of N rows that only such a drafter runs; `+int8` the drafter's
+int8 keys (dtype int8): the head (each head: with `@N` the restricted one too) read as int8 by the greedy
+forwards (`worker --head-int8`, int8_head.py) and the layers' four products read as int8 (`worker --quant
+int8` on a GPU, int8_layers.py). So the one command makes the whole seed a card ships.
 
 `--repick FILE` (no GPU): choose again from the times a seed or cache file recorded, under the present
 choice rule (`plan.pick`: MARGIN, CHAIN_S), and rewrite the file's choices; prints each choice it changes.
@@ -51,12 +52,23 @@ class _MetaInt8Head:
                 torch.empty(w.shape[0], dtype=torch.float32, device="meta"))
 
 
+def _meta_int8_layers(m) -> list:
+    """int8_layers.quantize_layers' copies of meta model m: their shapes, nothing quantized."""
+    from draftrelay.int8_layers import LayerInt8
+
+    def q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _MetaInt8Head().of(w)
+
+    return [LayerInt8(*(q8(t) for t in (w.wqkv, w.wo, w.wgu, w.wd))) for w in m.layer_weights()]
+
+
 def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0, head_int8: bool = False) -> set[tuple]:
     """The distinct planned products (pro, N, K, dtype, bias, residual) of a decode and a k+1 verify; the
     down product of norm_mlp both ways it runs (reading the activations its gate|up stored, or act_linear's
     where the gate|up is cuBLAS or DRAFTRELAY_SILU_EPILOGUE=off); draft_vocab > 0: the same again with the
-    head restricted to ids 0..draft_vocab-1; head_int8: the drafter's greedy forwards again with the head
-    (each head above) read as int8 (worker --head-int8: keys of dtype plan.INT8)."""
+    head restricted to ids 0..draft_vocab-1; head_int8 (+int8): the drafter's greedy forwards again with the
+    head (each head above) and the layers' products read as int8 (worker --head-int8 and --quant int8: keys
+    of dtype plan.INT8; an int8 down only reads stored activations, no int8 tile takes the SiLU prologue)."""
     rec = Recorder()
     saved = kernels.backend
     kernels.backend = lambda device: rec.module
@@ -73,12 +85,14 @@ def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0, head
         for vocab, qhead in runs:
             m.draft_vocab = DraftVocab.top(vocab, m.cfg.vocab_size) if vocab else None
             m.int8_head = qhead
+            m.int8_layers = _meta_int8_layers(m) if qhead is not None else None
             for T in (1, k + 1):
                 m(z(1, T), z(1), cache, z(1), kv_len=256, logits_at=z(1), greedy=True)
     finally:
         kernels.backend = saved
     return {(p, N, K, dt, bias, delta) for pro, _, N, K, dt, bias, delta in rec.calls
-            for p in {MLP_DOWN: (P.PRO_NONE, P.PRO_SILU), MLP_GATE: (P.PRO_NORM,)}.get(pro, (pro,))}
+            for p in {MLP_DOWN: (P.PRO_NONE, P.PRO_SILU), MLP_GATE: (P.PRO_NORM,)}.get(pro, (pro,))
+            if not (dt == P.INT8 and p == P.PRO_SILU)}
 
 
 def parse_shape(spec: str) -> tuple[str, torch.dtype, int, bool]:
@@ -87,7 +101,8 @@ def parse_shape(spec: str) -> tuple[str, torch.dtype, int, bool]:
     head, _, dt = spec.partition(":")
     head, plus, opt = head.partition("+")
     if plus and opt != "int8":
-        raise SystemExit(f"plan_seed.py --shapes: {'+' + opt!r} in {spec!r}: the one option is +int8 (the int8 head)")
+        raise SystemExit(f"plan_seed.py --shapes: {'+' + opt!r} in {spec!r}: the one option is +int8 "
+                         "(the int8 head and layers)")
     name, at, n = head.partition("@")
     if name not in SHAPES:
         raise SystemExit(f"plan_seed.py --shapes: unknown shape {name!r} in {spec!r} (known: {', '.join(SHAPES)})")
@@ -168,7 +183,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-0.5b",
                     help="model shapes (draftrelay.worker.drafters.SHAPES), comma separated; NAME:float32 for fp32; "
                          "NAME@N also plans the head restricted to ids 0..N-1 (--draft-vocab N); NAME+int8 the "
-                         "head read as int8 by a drafter's greedy forwards (worker --head-int8), both with @N+int8")
+                         "head and the layers' products read as int8 by a drafter's greedy forwards (worker "
+                         "--head-int8, --quant int8), both with @N+int8")
     ap.add_argument("--k", type=int, default=4, help="drafts per round (the verify's width is k + 1)")
     ap.add_argument("--from-benchmark", metavar="FILE",
                     help="make the seed from the plans of a fast_forward.py result file (no GPU)")

@@ -446,13 +446,18 @@ def test_a_seeds_shapes_take_a_draft_vocabulary_head():
                             (P.PRO_NORM, 32768, 896, "bfloat16", False, True)}
     assert (P.PRO_NORM, 151936, 896, "bfloat16", False, True) in whole <= both
     assert mod.parse_shape("qwen2.5-7b:float32") == ("qwen2.5-7b", torch.float32, 0, False)
-    # +int8 (worker --head-int8): each head read as int8 by the greedy forwards, the norm's product at one
-    # position and the plain one after a catch-up picks its row; nothing else changes
+    # +int8 (worker --head-int8, --quant int8): each head read as int8 by the greedy forwards, the norm's
+    # product at one position and the plain one after a catch-up picks its row; the layers' four products as
+    # int8 (q|k|v with its bias, without and with a residual; the down product on stored activations only: no
+    # int8 tile takes the SiLU prologue); nothing bf16 changes
     assert mod.parse_shape("qwen2.5-0.5b@32768+int8") == ("qwen2.5-0.5b", torch.bfloat16, 32768, True)
+    layers = {(P.PRO_NORM, 1152, 896, P.INT8, True, False), (P.PRO_NORM, 1152, 896, P.INT8, True, True),
+              (P.PRO_NONE, 896, 896, P.INT8, False, False), (P.PRO_NORM, 9728, 896, P.INT8, False, True),
+              (P.PRO_NONE, 896, 4864, P.INT8, False, False)}
     quant = mod.shapes_of(name, dtype, 4, draft_vocab=vocab, head_int8=True)
-    assert quant - both == {(pro, n, 896, P.INT8, False, pro == P.PRO_NORM)
-                            for pro in (P.PRO_NONE, P.PRO_NORM) for n in (32768, 151936)}
-    assert mod.shapes_of(name, dtype, 4, head_int8=True) - whole == {
+    assert quant - both == layers | {(pro, n, 896, P.INT8, False, pro == P.PRO_NORM)
+                                     for pro in (P.PRO_NONE, P.PRO_NORM) for n in (32768, 151936)}
+    assert mod.shapes_of(name, dtype, 4, head_int8=True) - whole == layers | {
         (pro, 151936, 896, P.INT8, False, pro == P.PRO_NORM) for pro in (P.PRO_NONE, P.PRO_NORM)}
     for bad, says in (("qwen9", "unknown shape 'qwen9'"), ("qwen2.5-0.5b@x", "draft vocabulary 'x'"),
                       ("qwen2.5-0.5b@0", "between 1 and"), ("qwen2.5-0.5b:float99", "'float99'"),
