@@ -13,12 +13,19 @@ more than this, so the figure isolates the head's rounding.
 
     python benchmarks/int8_head_agreement.py --drafter /work/refpair/qwen2.5-coder-0.5b-instruct.gguf
 
+`--layers` (`draftrelay worker --quant int8` on a GPU, int8_layers.py): the layers' four products a layer
+read as int8 too. The baseline is then the drafter with every layer weight rounded to bf16 (as the GPU holds
+them) and the bf16 head; against it, the int8 copies of those bf16 layers (dequantized: the sums of
+reference.int8_linear up to fp32 rounding) with the bf16 head, and with the int8 head as well (everything a
+`--quant int8 --head-int8` drafter reads as int8). Written to `int8_layers_agreement.json` by default.
+
 (`python3 scripts/fetch_reference_pair.py --dest /work/refpair` fetches the GGUF files.)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -47,13 +54,66 @@ def picks(model, ids: list[int], head: torch.Tensor, n_prompt: int) -> tuple[tor
     return lg.argmax(-1), torch.softmax(lg, -1).max(-1).values
 
 
+def layers_as(model, int8: bool):
+    """A copy of model whose layers' four products hold their bf16 rounding (int8: the dequantized int8 copy
+    of that rounding, int8_layers.py's scheme)."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for blk in out.layers:
+            for lin in (blk.self_attn.qkv, blk.self_attn.o_proj, blk.mlp.gate_up, blk.mlp.down_proj):
+                w = lin.weight.to(torch.bfloat16)
+                if int8:
+                    q, s = quantize_rows(w)
+                    lin.weight.copy_(q.float() * s[:, None])
+                else:
+                    lin.weight.copy_(w.float())
+    return out
+
+
+def layers_main(args, model, bf16: torch.Tensor, int8: torch.Tensor, trace: dict, t0: float) -> int:
+    """--layers: picks of the bf16-rounded drafter against its int8 layers (bf16 head) and int8 everything."""
+    base, q_layers = layers_as(model, False), layers_as(model, True)
+    ways = {"int8_layers": (q_layers, bf16), "int8_all": (q_layers, int8)}
+    rows = []
+    total = {"positions": 0, "target_bf16": 0, **{f"{k}_{m}": 0 for k in ways for m in ("differ", "target")}}
+    for e in trace["entries"]:
+        prompt, cont = list(e["prompt"]), list(e["target"])
+        ids, want = prompt + cont, torch.tensor(cont)
+        tb, _ = picks(base, ids, bf16, len(prompt))
+        row = {"name": e["name"], "positions": len(cont), "target_bf16": int((tb == want).sum())}
+        for k, (m, head) in ways.items():
+            t, _ = picks(m, ids, head, len(prompt))
+            row[f"{k}_differ"], row[f"{k}_target"] = int((t != tb).sum()), int((t == want).sum())
+        rows.append(row)
+        for k in total:
+            total[k] += row[k]
+        print(f"{row['name']:24s} positions {row['positions']:4d}  first draft = target: bf16 "
+              f"{row['target_bf16']:4d}  " + "  ".join(f"{k}: differ {row[k + '_differ']:3d}, = target "
+                                                       f"{row[k + '_target']:4d}" for k in ways), flush=True)
+    n = total["positions"]
+    print(f"all: {n} positions; first draft = target: bf16 {total['target_bf16']}; "
+          + "; ".join(f"{k}: {total[k + '_differ']} picks differ ({100 * total[k + '_differ'] / n:.2f} %), "
+                      f"= target {total[k + '_target']}" for k in ways))
+    nb = sum(lin.weight.numel() for blk in model.layers
+             for lin in (blk.self_attn.qkv, blk.self_attn.o_proj, blk.mlp.gate_up, blk.mlp.down_proj))
+    write_json(args.out, {"benchmark": "int8_layers_agreement", "drafter": os.path.basename(args.drafter),
+                          "trace": os.path.basename(args.trace), "layer_bytes": {"bf16": 2 * nb, "int8": nb},
+                          "rows": rows, "all": total, "wall_s": round(time.perf_counter() - t0, 1)})
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", default="/work/refpair/qwen2.5-coder-0.5b-instruct.gguf",
                     help="the reference drafter's GGUF file (scripts/fetch_reference_pair.py)")
     ap.add_argument("--trace", default=os.path.join(HERE, "data", "trace_qwen2.5-coder-0.5b-1.5b.json"))
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "int8_head_agreement.json"))
+    ap.add_argument("--layers", action="store_true",
+                    help="the layers' products as int8 too (worker --quant int8 on a GPU), against bf16 layers")
+    ap.add_argument("--out", default=None, help="the JSON written (default: benchmarks/results/"
+                                                "int8_head_agreement.json, with --layers int8_layers_agreement.json)")
     args = ap.parse_args()
+    args.out = args.out or os.path.join(HERE, "results", "int8_layers_agreement.json" if args.layers
+                                        else "int8_head_agreement.json")
     if not os.path.exists(args.drafter):
         ap.error(f"--drafter {args.drafter}: no such file (python3 scripts/fetch_reference_pair.py --dest DIR)")
     t0 = time.perf_counter()
@@ -65,6 +125,8 @@ def main() -> int:
     int8 = q.float() * s[:, None]
     with open(args.trace) as f:
         trace = json.load(f)
+    if args.layers:
+        return layers_main(args, model, bf16, int8, trace, t0)
     rows, total = [], {"positions": 0, "differ": 0, "target_bf16": 0, "target_int8": 0, "max_conf_change": 0.0}
     for e in trace["entries"]:
         prompt, cont = list(e["prompt"]), list(e["target"])
