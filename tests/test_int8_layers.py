@@ -135,3 +135,23 @@ def test_loader_quantizes_a_cuda_drafter_only():
     assert d.model.int8_layers is None and "int8 products" in d.info
     with pytest.raises(ValueError, match="--quant int4: for a CPU drafter"):
         load_drafter("tiny", device="cuda", quant="int4")
+
+
+def test_generate_and_serve_take_int8_for_a_local_gpu_worker(monkeypatch):
+    """--drafter-quant int8 with a GPU target: accepted by both CLIs and passed to the local worker as --quant
+    int8 (which then quantizes its layers: int8_layers.py); int4 is still refused there."""
+    import argparse
+
+    from draftrelay.engine import loading as L
+    from draftrelay.serve import cli as serve_cli
+    from draftrelay.worker import process
+
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    assert serve_cli._check(p.parse_args(["--drafter-quant", "int8", "--device", "cuda"])) == ""
+    assert serve_cli._check(p.parse_args(["--drafter-quant", "int4", "--device", "cuda"])).startswith(
+        "--drafter-quant int4: for a CPU drafter")
+    seen = []
+    monkeypatch.setattr(process, "start_worker_process", lambda args, env=None: seen.append(args))
+    L.start_local_worker("tiny", torch.device("cuda"), 4, 256, 1, quant="int8")
+    assert seen[0][seen[0].index("--quant") + 1] == "int8"

@@ -148,7 +148,8 @@ def start_local_worker(drafter: str, device: torch.device, n_draft: int, max_ctx
     a worker holding only a deeper step runs that one for a shallower round and returns the first drafts,
     so every depth would cost, and be measured at, the deepest round's forwards). warm_min_kv > 0: none for
     contexts shorter than that (one request whose prompt is that long). quant: the worker's
-    --quant (int8 / int4: a CPU drafter's products on int8 / int4 weights, worker/quant.py). draft_vocab:
+    --quant (int8 / int4: a CPU drafter's products on int8 / int4 weights, worker/quant.py; int8 on a GPU: the
+    fast path's int8 tiles, int8_layers.py). draft_vocab:
     the worker's --draft-vocab (its head restricted, draft_vocab.py). head_int8: the worker's --head-int8 (a GPU
     drafter's greedy picks read its head as int8, int8_head.py).
     cpus (CPU): the worker's --cpus, its own cores (cpus.py); its threads default to one a CPU there."""
