@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from draft_rounds import draft_rounds
 from draftrelay import kernels
 from draftrelay import model as M
 from draftrelay.int8_head import Int8Head, quantize_rows
 from draftrelay.kernels import plan as P
 from draftrelay.kernels import reference as R
-from draftrelay.worker.drafters import SHAPES, Job, LlamaDrafter
+from draftrelay.worker.drafters import SHAPES, LlamaDrafter
 from near_tie import near_tie
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton_available("cuda")),
@@ -72,10 +73,7 @@ def test_int8_head_drafts_graph_equals_eager_and_first_draft_is_the_bf16_argmax_
     ds = {"graph": LlamaDrafter(model, 4, 2048, 8, "d", "", mode="graph"),
           "eager": LlamaDrafter(model, 4, 2048, 8, "d", "", mode="eager")}
     ds["graph"].plan_warm()
-    n_req, rounds, n_out = 3, 30, 4  # 90 request-rounds (three rows: the int8 head's multi-row tiles too)
-    rng = np.random.default_rng(0)
-    ctx = {r: list(rng.integers(0, cfg.vocab_size, 40 + 7 * r)) for r in range(n_req)}
-    synced = dict.fromkeys(ctx, 0)
+    n_req, rounds = 3, 30  # 90 request-rounds (three rows: the int8 head's multi-row tiles too)
     same, moved, far, mism = 0, 0, [], []
 
     def logits(seq: list[int], fast: bool, head: torch.Tensor | None) -> torch.Tensor:
@@ -93,9 +91,7 @@ def test_int8_head_drafts_graph_equals_eager_and_first_draft_is_the_bf16_argmax_
             model.__dict__.pop("head_weight", None)
 
     model.fast = True
-    for rnd in range(rounds):
-        jobs = [Job(r, synced[r], np.array(ctx[r][synced[r]:], np.int32)) for r in range(n_req)]
-        res = {k: d.run([Job(j.row, j.keep, j.tokens.copy()) for j in jobs], n_out)[0] for k, d in ds.items()}
+    for rnd, ctx, res in draft_rounds(ds, cfg.vocab_size, n_req, rounds):
         for r in range(n_req):
             if np.array_equal(res["graph"][r], res["eager"][r]):
                 same += 1
@@ -111,10 +107,6 @@ def test_int8_head_drafts_graph_equals_eager_and_first_draft_is_the_bf16_argmax_
                 moved += 1
                 if float(full[best] - full[pick]) > 0.05 * float(full.abs().max()):
                     far.append({"pick": pick, "best": best, "gap": float(full[best] - full[pick])})
-        for r in range(n_req):  # accept a random prefix of the eager drafts, plus one token
-            keep = int(rng.integers(0, n_out + 1))
-            synced[r] = len(ctx[r])
-            ctx[r] += list(res["eager"][r][:keep]) + [int(rng.integers(0, cfg.vocab_size))]
     model.fast = None
     total = rounds * n_req
     assert same >= 0.95 * total, (same, total, mism)
