@@ -155,3 +155,19 @@ def test_generate_and_serve_take_int8_for_a_local_gpu_worker(monkeypatch):
     monkeypatch.setattr(process, "start_worker_process", lambda args, env=None: seen.append(args))
     L.start_local_worker("tiny", torch.device("cuda"), 4, 256, 1, quant="int8")
     assert seen[0][seen[0].index("--quant") + 1] == "int8"
+
+
+def test_an_int8_tile_is_chosen_only_where_it_beats_the_bf16_product_the_forward_runs():
+    """plan.int8_yardstick: an INT8 key's cuBLAS entry is the faster of cuBLAS on bf16 weights (pick charges it
+    CHAIN_S) and the bf16 key's best tile (no charge). The 0.5B's four-row q|k|v on an H100: cuBLAS 6.3 us, the
+    bf16 whole-row tile 3.4; an int8 tile of 4.0 us beat cuBLAS but not the tile the forward would run."""
+    from draftrelay.kernels import plan as P
+
+    cfg = P.SkinnyConfig(32, 1024, True, 8, 1)
+    us = 1e-6
+    assert P.pick({None: 6.3 * us, cfg: 4.0 * us}) == cfg  # against cuBLAS alone it was chosen
+    assert P.pick({None: P.int8_yardstick(6.3 * us, 3.4 * us), cfg: 4.0 * us}) is None
+    assert P.pick({None: P.int8_yardstick(6.3 * us, 3.4 * us), cfg: 3.0 * us}) == cfg
+    # where no bf16 tile runs (inf) the yardstick is cuBLAS as before, charged as before
+    assert P.int8_yardstick(6.3 * us, float("inf")) == 6.3 * us
+    assert P.pick({None: P.int8_yardstick(6.3 * us, float("inf")), cfg: 7.0 * us}) == cfg

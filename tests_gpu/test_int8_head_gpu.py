@@ -109,8 +109,10 @@ def test_int8_head_drafts_graph_equals_eager_and_first_draft_is_the_bf16_argmax_
                     far.append({"pick": pick, "best": best, "gap": float(full[best] - full[pick])})
     model.fast = None
     total = rounds * n_req
-    assert same >= 0.95 * total, (same, total, mism)
+    print("int8 head graph == eager:", same, "of", total, "near-ties", sum(m["near_tie"] for m in mism), "of",
+          len(mism), [(round(m["margin_a"], 3), round(m["margin_b"], 3), round(m["tol"], 3)) for m in mism])
     assert all(m["near_tie"] for m in mism), mism
+    assert same >= 0.95 * total, (same, total, mism)
     assert not far, far
     assert moved <= 0.3 * total, moved
     assert q.dtype == torch.int8 and model.int8_head.nbytes() == q.numel() + 4 * s.numel()

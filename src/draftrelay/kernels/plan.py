@@ -659,6 +659,15 @@ def pick_recorded(us) -> str | None:
     return "cublas" if got is None else got
 
 
+def int8_yardstick(cublas_s: float, bf16_tiles_s: float) -> float:
+    """The time an INT8 key's choice must beat, stored as its cuBLAS entry (key None): the bf16 product the
+    forward runs without the int8 copy, the faster of cuBLAS on bf16 weights (charged CHAIN_S by pick) and
+    the bf16 key's fastest tile (in the PDL chain: no charge, so CHAIN_S is taken off it here). With cuBLAS
+    alone as the yardstick an int8 tile slower than the bf16 tile the forward would run was chosen: the
+    0.5B's four-row products on an H100 (docs/FAST_FORWARD.md, "The drafter's layers in int8")."""
+    return min(cublas_s, bf16_tiles_s - CHAIN_S)
+
+
 def pick(times: dict) -> SkinnyConfig | None:
     """The fastest configuration if it beats cuBLAS (key None) charged CHAIN_S by MARGIN, else None
     (cuBLAS). The keys may be configurations or their labels (plan_seed.py re-picks a file's times)."""

@@ -929,8 +929,9 @@ def _output_error(got_x, got, ref_x, ref) -> float | None:
 def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     """Seconds per call of cuBLAS (None) and each candidate for `key`, timed in a CUDA graph over
     distinct weight copies; a candidate that fails to build or to match cuBLAS's output gets inf. An INT8
-    key's None is the product it would replace, cuBLAS on bf16 weights of the same shape (int8_linear's
-    None: the caller's bf16 head), and its candidates must match the int8 definition (_fallback's)."""
+    key's None is the product it would replace (int8_linear's None: the caller's bf16 weight), the faster of
+    cuBLAS and the bf16 key's tiles on bf16 weights of the same shape (plan.int8_yardstick), and its
+    candidates must match the int8 definition (_fallback's)."""
     dev_index, pro, M, N, K, dtype_name, has_bias, has_delta = key
     dev = torch.device("cuda", dev_index)
     wbytes = N * K * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
@@ -945,21 +946,34 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
                 split_buffers(w, M, n_split, triton.cdiv(N, c.block_n))
     reps = max(1, math.ceil(MEASURE_CALLS / copies))
     yard = ws if sc is None else [w.to(x.dtype) for w in ws]  # bf16 copies: as many bytes as a bf16 key's
+    # an INT8 key is also timed against the bf16 key's tiles on those copies (plan.int8_yardstick): ("bf16", cfg)
+    bf_cands = [] if sc is None else [("bf16", c) for c in P.bucket_candidates(pro, M, N, K)]
+    for _, c in bf_cands:
+        _, n_split = P.k_ranges(pro, K, c)
+        if n_split > 1:
+            for w in yard:
+                split_buffers(w, M, n_split, triton.cdiv(N, c.block_n))
     times: dict = {}
-    for cfg in [None, *cands]:
-        def call(w, cfg=cfg):
-            return _fallback(pro, x, w, b, delta, nw, eps) if cfg is None else \
-                skinny_linear(pro, cfg, x, w, b, delta, nw, eps, w_scale=sc)
+    for cfg in [None, *cands, *bf_cands]:
+        bf = isinstance(cfg, tuple)  # a bf16 tile of the yardstick: not checked here (its own key checks it)
+        weights = yard if cfg is None or bf else ws
+
+        def call(w, cfg=cfg, bf=bf):
+            if cfg is None:
+                return _fallback(pro, x, w, b, delta, nw, eps)
+            if bf:
+                return skinny_linear(pro, cfg[1], x, w, b, delta, nw, eps)
+            return skinny_linear(pro, cfg, x, w, b, delta, nw, eps, w_scale=sc)
         try:
-            got_x, got = call(yard[0] if cfg is None else ws[0])
+            got_x, got = call(weights[0])
             torch.cuda.synchronize(dev)
-            if (cfg is not None or sc is None) and _output_error(got_x, got, ref_x, ref) is None:
+            if (cfg is not None and not bf or sc is None) and _output_error(got_x, got, ref_x, ref) is None:
                 err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
                 raise ValueError(f"output differs from cuBLAS's (relative error {err:.2e})")
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, capture_error_mode="thread_local"):
                 for _ in range(reps):
-                    for w in (yard if cfg is None else ws):
+                    for w in weights:
                         call(w)
             g.replay()
             best = math.inf
@@ -976,8 +990,10 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
             log.warning("skinny GEMM %s %s for %s: %s", P.PRO_NAMES[pro], cfg, key, exc)
             times[cfg] = math.inf
     torch.cuda.synchronize(dev)
-    for w in ws:
+    for w in {id(w): w for w in [*ws, *yard]}.values():
         drop_split_buffers(w)
+    if bf_cands:  # the bf16 product the int8 copy replaces: cuBLAS or the bf16 key's fastest tile
+        times[None] = P.int8_yardstick(times[None], min(times.pop(c) for c in bf_cands))
     del ws, yard
     return times
 
