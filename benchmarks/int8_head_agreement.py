@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay.checkpoint import gguf  # noqa: E402
 from draftrelay.int8_head import quantize_rows  # noqa: E402
+from draftrelay.int8_layers import dequantized  # noqa: E402
 from machine import write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,25 +55,20 @@ def picks(model, ids: list[int], head: torch.Tensor, n_prompt: int) -> tuple[tor
     return lg.argmax(-1), torch.softmax(lg, -1).max(-1).values
 
 
-def layers_as(model, int8: bool):
-    """A copy of model whose layers' four products hold their bf16 rounding (int8: the dequantized int8 copy
-    of that rounding, int8_layers.py's scheme)."""
+def bf16_layers(model):
+    """A copy of model whose layers' four products hold their bf16 rounding (as the GPU holds them)."""
     out = copy.deepcopy(model)
     with torch.no_grad():
         for blk in out.layers:
             for lin in (blk.self_attn.qkv, blk.self_attn.o_proj, blk.mlp.gate_up, blk.mlp.down_proj):
-                w = lin.weight.to(torch.bfloat16)
-                if int8:
-                    q, s = quantize_rows(w)
-                    lin.weight.copy_(q.float() * s[:, None])
-                else:
-                    lin.weight.copy_(w.float())
+                lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
     return out
 
 
 def layers_main(args, model, bf16: torch.Tensor, int8: torch.Tensor, trace: dict, t0: float) -> int:
     """--layers: picks of the bf16-rounded drafter against its int8 layers (bf16 head) and int8 everything."""
-    base, q_layers = layers_as(model, False), layers_as(model, True)
+    base = bf16_layers(model)
+    q_layers = dequantized(base)  # int8_layers' copies of the bf16 weights (quantize_rows reads them in fp32)
     ways = {"int8_layers": (q_layers, bf16), "int8_all": (q_layers, int8)}
     rows = []
     total = {"positions": 0, "target_bf16": 0, **{f"{k}_{m}": 0 for k in ways for m in ("differ", "target")}}

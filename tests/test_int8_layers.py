@@ -11,20 +11,8 @@ import pytest
 import torch
 
 from draftrelay import model as M
-from draftrelay.int8_layers import LayerInt8, nbytes, quantize_layers
+from draftrelay.int8_layers import LayerInt8, dequantized, nbytes, quantize_layers
 from draftrelay.kernels import reference as R
-
-
-def _dequantized(net: M.Transformer, layers: list[LayerInt8]) -> M.Transformer:
-    """A copy of net whose four products a layer hold q * s: what the int8 copies stand for."""
-    out = copy.deepcopy(net)
-    out.int8_layers = None
-    with torch.no_grad():
-        for blk, q8 in zip(out.layers, layers, strict=True):
-            for lin, (q, s) in ((blk.self_attn.qkv, q8.wqkv), (blk.self_attn.o_proj, q8.wo),
-                                (blk.mlp.gate_up, q8.wgu), (blk.mlp.down_proj, q8.wd)):
-                lin.weight.copy_(q.float() * s[:, None])
-    return out
 
 
 def _run(net: M.Transformer, fast: bool, toks: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
@@ -76,7 +64,7 @@ def test_fast_forward_reads_the_copies_and_the_plain_forward_does_not(B, T):
     plain = _run(net, False, toks, prompt)
     bf16 = copy.deepcopy(net)
     net.int8_layers = quantize_layers(net)
-    deq = _dequantized(net, net.int8_layers)
+    deq = dequantized(net, net.int8_layers)
     assert torch.equal(_run(net, False, toks, prompt), plain)  # the plain path reads the bf16 weights
     got = _after_bf16_prompt(net, bf16, prompt, toks)
     torch.testing.assert_close(got, _after_bf16_prompt(deq, bf16, prompt, toks), atol=2e-4, rtol=2e-4)

@@ -10,7 +10,6 @@ the logits of the fast forward against the plain forward of the same model with 
 
 from __future__ import annotations
 
-import copy
 import os
 
 import numpy as np
@@ -21,7 +20,7 @@ from draft_rounds import draft_rounds
 from draftrelay import kernels
 from draftrelay import model as M
 from draftrelay.int8_head import quantize_rows
-from draftrelay.int8_layers import quantize_layers
+from draftrelay.int8_layers import dequantized, quantize_layers
 from draftrelay.kernels import plan as P
 from draftrelay.kernels import reference as R
 from draftrelay.worker.drafters import SHAPES, LlamaDrafter
@@ -62,23 +61,12 @@ def test_int8_layer_candidates_equal_their_definition(what, rows):
     assert what != "gate_up" or silu, "no gate|up tile stored SiLU * up"
 
 
-def _dequantized(model: M.Transformer) -> M.Transformer:
-    out = copy.deepcopy(model)
-    out.int8_layers = None
-    with torch.no_grad():
-        for blk, q8 in zip(out.layers, model.int8_layers, strict=True):
-            for lin, (q, s) in ((blk.self_attn.qkv, q8.wqkv), (blk.self_attn.o_proj, q8.wo),
-                                (blk.mlp.gate_up, q8.wgu), (blk.mlp.down_proj, q8.wd)):
-                lin.weight.copy_((q.float() * s[:, None]).to(lin.weight.dtype))
-    return out
-
-
 def test_int8_layers_drafts_graph_equals_eager_up_to_a_near_tie():
     cfg = M.ModelConfig(**SHAPES["qwen2.5-0.5b"], name="qwen2.5-0.5b")
     model = M.Transformer.random(cfg, seed=int.from_bytes(os.urandom(2), "little"), device=DEV,
                                  dtype=torch.bfloat16, draw_on="device")
     model.int8_layers = quantize_layers(model)  # the head stays bf16 (tied to the embedding: deq keeps it)
-    deq = _dequantized(model)
+    deq = dequantized(model, model.int8_layers)
     ds = {"graph": LlamaDrafter(model, 4, 2048, 8, "d", "", mode="graph"),
           "eager": LlamaDrafter(model, 4, 2048, 8, "d", "", mode="eager")}
     ds["graph"].plan_warm()

@@ -20,6 +20,7 @@ a draft step reads int8.
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
@@ -46,6 +47,24 @@ def quantize_layers(model) -> list[LayerInt8]:
     for blk in model.layers:
         w = blk.weights()
         out.append(LayerInt8(*(quantize_rows(t.detach()) for t in (w.wqkv, w.wo, w.wgu, w.wd))))
+    return out
+
+
+def dequantized(model, layers: list[LayerInt8] | None = None):
+    """A copy of `model` whose four products a layer hold q * s of their int8 copies (`layers`, else made now
+    from its weights) in its dtype, with no copies of its own: the model the copies stand for, which the
+    tests and benchmarks/int8_head_agreement.py compare against."""
+    layers = quantize_layers(model) if layers is None else layers
+    own, model.int8_layers = model.int8_layers, None  # not deep-copied along
+    try:
+        out = copy.deepcopy(model)
+    finally:
+        model.int8_layers = own
+    with torch.no_grad():
+        for blk, q8 in zip(out.layers, layers, strict=True):
+            for lin, (q, s) in ((blk.self_attn.qkv, q8.wqkv), (blk.self_attn.o_proj, q8.wo),
+                                (blk.mlp.gate_up, q8.wgu), (blk.mlp.down_proj, q8.wd)):
+                lin.weight.copy_((q.float() * s[:, None]).to(lin.weight.dtype))
     return out
 
 
