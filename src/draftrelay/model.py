@@ -518,14 +518,19 @@ def mlp_half(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
     return x, mlp_act(gu, st)
 
 
-def out_product(o: torch.Tensor, wo: torch.Tensor, st: StepState,
-                q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """o_proj's product on one card (the skinny GEMM or cuBLAS on the fast path, as measured; q: wo's int8
-    copy, read on the fast path where the backend has an int8 tile for the rows)."""
+def fast_linear(K, x: torch.Tensor, w: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """x @ w^T on the fast path's backend K: through w's int8 copy q (q, row scales) where K has an int8 tile
+    for the rows (int8_linear's None where not), else through w."""
+    got = None if q is None else K.int8_linear(x, *q)
+    return K.linear(x, w) if got is None else got
+
+
+def out_product(o: torch.Tensor, w: LayerWeights, st: StepState) -> torch.Tensor:
+    """o_proj's product on one card (the skinny GEMM or cuBLAS on the fast path, as measured; through the
+    layer's int8 copy where it has one and the backend a tile for the rows)."""
     if st.kernels is None:
-        return linear(o, wo)
-    got = None if q is None else st.kernels.int8_linear(o, *q)
-    return st.kernels.linear(o, wo) if got is None else got
+        return linear(o, w.wo)
+    return fast_linear(st.kernels, o, w.wo, None if w.q8 is None else w.q8.wo)
 
 
 def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
@@ -535,10 +540,9 @@ def mlp_down(x: torch.Tensor, red: torch.Tensor, w: LayerWeights, st: StepState,
     stored (kernels.norm_mlp, decode and verify rows) or where the down product reads it
     (kernels.act_linear), not by a launch of its own."""
     K = st.kernels
-    if K is not None and K.use_norm_linear(st.B * st.T, w.wgu):
-        if w.q8 is not None:  # the int8 copies where the backend has tiles for them
-            return K.norm_mlp(x, red, w.ln2, eps, w.wgu, w.wd, w.q8.wgu, w.q8.wd)
-        return K.norm_mlp(x, red, w.ln2, eps, w.wgu, w.wd)
+    if K is not None and K.use_norm_linear(st.B * st.T, w.wgu):  # the int8 copies where the backend has tiles
+        q8 = (None, None) if w.q8 is None else (w.q8.wgu, w.q8.wd)
+        return K.norm_mlp(x, red, w.ln2, eps, w.wgu, w.wd, *q8)
     x, gu = norm_linear(x, red, w.ln2, eps, w.wgu, None, st)
     if K is None:
         return x, linear(mlp_act(gu, st), w.wd)
@@ -593,9 +597,7 @@ def head_logits(x: torch.Tensor, red: torch.Tensor, st: StepState, final_norm: t
         elif logits_at is not None:
             x = x[torch.arange(st.B, device=x.device), logits_at][:, None]
         if K is not None:
-            out = None if qhead is None else K.int8_linear(x.contiguous(), *qhead)
-            if out is None:
-                out = K.linear(x.contiguous(), head)
+            out = fast_linear(K, x.contiguous(), head, qhead)
         else:
             out = linear(rms_norm(x, final_norm, eps), head)
     if argmax_only:
@@ -634,7 +636,7 @@ def decoder(tokens: torch.Tensor, embed: torch.Tensor, layers: Sequence[LayerWei
     x, red = embedding(tokens, embed, st), None
     for i, w in enumerate(layers):
         x, o = attn_half(x, red, w, st, k[i], v[i], eps)
-        red = out_product(o, w.wo, st, None if w.q8 is None else w.q8.wo)
+        red = out_product(o, w, st)
         x, red = mlp_down(x, red, w, st, eps)
     return head_logits(x, red, st, final_norm, head, eps, last_only, logits_at, greedy, argmax_only, vocab, qhead)
 

@@ -146,7 +146,7 @@ def fork_forward(model, tokens: torch.Tensor, start: torch.Tensor, cache, rows: 
     for i, w in enumerate(layers):
         st.kernels = kern[i]
         x, o = M.attn_half(x, red, w, st, cache.k[i], cache.v[i], eps)
-        red = M.out_product(o, w.wo, st, None if w.q8 is None else w.q8.wo)
+        red = M.out_product(o, w, st)
         x, red = M.mlp_down(x, red, w, st, eps)
     st.kernels = base
     head, vocab = model.head_weight(), model.draft_vocab
