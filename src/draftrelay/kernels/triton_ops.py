@@ -939,19 +939,14 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
     ws, x, delta, nw, b, sc = _product_inputs(key, copies, 1234)
     eps = 1e-6
     ref_x, ref = _fallback(pro, x, ws[0], b, delta, nw, eps, sc)
-    for c in cands:  # the split configurations' buffers for every copy, made before any capture
-        _, n_split = P.k_ranges(pro, K, c)
-        if n_split > 1:
-            for w in ws:
-                split_buffers(w, M, n_split, triton.cdiv(N, c.block_n))
     reps = max(1, math.ceil(MEASURE_CALLS / copies))
     yard = ws if sc is None else [w.to(x.dtype) for w in ws]  # bf16 copies: as many bytes as a bf16 key's
     # an INT8 key is also timed against the bf16 key's tiles on those copies (plan.int8_yardstick): ("bf16", cfg)
     bf_cands = [] if sc is None else [("bf16", c) for c in P.bucket_candidates(pro, M, N, K)]
-    for _, c in bf_cands:
-        _, n_split = P.k_ranges(pro, K, c)
+    for c, weights in [*((c, ws) for c in cands), *((c, yard) for _, c in bf_cands)]:
+        _, n_split = P.k_ranges(pro, K, c)  # a split configuration's buffers for every copy, made before any capture
         if n_split > 1:
-            for w in yard:
+            for w in weights:
                 split_buffers(w, M, n_split, triton.cdiv(N, c.block_n))
     times: dict = {}
     for cfg in [None, *cands, *bf_cands]:
