@@ -56,10 +56,8 @@ def _meta_int8_layers(m) -> list:
     """int8_layers.quantize_layers' copies of meta model m: their shapes, nothing quantized."""
     from draftrelay.int8_layers import LayerInt8
 
-    def q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _MetaInt8Head().of(w)
-
-    return [LayerInt8(*(q8(t) for t in (w.wqkv, w.wo, w.wgu, w.wd))) for w in m.layer_weights()]
+    meta = _MetaInt8Head()
+    return [LayerInt8(*(meta.of(t) for t in (w.wqkv, w.wo, w.wgu, w.wd))) for w in m.layer_weights()]
 
 
 def shapes_of(shape: str, dtype: torch.dtype, k: int, draft_vocab: int = 0, head_int8: bool = False) -> set[tuple]:
