@@ -247,3 +247,43 @@ def test_generate_and_serve_pass_head_int8_to_the_local_gpu_worker_only(monkeypa
     L.start_local_worker("tiny", torch.device("cuda"), 4, 256, 1, head_int8=True)
     L.start_local_worker("tiny", torch.device("cuda"), 4, 256, 1)
     assert "--head-int8" in seen[0] and "--head-int8" not in seen[1]
+
+
+def test_eager_drafter_reads_the_int8_head_as_the_static_step_does():
+    """The eager drafter is the reference the captured steps are checked against (tests_gpu's graph == eager), so
+    with an int8 head its picks come from the int8 copy as the static step's do: over rounds of three requests
+    (a prompt extension, then decodes) its drafts and confidences equal the static step's and those of an
+    eager drafter whose head is the dequantized copy, and not those of the bf16 head."""
+    import numpy as np
+
+    from draftrelay.worker.drafters import Job, load_drafter
+
+    def drafter(mode: str, head: str):
+        d = load_drafter("tiny", device="cpu", n_rows=4, max_ctx=300, n_out_max=6, mode=mode)
+        d.model.fast = True
+        if head == "int8":
+            d.model.int8_head = Int8Head()
+            d.model.int8_head.of(d.model.head_weight())
+        elif head == "deq":
+            q, s = Int8Head().of(d.model.head_weight())
+            d.model.lm_head.weight.data.copy_(q.float() * s[:, None])
+        return d
+
+    ds = {"eager": drafter("eager", "int8"), "static": drafter("static", "int8"), "deq": drafter("eager", "deq"),
+          "bf16": drafter("eager", "bf16")}
+    rng = np.random.default_rng(7)
+    ctx = {r: list(rng.integers(0, 256, 9 + 4 * r)) for r in range(3)}
+    synced = dict.fromkeys(ctx, 0)
+    conf_moved = 0.0
+    for _ in range(8):
+        jobs = [Job(r, synced[r], np.array(ctx[r][synced[r]:], np.int32)) for r in ctx]
+        res = {k: d.run([Job(j.row, j.keep, j.tokens.copy()) for j in jobs], 4) for k, d in ds.items()}
+        for other in ("static", "deq"):
+            assert res["eager"][0].tolist() == res[other][0].tolist(), other
+            np.testing.assert_allclose(res["eager"][1], res[other][1], atol=2e-5)
+        conf_moved = max(conf_moved, float(np.abs(res["eager"][1] - res["bf16"][1]).max()))
+        for r in ctx:
+            keep = int(rng.integers(0, 5))
+            synced[r] = len(ctx[r])
+            ctx[r] += list(res["eager"][0][r][:keep]) + [int(rng.integers(0, 256))]
+    assert conf_moved > 1e-4  # the int8 copy was read: the bf16 head's confidences are not these

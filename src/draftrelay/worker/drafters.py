@@ -398,7 +398,11 @@ class LlamaDrafter(Drafter):
         with torch.inference_mode():
             for j in jobs:
                 cache.truncate(j.row, j.keep)
-            last = [None] * len(jobs)  # logits [V] at each job's last new token
+            # with an int8 head the picks come from the greedy forwards, which read it (head_logits' qhead), as
+            # the captured step's do; the logits path reads the bf16 head, so an eager reference built on the
+            # logits would check the graphs' int8 picks against the bf16 head's
+            greedy = getattr(model, "int8_head", None) is not None
+            last = [None] * len(jobs)  # (token, confidence) after each job's last new token
             short = [i for i, j in enumerate(jobs) if len(j.tokens) <= PAD_LIMIT]
             if short:
                 T = max(len(jobs[i].tokens) for i in short)
@@ -413,10 +417,10 @@ class LlamaDrafter(Drafter):
                     toks[b, :len(jobs[i].tokens)] = jobs[i].tokens
                 rows = [jobs[i].row for i in short]
                 at = torch.tensor([len(jobs[i].tokens) - 1 for i in short], device=dev)
-                picked = model(torch.from_numpy(toks).to(dev), torch.tensor([jobs[i].keep for i in short]),
-                               cache, torch.tensor(rows), logits_at=at)[:, 0]
+                tok, conf = _pick(model(torch.from_numpy(toks).to(dev), torch.tensor([jobs[i].keep for i in short]),
+                                        cache, torch.tensor(rows), logits_at=at, greedy=greedy), greedy)
                 for b, i in enumerate(short):
-                    last[i] = picked[b]
+                    last[i] = tok[b], conf[b]
                     cache.truncate(jobs[i].row, jobs[i].keep + len(jobs[i].tokens))  # forget the padding
             for i, j in enumerate(jobs):
                 if len(j.tokens) <= PAD_LIMIT:
@@ -424,24 +428,26 @@ class LlamaDrafter(Drafter):
                 toks = torch.from_numpy(j.tokens.astype(np.int64)).to(dev)
                 for s in range(0, len(toks), PREFILL_CHUNK):
                     chunk = toks[s:s + PREFILL_CHUNK][None]
-                    out = model(chunk, torch.tensor([j.keep + s]), cache, torch.tensor([j.row]), last_only=True)
-                last[i] = out[0, -1]
+                    out = model(chunk, torch.tensor([j.keep + s]), cache, torch.tensor([j.row]), last_only=True,
+                                greedy=greedy)
+                tok, conf = _pick(out, greedy)
+                last[i] = tok[0], conf[0]
             if n_steps == 0 or not jobs:
                 return np.zeros((len(jobs), 0), np.int32), np.zeros((len(jobs), 0), np.float32)
-            logits = torch.stack(last)  # [B, V] float32
+            tok, conf = torch.stack([t for t, _ in last]), torch.stack([c for _, c in last])
             rows = torch.tensor([j.row for j in jobs])
             pos = [j.keep + len(j.tokens) for j in jobs]
             out_t, out_c = [], []
             pending = np.array([j.min_conf for j in jobs], np.float32)  # the confidence stop, per job
             stopping = bool(pending.any())
             for s in range(n_steps):
-                tok = logits.argmax(-1)  # ties go to the lower id
                 out_t.append(tok)
-                out_c.append(torch.softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+                out_c.append(conf)
                 if stopping and all_stopped(out_c[-1].float().cpu().numpy(), pending):
                     break  # every job's stop fired: its drafts end here (the rows hold drafts up to s - 1)
                 if s < n_steps - 1:
-                    logits = model(tok[:, None], torch.tensor([p + s for p in pos]), cache, rows)[:, 0]
+                    tok, conf = _pick(model(tok[:, None], torch.tensor([p + s for p in pos]), cache, rows,
+                                            greedy=greedy), greedy)
             drafts = torch.stack(out_t, 1).to(torch.int32).cpu().numpy()
             confs = torch.stack(out_c, 1).float().cpu().numpy()
         return drafts, confs
@@ -549,6 +555,17 @@ class LlamaDrafter(Drafter):
             if keep + T + n <= max_len and (B, T, n, kv_bucket(keep + T + n, max_len)) in self._static:
                 return n
         return n_steps
+
+
+def _pick(out, greedy: bool):
+    """A forward's output at one position per row -> (token [B], confidence [B]): greedy forwards return them,
+    else the logits [B, 1, V] give them as the greedy pick defines them (argmax, ties to the lower id; its
+    softmax probability)."""
+    if greedy:
+        return out
+    logits = out[:, -1].float()
+    tok = logits.argmax(-1)
+    return tok, logits.softmax(-1).gather(-1, tok[:, None])[:, 0]
 
 
 def _planned() -> int:
