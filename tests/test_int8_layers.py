@@ -159,3 +159,15 @@ def test_an_int8_tile_is_chosen_only_where_it_beats_the_bf16_product_the_forward
     # where no bf16 tile runs (inf) the yardstick is cuBLAS as before, charged as before
     assert P.int8_yardstick(6.3 * us, float("inf")) == 6.3 * us
     assert P.pick({None: P.int8_yardstick(6.3 * us, float("inf")), cfg: 7.0 * us}) == cfg
+
+
+def test_drafter_info_names_the_int8_copies_and_their_size():
+    """A user reading the worker's info line sees the int8 layer copies and the memory they add beside the bf16
+    weights (int8_layers.nbytes, in MB)."""
+    from draftrelay.worker.drafters import LlamaDrafter
+
+    _, net = M.tiny_pair(M.TINY_SEED)
+    assert "int8 layer products" not in LlamaDrafter(net, 2, 64, 4, "d", "", mode="eager").info
+    net.int8_layers = quantize_layers(net)
+    info = LlamaDrafter(net, 2, 64, 4, "d", "", mode="eager").info
+    assert f"int8 layer products (+{nbytes(net.int8_layers) / 1e6:.0f} MB)" in info, info

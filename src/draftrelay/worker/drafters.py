@@ -215,7 +215,7 @@ class LlamaDrafter(Drafter):
         self.info = (f"llama {cfg.n_layers}L d{cfg.hidden_size} {cfg.n_params() / 1e6:.1f}M params, "
                      f"{model.device} {str(model.dtype).replace('torch.', '')}, {mode}"
                      + (f", {quant} products" if quant != "none" else "")
-                     + (", int8 layer products" if getattr(model, "int8_layers", None) is not None else "")
+                     + _int8_layers_info(getattr(model, "int8_layers", None))
                      + (", int8 head" if getattr(model, "int8_head", None) is not None else ""))
 
     def _on_model_gpu(self):
@@ -555,6 +555,15 @@ class LlamaDrafter(Drafter):
             if keep + T + n <= max_len and (B, T, n, kv_bucket(keep + T + n, max_len)) in self._static:
                 return n
         return n_steps
+
+
+def _int8_layers_info(layers) -> str:
+    """The drafter info's words for a model's int8 layer copies (int8_layers.py): what they add to the bf16
+    weights kept beside them."""
+    if layers is None:
+        return ""
+    from draftrelay.int8_layers import nbytes
+    return f", int8 layer products (+{nbytes(layers) / 1e6:.0f} MB)"
 
 
 def _pick(out, greedy: bool):
