@@ -17,7 +17,10 @@ more than this, so the figure isolates the head's rounding.
 read as int8 too. The baseline is then the drafter with every layer weight rounded to bf16 (as the GPU holds
 them) and the bf16 head; against it, the int8 copies of those bf16 layers (dequantized: the sums of
 reference.int8_linear up to fp32 rounding) with the bf16 head, and with the int8 head as well (everything a
-`--quant int8 --head-int8` drafter reads as int8). Written to `int8_layers_agreement.json` by default.
+`--quant int8 --head-int8` drafter reads as int8). Each way's picks also give, through the engine's greedy
+schedule (replay.count_accepted, `--k` drafts a step), the drafts a verify step keeps on the trace: a REPLAYED
+acceptance (the picks along the target's recorded continuation are the drafts each step would offer). Written
+to `int8_layers_agreement.json` by default.
 
 (`python3 scripts/fetch_reference_pair.py --dest /work/refpair` fetches the GGUF files.)
 """
@@ -38,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from draftrelay.checkpoint import gguf  # noqa: E402
 from draftrelay.int8_head import quantize_rows  # noqa: E402
 from draftrelay.int8_layers import dequantized  # noqa: E402
+from draftrelay.replay import TraceEntry, count_accepted  # noqa: E402
 from machine import write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,21 +69,36 @@ def bf16_layers(model):
     return out
 
 
+def verify_steps(prompt: list[int], cont: list[int], pick: torch.Tensor, k: int) -> list[tuple[int, int]]:
+    """REPLAYED acceptance: the engine's greedy schedule over the trace entry with the drafter's picks as its
+    drafts (replay.count_accepted: [(offered, kept)] per verify step). Along an accepted prefix the drafter's
+    contexts are the target's, so the picks taken with the target's continuation in context are the drafts
+    each step would offer."""
+    return count_accepted(TraceEntry(prompt, cont, [[int(t)] for t in pick]), k)
+
+
 def layers_main(args, model, bf16: torch.Tensor, int8: torch.Tensor, trace: dict, t0: float) -> int:
     """--layers: picks of the bf16-rounded drafter against its int8 layers (bf16 head) and int8 everything."""
     base = bf16_layers(model)
+
+    def count(steps: list[tuple[int, int]], way: str) -> dict:
+        return {f"steps_k{args.k}_{way}": len(steps), f"kept_k{args.k}_{way}": sum(kept for _, kept in steps)}
+
     q_layers = dequantized(base)  # int8_layers' copies of the bf16 weights (quantize_rows reads them in fp32)
     ways = {"int8_layers": (q_layers, bf16), "int8_all": (q_layers, int8)}
     rows = []
-    total = {"positions": 0, "target_bf16": 0, **{f"{k}_{m}": 0 for k in ways for m in ("differ", "target")}}
+    total = {"positions": 0, "target_bf16": 0, **{f"{k}_{m}": 0 for k in ways for m in ("differ", "target")},
+             **{f"{m}_k{args.k}_{k}": 0 for k in ("bf16", *ways) for m in ("steps", "kept")}}
     for e in trace["entries"]:
         prompt, cont = list(e["prompt"]), list(e["target"])
         ids, want = prompt + cont, torch.tensor(cont)
         tb, _ = picks(base, ids, bf16, len(prompt))
-        row = {"name": e["name"], "positions": len(cont), "target_bf16": int((tb == want).sum())}
+        row = {"name": e["name"], "positions": len(cont), "target_bf16": int((tb == want).sum()),
+               **count(verify_steps(prompt, cont, tb, args.k), "bf16")}
         for k, (m, head) in ways.items():
             t, _ = picks(m, ids, head, len(prompt))
             row[f"{k}_differ"], row[f"{k}_target"] = int((t != tb).sum()), int((t == want).sum())
+            row.update(count(verify_steps(prompt, cont, t, args.k), k))
         rows.append(row)
         for k in total:
             total[k] += row[k]
@@ -87,9 +106,13 @@ def layers_main(args, model, bf16: torch.Tensor, int8: torch.Tensor, trace: dict
               f"{row['target_bf16']:4d}  " + "  ".join(f"{k}: differ {row[k + '_differ']:3d}, = target "
                                                        f"{row[k + '_target']:4d}" for k in ways), flush=True)
     n = total["positions"]
+    per_step = {k: round(total[f"kept_k{args.k}_{k}"] / total[f"steps_k{args.k}_{k}"], 3) for k in ("bf16", *ways)}
     print(f"all: {n} positions; first draft = target: bf16 {total['target_bf16']}; "
           + "; ".join(f"{k}: {total[k + '_differ']} picks differ ({100 * total[k + '_differ'] / n:.2f} %), "
                       f"= target {total[k + '_target']}" for k in ways))
+    print(f"REPLAYED acceptance, k = {args.k}: drafts kept per verify step "
+          + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()))
+    total[f"kept_per_step_k{args.k}"] = per_step
     nb = sum(lin.weight.numel() for blk in model.layers
              for lin in (blk.self_attn.qkv, blk.self_attn.o_proj, blk.mlp.gate_up, blk.mlp.down_proj))
     write_json(args.out, {"benchmark": "int8_layers_agreement", "drafter": os.path.basename(args.drafter),
@@ -105,9 +128,13 @@ def main() -> int:
     ap.add_argument("--trace", default=os.path.join(HERE, "data", "trace_qwen2.5-coder-0.5b-1.5b.json"))
     ap.add_argument("--layers", action="store_true",
                     help="the layers' products as int8 too (worker --quant int8 on a GPU), against bf16 layers")
+    ap.add_argument("--k", type=int, default=4, help="with --layers: drafts a verify step offers, for the REPLAYED "
+                                                     "acceptance's drafts kept per step (default 4)")
     ap.add_argument("--out", default=None, help="the JSON written (default: benchmarks/results/"
                                                 "int8_head_agreement.json, with --layers int8_layers_agreement.json)")
     args = ap.parse_args()
+    if args.k < 1:
+        ap.error(f"--k {args.k}: at least 1 draft a round")
     args.out = args.out or os.path.join(HERE, "results", "int8_layers_agreement.json" if args.layers
                                         else "int8_head_agreement.json")
     if not os.path.exists(args.drafter):
