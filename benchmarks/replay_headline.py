@@ -101,16 +101,18 @@ GUARDS = ("on", "depth", "off")
 
 
 def measure_costs(ddir: str, dev: str, contexts: list[int], jobs: list[int], k: int, max_ctx: int,
-                  iters: int, fanouts: list[int], depths: list[int] | None = None, draft_vocab: str = "") -> CostTable:
+                  iters: int, fanouts: list[int], depths: list[int] | None = None, draft_vocab: str = "",
+                  quant: str = "none", head_int8: bool = False) -> CostTable:
     """The real drafter's STEP seconds (median of `iters`) for every (jobs, n_steps <= k, context) the
     runs use, and the seconds of the device pieces of its speculation-cache branch work
     (worker.prefetch.Prefetcher, DEVICE_PIECES: the forward over the k + 1 stopping places, recorded
     apart too, and one batched run over jobs x F forked rows) for every F of `fanouts` and every depth
     of `depths` (default: k; the guard's cache steps may ask one shallower), in this process on this
     GPU: the emulated second device spends them as wall time and does the host pieces
-    (choose_branches, the entries, the encoding) itself. draft_vocab: the drafter's head restricted so."""
+    (choose_branches, the entries, the encoding) itself. draft_vocab: the drafter's head restricted so; quant /
+    head_int8: its layer products / head read as int8 (worker --quant int8 / --head-int8)."""
     d = load_drafter(ddir, device=dev, n_rows=max(jobs) + 1, max_ctx=max_ctx, n_out_max=max(8, k),
-                     draft_vocab=draft_vocab)
+                     draft_vocab=draft_vocab, quant=quant, head_int8=head_int8)
     if dev.startswith("cuda") and hasattr(d, "warm"):
         # the static steps a worker the engine starts has built before its first round (engine.loading: its
         # --warm-graphs k): a round asking fewer than k drafts then runs the k-step graph and returns the
@@ -366,6 +368,13 @@ def main() -> int:
     ap.add_argument("--draft-vocab", default="", metavar="N",
                     help="the drafter's head restricted to a draft vocabulary, ids 0..N-1 (draft_vocab.py): "
                          "its cost measured so, the trace's drafts restricted to those ids (replay.Trace.restricted)")
+    ap.add_argument("--drafter-quant", default="none", choices=["none", "int8"],
+                    help="a CUDA drafter's layer products on int8 copies (worker --quant int8): its STEP and branch "
+                         "work measured so; the acceptance stays the trace's, recorded with the bf16 drafter "
+                         "(benchmarks/int8_head_agreement.py --layers measures how little int8 moves it)")
+    ap.add_argument("--head-int8", action="store_true",
+                    help="a CUDA drafter's greedy forwards read its head as int8 (worker --head-int8); as "
+                         "--drafter-quant, the acceptance stays the trace's")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default: the trace's length)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the drafter has caught up")
@@ -396,6 +405,11 @@ def main() -> int:
     elif args.draft_vocab:
         ap.error("--draft-vocab needs a real trace (the synthetic one has the tiny vocabulary)")
     dev = torch.device(args.device)
+    if (args.drafter_quant != "none" or args.head_int8) and dev.type != "cuda":
+        ap.error(f"--drafter-quant {args.drafter_quant} / --head-int8: a CUDA drafter's int8 products, not "
+                 f"--device {args.device}")
+    int8_flag = (["--quant", args.drafter_quant] if args.drafter_quant != "none" else []) + \
+        (["--head-int8"] if args.head_int8 else [])
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     graphs = dev.type == "cuda" and not args.no_graphs
     if trace is None:  # the smoke path: a trace in the target's own vocabulary
@@ -443,6 +457,8 @@ def main() -> int:
         ap.error(f"--fanout / --hit-curve: F must be within 1..{TB.MAX_BRANCHES}")
     max_tokens = args.max_tokens or min(len(e.target) for e in trace.entries)
     label = f"replayed acceptance of {trace.pair}"
+    if int8_flag:  # the costs are the int8 drafter's, the acceptance the bf16 drafter's trace
+        label += f"; drafter timed with {' '.join(int8_flag)} (acceptance as recorded in bf16)"
     result = {"label": label, "env": {**machine_info(), "device": str(dev)}, "args": vars(args),
               "trace": {"pair": trace.pair, "entries": len(trace.entries), "file": os.path.basename(args.trace)},
               "workloads": {}}
@@ -504,10 +520,11 @@ def main() -> int:
         env = {"OMP_NUM_THREADS": "1"} if dev.type == "cpu" else None
         if "same" in placements:
             workers["same"] = start_worker_process(["--model", f"replay:{big_path}:{inner}", "--device", wdev,
-                                                    *common, *vocab_flag], timeout=300, env=env)
+                                                    *common, *vocab_flag, *int8_flag], timeout=300, env=env)
         if "gpu1" in placements:  # the product's placement: the drafter on its own GPU, loopback TCP
             workers["gpu1"] = start_worker_process(["--model", f"replay:{big_path}:{inner}", "--device",
-                                                    args.worker_device, *common, *vocab_flag], timeout=300, env=env)
+                                                    args.worker_device, *common, *vocab_flag, *int8_flag],
+                                                   timeout=300, env=env)
         if "emulated" in placements:
             t0 = time.perf_counter()
             # the branch work of every F a cache mode may run: the guard's F / 2 too (CacheGuard's default arms)
@@ -517,7 +534,7 @@ def main() -> int:
             cost_depths = [args.k, args.k - 1] if "depth" in guards and args.k >= 2 else [args.k]
             cost = measure_costs(inner, wdev, sorted({max(c, 16) for _, c, _ in plan}), sorted({n for *_, n in plan}),
                                  args.k, max_row + 64, args.cost_iters, cost_fanouts,
-                                 cost_depths, args.draft_vocab)
+                                 cost_depths, args.draft_vocab, args.drafter_quant, args.head_int8)
             cpath = os.path.join(tmp, "cost.json")
             cost.save(cpath)
             result["cost_table_ms"] = {f"{j}x{n}@{kv}": 1e3 * s for (j, n, kv), s in sorted(cost.seconds.items())}

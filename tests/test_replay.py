@@ -400,3 +400,16 @@ def test_a_replay_drafter_costs_rounds_as_what_it_replays_through():
     for mode, fixed in (("lean", False), ("static", True)):
         inner = LlamaDrafter(dm, 2, 128, 8, tiny_model_id(), "", mode)
         assert ReplayDrafter(tr, inner=inner).fixed_rounds is fixed
+
+
+def test_replay_drafter_loads_its_inner_drafter_with_the_quant_asked(trace_file):
+    """replay:TRACE:INNER --quant int8: the inner drafter (whose STEP the replay spends) is the quantized one, as
+    benchmarks/replay_headline.py --drafter-quant asks of its workers."""
+    from draftrelay.worker.drafters import load_drafter
+
+    _, path = trace_file
+    plain = load_drafter(f"replay:{path}:tiny", device="cpu", dtype="float32", n_rows=2, max_ctx=128)
+    q = load_drafter(f"replay:{path}:tiny", device="cpu", dtype="float32", n_rows=2, max_ctx=128, quant="int8")
+    assert "int8 products" in q.inner.info and "int8" not in plain.inner.info, (q.inner.info, plain.inner.info)
+    with pytest.raises(ValueError, match="no weights to quantize"):  # an emulated drafter has no forward
+        load_drafter(f"replay:{path}:emulated=cost.json", device="cpu", quant="int8")

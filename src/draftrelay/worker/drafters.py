@@ -602,7 +602,8 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
         raise ValueError(f"--head-int8: for a CUDA drafter with a head (the fast path's int8 tile), not {spec!r}")
     if draft_vocab and spec == "test":
         raise ValueError(f"--draft-vocab {draft_vocab}: the 'test' drafter has no head to restrict")
-    if quant != "none" and (spec == "test" or spec.startswith("replay:")):
+    # a replay drafter passes quant to its INNER drafter (whose forward it times); an emulated one has none
+    if quant != "none" and (spec == "test" or spec.startswith("replay:") and ":emulated=" in spec):
         raise ValueError(f"--quant {quant}: the {spec.split(':')[0]!r} drafter has no weights to quantize")
     if spec == "test":
         return TestDrafter(test_vocab, n_rows, max_ctx, n_out_max, slow_token, delay_ms, fail_token)
@@ -611,7 +612,7 @@ def load_drafter(spec: str, *, device: str = "cpu", dtype: str = "auto", n_rows:
 
         return load_replay_drafter(spec, lambda inner: load_drafter(
             inner, device=device, dtype=dtype, n_rows=n_rows, max_ctx=max_ctx, n_out_max=n_out_max, seed=seed,
-            model_id=model_id, mode=mode, draft_vocab=draft_vocab, head_int8=head_int8), n_rows=n_rows,
+            model_id=model_id, mode=mode, quant=quant, draft_vocab=draft_vocab, head_int8=head_int8), n_rows=n_rows,
             max_ctx=max_ctx,
             n_out_max=n_out_max, model_id=model_id, draft_vocab=draft_vocab)
     import torch
