@@ -557,7 +557,7 @@ class LlamaDrafter(Drafter):
         return n_steps
 
 
-def _int8_layers_info(layers) -> str:
+def _int8_layers_info(layers: list | None) -> str:
     """The drafter info's words for a model's int8 layer copies (int8_layers.py): what they add to the bf16
     weights kept beside them."""
     if layers is None:
@@ -566,7 +566,7 @@ def _int8_layers_info(layers) -> str:
     return f", int8 layer products (+{nbytes(layers) / 1e6:.0f} MB)"
 
 
-def _pick(out, greedy: bool):
+def _pick(out, greedy: bool) -> tuple:
     """A forward's output at one position per row -> (token [B], confidence [B]): greedy forwards return them,
     else the logits [B, 1, V] give them as the greedy pick defines them (argmax, ties to the lower id; its
     softmax probability)."""
