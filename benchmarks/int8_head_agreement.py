@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from draftrelay.checkpoint import gguf  # noqa: E402
 from draftrelay.int8_head import quantize_rows  # noqa: E402
-from draftrelay.int8_layers import dequantized  # noqa: E402
+from draftrelay.int8_layers import dequantized, linears  # noqa: E402
 from draftrelay.replay import TraceEntry, count_accepted  # noqa: E402
 from machine import write_json  # noqa: E402
 
@@ -64,7 +64,7 @@ def bf16_layers(model):
     out = copy.deepcopy(model)
     with torch.no_grad():
         for blk in out.layers:
-            for lin in (blk.self_attn.qkv, blk.self_attn.o_proj, blk.mlp.gate_up, blk.mlp.down_proj):
+            for lin in linears(blk):
                 lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
     return out
 
@@ -113,8 +113,7 @@ def layers_main(args, model, bf16: torch.Tensor, int8: torch.Tensor, trace: dict
     print(f"REPLAYED acceptance, k = {args.k}: drafts kept per verify step "
           + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()))
     total[f"kept_per_step_k{args.k}"] = per_step
-    nb = sum(lin.weight.numel() for blk in model.layers
-             for lin in (blk.self_attn.qkv, blk.self_attn.o_proj, blk.mlp.gate_up, blk.mlp.down_proj))
+    nb = sum(lin.weight.numel() for blk in model.layers for lin in linears(blk))
     write_json(args.out, {"benchmark": "int8_layers_agreement", "drafter": os.path.basename(args.drafter),
                           "trace": os.path.basename(args.trace), "layer_bytes": {"bf16": 2 * nb, "int8": nb},
                           "rows": rows, "all": total, "wall_s": round(time.perf_counter() - t0, 1)})

@@ -38,6 +38,11 @@ class LayerInt8(NamedTuple):
     wd: Q8
 
 
+def linears(blk) -> tuple:
+    """A layer block's four products as its nn.Linear modules, in LayerInt8's order (what the copies stand for)."""
+    return blk.self_attn.qkv, blk.self_attn.o_proj, blk.mlp.gate_up, blk.mlp.down_proj
+
+
 def quantize_layers(model) -> list[LayerInt8]:
     """The int8 copies of every layer's four products of `model` (a model.Transformer), made on its device
     now (never inside a graph capture: the loader calls this before the first forward)."""
@@ -62,8 +67,7 @@ def dequantized(model, layers: list[LayerInt8] | None = None):
         model.int8_layers = own
     with torch.no_grad():
         for blk, q8 in zip(out.layers, layers, strict=True):
-            for lin, (q, s) in ((blk.self_attn.qkv, q8.wqkv), (blk.self_attn.o_proj, q8.wo),
-                                (blk.mlp.gate_up, q8.wgu), (blk.mlp.down_proj, q8.wd)):
+            for lin, (q, s) in zip(linears(blk), q8, strict=True):
                 lin.weight.copy_((q.float() * s[:, None]).to(lin.weight.dtype))
     return out
 
