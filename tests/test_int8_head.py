@@ -46,10 +46,9 @@ def test_int8_head_copies_once_per_head_tensor():
 
 
 def test_int8_keys_offer_the_bf16_keys_tiles():
-    """An INT8 key's candidates are the bf16 key's where the weight's bytes do not cross ROWS_DOT_MAX (a dot
-    tile converts each int8 tile to bf16 before its dot): the 0.5B head's multiply-and-sum tiles at one
-    row, its dot tiles at four (the weight is past SMALL_WEIGHT there: no multiply-and-sum tile); the SiLU
-    prologue none (no int8 weight has one)."""
+    """An INT8 key's candidates are the bf16 key's (a dot tile converts each int8 tile to bf16 before its
+    dot): the 0.5B head's multiply-and-sum tiles at one row, its dot tiles at four (the weight is past
+    SMALL_WEIGHT there: no multiply-and-sum tile); the SiLU prologue none (no int8 weight has one)."""
     for pro in (P.PRO_NONE, P.PRO_NORM):
         for rows in (1, 4, 16):
             assert P.bucket_candidates(pro, rows, 151936, 896, P.INT8) == P.bucket_candidates(pro, rows, 151936, 896)
@@ -64,24 +63,6 @@ def test_int8_keys_offer_the_bf16_keys_tiles():
     cfg = head[0]
     assert P.launch_key(P.PRO_NORM, cfg, 1, 151936, 896, P.INT8, False, True) != \
         P.launch_key(P.PRO_NORM, cfg, 1, 151936, 896, "bfloat16", False, True)
-
-
-def test_int8_keys_take_compact_rows_tiles_by_bytes():
-    """The compact-rows dot tiles are offered by the weight's bytes (plan.ROWS_DOT_MAX): the 0.5B's gate|up
-    (9,728 x 896, 8.7 Mi elements) is past the bound in bf16 and within it in int8, so its INT8 key at two to
-    sixteen rows takes those tiles beside the bf16 key's; a weight past the bound in int8 too (the head) and one
-    within it in bf16 (the q|k|v) are offered the same tiles in both."""
-    for rows in (2, 4, 8, 16):
-        bf = P.bucket_candidates(P.PRO_NORM, rows, 9728, 896)
-        q8 = P.bucket_candidates(P.PRO_NORM, rows, 9728, 896, P.INT8)
-        extra = [c for c in q8 if c not in bf]
-        assert not any(P.rows_dot_tile(c) for c in bf)
-        assert extra and all(P.rows_dot_tile(c) for c in extra), extra
-        assert [c for c in q8 if c in bf] == bf  # the bf16 key's tiles all stay, in order
-        qkv = P.bucket_candidates(P.PRO_NORM, rows, 1152, 896)
-        assert P.bucket_candidates(P.PRO_NORM, rows, 1152, 896, P.INT8) == qkv
-    assert P.bucket_candidates(P.PRO_NORM, 1, 9728, 896, P.INT8) == P.bucket_candidates(P.PRO_NORM, 1, 9728, 896)
-    assert 9728 * 896 * 2 > P.ROWS_DOT_MAX >= 9728 * 896
 
 
 INT8_INTERPRETED = r'''

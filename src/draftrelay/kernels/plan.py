@@ -111,7 +111,7 @@ def next_pow2(n: int) -> int:
 
 ROWS_DOT_PROGRAMS = 264  # the compact-rows dot tile's grid: at least this many programs (two per SM of an H200)
 SMALL_WEIGHT = 4096 * 1024  # weights of at most this many elements: the multiply-and-sum tiles still win at a few rows
-ROWS_DOT_MAX = 16 << 20  # weights of at most this many bytes: the compact-rows dot tiles (they lost on larger ones)
+ROWS_DOT_MAX = 8 << 20  # weights of at most this many elements: the compact-rows dot tiles (they lost on larger ones)
 WHOLE_ROW_DOT_K = 1024  # rows of at most this many elements: the whole-row dot tiles of a norm's product
 
 
@@ -125,9 +125,8 @@ def rows_dot(N: int, K: int, block_n: int, pre: bool = False) -> SkinnyConfig:
     return SkinnyConfig(block_n, bk, True, 4, 1, True, math.ceil(K / bk), pre)
 
 
-def candidates(pro: int, M: int, N: int, K: int, elem_bytes: int = 2) -> list[SkinnyConfig]:
-    """The configurations measured against cuBLAS for one product of M rows by an [N, K] weight of
-    elem_bytes an element (2: bf16; 1: int8, an INT8 key).
+def candidates(pro: int, M: int, N: int, K: int) -> list[SkinnyConfig]:
+    """The configurations measured against cuBLAS for one product of M rows by an [N, K] weight.
 
     One row: the multiply-and-sum tiles (each weight tile read once, fp32 multiply-and-sum): K up to
     1,024 two of them, 4,096 elements with 4 warps (many programs for the small weights) and 16,384
@@ -137,8 +136,7 @@ def candidates(pro: int, M: int, N: int, K: int, elem_bytes: int = 2) -> list[Sk
     tile) and the whole K in tiles of 1,024 over two weight rows, unrolled: every load of a program in
     flight at once, and programs enough to fill the card.
 
-    Two to sixteen rows: for weights of at most ROWS_DOT_MAX bytes (8 Mi bf16 elements; an int8 weight
-    twice as many: what a program waits on is its bytes) the compact-rows dot tiles
+    Two to sixteen rows: for weights of at most ROWS_DOT_MAX elements the compact-rows dot tiles
     (`rows_dot`, 32 and 64 columns a program, one K slice each; the SiLU or, for rows up to 1,024, the
     norm prologue on the real rows inside the kernel, tensor-core dots over the rows padded to 16),
     the pipelined dot tile of 64 columns (a norm or SiLU prologue then its own launch first) and for K
@@ -189,7 +187,7 @@ def candidates(pro: int, M: int, N: int, K: int, elem_bytes: int = 2) -> list[Sk
             out.append(SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 1))
         elif pro != PRO_NORM and K <= 1024:
             out.append(SkinnyConfig(max(1, 4096 // bk), bk, False, 4, 2))
-    if N * K * elem_bytes <= ROWS_DOT_MAX:
+    if N * K <= ROWS_DOT_MAX:
         pre = pro == PRO_NORM and K > 1024  # every program reads its rows whole for the RMS: long rows normed first
         out += [rows_dot(N, K, 32, pre), rows_dot(N, K, 64, pre)]
     if pro == PRO_NORM and next_pow2(K) <= WHOLE_ROW_DOT_K:  # the whole row a tile: the norm inside, no loop
@@ -262,13 +260,12 @@ INT8 = "int8"  # a key's dtype for int8 weights with one fp32 scale per row (bf1
 def bucket_candidates(pro: int, M: int, N: int, K: int, dtype: str = "") -> list[SkinnyConfig]:
     """The candidates measured for M rows: those of the bucket's top row count that run every row
     count of the bucket (a bucket's choice serves all of them). dtype INT8 (int8 weights, a scale per
-    row): the same tiles (a dot tile converts each int8 tile to bf16 before its dot), the compact-rows dot
-    tiles by the weight's bytes (up to twice the bf16 bound's elements: the 0.5B's gate|up), none of another
+    row): the same tiles (a dot tile converts each int8 tile to bf16 before its dot), none of another
     prologue than the norm's or none."""
     if not 1 <= M <= MAX_ROWS or (dtype == INT8 and pro == PRO_SILU):
         return []
     rows = bucket_rows(M)
-    return [c for c in candidates(pro, rows[-1], N, K, 1 if dtype == INT8 else 2) if all(supports(c, m) for m in rows)]
+    return [c for c in candidates(pro, rows[-1], N, K) if all(supports(c, m) for m in rows)]
 
 
 def row_tiles(cfg: SkinnyConfig, M: int) -> tuple[int, int]:
