@@ -340,7 +340,7 @@ def test_every_shipped_seed_names_present_candidates():
         for key_str, e in seed.entries.items():
             pro, bucket, N, K, dt, bias, delta = key_str.split("|")
             key = (int(pro), int(bucket), int(N), int(K), dt, bias == "True", delta == "True")
-            cands = P.bucket_candidates(key[0], key[1], key[2], key[3])
+            cands = P.bucket_candidates(key[0], key[1], key[2], key[3], key[4])  # an INT8 key's own
             untimed = [c for c in cands if c.label() not in e.get("us", {c.label(): 0 for c in cands})]
             if untimed:
                 assert all(c.swap for c in untimed), (path, key_str, untimed)
@@ -464,6 +464,27 @@ def test_a_seeds_shapes_take_a_draft_vocabulary_head():
                       ("qwen2.5-0.5b+int4", "'\\+int4'.*the one option is \\+int8")):
         with pytest.raises(SystemExit, match=says):
             mod.parse_shape(bad)
+
+
+def test_the_h100_seed_holds_every_key_its_command_plans():
+    """The shipped H100 seed is what `plan_seed.py --shapes qwen2.5-7b,qwen2.5-0.5b@32768+int8` plans, no key
+    more or fewer: every product of the 7B target and of the 0.5B drafter with the restricted head, the int8
+    heads and the int8 layers (worker --draft-vocab 32768 --head-int8 --quant int8), at every row bucket with
+    candidates. A start on an H100 with those options then checks seeded choices and times none; a key missing
+    here would be timed at every such start."""
+    import os
+
+    mod = _plan_seed_script()
+    todo = set()
+    for spec in ("qwen2.5-7b", "qwen2.5-0.5b@32768+int8"):
+        name, dtype, vocab, head_int8 = mod.parse_shape(spec)
+        todo |= mod.shapes_of(name, dtype, 4, draft_vocab=vocab, head_int8=head_int8)
+    want = {f"{pro}|{b}|{N}|{K}|{dt}|{bias}|{delta}" for pro, N, K, dt, bias, delta in todo
+            for b in P.ROW_BUCKETS if P.bucket_candidates(pro, b, N, K, dt)}
+    path = os.path.join(P.SEED_DIR, "NVIDIA_H100_80GB_HBM3.json")
+    got = set(json.loads(open(path).read())["plans"])
+    assert any("|int8|" in k and "|9728|" in k for k in want)  # the int8 layers' keys are among them
+    assert got == want, (sorted(want - got)[:5], sorted(got - want)[:5])
 
 
 def test_every_shipped_seed_follows_the_present_choice_rule():
