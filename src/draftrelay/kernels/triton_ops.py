@@ -85,15 +85,6 @@ ATTN_PREFETCH = env_choice("DRAFTRELAY_ATTN_PREFETCH", "on", ("on", "off")) == "
 # compact-rows tile: again in every column block) or waiting for silu_mul's launch (a looped tile).
 # DRAFTRELAY_SILU_EPILOGUE=off keeps act_linear's way.
 SILU_EPILOGUE = env_choice("DRAFTRELAY_SILU_EPILOGUE", "on", ("on", "off")) == "on"
-# A swapped dot tile's int8 weight tile (the warp-group dot's first operand, taken from registers) is converted
-# to bf16 by an opaque elementwise step (_i8_bf16, inline PTX) in the layout it was loaded in: the tile is read
-# from shared memory 16 bytes at a time and the bf16 tile staged through shared memory into the dot's layout.
-# With Triton's own conversion (`.to`), Triton moves the conversion after the operand's load in the dot's
-# register layout, two bytes at a time (ld.shared.v2.b8: 32 loads a thread a 128-wide step; counted by
-# tests/test_kernel_compile.py). The rows-first tiles load no such operand and keep `.to` (staged, they take
-# more registers: the whole-row tile of 32 columns spills). DRAFTRELAY_INT8_CVT=dot keeps `.to` everywhere.
-# Never under Triton's interpreter (no inline PTX there).
-INT8_CVT_STAGED = env_choice("DRAFTRELAY_INT8_CVT", "staged", ("staged", "dot")) == "staged"
 
 
 @functools.lru_cache(maxsize=8)
@@ -475,34 +466,11 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _i8_bf16(w):
-    """An int8 tensor as bf16 (exact: |q| <= 128 fits bf16's 8 significant bits), four elements an instance of
-    inline PTX: each byte sign-extended, to fp32, two to a bf16 pair (the first element the low half). Opaque
-    to Triton (not pure), so it runs in the layout w was loaded in (INT8_CVT_STAGED)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 a, b, c, d; .reg .f32 fa, fb, fc, fd;"
-        " bfe.s32 a, $2, 0, 8; bfe.s32 b, $2, 8, 8; bfe.s32 c, $2, 16, 8; bfe.s32 d, $2, 24, 8;"
-        " cvt.rn.f32.s32 fa, a; cvt.rn.f32.s32 fb, b; cvt.rn.f32.s32 fc, c; cvt.rn.f32.s32 fd, d;"
-        " cvt.rn.bf16x2.f32 $0, fb, fa; cvt.rn.bf16x2.f32 $1, fd, fc; }",
-        "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=False, pack=4)
-
-
-@triton.jit
-def _dot_operand(w, dtype: tl.constexpr, I8_STAGED: tl.constexpr):
-    """A weight tile in the dtype of the rows it multiplies: an int8 tile (W_SCALE) converted (exact: |q| <= 127
-    fits bf16's 8 significant bits), by _i8_bf16 where I8_STAGED; the same dtype is no conversion at all."""
-    if I8_STAGED:
-        out = _i8_bf16(w)
-    else:
-        out = w.to(dtype)
-    return out
-
-
-@triton.jit
-def _dot_acc(acc, xv, w, IEEE: tl.constexpr, I8_STAGED: tl.constexpr = False):
-    """acc [M_PAD, BLOCK_N] += xv [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in fp32 (tensor cores), the weight
-    tile in the rows' dtype (_dot_operand)."""
-    return acc + _dot(xv, tl.trans(_dot_operand(w, xv.dtype, I8_STAGED)), IEEE)
+def _dot_acc(acc, xv, w, IEEE: tl.constexpr):
+    """acc [M_PAD, BLOCK_N] += xv [M_PAD, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in fp32 (tensor cores). An int8
+    tile (W_SCALE) is converted to the rows' dtype first: exact, |q| <= 127 fits bf16's 8 significant bits;
+    the same dtype is no conversion at all."""
+    return acc + _dot(xv, tl.trans(w.to(xv.dtype)), IEEE)
 
 
 @triton.jit
@@ -562,8 +530,7 @@ def _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False,
-              I8_STAGED: tl.constexpr = False):
+              PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False):
     """The rows' slice k0 .. k0 + BLOCK_K (SiLU * up computed for PRO 2) times the loaded weight tile.
     SWAP (a looped dot, no prologue): acc is [BLOCK_N, M_PAD], the weight tile the dot's first operand
     and the rows loaded transposed as its second, so that the tensor cores' 64-row side is the weight's
@@ -572,7 +539,7 @@ def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_
         kk = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + m.to(tl.int64)[None, :] * K + kk[:, None], mask=(kk < k_hi)[:, None] & mm[None, :],
                      other=0.0)
-        acc += _dot(_dot_operand(w, xt.dtype, I8_STAGED), xt, IEEE)  # an int8 tile converted as in _dot_acc
+        acc += _dot(w.to(xt.dtype), xt, IEEE)  # an int8 tile converted as in _dot_acc
     elif DOT:
         kk = k0 + tl.arange(0, BLOCK_K)
         msk = mm[:, None] & (kk < k_hi)[None, :]
@@ -580,7 +547,7 @@ def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_
             xv = _silu_up(x_ptr, m.to(tl.int64)[:, None] * (2 * K) + kk[None, :], msk, K)
         else:
             xv = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + kk[None, :], mask=msk, other=0.0)
-        acc = _dot_acc(acc, xv, w, IEEE, I8_STAGED)
+        acc = _dot_acc(acc, xv, w, IEEE)
     else:  # the multiply-and-sum rows make their own slice offsets
         acc = _sum_rows(acc, w, x_ptr, x_ptr, x_ptr, w, m, M, k0, k_hi, K, 0.0, False, M_ROWS, BLOCK_K, PRO, False)
     return acc
@@ -588,11 +555,10 @@ def _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_
 
 @triton.jit
 def _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k0, k_hi, K, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False,
-                 I8_STAGED: tl.constexpr = False):
+                 PRO: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr = False):
     """One BLOCK_K slice of K (up to k_hi): the weight tile, the rows' slice, the product."""
     w = _skinny_w(w_ptr, wrow, nm, k0, k_hi, BLOCK_K)
-    return _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE, SWAP, I8_STAGED)
+    return _skinny_x(acc, w, x_ptr, m, mm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE, SWAP)
 
 
 @triton.jit
@@ -650,7 +616,7 @@ def _rows_load(x_ptr, d_ptr, nw_ptr, r, rm, k0, k_hi, K, BLOCK_K: tl.constexpr, 
 
 @triton.jit
 def _rows_dot_step(acc, w, xv, dv, nw, rstd, M_PAD: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRO: tl.constexpr, HAS_DELTA: tl.constexpr, IEEE: tl.constexpr, I8_STAGED: tl.constexpr = False):
+                   PRO: tl.constexpr, HAS_DELTA: tl.constexpr, IEEE: tl.constexpr):
     """One BLOCK_K slice of the compact-rows dot tile from its loaded rows (_rows_load): the prologue
     (PRO 1: x + delta normed with the rows' rstd, times nw; PRO 2: SiLU(gate) * up) on the M_ROWS
     real rows only, rounded as add_rms_norm / silu_mul round, then the rows padded with zeros to M_PAD
@@ -667,7 +633,7 @@ def _rows_dot_step(acc, w, xv, dv, nw, rstd, M_PAD: tl.constexpr, M_ROWS: tl.con
     if M_ROWS < M_PAD:  # the rows repeated to M_PAD, the copies zeroed: the dot's padded operand
         xv = tl.reshape(tl.broadcast_to(xv[None, :, :], [M_PAD // M_ROWS, M_ROWS, BLOCK_K]), [M_PAD, BLOCK_K])
         xv = tl.where((tl.arange(0, M_PAD) < M_ROWS)[:, None], xv, tl.zeros_like(xv))
-    return _dot_acc(acc, xv, w, IEEE, I8_STAGED)
+    return _dot_acc(acc, xv, w, IEEE)
 
 
 @triton.jit
@@ -676,7 +642,7 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
                    PRO: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                    IEEE: tl.constexpr, FIXED_TRIPS: tl.constexpr, K_UNROLL: tl.constexpr, SPLIT: tl.constexpr,
                    PDL: tl.constexpr, K_TRIPS: tl.constexpr = 0, SWAP: tl.constexpr = False,
-                   SILU_OUT: tl.constexpr = False, W_SCALE: tl.constexpr = False, I8_STAGED: tl.constexpr = False):
+                   SILU_OUT: tl.constexpr = False, W_SCALE: tl.constexpr = False):
     """y[M, N] = f(x)[M, K] @ W[N, K]^T (+ b). PRO 0: f(x) = x; 1: add_rms_norm's output (x + delta,
     normalised, times nw; K <= BLOCK_K, program 0 also writes x + delta); 2: silu(gate) * up of
     x = [M, 2K] (gate | up). DOT with K_UNROLL: the compact-rows dot tile (the prologue on the M_ROWS
@@ -695,8 +661,8 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
     rows are BLOCK_N / 2 gate rows and the up rows n further, and it writes silu(gate) * up [M, n] of its
     rounded outputs (_store_y): SwiGLU's activations without a launch of their own. W_SCALE: W is int8,
     converted where it is multiplied (to fp32 in the multiply-and-sum tile, to the rows' dtype before a
-    dot: _dot_operand, by _i8_bf16 where I8_STAGED), and each output column is its sum times s[n] (the row's
-    scale) before the bias and the one rounding (_store_y)."""
+    dot: _dot_acc), and each output column is its sum times s[n] (the row's scale) before the bias and
+    the one rounding (_store_y)."""
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -726,13 +692,12 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
         rstd = tl.zeros([M_ROWS], tl.float32)  # the RMS pass's barriers, so that both loads are in flight
         if PRO == 1:  # every program takes the RMS over all of K (the rows are tiny)
             rstd = _rows_rstd(x_ptr, d_ptr, r, rm, K, eps, M_ROWS, BLOCK_K, K_TRIPS, HAS_DELTA)
-        acc = _rows_dot_step(acc, w0, xv, dv, nw, rstd, M_PAD, M_ROWS, BLOCK_K, PRO, HAS_DELTA, IEEE, I8_STAGED)
+        acc = _rows_dot_step(acc, w0, xv, dv, nw, rstd, M_PAD, M_ROWS, BLOCK_K, PRO, HAS_DELTA, IEEE)
         for it in tl.static_range(1, K_UNROLL):
             w = _skinny_w(w_ptr, wrow, nm, k_lo + it * BLOCK_K, k_hi, BLOCK_K)
             xv, dv, nw = _rows_load(x_ptr, d_ptr, nw_ptr, r, rm, k_lo + it * BLOCK_K, k_hi, K, BLOCK_K, PRO,
                                     HAS_DELTA)
-            acc = _rows_dot_step(acc, w, xv, dv, nw, rstd, M_PAD, M_ROWS, BLOCK_K, PRO, HAS_DELTA, IEEE,
-                                 I8_STAGED)
+            acc = _rows_dot_step(acc, w, xv, dv, nw, rstd, M_PAD, M_ROWS, BLOCK_K, PRO, HAS_DELTA, IEEE)
         if PRO == 1 and HAS_DELTA:
             if (pid == 0) & (tl.program_id(1) == 0):  # x + delta stored once, off the other programs' path
                 _rows_store_sum(x_ptr, d_ptr, xo_ptr, r, rm, K, BLOCK_K, K_TRIPS)
@@ -752,7 +717,7 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
                 xv = (xv.to(tl.float32) + dv.to(xv.dtype).to(tl.float32)).to(xv.dtype)
                 if pid == 0:
                     tl.store(xo_ptr + xa, xv, mask=msk)
-            acc = _dot_acc(acc, _normed(xv, nw, K, eps), w, IEEE, I8_STAGED)
+            acc = _dot_acc(acc, _normed(xv, nw, K, eps), w, IEEE)
         else:
             acc = _sum_rows(acc, w, x_ptr, d_ptr, xo_ptr, nw, m, M, 0, K, K, eps, pid == 0, M_ROWS, BLOCK_K, PRO,
                             HAS_DELTA)
@@ -763,22 +728,21 @@ def _skinny_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cn
             w0 = _skinny_w(w_ptr, wrow, nm, k_lo, k_hi, BLOCK_K)  # the first tile before the wait
             if PDL:
                 gdc_wait()
-            acc = _skinny_x(acc, w0, x_ptr, m, mm, M, k_lo, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE, False,
-                            I8_STAGED)
+            acc = _skinny_x(acc, w0, x_ptr, m, mm, M, k_lo, k_hi, K, M_ROWS, BLOCK_K, PRO, DOT, IEEE)
             for it in tl.static_range(1, K_UNROLL):
                 acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k_lo + it * BLOCK_K, k_hi, K, M_ROWS,
-                                   BLOCK_K, PRO, DOT, IEEE, False, I8_STAGED)
+                                   BLOCK_K, PRO, DOT, IEEE)
         else:
             if PDL:
                 gdc_wait()
             if FIXED_TRIPS:  # Triton's interpreter (CPU development) takes no run-time loop bound
                 for it in range(0, FIXED_TRIPS):
                     acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k_lo + it * BLOCK_K, k_hi, K, M_ROWS,
-                                       BLOCK_K, PRO, DOT, IEEE, SWAP, I8_STAGED)
+                                       BLOCK_K, PRO, DOT, IEEE, SWAP)
             else:
                 for k0 in range(k_lo, k_hi, BLOCK_K):
                     acc = _skinny_step(acc, x_ptr, w_ptr, wrow, m, mm, nm, M, k0, k_hi, K, M_ROWS, BLOCK_K, PRO,
-                                       DOT, IEEE, SWAP, I8_STAGED)
+                                       DOT, IEEE, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     out_mask = mm[:, None] & nm[None, :]
@@ -849,12 +813,6 @@ class SplitUnavailable(RuntimeError):
     """A split product's buffers would have to be made inside a capture: the caller falls back."""
 
 
-def i8_staged(cfg: P.SkinnyConfig, scaled: bool) -> bool:
-    """Whether a launch of cfg on an int8 weight (scaled) converts its weight tile by _i8_bf16 (I8_STAGED):
-    a swapped tile's, unless DRAFTRELAY_INT8_CVT=dot or under Triton's interpreter (INT8_CVT_STAGED)."""
-    return scaled and cfg.swap and INT8_CVT_STAGED and not _INTERPRETED
-
-
 def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                   delta: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
                   eps: float = 0.0, silu_out: bool = False,
@@ -914,7 +872,6 @@ def skinny_linear(pro: int, cfg: P.SkinnyConfig, x: torch.Tensor, w: torch.Tenso
         b if b is not None else w, y, ws, cnt, w_scale if w_scale is not None else w, M, N, K, ks, eps,
         IEEE=x.dtype == torch.float32,
         FIXED_TRIPS=triton.cdiv(ks, cfg.block_k) if _INTERPRETED else 0, PDL=pdl, **constexprs,
-        I8_STAGED=i8_staged(cfg, w_scale is not None),
         num_warps=cfg.warps, num_stages=cfg.stages, **_launch_kw(pdl))
     return xo, y
 
