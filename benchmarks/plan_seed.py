@@ -117,6 +117,16 @@ def parse_shape(spec: str) -> tuple[str, torch.dtype, int, bool]:
     return name, dtype, vocab, bool(plus)
 
 
+def shapes_of_specs(specs: str, k: int) -> set[tuple]:
+    """Every product a comma-separated --shapes list plans (parse_shape's items, shapes_of's products), each
+    once: what one run of this script puts in a seed, at every row bucket with candidates."""
+    todo: set[tuple] = set()
+    for spec in filter(None, specs.split(",")):
+        name, dtype, vocab, head_int8 = parse_shape(spec)
+        todo |= shapes_of(name, dtype, k, draft_vocab=vocab, head_int8=head_int8)
+    return todo
+
+
 def write_seed(path: str, meta: dict, plans: dict) -> None:
     """A plan file (PlanCache's format) at path: meta names the card, plans its entries."""
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
@@ -200,10 +210,7 @@ def main() -> int:
         ap.error("needs a CUDA GPU: the seed is what this card measures")
     from draftrelay.kernels import triton_ops
 
-    todo: set[tuple] = set()
-    for spec in filter(None, args.shapes.split(",")):
-        name, dtype, vocab, head_int8 = parse_shape(spec)
-        todo |= shapes_of(name, dtype, args.k, draft_vocab=vocab, head_int8=head_int8)
+    todo = shapes_of_specs(args.shapes, args.k)
     t0 = time.perf_counter()
     pl = triton_ops.PLANNER
     for i, (pro, N, K, dt, bias, delta) in enumerate(sorted(todo)):

@@ -474,12 +474,8 @@ def test_the_h100_seed_holds_every_key_its_command_plans():
     here would be timed at every such start."""
     import os
 
-    mod = _plan_seed_script()
-    todo = set()
-    for spec in ("qwen2.5-7b", "qwen2.5-0.5b@32768+int8"):
-        name, dtype, vocab, head_int8 = mod.parse_shape(spec)
-        todo |= mod.shapes_of(name, dtype, 4, draft_vocab=vocab, head_int8=head_int8)
-    want = {f"{pro}|{b}|{N}|{K}|{dt}|{bias}|{delta}" for pro, N, K, dt, bias, delta in todo
+    todo = _plan_seed_script().shapes_of_specs("qwen2.5-7b,qwen2.5-0.5b@32768+int8", 4)
+    want = {P.PlanCache.entry_key((pro, b, N, K, dt, bias, delta)) for pro, N, K, dt, bias, delta in todo
             for b in P.ROW_BUCKETS if P.bucket_candidates(pro, b, N, K, dt)}
     path = os.path.join(P.SEED_DIR, "NVIDIA_H100_80GB_HBM3.json")
     got = set(json.loads(open(path).read())["plans"])
