@@ -30,6 +30,8 @@
 #      row bucket, the 0.5B's head restricted to 32,768 ids too, timed), written to $OUT/plan_seed.json for
 #      kernels/plans/<device name>.json as it stands: a shipped seed
 #      that never timed a present candidate has those keys measured at every start (plan.PlanSeed.get)
+#  13. fast_forward.py drafter,target at context 128 planned from the seed part 12 wrote (else the shipped one), as
+#      a worker started from that seed plans: bf16 beside the int8 layers and head (and DRAFT_VOCAB's restriction)
 #   python3 setup.py -q build_ext --inplace && PYTHONPATH=$PWD/src bash benchmarks/issues_h200.sh
 # PARTS picks the parts (default "1 2 3 4": their bounds sum to 560 s), e.g. the STEP alone:
 #   PARTS="2" SECTIONS=drafter CONTEXTS=128 bash benchmarks/issues_h200.sh
@@ -143,5 +145,13 @@ if part 12 "the plan seed made again"; then
     DRAFTRELAY_PLAN_SEED=off timeout "${SEED_S:-200}" python3 benchmarks/plan_seed.py \
         --shapes qwen2.5-7b,qwen2.5-0.5b@32768+int8 \
         --out "$OUT/plan_seed.json" 2>&1 | grep -v "^\[W" | tail -3
+fi
+if part 13 "fast_forward.py at 128 from part 12's plan seed (else the shipped one)"; then
+    seed=""
+    [[ -f "$OUT/plan_seed.json" ]] && seed=$OUT/plan_seed.json
+    DRAFTRELAY_PLAN_SEED=$seed timeout "${FF_S:-280}" python3 benchmarks/fast_forward.py --sections drafter,target \
+        --contexts 128 --iters 12 --no-hf ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} \
+        --out "$OUT/fast_forward_seeded.json" 2>&1 | grep -v "^\[W" | tee "$OUT/fast_forward_seeded.log" \
+        | grep "^drafter\|^target"
 fi
 echo "done in $(( $(date +%s) - T0 )) s"
