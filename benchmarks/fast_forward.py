@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from draftrelay import model as M
-from draftrelay.capture import kv_bucket
+from draftrelay.capture import gc_paused, kv_bucket
 from draftrelay.draft_vocab import DraftVocab
 from draftrelay.engine.graphs import DecodeGraphs
 from draftrelay.handoff.procinfo import machine_info
@@ -259,7 +259,7 @@ def attention_section(dev, out) -> None:
                 got = triton_ops.decode_attention(q, ck[0], cv[0], rws, start, kv)
                 err = float((got.float() - ref.float()).norm() / ref.float().norm())
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with gc_paused(), torch.cuda.graph(graph):  # capture.gc_paused says why
                     for i in range(L):
                         triton_ops.decode_attention(q, ck[i], cv[i], rws, start, kv)
                 graph.replay()

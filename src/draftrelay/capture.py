@@ -11,7 +11,13 @@ tensor-parallel ranks' graphs (worker.tp) all capture through `GraphCapture`:
     about the memory of the largest (capture largest first and the later ones fit in its blocks);
   * a warm-up outside capture on a side stream (lazy kernels, cuBLAS workspaces, Triton compilation and
     the allocator's blocks are all in place before the capture, which must not cudaMalloc);
-  * thread-local capture mode: the hand-off's and the server's own threads may use CUDA meanwhile.
+  * thread-local capture mode: the hand-off's and the server's own threads may use CUDA meanwhile;
+  * Python's cyclic garbage collector paused for the capture (`gc_paused`): torch no longer collects
+    before a capture (torch.compiler.config.force_cudagraph_gc is off by default), so a dead graph left
+    in a reference cycle (an engine or drafter dropped earlier) could be freed by an automatic
+    collection inside the capture; destroying its executable graph is refused while a stream captures
+    and invalidates the capture in progress ("operation failed due to a previous error during capture":
+    a replay_headline.py engine's decode graphs on an H100, pytorch/pytorch#161037).
 
 A captured forward attends over a static number of keys, masked: `kv_bucket` rounds a step's need up
 to a power of two (at least KV_MIN) or the cache length, so a short request in a long cache attends
@@ -22,13 +28,40 @@ where a graph is made.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 KV_MIN = 256  # the smallest KV bucket
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # captures in progress in this process (any thread) that paused the collector
+_gc_was_enabled = False  # the collector's state when the first of them began
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's automatic cyclic garbage collection off while the block runs (a CUDA graph capture), back
+    to what it was when the last of the blocks in progress ends: the switch is process-wide, so a capture
+    on one thread must not turn it back on under another's. Explicit gc.collect() calls still collect."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def kv_buckets(max_len: int, min_kv: int = KV_MIN) -> list[int]:
@@ -82,7 +115,8 @@ class GraphCapture:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            with gc_paused(), torch.cuda.graph(g, pool=self.pool, stream=self.stream,
+                                               capture_error_mode="thread_local"):
                 out = fn()
         self.captured += 1
         return g, out

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from draftrelay import env_choice
+from draftrelay.capture import gc_paused
 from draftrelay.kernels import plan as P
 from draftrelay.kernels import reference as R
 
@@ -966,7 +967,7 @@ def _measure(key: P.Key, cands: list[P.SkinnyConfig]) -> dict:
                 err = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
                 raise ValueError(f"output differs from cuBLAS's (relative error {err:.2e})")
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            with gc_paused(), torch.cuda.graph(g, capture_error_mode="thread_local"):  # capture.gc_paused: why
                 for _ in range(reps):
                     for w in weights:
                         call(w)
