@@ -25,7 +25,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # fast_forward.py's sections: each row (one context and width) times its variants under "step"; a drafter
 # row's width is its requests (the STEP of n_out 4), a target row's its tokens (1: decode, 5: the verify)
 WIDTH = {"drafter_0p5b": "requests", "target_7b": "tokens"}
-FORWARD = {("drafter_0p5b", "requests"): "drafter STEP", ("target_7b", "tokens"): "target forward"}
+FORWARD = {"drafter_0p5b": "drafter STEP", "target_7b": "target forward"}
 
 
 def card_of(result: dict) -> str:
@@ -43,7 +43,7 @@ def pair_rows(result: dict, a: str, b: str) -> list[dict]:
             times = row.get("step")
             if not isinstance(times, dict) or a not in times or b not in times:
                 continue
-            out.append({"card": card_of(result), "forward": FORWARD[section, width], "context": row.get("context"),
+            out.append({"card": card_of(result), "forward": FORWARD[section], "context": row.get("context"),
                         "width": f"{width} {row.get(width, 1)}",
                         "diff_ms": times[a]["p50_ms"] - times[b]["p50_ms"]})
     return out
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     if not files:
         ap.error(f"--files {args.files!r} matches no file")
     rows: list[dict] = []
-    used = []
+    used: list[str] = []
     for path in files:
         with open(path) as f:
             got = pair_rows(json.load(f), args.a, args.b)
