@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import write_json  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-# fast_forward.py's sections: each row (one context and width) times its variants under "step"; a drafter
-# row's width is its requests (the STEP of n_out 4), a target row's its tokens (1: decode, 5: the verify)
-WIDTH = {"drafter_0p5b": "requests", "target_7b": "tokens"}
-FORWARD = {"drafter_0p5b": "drafter STEP", "target_7b": "target forward"}
+# fast_forward.py's sections -> (a row's width field, the forward's name): each row (one context and width)
+# times its variants under "step"; a drafter row's width is its requests (the STEP of n_out 4), a target
+# row's its tokens (1: decode, 5: the verify)
+SECTIONS = {"drafter_0p5b": ("requests", "drafter STEP"), "target_7b": ("tokens", "target forward")}
 
 
 def card_of(result: dict) -> str:
@@ -38,12 +38,12 @@ def pair_rows(result: dict, a: str, b: str) -> list[dict]:
     """Each row of one fast_forward.py result timing both variants: card, forward, context, width (requests
     of a drafter STEP, tokens of a target forward) and a - b of their p50s (ms)."""
     out = []
-    for section, width in WIDTH.items():
+    for section, (width, forward) in SECTIONS.items():
         for row in (result.get(section) or {}).get("rows", []):
             times = row.get("step")
             if not isinstance(times, dict) or a not in times or b not in times:
                 continue
-            out.append({"card": card_of(result), "forward": FORWARD[section], "context": row.get("context"),
+            out.append({"card": card_of(result), "forward": forward, "context": row.get("context"),
                         "width": f"{width} {row.get(width, 1)}",
                         "diff_ms": times[a]["p50_ms"] - times[b]["p50_ms"]})
     return out
